@@ -1,0 +1,189 @@
+"""Configs: one frozen dataclass per concern, validated where it is made.
+
+    cfg = ModelConfig.from_hf(json.load(open("config.json")))
+    eng = EngineConfig(cpu_moe=True, ubatch_size=512)
+
+Tensor names inside moestream are GGUF's (`blk.3.attn_q.weight`, `blk.3.ffn_gate_exps.weight`, ...), whatever
+the file they came from: the names are family-independent, and a GGUF file then needs no renaming at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import UserError
+
+# Hugging Face `architectures[0]` / `model_type` -> moestream family.
+FAMILIES = {
+    "Qwen3MoeForCausalLM": "qwen3_moe", "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "qwen2_moe": "qwen2_moe", "qwen2moe": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral", "mixtral": "mixtral",
+    "OlmoeForCausalLM": "olmoe", "olmoe": "olmoe",
+}
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str                      # qwen3_moe | qwen2_moe | mixtral | olmoe
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    n_experts_used: int              # top-k
+    moe_intermediate_size: int       # one routed expert's FFN width
+    intermediate_size: int = 0       # dense FFN width (layers listed in dense_layers)
+    shared_expert_intermediate_size: int = 0   # qwen2_moe: shared expert with a sigmoid gate
+    dense_layers: tuple[int, ...] = ()         # layers with a dense MLP instead of experts
+    norm_topk_prob: bool = False
+    qk_norm: str = "none"            # none | head (qwen3: per head) | full (olmoe: over all heads)
+    attn_bias: bool = False          # q/k/v biases (qwen2_moe)
+    clip_qkv: float | None = None    # olmoe
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] = ()   # the HF dict as sorted items (hashable)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.family not in set(FAMILIES.values()):
+            raise UserError(f"unsupported model family {self.family!r}; supported: qwen3_moe, qwen2_moe, mixtral, olmoe")
+        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
+                     "n_experts_used", "moe_intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"model config: {self.n_heads} heads are not a multiple of {self.n_kv_heads} KV heads")
+        if self.n_experts_used > self.n_experts:
+            raise UserError(f"model config: top-k {self.n_experts_used} > {self.n_experts} experts")
+        if self.qk_norm not in ("none", "head", "full"):
+            raise UserError(f"model config: qk_norm must be none, head or full, got {self.qk_norm!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise UserError(f"unsupported rope_scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        if any(not 0 <= i < self.n_layers for i in self.dense_layers):
+            raise UserError(f"model config: dense layer index out of range: {self.dense_layers}")
+
+    # --- derived -------------------------------------------------------------------------------------------
+    @property
+    def rope(self) -> dict:
+        return dict(self.rope_scaling)
+
+    @property
+    def rope_type(self) -> str:
+        r = self.rope
+        return r.get("rope_type", r.get("type", "default")) if r else "default"
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers that have routed experts."""
+        return [i for i in range(self.n_layers) if i not in self.dense_layers]
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of one expert: gate (I, H), up (I, H) and down (H, I), contiguous in that order."""
+        return 3 * self.moe_intermediate_size * self.hidden_size
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    # --- constructors --------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, c: dict, generation_config: dict | None = None) -> "ModelConfig":
+        """From a Hugging Face config.json dict (transformers 4 and 5 spellings both)."""
+        arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
+        family = FAMILIES.get(arch) or FAMILIES.get(c.get("model_type", ""))
+        if family is None:
+            raise UserError(f"unsupported architecture {arch!r} (model_type {c.get('model_type')!r}); "
+                            "moestream runs Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE checkpoints")
+        try:
+            n_layers = c["num_hidden_layers"]
+            hidden = c["hidden_size"]
+            n_heads = c["num_attention_heads"]
+            n_experts = c.get("num_experts") or c.get("num_local_experts")
+            moe_inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+            if family in ("mixtral", "olmoe"):
+                moe_inter = c["intermediate_size"]
+            dense: list[int] = []
+            if family in ("qwen3_moe", "qwen2_moe"):
+                step = c.get("decoder_sparse_step", 1) or 1
+                mlp_only = set(c.get("mlp_only_layers") or [])
+                dense = [i for i in range(n_layers) if i in mlp_only or not (n_experts and (i + 1) % step == 0)]
+            rope = dict(c.get("rope_parameters") or {})
+            theta = rope.pop("rope_theta", None) or c.get("rope_theta") or 10000.0
+            if c.get("rope_scaling"):
+                rope.update(c["rope_scaling"])
+            if rope.get("rope_type", rope.get("type", "default")) == "default":
+                rope = {}
+            rope.pop("partial_rotary_factor", None)
+            eos = c.get("eos_token_id")
+            if generation_config and generation_config.get("eos_token_id") is not None:
+                eos = generation_config["eos_token_id"]
+            eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            return cls(
+                family=family, vocab_size=c["vocab_size"], hidden_size=hidden, n_layers=n_layers,
+                n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+                head_dim=c.get("head_dim") or hidden // n_heads,
+                n_experts=n_experts, n_experts_used=c["num_experts_per_tok"], moe_intermediate_size=moe_inter,
+                intermediate_size=c.get("intermediate_size", 0) if dense else 0,
+                shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0,
+                dense_layers=tuple(dense),
+                norm_topk_prob=bool(c.get("norm_topk_prob", family == "mixtral")) or family == "mixtral",
+                qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
+                attn_bias=family == "qwen2_moe" or bool(c.get("attention_bias", False)) and family != "olmoe",
+                clip_qkv=c.get("clip_qkv") if family == "olmoe" else None,
+                rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                rope_scaling=tuple(sorted(rope.items())),
+                max_position_embeddings=c.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
+            )
+        except KeyError as e:
+            raise UserError(f"config.json lacks {e.args[0]!r}: is it a complete {arch} config?") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Where things live and how work is cut. Built from flags in one place (the CLI) or from LLM(...)."""
+    device: str = "cpu"              # resolved: "cpu" or "cuda[:N]"
+    dtype: str = "auto"              # auto (the checkpoint's), float32, bfloat16, float16
+    cpu_moe: bool = False            # every MoE layer's experts in pinned host memory
+    n_cpu_moe: int = 0               # the first N MoE layers' experts in host memory
+    ctx_size: int = 4096             # KV cache length per sequence
+    n_seq: int = 1                   # sequences with a KV cache each (server slots)
+    batch_size: int = 2048           # logical batch: tokens submitted per decode call
+    ubatch_size: int = 512           # physical batch: tokens per forward
+    kernel: str = "auto"             # auto | reference | grouped
+    cuda_graphs: bool = True         # decode through CUDA graphs where every expert is on the GPU
+
+    def __post_init__(self):
+        if self.ctx_size <= 0:
+            raise UserError(f"--ctx-size must be positive, got {self.ctx_size}")
+        if self.ubatch_size <= 0 or self.batch_size <= 0:
+            raise UserError(f"-b and -ub must be positive, got {self.batch_size} and {self.ubatch_size}")
+        if self.n_cpu_moe < 0:
+            raise UserError(f"--n-cpu-moe must be >= 0, got {self.n_cpu_moe}")
+        if self.kernel not in ("auto", "reference", "grouped"):
+            raise UserError(f"--kernel must be auto, reference or grouped, got {self.kernel!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise UserError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.n_seq <= 0:
+            raise UserError(f"the number of sequences must be positive, got {self.n_seq}")
+
+    def host_layers(self, cfg: ModelConfig) -> set[int]:
+        """Layers whose experts live in pinned host memory."""
+        moe = cfg.moe_layers
+        if self.cpu_moe:
+            return set(moe)
+        if self.n_cpu_moe > len(moe):
+            raise UserError(f"--n-cpu-moe {self.n_cpu_moe} is more than the model's {len(moe)} MoE layers; "
+                            f"use --n-cpu-moe {len(moe)} or --cpu-moe")
+        return set(moe[: self.n_cpu_moe])
+
+    @property
+    def ubatch(self) -> int:
+        return min(self.ubatch_size, self.batch_size)

@@ -1,0 +1,1 @@
+"""Sources of weights: Hugging Face directories, GGUF files and synth: presets, all read by canonical name."""

@@ -1,0 +1,1 @@
+"""Math only: layers, the MoE block, the decoder (families differ by ModelConfig flags)."""

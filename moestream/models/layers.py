@@ -1,0 +1,94 @@
+"""The math every family shares: RMSNorm, rotary embeddings, grouped-query attention over a KV cache.
+
+Plain functions over tensors: no file I/O, no device choice, no flags.
+
+    cos, sin = rope_tables(cfg, max_pos, device)     # (P, hd) float32 each
+    q = apply_rope(q, cos[pos], sin[pos])            # q: (T, nh, hd)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers computes it: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (hd/2,) and the attention factor for the config's rope type."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    r, kind = cfg.rope, cfg.rope_type
+    if kind == "default":
+        return inv, 1.0
+    factor = float(r.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor, 1.0
+    orig = r.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    if kind == "llama3":
+        lo, hi = r.get("low_freq_factor", 1.0), r.get("high_freq_factor", 4.0)
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > orig / lo, inv / factor, inv)
+        smooth = (orig / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= orig / hi) & (wavelen <= orig / lo)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn: blend interpolated and extrapolated frequencies over a ramp of dimensions
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    att = r.get("attention_factor")
+    if att is None:
+        m, m_all = r.get("mscale"), r.get("mscale_all_dim")
+        att = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+    if r.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    extra = 1 - ramp
+    return (inv / factor) * (1 - extra) + inv * extra, float(att)
+
+
+def rope_tables(cfg: ModelConfig, n_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..n_pos-1: (n_pos, hd) float32, halves repeated (NEOX layout)."""
+    inv, att = _inv_freq(cfg)
+    freqs = torch.arange(n_pos, dtype=torch.float32)[:, None] * inv[None, :]    # (P, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)                                     # (P, hd)
+    return (emb.cos() * att).to(device), (emb.sin() * att).to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, hd); cos/sin: (T, hd) float32, cast to x's dtype as transformers does."""
+    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool) -> torch.Tensor:
+    """q: (B, nh, Tq, hd); k, v: (B, nkv, Tk, hd); mask: bool (B, 1, Tq, Tk) or None -> (B, nh, Tq, hd).
+
+    Grouped-query attention: the KV heads are shared by nh / nkv query heads each, without copying them.
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A dense gated MLP: down(silu(gate x) * up x). x: (T, H)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)

@@ -1,0 +1,46 @@
+"""The MoE block: router, top-k, the routed experts through a provider and a kernel, the shared expert.
+
+    y = moe_block(x, lw, layer, cfg, provider, kernel)    # x (T, H) -> (T, H)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .layers import swiglu
+
+
+def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, top-k, optionally renormalised: (T, k) weights (x's dtype), ids.
+
+    Mixtral's softmax-over-the-top-k-logits is the same function as softmax, top-k, renormalise.
+    """
+    logits = F.linear(x, router)                                        # (T, E)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)                         # (T, k)
+    if norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), ids
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum of the k expert outputs (T, k, H) weighted (T, k), in the fixed order j = 0..k-1."""
+    out = y[:, 0] * weights[:, :1]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j] * weights[:, j:j + 1]
+    return out
+
+
+def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel,
+              on_route=None) -> torch.Tensor:
+    """x (T, H) -> (T, H). `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats)."""
+    weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
+    if on_route is not None:
+        on_route(layer, ids)
+    w = provider.fetch(layer, ids)
+    out = combine(kernel(x, w.slots, w.w13, w.w2), weights)
+    if cfg.shared_expert_intermediate_size:
+        shared = swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"])
+        out = out + torch.sigmoid(F.linear(x, lw["ffn_gate_inp_shexp.weight"])) * shared
+    return out

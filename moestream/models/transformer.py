@@ -1,0 +1,122 @@
+"""The decoder of every supported family, as math: the families differ only in ModelConfig's flags.
+
+    model = MoETransformer(cfg, weights, rope=(cos, sin))       # weights: canonical name -> tensor, on device
+    logits = model.forward(batch, kv, experts, kernel)          # (R, V) float32 for batch.out_rows
+
+Qwen3-MoE: per-head QK-norm. Qwen2-MoE: q/k/v biases and a sigmoid-gated shared expert. OLMoE: QK-norm over the
+whole projection and optional clipping. Mixtral: none of these. Dense-MLP layers where `cfg.dense_layers` says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .layers import apply_rope, attention, rms_norm, swiglu
+from .moe import moe_block
+
+
+@dataclass
+class Segment:
+    """`n` consecutive tokens of sequence `seq` at positions start..start+n-1."""
+    seq: int
+    start: int
+    n: int
+
+
+@dataclass
+class Batch:
+    """One forward's tokens: segments of several sequences, each at its own position in its own KV cache."""
+    tokens: torch.Tensor           # (T,) int64 on the device, segments concatenated
+    segments: list[Segment]
+    seq_ids: torch.Tensor          # (T,) int64: each token's sequence
+    positions: torch.Tensor        # (T,) int64: each token's position
+    out_rows: torch.Tensor         # (R,) int64: the rows whose logits are wanted
+
+    @staticmethod
+    def make(segments: list[Segment], tokens: list[int], device, all_logits: bool = False) -> "Batch":
+        seq_ids, pos, last = [], [], []
+        for s in segments:
+            seq_ids += [s.seq] * s.n
+            pos += range(s.start, s.start + s.n)
+            last.append(len(pos) - 1)
+        rows = list(range(len(pos))) if all_logits else last
+        t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)     # noqa: E731
+        return Batch(t(tokens), segments, t(seq_ids), t(pos), t(rows))
+
+    @property
+    def is_decode(self) -> bool:
+        """Every segment is one token: attention runs batched over sequences."""
+        return all(s.n == 1 for s in self.segments)
+
+
+class MoETransformer:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor]):
+        self.cfg = cfg
+        self.w = weights
+        self.layers = [{k[len(f"blk.{i}."):]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
+                       for i in range(cfg.n_layers)]
+        self.cos, self.sin = rope                                            # (P, hd) float32 each
+        self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
+        self.on_route = None            # callback(layer, ids) for routing traces and statistics
+
+    def forward(self, batch: Batch, kv, experts, kernel) -> torch.Tensor:
+        cfg = self.cfg
+        h = self.w["token_embd.weight"][batch.tokens]                        # (T, H)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]      # (T, hd)
+        for i, lw in enumerate(self.layers):
+            a = rms_norm(h, lw["attn_norm.weight"], cfg.rms_norm_eps)
+            h = h + self.attention(a, lw, i, batch, kv, cos, sin)
+            m = rms_norm(h, lw["ffn_norm.weight"], cfg.rms_norm_eps)
+            if i in cfg.dense_layers:
+                h = h + swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
+            else:
+                h = h + moe_block(m, lw, i, cfg, experts, kernel, self.on_route)
+        h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()                             # (R, V)
+
+    def attention(self, x, lw, layer, batch: Batch, kv, cos, sin) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        q = F.linear(x, lw["attn_q.weight"], lw.get("attn_q.bias"))          # (T, nh*hd)
+        k = F.linear(x, lw["attn_k.weight"], lw.get("attn_k.bias"))          # (T, nkv*hd)
+        v = F.linear(x, lw["attn_v.weight"], lw.get("attn_v.bias"))
+        if cfg.qk_norm == "full":
+            q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
+        if cfg.clip_qkv:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.view(T, cfg.n_heads, cfg.head_dim)
+        k = k.view(T, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(layer, batch.seq_ids, batch.positions, k, v)
+        o = self._attend(q, layer, batch, kv)                                # (T, nh, hd)
+        return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
+
+    def _attend(self, q, layer, batch: Batch, kv) -> torch.Tensor:
+        """q (T, nh, hd) against each token's own sequence's cache, up to and including its position."""
+        keys, values = kv.k[layer], kv.v[layer]                              # (n_seq, nkv, ctx, hd)
+        if batch.is_decode:
+            n = max(s.start for s in batch.segments) + 1
+            kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]   # (B, nkv, n, hd)
+            mask = torch.arange(n, device=q.device)[None, :] <= batch.positions[:, None]   # (B, n)
+            o = attention(q.unsqueeze(2), kk, vv, mask[:, None, None, :], causal=False)   # (B, nh, 1, hd)
+            return o.squeeze(2)
+        outs, r = [], 0
+        for s in batch.segments:
+            end = s.start + s.n
+            qs = q[r:r + s.n].transpose(0, 1).unsqueeze(0)                   # (1, nh, n, hd)
+            kk, vv = keys[s.seq:s.seq + 1, :, :end], values[s.seq:s.seq + 1, :, :end]
+            mask = None
+            if s.start:
+                qpos = torch.arange(s.start, end, device=q.device)
+                mask = (torch.arange(end, device=q.device)[None, :] <= qpos[:, None])[None, None]
+            outs.append(attention(qs, kk, vv, mask, causal=True)[0].transpose(0, 1))   # (n, nh, hd)
+            r += s.n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

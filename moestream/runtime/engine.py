@@ -1,0 +1,162 @@
+"""The engine: load a WeightSource, place its weights, and run forwards in ubatches.
+
+    eng = Engine.load(open_source("synth:tiny"), EngineConfig(cpu_moe=True))
+    logits = eng.prefill(seq=0, tokens=[1, 2, 3], start=0)        # (1, V): the last token's logits
+    logits = eng.decode([(0, token, pos)])                        # (B, V): one token per sequence
+
+Attention, norms, routers, embeddings and the KV cache live on the device; routed experts live on the device or,
+for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an expert provider.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..config import EngineConfig, ModelConfig
+from ..device import Device
+from ..errors import UserError
+from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
+from ..experts.store import ExpertStore, fill_layer
+from ..kernels import pick_kernel
+from ..loading.source import dense_names
+from ..models.layers import rope_tables
+from ..models.transformer import Batch, MoETransformer, Segment
+from .kv_cache import KVCache
+
+log = logging.getLogger("moestream")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MiB = 1 << 20
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, model: MoETransformer, experts, kv: KVCache,
+                 kernel, device: Device, uploads=None):
+        self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
+        self.kernel, self.device, self.uploads = kernel, device, uploads
+        self.dtype = model.lm_head.dtype
+
+    # --- loading -------------------------------------------------------------------------------------------
+    @staticmethod
+    def load(source, ecfg: EngineConfig, progress: bool = True) -> "Engine":
+        cfg: ModelConfig = source.config
+        dev = Device.resolve(ecfg.device)
+        dtype = _resolve_dtype(ecfg.dtype, source.tensor("token_embd.weight").dtype, dev)
+        host = ecfg.host_layers(cfg)
+        ctx = ecfg.ctx_size
+        if ctx > cfg.max_position_embeddings:
+            log.warning("context %d is longer than the model's trained %d positions", ctx, cfg.max_position_embeddings)
+        _check_fits(cfg, ecfg, dev, dtype, host)
+
+        names = dense_names(cfg)
+        moe = cfg.moe_layers
+        bar = tqdm(total=len(names) + len(moe), desc="loading", unit="tensor", disable=not progress, leave=False)
+        weights = {}
+        for n in names:
+            weights[n] = source.tensor(n).to(device=dev.torch, dtype=dtype)
+            bar.update()
+        numel = cfg.expert_numel
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        staging = None
+        host_rows, dev_rows = {}, {}
+        for l in moe:
+            if l in host:
+                host_rows[l] = dev.pinned_empty((cfg.n_experts, numel), dtype)       # (E, numel), pinned once
+                fill_layer(host_rows[l], source, l, inter, hidden)
+            elif dev.is_cuda:
+                if staging is None:
+                    staging = dev.pinned_empty((cfg.n_experts, numel), dtype)
+                fill_layer(staging, source, l, inter, hidden)
+                dev_rows[l] = staging.to(dev.torch, non_blocking=False)
+            else:
+                dev_rows[l] = torch.empty((cfg.n_experts, numel), dtype=dtype)
+                fill_layer(dev_rows[l], source, l, inter, hidden)
+            bar.update()
+        bar.close()
+        del staging
+
+        providers: dict[int, object] = {}
+        uploads = None
+        if dev_rows:
+            resident = ResidentExperts(dev_rows, inter, hidden)
+            providers.update({l: resident for l in dev_rows})
+        if host_rows:
+            uploads = UploadPerUbatch(ExpertStore(host_rows, inter, hidden), cfg.n_experts, dev.torch)
+            providers.update({l: uploads for l in host_rows})
+            log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
+                     len(host_rows), uploads.store.nbytes / MiB, len(dev_rows))
+        model = MoETransformer(cfg, weights, rope_tables(cfg, ctx, dev.torch))
+        kv = KVCache(cfg.n_layers, ecfg.n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, dev.torch)
+        kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
+        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, uploads)
+
+    # --- forwards ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False) -> torch.Tensor:
+        batch = Batch.make(segments, tokens, self.device.torch, all_logits)
+        return self.model.forward(batch, self.kv, self.experts, self.kernel)
+
+    def check_context(self, n_tokens: int) -> None:
+        if n_tokens > self.kv.ctx:
+            raise UserError(f"the prompt and its continuation need {n_tokens} positions but the context is "
+                            f"{self.kv.ctx}; raise -c/--ctx-size or shorten the prompt")
+
+    def prefill(self, seq: int, tokens: list[int], start: int = 0, all_logits: bool = False) -> torch.Tensor:
+        """Run `tokens` of sequence `seq` from position `start`, in ubatches; logits of the last (or every) token."""
+        self.check_context(start + len(tokens))
+        if not tokens:
+            raise UserError("empty prompt: give at least one token")
+        ub = self.ecfg.ubatch
+        outs = []
+        for i in range(0, len(tokens), ub):
+            chunk = tokens[i:i + ub]
+            out = self.forward([Segment(seq, start + i, len(chunk))], chunk, all_logits)
+            if all_logits or i + ub >= len(tokens):
+                outs.append(out)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def decode(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
+        for _, _, pos in steps:
+            self.check_context(pos + 1)
+        return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps])
+
+    def synchronize(self) -> None:
+        self.device.synchronize()
+
+    def timed(self, fn, *args, **kw):
+        """(result, seconds) with the device synchronised around the call."""
+        self.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        self.synchronize()
+        return out, time.perf_counter() - t0
+
+
+def _resolve_dtype(spec: str, file_dtype: torch.dtype, dev: Device) -> torch.dtype:
+    if spec != "auto":
+        return DTYPES[spec]
+    return file_dtype if file_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, host: set[int]) -> None:
+    """Refuse, before loading anything, a placement whose device part cannot fit in free device memory."""
+    if not dev.is_cuda:
+        return
+    size = torch.empty((), dtype=dtype).element_size()
+    expert_bytes = cfg.expert_numel * size
+    n_dev = len(cfg.moe_layers) - len(host)
+    need = n_dev * cfg.n_experts * expert_bytes
+    need += (cfg.n_experts * expert_bytes) if host else 0          # the upload buffer
+    need += KVCache.nbytes_for(cfg.n_layers, ecfg.n_seq, ecfg.ctx_size, cfg.n_kv_heads, cfg.head_dim, dtype)
+    dense = (2 * cfg.vocab_size * cfg.hidden_size + cfg.n_layers * (
+        2 * cfg.n_heads * cfg.head_dim * cfg.hidden_size + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.hidden_size))
+    need += dense * size
+    free = dev.free_memory()
+    if need > free:
+        per_layer = cfg.n_experts * expert_bytes
+        fit = max(0, int((free - (need - n_dev * per_layer)) // per_layer))
+        raise UserError(f"the model needs about {need / MiB:.0f} MiB on {dev.name} but {free / MiB:.0f} MiB are free; "
+                        f"keep experts in host memory with --cpu-moe or --n-cpu-moe {len(cfg.moe_layers) - fit}")

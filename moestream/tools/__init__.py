@@ -1,0 +1,1 @@
+"""Command-line tools: make-model (and later bench, perplexity)."""
