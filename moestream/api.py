@@ -21,11 +21,11 @@ from .runtime.sampling import SamplingParams
 class LLM:
     def __init__(self, model: str, *, cpu_moe: bool = False, n_cpu_moe: int = 0, ubatch_size: int = 512,
                  batch_size: int = 2048, ctx_size: int = 4096, device: str | None = None, dtype: str = "auto",
-                 kernel: str = "auto", n_seq: int = 1, progress: bool = False):
+                 kernel: str = "auto", n_seq: int = 1, cuda_graphs: bool = True, progress: bool = False):
         self.source = open_source(model, progress=progress)
         self.config = EngineConfig(device=device or "auto", dtype=dtype, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
                                    ctx_size=ctx_size, n_seq=n_seq, batch_size=batch_size, ubatch_size=ubatch_size,
-                                   kernel=kernel)
+                                   kernel=kernel, cuda_graphs=cuda_graphs)
         self.engine = Engine.load(self.source, self.config, progress=progress)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config

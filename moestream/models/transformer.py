@@ -34,6 +34,7 @@ class Batch:
     seq_ids: torch.Tensor          # (T,) int64: each token's sequence
     positions: torch.Tensor        # (T,) int64: each token's position
     out_rows: torch.Tensor         # (R,) int64: the rows whose logits are wanted
+    kv_len: int | None = None      # decode: keys attended, masked past each token's position (None: the context)
 
     @staticmethod
     def make(segments: list[Segment], tokens: list[int], device, all_logits: bool = False) -> "Batch":
@@ -103,7 +104,8 @@ class MoETransformer:
         """q (T, nh, hd) against each token's own sequence's cache, up to and including its position."""
         keys, values = kv.k[layer], kv.v[layer]                              # (n_seq, nkv, ctx, hd)
         if batch.is_decode:
-            n = max(s.start for s in batch.segments) + 1
+            # The whole context, masked, in eager and captured decodes alike: the same shapes give the same bits.
+            n = batch.kv_len or kv.ctx
             kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]   # (B, nkv, n, hd)
             mask = torch.arange(n, device=q.device)[None, :] <= batch.positions[:, None]   # (B, n)
             o = attention(q.unsqueeze(2), kk, vv, mask[:, None, None, :], causal=False)   # (B, nh, 1, hd)

@@ -9,6 +9,7 @@ for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an exper
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -20,7 +21,7 @@ from ..device import Device
 from ..errors import UserError
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.store import ExpertStore, fill_layer
-from ..kernels import pick_kernel
+from ..kernels import experts_reference, pick_kernel
 from ..loading.source import dense_names
 from ..models.layers import rope_tables
 from ..models.transformer import Batch, MoETransformer, Segment
@@ -37,6 +38,10 @@ class Engine:
         self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
         self.kernel, self.device, self.uploads = kernel, device, uploads
         self.dtype = model.lm_head.dtype
+        self.graphs = None
+        if (ecfg.cuda_graphs and device.is_cuda and uploads is None and kernel is not experts_reference):
+            from .graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
 
     # --- loading -------------------------------------------------------------------------------------------
     @staticmethod
@@ -121,7 +126,14 @@ class Engine:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
         for _, _, pos in steps:
             self.check_context(pos + 1)
+        if self.graphs is not None:
+            with torch.inference_mode():
+                return self.graphs.run(steps)
         return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps])
+
+    def set_batching(self, batch_size: int, ubatch_size: int) -> None:
+        """Change -b/-ub without reloading (they change how prompts are cut, not where weights live)."""
+        self.ecfg = dataclasses.replace(self.ecfg, batch_size=batch_size, ubatch_size=ubatch_size)
 
     def synchronize(self) -> None:
         self.device.synchronize()

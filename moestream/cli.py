@@ -1,0 +1,135 @@
+"""The command line: thin parsers that build configs and call the library.
+
+    moestream generate -m synth:tiny -p "Once upon a time" -n 32
+    moestream generate -m model.gguf -p 1,2,3 -n 64 --cpu-moe --hash
+    moestream bench -m model.gguf -p 4096 -n 64 -ub 512,2048,4096 --cpu-moe
+    moestream make-model tiny out_dir --format hf
+
+Flags follow llama.cpp's names. A user's mistake prints one line, `error: ...`, and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+from .errors import UserError
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags every engine-running command shares (placement, batching, device)."""
+    p.add_argument("-m", "--model", required=True, help="Hugging Face directory, .gguf file, or synth:NAME")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="KV cache length (default 4096)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
+    p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep every MoE layer's experts in host memory")
+    p.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0, metavar="N",
+                   help="keep the experts of the first N MoE layers in host memory")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--kernel", default="auto", help="expert kernel: auto, reference, grouped")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
+    p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe, ubatch_size=a.ubatch_size, batch_size=a.batch_size,
+                ctx_size=a.ctx_size, device=a.device, dtype=a.dtype, kernel=a.kernel,
+                cuda_graphs=not a.no_cuda_graphs)
+
+
+def parse_prompt(text: str, has_tokenizer: bool):
+    """Text, or token ids written `1,2,3` (the only form a model without a tokenizer takes)."""
+    if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text) and not has_tokenizer:
+        return [int(t) for t in text.split(",")]
+    if not has_tokenizer:
+        raise UserError("this model has no tokenizer: give the prompt as comma-separated token ids, e.g. -p 1,2,3")
+    return text
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .api import LLM
+    from .runtime.sampling import SamplingParams
+
+    if a.file:
+        try:
+            a.prompt = open(a.file, encoding="utf-8").read()
+        except OSError as e:
+            raise UserError(f"cannot read prompt file {a.file!r}: {e.strerror}") from None
+    if a.prompt is None:
+        raise UserError("no prompt: give -p PROMPT or -f FILE")
+    llm = LLM(a.model, progress=True, **engine_kwargs(a))
+    params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
+                            min_p=a.min_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+    prompt = parse_prompt(a.prompt, llm.tokenizer is not None)
+    if a.chat:
+        if llm.tokenizer is None:
+            raise UserError("--chat needs a model with a tokenizer and a chat template")
+        ids = llm.chat_prompt([{"role": "user", "content": prompt}])
+    else:
+        ids = llm.encode(prompt)
+    gen = llm.stream(ids, params)
+    if not a.hash_only:
+        if llm.tokenizer is not None and not a.chat:
+            sys.stdout.write(prompt if isinstance(prompt, str) else "")
+        for piece in gen:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    else:
+        gen.run()
+    res = gen.result
+    if a.hash or a.hash_only:
+        print(f"sha256 {res.sha256} ({len(res.token_ids)} tokens)")
+    if a.verbose or a.timings:
+        n = len(res.token_ids)
+        print(f"prompt: {res.prompt_tokens} tokens in {res.prompt_s * 1e3:.1f} ms "
+              f"({res.prompt_tokens / max(res.prompt_s, 1e-9):.1f} tok/s); "
+              f"generated: {n} tokens in {res.decode_s * 1e3:.1f} ms ({n / max(res.decode_s, 1e-9):.1f} tok/s); "
+              f"finish: {res.finish_reason}", file=sys.stderr)
+        st = llm.stats()
+        if st["uploaded_experts"]:
+            print(f"uploads: {st['uploaded_experts']} experts, {st['uploaded_bytes'] / 1e9:.3f} GB", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moestream", description="Run MoE language models bigger than the GPU.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    add_engine_flags(g)
+    g.add_argument("-p", "--prompt", help="prompt text, or comma-separated token ids")
+    g.add_argument("-f", "--file", help="read the prompt from a file")
+    g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy (default 0)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 is off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1.0 is off")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p sampling; 0 is off")
+    g.add_argument("-s", "--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--hash", action="store_true", help="print the sha256 of the generated token ids")
+    g.add_argument("--hash-only", action="store_true", help="print only the hash, not the text")
+    g.add_argument("--timings", action="store_true", help="print prompt and generation speed")
+    g.set_defaults(func=cmd_generate)
+
+    from .tools import bench, make_model
+    make_model.add_parser(sub)
+    bench.add_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,78 @@
+"""The same contracts on a CUDA GPU (run on the GPU machine: `pytest -m cuda`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import LLM
+from moestream.kernels.reference import experts_reference
+
+pytestmark = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _weights(S, H, I, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(S, 2 * I, H, device="cuda", generator=g).to(dtype) * H ** -0.5
+    w2 = torch.randn(S, H, I, device="cuda", generator=g).to(dtype) * I ** -0.5
+    return w13, w2
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 37, 512])
+def test_grouped_kernel_matches_reference(T):
+    from moestream.kernels.grouped import experts_grouped
+    S, H, I, k = 16, 256, 128, 4
+    w13, w2 = _weights(S, H, I, torch.bfloat16)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    slots = torch.stack([torch.randperm(S, device="cuda")[:k] for _ in range(T)])      # (T, k) distinct per token
+    ref = experts_reference(x.double(), slots, w13.double(), w2.double())
+    out = experts_grouped(x, slots, w13, w2)
+    rel = (out.double() - ref).norm() / ref.norm()
+    assert rel < 1e-2, rel
+
+
+@needs_cuda
+def test_grouped_kernel_result_does_not_depend_on_the_slot():
+    """An expert's output is the same bits whichever slot holds it and whatever else is in the launch."""
+    from moestream.kernels.grouped import experts_grouped
+    S, H, I, k, T = 32, 256, 128, 2, 64
+    w13, w2 = _weights(S, H, I, torch.bfloat16)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    slots = torch.randint(0, S // 2, (T, k), device="cuda")
+    out = experts_grouped(x, slots, w13, w2)
+    perm = torch.randperm(S, device="cuda")                   # move every expert to another slot
+    w13p, w2p = torch.empty_like(w13), torch.empty_like(w2)
+    w13p[perm], w2p[perm] = w13, w2
+    assert torch.equal(experts_grouped(x, perm[slots], w13p, w2p), out)
+
+
+@needs_cuda
+def test_logits_match_transformers_on_cuda(checkpoint):
+    family, path, model = checkpoint
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].float()
+    out = LLM(path, ctx_size=64, device="cuda").logits(ids)
+    # float32 on the GPU: matmuls may use TF32-free cuBLAS paths, different sum orders than the CPU.
+    assert (out - ref).abs().max().item() < 1e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("ubatch", [512, 6])
+def test_placement_bit_identical_bf16_grouped(checkpoint, ubatch):
+    family, path, _ = checkpoint
+    ids = list(range(5, 45))
+    base = LLM(path, ctx_size=64, device="cuda", dtype="bfloat16", ubatch_size=ubatch).logits(ids)
+    for kw in ({"cpu_moe": True}, {"n_cpu_moe": 1}):
+        assert torch.equal(LLM(path, ctx_size=64, device="cuda", dtype="bfloat16", ubatch_size=ubatch, **kw)
+                           .logits(ids), base), kw
+
+
+@needs_cuda
+def test_greedy_decode_hash_same_on_every_placement(checkpoint):
+    family, path, _ = checkpoint
+    hashes = {LLM(path, ctx_size=64, device="cuda", dtype="bfloat16", **kw)
+              .generate(list(range(7, 19)), max_tokens=16, ignore_eos=True).sha256
+              for kw in ({}, {"cpu_moe": True}, {"n_cpu_moe": 2})}
+    assert len(hashes) == 1

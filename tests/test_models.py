@@ -1,0 +1,89 @@
+"""moestream against transformers, family by family, on checkpoints transformers writes; and the placement contract.
+
+Bound: float32 logits agree with transformers' to 5e-5 absolute (logits are O(5) here; what is left is the order
+of float32 sums: expert outputs are combined in routing order, transformers adds them in expert-id order).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import LLM
+
+ATOL = 5e-5
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    from conftest import VOCAB
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("ubatch", [512, 7])
+def test_logits_match_transformers(checkpoint, ubatch):
+    family, path, model = checkpoint
+    ids = prompt(40)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].float()
+    llm = LLM(path, ubatch_size=ubatch, ctx_size=64, device="cpu")
+    out = llm.logits(ids)
+    assert out.shape == ref.shape
+    err = (out - ref).abs().max().item()
+    assert err < ATOL, f"{family}: max |moestream - transformers| = {err}"
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    family, path, model = checkpoint
+    ids = prompt(12, seed=2)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    llm = LLM(path, ctx_size=64, device="cpu")
+    out = llm.generate(ids, max_tokens=12, ignore_eos=True)
+    assert out.token_ids == ref, family
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("ubatch", [512, 5])
+def test_placement_is_bit_identical(checkpoint, ubatch):
+    """Experts on the device, --cpu-moe and --n-cpu-moe give the same logits, bit for bit."""
+    family, path, _ = checkpoint
+    ids = prompt(33, seed=3)
+    base = LLM(path, ubatch_size=ubatch, ctx_size=64, device="cpu").logits(ids)
+    for kw in ({"cpu_moe": True}, {"n_cpu_moe": 1}):
+        llm = LLM(path, ubatch_size=ubatch, ctx_size=64, device="cpu", **kw)
+        assert torch.equal(llm.logits(ids), base), (family, kw)
+        assert llm.stats()["uploaded_experts"] > 0
+
+
+def test_cpu_moe_uploads_each_routed_expert_once_per_ubatch(checkpoint):
+    family, path, _ = checkpoint
+    ids = prompt(30, seed=4)
+    llm = LLM(path, ubatch_size=10, ctx_size=64, device="cpu", cpu_moe=True)
+    routed: dict[tuple[int, int], set] = {}
+    ubatch_no = {"n": -1}
+
+    def on_route(layer, ids_):
+        if layer == llm.model_config.moe_layers[0]:
+            ubatch_no["n"] += 1
+        routed.setdefault((ubatch_no["n"], layer), set()).update(ids_.flatten().tolist())
+
+    llm.engine.model.on_route = on_route
+    llm.logits(ids)
+    expected = sum(len(s) for s in routed.values())
+    assert ubatch_no["n"] == 2                       # 30 tokens in ubatches of 10
+    assert llm.stats()["uploaded_experts"] == expected
+
+
+def test_batched_decode_of_several_sequences_matches_one_at_a_time(checkpoint):
+    """A forward over several sequences at their own positions gives each one's logits as if run alone."""
+    family, path, _ = checkpoint
+    a, b = prompt(9, seed=5), prompt(14, seed=6)
+    llm = LLM(path, ctx_size=64, device="cpu", n_seq=2)
+    eng = llm.engine
+    alone_a = llm.logits(a + [7])[-1]
+    alone_b = llm.logits(b + [11])[-1]
+    eng.prefill(0, a)
+    eng.prefill(1, b)
+    both = eng.decode([(0, 7, len(a)), (1, 11, len(b))])
+    assert (both[0] - alone_a).abs().max() < 1e-5
+    assert (both[1] - alone_b).abs().max() < 1e-5
