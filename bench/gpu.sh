@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU-machine run (see .library/device): install what the image lacks, run the cuda tests and the benchmarks,
+# logs under $OUT. Needs .carry/ (ignored, carried): the gguf wheel and make_reference_gguf.py from ../shared.
+#
+#   bash bench/gpu.sh smoke      cuda tests + a 4-layer synth model with the reference shapes
+#   bash bench/gpu.sh ref        the 24-layer reference GGUF: load, pp4096/tg64 at ubatch 512/2048/4096, all on the
+#                                GPU and --cpu-moe
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+ms() { python3 -m moestream "$@"; }
+nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])" | tee -a "$OUT/gpu.txt"
+
+case "${1:-smoke}" in
+smoke)
+  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -25 | tee "$OUT/cuda_tests.log"
+  M=synth:qwen3-30b-a3b:layers=4
+  ms bench -m $M -p 4096 -n 64 -ub 512,4096 -b 4096 -r 2 -c 4096 2>&1 | tee "$OUT/smoke_gpu.md"
+  ms bench -m $M -p 4096 -n 32 -ub 512,4096 -b 4096 -r 2 -c 4096 --cpu-moe 2>&1 | tee "$OUT/smoke_host.md"
+  ms bench -m $M -p 0 -n 64 -r 2 -c 4096 --no-cuda-graphs 2>&1 | tee "$OUT/smoke_eager.md"
+  ;;
+ref)
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || { /usr/bin/time -v python3 .carry/make_reference_gguf.py $REF 24 2>&1 | grep -E "wrote|Elapsed|Maximum resident"; } | tee "$OUT/make_ref.log"
+  ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v 2>&1 | tee "$OUT/ref_gpu.md"
+  ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v --cpu-moe 2>&1 | tee "$OUT/ref_host.md"
+  ;;
+esac

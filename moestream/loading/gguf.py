@@ -1,0 +1,363 @@
+"""GGUF files: read memory-mapped with gguf.GGUFReader, written tensor by tensor with gguf.GGUFWriter.
+
+    src = GGUFSource("Qwen3-30B-A3B-BF16.gguf")    # maps the file; reads metadata, no weights
+    gate, up, down = src.expert(0, 3)               # slices expert 3 out of blk.0.ffn_{gate,up,down}_exps
+    write_gguf(SynthSource.from_spec("tiny"), "tiny.gguf", dtype="bfloat16")
+
+GGUF names are moestream's canonical names already. Experts are stored stacked per layer, (E, I, H) in torch
+order; expert() converts only its own slice of the mapped stack, so loading never holds a layer's stack twice.
+Tensor types: F32, F16 and BF16 as they are, Q8_0 dequantized to float32 (exact: int8 times an f16 scale).
+Architectures qwen3moe, qwen2moe and olmoe, which llama.cpp stores without permuting Q and K.
+"""
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .source import dense_names
+from .synth import canonical_shape
+
+ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
+FAMILY_ARCH = {v: k for k, v in ARCHS.items()}
+LOADABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
+ROPE_KEYS = {"rope_type": "type", "original_max_position_embeddings": "original_context_length",
+             "attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
+# Our own key: HF models may stop on several ids; llama.cpp's tokenizer keys hold only one eos.
+EOS_IDS_KEY = "moestream.eos_token_ids"
+_REQUIRED = object()
+
+
+def _to_torch(data: np.ndarray, qtype: Q) -> torch.Tensor:
+    """A mapped tensor (or slice of one) as a CPU torch tensor of its own float dtype; copies only this slice."""
+    if qtype == Q.BF16:      # the reader maps BF16 as uint8 with the last dim doubled
+        return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+    if qtype == Q.Q8_0:
+        return torch.from_numpy(gguf.quants.dequantize(np.asarray(data), Q.Q8_0))
+    return torch.from_numpy(np.array(data))   # F32, F16: a writable copy (the map is read-only)
+
+
+def _value(field):
+    """A metadata field as a plain Python value; float32 scalars as the short decimal they were written from."""
+    v = field.contents()
+    if field.types == [GGUFValueType.FLOAT32]:
+        v = float(str(np.float32(v)))   # 1e-6 written as float32 reads back as 1e-06, not 9.99999997e-07
+    return v
+
+
+class GGUFSource:
+    """A WeightSource over one GGUF file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise UserError(f"cannot read {str(self.path)!r}: {e.strerror}") from None
+        if magic != b"GGUF":
+            raise UserError(f"{str(self.path)!r} is not a GGUF file (no GGUF magic); give a .gguf file, "
+                            "a Hugging Face directory or synth:NAME")
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, KeyError, OverflowError) as e:
+            raise UserError(f"cannot read GGUF {str(self.path)!r} ({e}): the file is truncated or damaged; "
+                            "download or convert it again") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._fields = {k: _value(f) for k, f in self._reader.fields.items() if not k.startswith("tokenizer.")}
+        arch = self._fields.get("general.architecture", "?")
+        if arch not in ARCHS:
+            raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHS)}")
+        self.arch = arch
+        for t in self._reader.tensors:
+            if t.tensor_type not in LOADABLE:
+                raise UserError(f"tensor {t.name} has type {t.tensor_type.name}, which moestream cannot load; "
+                                "convert the model to F16, BF16 or Q8_0 (llama-quantize --allow-requantize ... Q8_0)")
+        self.config = self._config()
+
+    # --- metadata --------------------------------------------------------------------------------------------
+    def _key(self, key: str, default=_REQUIRED):
+        v = self._fields.get(f"{self.arch}.{key}", default)
+        if v is _REQUIRED:
+            raise UserError(f"GGUF {str(self.path)!r} lacks metadata key {self.arch}.{key}; convert it again "
+                            "with a current llama.cpp")
+        if isinstance(v, list):        # per-layer arrays (head counts): moestream needs them uniform
+            if len(set(v)) != 1:
+                raise UserError(f"GGUF key {self.arch}.{key} varies by layer ({v}); moestream needs one value")
+            v = v[0]
+        return v
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(reversed(self._tensors[name].shape.tolist()))   # GGUF lists dims innermost first
+
+    def _config(self) -> ModelConfig:
+        family = ARCHS[self.arch]
+        n_layers = self._key("block_count")
+        if "token_embd.weight" not in self._tensors:
+            raise UserError(f"GGUF {str(self.path)!r} lacks tensor token_embd.weight: is the file complete?")
+        dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors)
+        moe = next((i for i in range(n_layers) if i not in dense), None)
+        if moe is None:
+            raise UserError(f"GGUF {str(self.path)!r} has no expert layers (blk.N.ffn_gate_inp.weight)")
+        if f"blk.{moe}.ffn_gate_exps.weight" not in self._tensors:
+            raise UserError(f"GGUF {str(self.path)!r} lacks tensor blk.{moe}.ffn_gate_exps.weight: is the file "
+                            "complete? (experts stored one tensor each are not supported)")
+        E, inter, _ = self._shape(f"blk.{moe}.ffn_gate_exps.weight")
+        shexp = self._key("expert_shared_feed_forward_length", 0)
+        if not shexp and self.has(f"blk.{moe}.ffn_gate_shexp.weight"):
+            shexp = self._shape(f"blk.{moe}.ffn_gate_shexp.weight")[0]
+        rope = {}
+        prefix = f"{self.arch}.rope.scaling."
+        if self._fields.get(prefix + "type", "none") != "none":
+            back = {v: k for k, v in ROPE_KEYS.items()}
+            rope = {back.get(k[len(prefix):], k[len(prefix):]): v for k, v in self._fields.items()
+                    if k.startswith(prefix)}
+        bos = self._token_field("tokenizer.ggml.bos_token_id")
+        eos = self._fields.get(EOS_IDS_KEY)
+        if eos is None:
+            ids = [self._token_field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+            eos = list(dict.fromkeys(i for i in ids if i is not None))
+        hidden, n_heads = self._key("embedding_length"), self._key("attention.head_count")
+        return ModelConfig(
+            family=family, vocab_size=self._shape("token_embd.weight")[0], hidden_size=hidden, n_layers=n_layers,
+            n_heads=n_heads, n_kv_heads=self._key("attention.head_count_kv", n_heads),
+            head_dim=self._key("attention.key_length", hidden // n_heads),
+            n_experts=self._key("expert_count", E), n_experts_used=self._key("expert_used_count"),
+            moe_intermediate_size=self._key("expert_feed_forward_length", inter) or self._key("feed_forward_length"),
+            intermediate_size=self._key("feed_forward_length") if dense else 0,
+            shared_expert_intermediate_size=shexp, dense_layers=dense,
+            # llama.cpp normalizes qwen3moe's top-k weights (Qwen3-30B-A3B ships norm_topk_prob=true).
+            norm_topk_prob=bool(self._key("expert_weights_norm", family == "qwen3_moe")),
+            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
+            attn_bias=self.has(f"blk.{moe}.attn_q.bias"),
+            clip_qkv=self._key("attention.clamp_kqv", None),
+            rms_norm_eps=self._key("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=float(self._key("rope.freq_base", 10000.0)), rope_scaling=tuple(sorted(rope.items())),
+            max_position_embeddings=self._key("context_length", 4096),
+            tie_word_embeddings="output.weight" not in self._tensors,
+            bos_token_id=bos, eos_token_ids=tuple(eos),
+        )
+
+    def _token_field(self, key: str):
+        f = self._reader.fields.get(key)
+        return None if f is None else _value(f)
+
+    @cached_property
+    def tokenizer(self):
+        model = self._token_field("tokenizer.ggml.model")
+        if model in (None, "none"):
+            return None                    # llama.cpp's 'none' vocabulary: prompts are token ids
+        try:
+            from ..runtime.tokenizer import Tokenizer
+        except ModuleNotFoundError as e:
+            raise UserError(f"{str(self.path)!r} has a tokenizer but this moestream has no tokenizer module "
+                            f"({e}); pass token ids or reinstall moestream") from None
+        fields = {k: _value(f) for k, f in self._reader.fields.items() if k.startswith("tokenizer.")}
+        return Tokenizer.from_gguf_fields(fields)
+
+    # --- WeightSource ----------------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            raise UserError(f"GGUF {str(self.path)!r} lacks tensor {name}: is the file complete?")
+        out = _to_torch(t.data, t.tensor_type)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            out = out.reshape(1, -1)       # llama.cpp stores the shared expert's gate as (H,)
+        return out
+
+    def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = []
+        for stack in EXPERT_STACKS:
+            t = self._tensors.get(f"blk.{layer}.{stack}.weight")
+            if t is None:
+                raise UserError(f"GGUF {str(self.path)!r} lacks tensor blk.{layer}.{stack}.weight: "
+                                "is the file complete?")
+            out.append(_to_torch(t.data[e], t.tensor_type))   # (I, H) or (H, I) of the (E, ., .) map
+        return out[0], out[1], out[2]
+
+
+# --- writing -------------------------------------------------------------------------------------------------
+# dtype name -> (the torch dtype tensors are cast to before conversion, the GGUF type written)
+GGUF_DTYPES = {"float32": (torch.float32, Q.F32), "float16": (torch.float16, Q.F16),
+               "bfloat16": (torch.bfloat16, Q.BF16), "q8_0": (torch.float32, Q.Q8_0)}
+FILE_TYPE = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
+             Q.BF16: gguf.LlamaFileType.MOSTLY_BF16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+
+
+def _add_kv(w: gguf.GGUFWriter, key: str, v) -> None:
+    """One metadata value with the types llama.cpp expects: ids as uint32, floats as float32."""
+    if isinstance(v, bool):
+        w.add_bool(key, v)
+    elif isinstance(v, int):
+        w.add_uint32(key, v)
+    elif isinstance(v, float):
+        w.add_float32(key, v)
+    elif isinstance(v, str):
+        w.add_string(key, v)
+    elif isinstance(v, (list, tuple)) and v:
+        w.add_array(key, list(v))
+
+
+def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, qtype: Q, tokenizer) -> None:
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size or cfg.moe_intermediate_size)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.n_experts)
+    w.add_expert_used_count(cfg.n_experts_used)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if cfg.shared_expert_intermediate_size:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if cfg.clip_qkv is not None:
+        w.add_clamp_kqv(cfg.clip_qkv)
+    if cfg.rope:
+        if cfg.rope_type not in ("linear", "yarn"):
+            raise UserError(f"GGUF has no rope scaling type {cfg.rope_type!r} (only linear and yarn); "
+                            "export this model as a Hugging Face directory instead")
+        w.add_string(f"{w.arch}.rope.scaling.type", cfg.rope_type)
+        for k, v in cfg.rope.items():
+            if k not in ("type", "rope_type"):
+                _add_kv(w, f"{w.arch}.rope.scaling.{ROPE_KEYS.get(k, k)}", v)
+    w.add_file_type(FILE_TYPE[qtype])
+    w.add_vocab_size(cfg.vocab_size)
+    fields = {"tokenizer.ggml.model": "none"} if tokenizer is None else dict(tokenizer.gguf_fields())
+    # The config's ids win over the tokenizer's: they are what the model was configured to stop on.
+    if cfg.bos_token_id is not None:
+        fields["tokenizer.ggml.bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        fields["tokenizer.ggml.eos_token_id"] = cfg.eos_token_ids[0]
+        fields[EOS_IDS_KEY] = list(cfg.eos_token_ids)
+    for k, v in fields.items():
+        _add_kv(w, k, v)
+
+
+def _plan(cfg: ModelConfig):
+    """(name, torch shape) of every GGUF tensor in file order: the globals, then each layer with its stacks."""
+    E, inter, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    names = dense_names(cfg)
+    plan = [(n, canonical_shape(cfg, n)) for n in names if not n.startswith("blk.")]
+    for i in range(cfg.n_layers):
+        plan += [(n, canonical_shape(cfg, n)) for n in names if n.startswith(f"blk.{i}.")]
+        if i in cfg.moe_layers:
+            plan += [(f"blk.{i}.ffn_gate_exps.weight", (E, inter, H)), (f"blk.{i}.ffn_up_exps.weight", (E, inter, H)),
+                     (f"blk.{i}.ffn_down_exps.weight", (E, H, inter))]
+    return plan
+
+
+def _add_tensor_info(w: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtype: Q) -> None:
+    if qtype in (Q.F32, Q.F16):
+        np_dtype = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
+        w.add_tensor_info(name, shape, np_dtype, int(np.prod(shape)) * np_dtype.itemsize)
+        return
+    # BF16 and Q8_0 have no numpy type: their bytes go in as uint8 rows, as make_reference_gguf.py writes BF16.
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise UserError(f"tensor {name} {shape}: rows of {shape[-1]} are not whole {qtype.name} blocks of {block}; "
+                        "write this model as float16 or bfloat16")
+    byte_shape = (*shape[:-1], shape[-1] // block * type_size)
+    w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+
+
+def _to_numpy(t: torch.Tensor, qtype: Q) -> np.ndarray:
+    if qtype == Q.BF16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint8)
+    if qtype == Q.Q8_0:
+        return gguf.quants.quantize(t.float().numpy(), Q.Q8_0)
+    return t.contiguous().numpy()
+
+
+def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: bool = False) -> Path:
+    """Write `source` as one GGUF file, streaming tensor by tensor (a layer's expert stacks at a time).
+
+    dtype: auto (the source's), float32, float16, bfloat16 or q8_0 (numpy quantization: slow on
+    big models). 1-D tensors (norms, biases) are always F32, as llama.cpp's converters write them.
+    """
+    cfg = source.config
+    if cfg.family not in FAMILY_ARCH:
+        raise UserError(f"GGUF export of {cfg.family} is not supported yet; export a Hugging Face directory")
+    if dtype == "auto":       # the dtype of a small 2-D tensor every family has (token_embd is big to make)
+        probe = source.tensor("blk.0.attn_q.weight").dtype
+        dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(probe, "float32")
+    if dtype not in GGUF_DTYPES:
+        raise UserError(f"GGUF dtype must be auto, float32, float16, bfloat16 or q8_0, got {dtype!r}")
+    torch_dtype, qtype = GGUF_DTYPES[dtype]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")      # renamed when complete: no half-written model at `path`
+    w = gguf.GGUFWriter(partial, FAMILY_ARCH[cfg.family])
+    try:
+        _write(w, source, cfg, qtype, torch_dtype, progress)
+    except BaseException:
+        w.close()
+        partial.unlink(missing_ok=True)
+        raise
+    w.close()
+    partial.replace(path)
+    return path
+
+
+def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, qtype: Q, torch_dtype: torch.dtype, progress: bool):
+    _add_metadata(w, cfg, qtype, source.tokenizer)
+    plan = _plan(cfg)
+    types = {}
+    for name, shape in plan:
+        # llama.cpp stores the shared-expert gate as (H,); 1-D tensors stay F32.
+        shape = shape[1:] if name.endswith("ffn_gate_inp_shexp.weight") else shape
+        types[name] = Q.F32 if len(shape) == 1 else qtype
+        _add_tensor_info(w, name, shape, types[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+
+    stacks: dict[str, torch.Tensor] = {}
+    for name, shape in tqdm(plan, desc="writing", unit="tensor", disable=not progress):
+        dt = torch.float32 if types[name] == Q.F32 else torch_dtype
+        layer_stack = name.split(".")[2] if name.startswith("blk.") else ""
+        if layer_stack == EXPERT_STACKS[0]:
+            stacks = _expert_stacks(source, int(name.split(".")[1]), shape, dt)
+        if layer_stack in EXPERT_STACKS:
+            t = stacks.pop(layer_stack)
+        else:
+            t = source.tensor(name).to(dt)
+            if tuple(t.shape) != shape:
+                raise UserError(f"tensor {name} has shape {tuple(t.shape)} but the config makes it {shape}: "
+                                "the checkpoint does not match its config")
+            if name.endswith("ffn_gate_inp_shexp.weight"):
+                t = t.reshape(-1)
+        w.write_tensor_data(_to_numpy(t, types[name]))
+
+
+def _expert_stacks(source, layer: int, gate_shape, dtype) -> dict[str, torch.Tensor]:
+    """The layer's three (E, ., .) stacks, filled expert by expert (one layer of experts in memory)."""
+    E, inter, H = gate_shape
+    gate, up = torch.empty((E, inter, H), dtype=dtype), torch.empty((E, inter, H), dtype=dtype)
+    down = torch.empty((E, H, inter), dtype=dtype)
+    for e in range(E):
+        g, u, d = source.expert(layer, e)
+        if g.shape != (inter, H) or u.shape != (inter, H) or d.shape != (H, inter):
+            raise UserError(f"expert {e} of layer {layer} has shapes {tuple(g.shape)}, {tuple(u.shape)}, "
+                            f"{tuple(d.shape)}; the config makes them ({inter}, {H}) and ({H}, {inter})")
+        gate[e], up[e], down[e] = g, u, d
+    return dict(zip(EXPERT_STACKS, (gate, up, down)))

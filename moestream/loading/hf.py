@@ -1,0 +1,293 @@
+"""Hugging Face directories: config.json + safetensors (one file, or shards with an index), read lazily.
+
+    src = HFSource("Qwen3-30B-A3B/")                 # opens every shard's header; reads no weights
+    src.tensor("blk.0.attn_q.weight")                # model.layers.0.self_attn.q_proj.weight
+    gate, up, down = src.expert(0, 3)                # model.layers.0.mlp.experts.3.{gate,up,down}_proj.weight
+    write_hf(src, "out/")                            # the reverse, loadable by transformers
+
+Experts may be stored one tensor per expert and projection (qwen*_moe/olmoe `mlp.experts.E.gate_proj`, mixtral
+`block_sparse_moe.experts.E.w1/w3/w2`) or fused per layer as transformers 5 holds them in memory
+(`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)); a fused expert is sliced out of its
+stack without reading the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .source import dense_names
+
+INDEX = "model.safetensors.index.json"
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+# Canonical per-layer suffix -> HF suffix after `model.layers.N.`; the first spelling is the one write_hf uses.
+_LAYER = {
+    "attn_norm.weight": ["input_layernorm.weight"],
+    "attn_q.weight": ["self_attn.q_proj.weight"], "attn_k.weight": ["self_attn.k_proj.weight"],
+    "attn_v.weight": ["self_attn.v_proj.weight"], "attn_output.weight": ["self_attn.o_proj.weight"],
+    "attn_q.bias": ["self_attn.q_proj.bias"], "attn_k.bias": ["self_attn.k_proj.bias"],
+    "attn_v.bias": ["self_attn.v_proj.bias"],
+    "attn_q_norm.weight": ["self_attn.q_norm.weight"], "attn_k_norm.weight": ["self_attn.k_norm.weight"],
+    "ffn_norm.weight": ["post_attention_layernorm.weight"],
+    "ffn_gate_inp.weight": ["mlp.gate.weight", "block_sparse_moe.gate.weight"],
+    "ffn_gate_shexp.weight": ["mlp.shared_expert.gate_proj.weight"],
+    "ffn_up_shexp.weight": ["mlp.shared_expert.up_proj.weight"],
+    "ffn_down_shexp.weight": ["mlp.shared_expert.down_proj.weight"],
+    "ffn_gate_inp_shexp.weight": ["mlp.shared_expert_gate.weight"],
+    "ffn_gate.weight": ["mlp.gate_proj.weight"], "ffn_up.weight": ["mlp.up_proj.weight"],
+    "ffn_down.weight": ["mlp.down_proj.weight"],
+}
+# Per-expert spellings, (module, gate, up, down); the first one that the checkpoint has wins.
+_EXPERTS = [("mlp.experts", "gate_proj", "up_proj", "down_proj"), ("block_sparse_moe.experts", "w1", "w3", "w2"),
+            ("mlp.experts", "w1", "w3", "w2")]
+_FUSED = ["mlp.experts", "block_sparse_moe.experts"]
+
+
+def hf_names(name: str, family: str) -> list[str]:
+    """HF spellings of a canonical name, the one transformers 5.24's save_pretrained writes first."""
+    if name in _GLOBAL:
+        return [_GLOBAL[name]]
+    _, layer, suffix = name.split(".", 2)
+    spellings = list(_LAYER[suffix])
+    if family == "mixtral" and suffix == "ffn_gate_inp.weight":
+        spellings.reverse()
+    return [f"model.layers.{layer}.{s}" for s in spellings]
+
+
+def _expert_names(family: str, layer: int, e: int) -> list[str]:
+    mod, g, u, d = _EXPERTS[1] if family == "mixtral" else _EXPERTS[0]
+    return [f"model.layers.{layer}.{mod}.{e}.{p}.weight" for p in (g, u, d)]
+
+
+class HFSource:
+    """A WeightSource over a Hugging Face model directory."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise UserError(f"{str(self.path)!r} is not a directory; give a Hugging Face model directory")
+        self.config = ModelConfig.from_hf(_read_json(self.path / "config.json", "config.json"),
+                                          _read_json(self.path / "generation_config.json", None))
+        self._where: dict[str, object] = {}     # HF tensor name -> the safe_open handle of its file
+        for file in self._shard_files():
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as e:              # safetensors has one error type for truncation and garbage
+                raise UserError(f"cannot read {file.name}: {e}; the file is truncated or not safetensors: "
+                                "download it again") from None
+            self._where.update(dict.fromkeys(handle.keys(), handle))
+
+    def _shard_files(self) -> list[Path]:
+        if (self.path / "model.safetensors").exists():
+            return [self.path / "model.safetensors"]
+        if (self.path / INDEX).exists():
+            files = sorted(set(_read_json(self.path / INDEX, INDEX).get("weight_map", {}).values()))
+            for f in files:
+                if not (self.path / f).exists():
+                    raise UserError(f"{INDEX} names shard {f!r}, which is not in {str(self.path)!r}: "
+                                    "is the download complete?")
+            return [self.path / f for f in files]
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"no safetensors weights in {str(self.path)!r} (model.safetensors or {INDEX}); "
+                            "is the download complete? (.bin checkpoints must be converted to safetensors)")
+        return files
+
+    @cached_property
+    def tokenizer(self):
+        if not (self.path / "tokenizer.json").exists():
+            return None
+        try:
+            from ..runtime.tokenizer import Tokenizer
+        except ModuleNotFoundError as e:
+            raise UserError(f"{str(self.path)!r} has a tokenizer.json but this moestream has no tokenizer module "
+                            f"({e}); pass token ids or reinstall moestream") from None
+        return Tokenizer.from_hf_dir(self.path)
+
+    # --- WeightSource ----------------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return any(n in self._where for n in hf_names(name, self.config.family))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self._read_first(hf_names(name, self.config.family), name)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            t = t.reshape(1, -1)                 # some exports keep the shared expert's gate as (H,)
+        return t
+
+    def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = f"model.layers.{layer}."
+        for mod, g, u, d in _EXPERTS:
+            names = [f"{p}{mod}.{e}.{proj}.weight" for proj in (g, u, d)]
+            if names[0] in self._where:
+                gate, up, down = (self._read(n) for n in names)
+                return gate, up, down
+        for mod in _FUSED:
+            gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
+            if gate_up in self._where and down in self._where:
+                return self._fused_expert(gate_up, down, e)
+        raise UserError(f"checkpoint lacks tensor {p}mlp.experts.{e}.gate_proj.weight (expert {e} of layer "
+                        f"{layer}): is the download complete?")
+
+    # --- reading ---------------------------------------------------------------------------------------------
+    def _read_first(self, names: list[str], canonical: str) -> torch.Tensor:
+        for n in names:
+            if n in self._where:
+                return self._read(n)
+        raise UserError(f"checkpoint lacks tensor {names[0]} ({canonical}): is the download complete?")
+
+    def _read(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise UserError(f"checkpoint lacks tensor {name}: is the download complete?")
+        return self._where[name].get_tensor(name)
+
+    def _fused_expert(self, gate_up: str, down: str, e: int):
+        c = self.config
+        E, inter, H = c.n_experts, c.moe_intermediate_size, c.hidden_size
+        gu, dn = self._where[gate_up].get_slice(gate_up), self._where[down].get_slice(down)
+        if list(gu.get_shape()) != [E, 2 * inter, H] or list(dn.get_shape()) != [E, H, inter]:
+            raise UserError(f"fused experts {gate_up} {gu.get_shape()} / {down} {dn.get_shape()} are not "
+                            f"(E, 2I, H) / (E, H, I) = ({E}, {2 * inter}, {H}) / ({E}, {H}, {inter}); "
+                            "this checkpoint's expert layout is not supported")
+        pair = gu[e]                                               # (2I, H): gate rows, then up rows
+        return pair[:inter], pair[inter:], dn[e]
+
+
+def _read_json(path: Path, required_as: str | None) -> dict | None:
+    """A JSON file as a dict; None when it is absent and optional (`required_as` None)."""
+    if not path.exists():
+        if required_as is None:
+            return None
+        raise UserError(f"{str(path.parent)!r} has no {required_as}: is it a Hugging Face model directory?")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{str(path)!r} is not valid JSON ({e}): download it again") from None
+
+
+# --- writing -------------------------------------------------------------------------------------------------
+_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+         "olmoe": "OlmoeForCausalLM"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """A config.json dict that transformers loads and ModelConfig.from_hf reads back into `cfg`."""
+    if cfg.dense_layers and cfg.family in ("mixtral", "olmoe"):
+        raise UserError(f"a {cfg.family} config.json cannot express dense layers {cfg.dense_layers}")
+    eos = list(cfg.eos_token_ids)
+    d = {
+        "architectures": [_ARCH[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "num_experts_per_tok": cfg.n_experts_used, "norm_topk_prob": cfg.norm_topk_prob,
+        "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+        # transformers 5 reads rope_parameters; rope_theta and rope_scaling are for transformers 4.
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default", **cfg.rope},
+        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope or None,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "dtype": _DTYPE_NAMES[dtype],
+    }
+    if cfg.family in ("qwen3_moe", "qwen2_moe"):
+        d.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+                 intermediate_size=cfg.intermediate_size or cfg.moe_intermediate_size,
+                 decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False)
+    if cfg.family == "qwen3_moe":
+        d["attention_bias"] = cfg.attn_bias
+    elif cfg.family == "qwen2_moe":
+        d.update(shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, qkv_bias=cfg.attn_bias)
+    elif cfg.family == "mixtral":
+        d.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.moe_intermediate_size, sliding_window=None)
+    else:
+        d.update(num_experts=cfg.n_experts, intermediate_size=cfg.moe_intermediate_size, clip_qkv=cfg.clip_qkv,
+                 attention_bias=False)
+    return d
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[1]) if name.startswith("blk.") else -1
+
+
+def _tensors(source):
+    """(HF name, tensor) for every tensor, made one at a time, layer by layer so that a shard holds whole layers."""
+    cfg = source.config
+    names = dense_names(cfg)
+    for layer in range(-1, cfg.n_layers):
+        for n in (n for n in names if _layer_of(n) == layer):
+            yield hf_names(n, cfg.family)[0], source.tensor(n)
+        if layer in cfg.moe_layers:
+            for e in range(cfg.n_experts):
+                yield from zip(_expert_names(cfg.family, layer, e), source.expert(layer, e))
+
+
+def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30, dtype: str = "auto",
+             progress: bool = False) -> Path:
+    """Write `source` as a Hugging Face directory (config, generation config, safetensors, tokenizer files).
+
+    Shards are written as they fill, so at most one shard's tensors are in memory. dtype: auto keeps each
+    tensor's own, else float32|bfloat16|float16.
+    """
+    out = Path(out_dir)
+    if getattr(source, "path", None) is not None and Path(source.path).resolve() == out.resolve():
+        raise UserError(f"cannot write a model over itself ({str(out)!r}); choose another output directory")
+    out.mkdir(parents=True, exist_ok=True)
+    # A previous export's weights would be read together with these (a single file wins over an index).
+    for stale in [out / "model.safetensors", out / INDEX, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    cfg = source.config
+    cast = None if dtype == "auto" else getattr(torch, dtype)
+    n_tensors = len(dense_names(cfg)) + 3 * cfg.n_experts * len(cfg.moe_layers)
+    shards: list[Path] = []                 # written so far, under temporary names
+    weight_map: dict[str, int] = {}         # HF name -> shard number
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+    first_dtype = None
+
+    def flush():
+        path = out / f"model-{len(shards) + 1:05d}.safetensors.partial"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        shards.append(path)
+
+    try:
+        for hf, t in tqdm(_tensors(source), total=n_tensors, desc="writing", unit="tensor", disable=not progress):
+            t = (t if cast is None else t.to(cast)).contiguous()
+            first_dtype = first_dtype or t.dtype
+            if shard and size + t.nbytes > max_shard_bytes:
+                flush()
+                shard, size = {}, 0
+            shard[hf] = t
+            weight_map[hf] = len(shards)
+            size += t.nbytes
+            total += t.nbytes
+        flush()
+    except BaseException:
+        for path in shards:
+            path.unlink(missing_ok=True)
+        raise
+
+    # Shard names say how many shards there are, which is known only now.
+    if len(shards) == 1:
+        shards[0].replace(out / "model.safetensors")
+    else:
+        final = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for path, name in zip(shards, final):
+            path.replace(out / name)
+        index = {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, first_dtype), indent=2) + "\n")
+    eos = list(cfg.eos_token_ids)
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if source.tokenizer is not None:
+        source.tokenizer.save_hf(out)
+    return out

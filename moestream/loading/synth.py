@@ -1,0 +1,153 @@
+"""Synthetic models: deterministic random weights of real shapes, made in memory tensor by tensor.
+
+    src = SynthSource.from_spec("tiny")                          # CPU-sized qwen3_moe with a synth tokenizer
+    src = SynthSource.from_spec("qwen3-30b-a3b:layers=4:seed=1")  # Qwen3-30B-A3B shapes, 4 layers
+    src.tensor("blk.0.attn_q.weight")                            # (nh*hd, H), made on demand
+
+Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16.
+
+Every tensor comes from its own generator seeded with crc32 of (seed, its canonical name), and every expert with
+crc32 of (seed, layer, expert), so a tensor does not depend on which others were made before it: a loader may read them
+in any order, or only some of them, and still get the same model. Weights are normal(0, fan_in**-0.5) drawn in
+float32 and then cast, as in bench/make_reference_gguf.py; norm weights are 1 + 0.1 * normal, so that a model
+which ignored its norm weights would not pass a test by luck.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .source import dense_names
+
+TINY_VOCAB = 1024          # runtime.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
+
+PRESETS: dict[str, dict] = {
+    # The demo and test model: small enough for a laptop CPU, shaped like Qwen3-MoE (per-head q/k norms, GQA).
+    "tiny": dict(
+        family="qwen3_moe", vocab_size=TINY_VOCAB, hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=2,
+        head_dim=32, n_experts=16, n_experts_used=4, moe_intermediate_size=128, norm_topk_prob=True,
+        qk_norm="head", rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096,
+    ),
+    # Qwen3-30B-A3B's real shapes; like bench/make_reference_gguf.py's model it has no tokenizer, bos or eos.
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+        head_dim=128, n_experts=128, n_experts_used=8, moe_intermediate_size=768, norm_topk_prob=True,
+        qk_norm="head", rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+    ),
+}
+DEFAULT_DTYPE = {"tiny": torch.float32, "qwen3-30b-a3b": torch.bfloat16}
+HAS_TOKENIZER = {"tiny"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The router's logits are x . w over H unit-scale features, so with std H**-0.5 they are ~N(0, 1) and top-k picks
+# are soft. The tiny model scales them up so its routing is decisive, as a trained model's is; the big preset
+# keeps the reference file's plain init.
+TINY_ROUTER_SCALE = 3.0
+
+
+def _usage() -> str:
+    return (f"presets: {', '.join(PRESETS)}; options: :layers=N, :seed=N, :dtype={'|'.join(DTYPES)} "
+            "(e.g. synth:qwen3-30b-a3b:layers=4)")
+
+
+class SynthSource:
+    """A WeightSource whose tensors are made on demand (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 tokenizer: object | None = None, router_scale: float = 1.0):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.seed = seed
+        self.router_scale = router_scale
+        self._names = set(dense_names(config))
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "SynthSource":
+        """`NAME[:key=value...]`, the part of `synth:NAME...` after `synth:`."""
+        name, *opts = spec.split(":")
+        if name not in PRESETS:
+            raise UserError(f"unknown synth preset {name!r}; {_usage()}")
+        kw = dict(PRESETS[name])
+        dtype, seed = DEFAULT_DTYPE[name], 0
+        for opt in opts:
+            key, sep, value = opt.partition("=")
+            try:
+                if key == "layers" and sep:
+                    kw["n_layers"] = int(value)
+                    if kw["n_layers"] <= 0:
+                        raise ValueError
+                elif key == "seed" and sep:
+                    seed = int(value)
+                elif key == "dtype" and sep and value in DTYPES:
+                    dtype = DTYPES[value]
+                else:
+                    raise ValueError
+            except ValueError:
+                raise UserError(f"bad synth option {opt!r} in 'synth:{spec}'; {_usage()}") from None
+        tok = None
+        if name in HAS_TOKENIZER:
+            from ..runtime.tokenizer import synth_tokenizer      # lazily: it trains a small BPE in memory
+            tok = synth_tokenizer()
+            # The model stops where its tokenizer says a text ends (tokenizer.save_hf writes these ids too).
+            kw.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_ids=tuple(tok.eos_ids))
+        return cls(ModelConfig(**kw), dtype=dtype, seed=seed, tokenizer=tok,
+                   router_scale=TINY_ROUTER_SCALE if name == "tiny" else 1.0)
+
+    # --- WeightSource ----------------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise UserError(f"the synth model has no tensor {name!r}")
+        g = self._generator(name)
+        shape = canonical_shape(self.config, name)
+        if name.endswith("norm.weight"):
+            return (1.0 + 0.1 * torch.randn(shape, generator=g)).to(self.dtype)
+        if name.endswith(".bias"):
+            return (0.02 * torch.randn(shape, generator=g)).to(self.dtype)
+        std = shape[-1] ** -0.5
+        if name.endswith("ffn_gate_inp.weight"):
+            std *= self.router_scale
+        return (torch.randn(shape, generator=g) * std).to(self.dtype)
+
+    def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        if layer not in c.moe_layers or not 0 <= e < c.n_experts:
+            raise UserError(f"the synth model has no expert {e} in layer {layer}")
+        g = self._generator(f"blk.{layer}.expert.{e}")
+        H, inter = c.hidden_size, c.moe_intermediate_size
+        gate = torch.randn((inter, H), generator=g) * H ** -0.5        # (I, H)
+        up = torch.randn((inter, H), generator=g) * H ** -0.5          # (I, H)
+        down = torch.randn((H, inter), generator=g) * inter ** -0.5    # (H, I)
+        return gate.to(self.dtype), up.to(self.dtype), down.to(self.dtype)
+
+    # --- helpers ---------------------------------------------------------------------------------------------
+    def _generator(self, key: str) -> torch.Generator:
+        # torch's CPU generator keeps only 32 bits of its seed, so seed and key are hashed together into 32 bits.
+        return torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{key}".encode()))
+
+
+def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The torch shape of a canonical non-expert tensor (see source.py), from the config alone."""
+    H, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    inter, shexp = cfg.intermediate_size, cfg.shared_expert_intermediate_size
+    base = name.split(".", 2)[2] if name.startswith("blk.") else name
+    shapes = {
+        "token_embd.weight": (V, H), "output.weight": (V, H), "output_norm.weight": (H,),
+        "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
+        "attn_q.weight": (q, H), "attn_k.weight": (kv, H), "attn_v.weight": (kv, H), "attn_output.weight": (H, q),
+        "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+        "attn_q_norm.weight": (hd,) if cfg.qk_norm == "head" else (q,),
+        "attn_k_norm.weight": (hd,) if cfg.qk_norm == "head" else (kv,),
+        "ffn_gate_inp.weight": (cfg.n_experts, H),
+        "ffn_gate_shexp.weight": (shexp, H), "ffn_up_shexp.weight": (shexp, H), "ffn_down_shexp.weight": (H, shexp),
+        "ffn_gate_inp_shexp.weight": (1, H),
+        "ffn_gate.weight": (inter, H), "ffn_up.weight": (inter, H), "ffn_down.weight": (H, inter),
+    }
+    return shapes[base]

@@ -1,0 +1,67 @@
+"""make-model: write a synth preset (or convert any model moestream reads) as a Hugging Face directory or a GGUF.
+
+    moestream make-model tiny models/tiny                        # HF directory: config, safetensors, tokenizer
+    moestream make-model qwen3-30b-a3b:layers=24 ref.gguf        # GGUF (the format follows OUT's suffix)
+    moestream make-model models/Qwen3-30B-A3B q.gguf --dtype q8_0
+
+    make_model("synth:tiny", "out.gguf", "gguf")
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..errors import UserError
+from ..loading.source import open_source
+
+FORMATS = ("hf", "gguf")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
+
+
+def resolve_spec(spec: str) -> str:
+    """A model path as it is, a bare preset name as `synth:NAME`."""
+    if spec.startswith("synth:") or os.path.exists(spec) or "/" in spec or spec.endswith(".gguf"):
+        return spec
+    return "synth:" + spec
+
+
+def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None, dtype: str = "auto",
+               progress: bool = True) -> Path:
+    """Open `preset_spec` (a synth preset, `synth:...`, an HF directory or a GGUF) and write it to `out`.
+
+    fmt: hf or gguf; None picks gguf for a `.gguf` path and hf otherwise. Refuses to overwrite: a wrong OUT
+    should not replace a model someone downloaded.
+    """
+    out = Path(out)
+    fmt = fmt or ("gguf" if out.suffix == ".gguf" else "hf")
+    if fmt not in FORMATS:
+        raise UserError(f"unknown format {fmt!r}; use --format hf or --format gguf")
+    if dtype not in DTYPES or (fmt == "hf" and dtype == "q8_0"):
+        raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)} (q8_0 only with --format gguf)")
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        raise UserError(f"{str(out)!r} already exists; remove it or choose another output path")
+    source = open_source(resolve_spec(preset_spec))
+    if fmt == "gguf":
+        from ..loading.gguf import write_gguf
+        return write_gguf(source, out, dtype=dtype, progress=progress)
+    from ..loading.hf import write_hf
+    return write_hf(source, out, dtype=dtype, progress=progress)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("make-model", help="write a synth preset (or convert a model) as an HF directory or GGUF",
+                       description="Write a synth:PRESET model, or convert a model moestream reads, to a Hugging "
+                                   "Face directory or a GGUF file. Presets: tiny, qwen3-30b-a3b; options "
+                                   "like qwen3-30b-a3b:layers=4:seed=1:dtype=float32.")
+    p.add_argument("preset", metavar="PRESET", help="synth preset (tiny, qwen3-30b-a3b[:layers=N]) or a model path")
+    p.add_argument("out", metavar="OUT", help="output directory (hf) or .gguf file")
+    p.add_argument("--format", choices=FORMATS, default=None, help="hf or gguf (default: gguf for a .gguf OUT)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weight dtype to write (default: the source's)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    path = make_model(args.preset, args.out, args.format, args.dtype)
+    print(f"wrote {path}")
+    return 0
