@@ -74,5 +74,5 @@ def test_greedy_decode_hash_same_on_every_placement(checkpoint):
     family, path, _ = checkpoint
     hashes = {LLM(path, ctx_size=64, device="cuda", dtype="bfloat16", **kw)
               .generate(list(range(7, 19)), max_tokens=16, ignore_eos=True).sha256
-              for kw in ({}, {"cpu_moe": True}, {"n_cpu_moe": 2})}
+              for kw in ({}, {"cpu_moe": True}, {"n_cpu_moe": 1})}
     assert len(hashes) == 1
