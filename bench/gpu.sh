@@ -23,6 +23,7 @@ smoke)
   ms bench -m $M -p 0 -n 64 -r 2 -c 4096 --no-cuda-graphs 2>&1 | tee "$OUT/smoke_eager.md"
   ;;
 ref)
+  python3 bench/profile_decode.py synth:qwen3-30b-a3b:layers=4 2>&1 | grep "per decode step" | tee "$OUT/decode_steps.txt"
   REF=/tmp/ref.gguf
   [ -f $REF ] || { /usr/bin/time -v python3 .carry/make_reference_gguf.py $REF 24 2>&1 | grep -E "wrote|Elapsed|Maximum resident"; } | tee "$OUT/make_ref.log"
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v 2>&1 | tee "$OUT/ref_gpu.md"

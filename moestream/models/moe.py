@@ -25,11 +25,9 @@ def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool) -> tup
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Sum of the k expert outputs (T, k, H) weighted (T, k), in the fixed order j = 0..k-1."""
-    out = y[:, 0] * weights[:, :1]
-    for j in range(1, y.shape[1]):
-        out = out + y[:, j] * weights[:, j:j + 1]
-    return out
+    """Sum of the k expert outputs (T, k, H) weighted (T, k): one reduction over k, whose order depends only on
+    the shapes, never on where the experts were computed."""
+    return (y * weights.unsqueeze(-1)).sum(dim=1)
 
 
 def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel,

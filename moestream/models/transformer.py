@@ -59,6 +59,11 @@ class MoETransformer:
         self.w = weights
         self.layers = [{k[len(f"blk.{i}."):]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
                        for i in range(cfg.n_layers)]
+        for lw in self.layers:          # q, k and v in one GEMM: one launch and one pass over x instead of three
+            for kind in ("weight", "bias"):
+                parts = [lw.pop(f"attn_{n}.{kind}", None) for n in "qkv"]
+                if parts[0] is not None:
+                    lw[f"attn_qkv.{kind}"] = torch.cat(parts)
         self.cos, self.sin = rope                                            # (P, hd) float32 each
         self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
         self.on_route = None            # callback(layer, ids) for routing traces and statistics
@@ -66,7 +71,8 @@ class MoETransformer:
     def forward(self, batch: Batch, kv, experts, kernel) -> torch.Tensor:
         cfg = self.cfg
         h = self.w["token_embd.weight"][batch.tokens]                        # (T, H)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]      # (T, hd)
+        cos = self.cos[batch.positions].to(h.dtype)                          # (T, hd)
+        sin = self.sin[batch.positions].to(h.dtype)
         for i, lw in enumerate(self.layers):
             a = rms_norm(h, lw["attn_norm.weight"], cfg.rms_norm_eps)
             h = h + self.attention(a, lw, i, batch, kv, cos, sin)
@@ -81,9 +87,9 @@ class MoETransformer:
     def attention(self, x, lw, layer, batch: Batch, kv, cos, sin) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
-        q = F.linear(x, lw["attn_q.weight"], lw.get("attn_q.bias"))          # (T, nh*hd)
-        k = F.linear(x, lw["attn_k.weight"], lw.get("attn_k.bias"))          # (T, nkv*hd)
-        v = F.linear(x, lw["attn_v.weight"], lw.get("attn_v.bias"))
+        qkv = F.linear(x, lw["attn_qkv.weight"], lw.get("attn_qkv.bias"))   # (T, (nh + 2 nkv) hd)
+        q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
+                             cfg.n_kv_heads * cfg.head_dim], dim=-1)
         if cfg.qk_norm == "full":
             q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
@@ -106,7 +112,10 @@ class MoETransformer:
         if batch.is_decode:
             # The whole context, masked, in eager and captured decodes alike: the same shapes give the same bits.
             n = batch.kv_len or kv.ctx
-            kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]   # (B, nkv, n, hd)
+            if kv.n_seq == 1:           # one sequence: its cache as it is, no gather
+                kk, vv = keys[:, :, :n], values[:, :, :n]                    # (1, nkv, n, hd)
+            else:
+                kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]   # (B, nkv, n, hd)
             mask = torch.arange(n, device=q.device)[None, :] <= batch.positions[:, None]   # (B, n)
             o = attention(q.unsqueeze(2), kk, vv, mask[:, None, None, :], causal=False)   # (B, nh, 1, hd)
             return o.squeeze(2)
