@@ -10,11 +10,15 @@ Flags follow llama.cpp's names. A user's mistake prints one line, `error: ...`, 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import re
 import sys
 
 from .errors import UserError
+
+# Modules that add a subcommand each: `add_parser(subparsers)` registers it, with `func` as its entry point.
+SUBCOMMANDS = ("moestream.tools.make_model", "moestream.tools.bench")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -116,9 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timings", action="store_true", help="print prompt and generation speed")
     g.set_defaults(func=cmd_generate)
 
-    from .tools import bench, make_model
-    make_model.add_parser(sub)
-    bench.add_parser(sub)
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).add_parser(sub)
     return ap
 
 
