@@ -21,11 +21,13 @@ from .runtime.sampling import SamplingParams
 class LLM:
     def __init__(self, model: str, *, cpu_moe: bool = False, n_cpu_moe: int = 0, ubatch_size: int = 512,
                  batch_size: int = 2048, ctx_size: int = 4096, device: str | None = None, dtype: str = "auto",
-                 kernel: str = "auto", n_seq: int = 1, cuda_graphs: bool = True, progress: bool = False):
+                 kernel: str = "auto", n_seq: int = 1, cuda_graphs: bool = True,
+                 moe_cache_mib: int | None = None, cache_policy: str = "lfru", progress: bool = False):
         self.source = open_source(model, progress=progress)
         self.config = EngineConfig(device=device or "auto", dtype=dtype, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
                                    ctx_size=ctx_size, n_seq=n_seq, batch_size=batch_size, ubatch_size=ubatch_size,
-                                   kernel=kernel, cuda_graphs=cuda_graphs)
+                                   kernel=kernel, cuda_graphs=cuda_graphs,
+                                   moe_cache_mib=moe_cache_mib, cache_policy=cache_policy)
         self.engine = Engine.load(self.source, self.config, progress=progress)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config
@@ -69,10 +71,10 @@ class LLM:
     @torch.inference_mode()
     def logits(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
         """float32 logits for every position of token_ids (N, V), on the CPU: for tests and perplexity."""
+        self.engine.begin_prompt()
         return self.engine.prefill(seq, self.encode(list(token_ids)), 0, all_logits=True).float().cpu()
 
     def stats(self) -> dict:
-        up = self.engine.uploads
-        return {"uploaded_bytes": up.stats.total_bytes if up else 0,
-                "uploaded_experts": up.stats.total_copies if up else 0,
-                "uploaded_bytes_per_layer": dict(up.stats.bytes) if up else {}}
+        """Cache and upload counters: {"cache", "total", "prompt", "per_layer", "uploaded_bytes", "uploaded_experts"};
+        totals and per-layer counts are cumulative, "prompt" counts since the last prompt began."""
+        return self.engine.stats()

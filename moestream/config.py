@@ -159,6 +159,8 @@ class EngineConfig:
     ubatch_size: int = 512           # physical batch: tokens per forward
     kernel: str = "auto"             # auto | reference | grouped
     cuda_graphs: bool = True         # decode through CUDA graphs where every expert is on the GPU
+    moe_cache_mib: int | None = None # GPU expert cache for host layers (None: no cache, upload per ubatch; 0: smallest)
+    cache_policy: str = "lfru"       # lfru (decayed frequency, scan-resistant) | lru
 
     def __post_init__(self):
         if self.ctx_size <= 0:
@@ -171,6 +173,10 @@ class EngineConfig:
             raise UserError(f"--kernel must be auto, reference or grouped, got {self.kernel!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise UserError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.moe_cache_mib is not None and self.moe_cache_mib < 0:
+            raise UserError(f"--moe-cache-mib must be >= 0, got {self.moe_cache_mib}")
+        if self.cache_policy not in ("lfru", "lru"):
+            raise UserError(f"--cache-policy must be lfru or lru, got {self.cache_policy!r}")
         if self.n_seq <= 0:
             raise UserError(f"the number of sequences must be positive, got {self.n_seq}")
 

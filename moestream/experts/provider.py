@@ -8,10 +8,11 @@ the weights were on the GPU all along or were just uploaded: the cache slots in 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from .stats import CacheStats, Counts
 from .store import ExpertStore, expert_views
 
 
@@ -20,25 +21,6 @@ class ExpertWeights:
     w13: torch.Tensor          # (S, 2I, H)
     w2: torch.Tensor           # (S, H, I)
     slots: torch.Tensor        # (T, k) int64: the slot of each routed choice
-
-
-@dataclass
-class UploadStats:
-    """Counts since the last reset: experts and bytes moved host -> device, per layer."""
-    copies: dict[int, int] = field(default_factory=dict)
-    bytes: dict[int, int] = field(default_factory=dict)
-
-    def add(self, layer: int, n: int, nbytes: int) -> None:
-        self.copies[layer] = self.copies.get(layer, 0) + n
-        self.bytes[layer] = self.bytes.get(layer, 0) + nbytes
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    @property
-    def total_copies(self) -> int:
-        return sum(self.copies.values())
 
 
 class ResidentExperts:
@@ -67,14 +49,15 @@ class UploadPerUbatch:
         self.store = store
         self.buf = torch.empty(n_experts, any_rows.shape[1], dtype=any_rows.dtype, device=device)   # (E, numel)
         self.w13, self.w2 = expert_views(self.buf, store.inter, store.hidden)
-        self.stats = UploadStats()
+        self.stats = CacheStats()
 
     def fetch(self, layer: int, ids: torch.Tensor) -> ExpertWeights:
         src = self.store.rows[layer]
         wanted = torch.unique(ids).tolist()    # host sync: the copies are chosen on the host
         for e in wanted:
             self.buf[e].copy_(src[e], non_blocking=True)
-        self.stats.add(layer, len(wanted), len(wanted) * self.store.expert_bytes)
+        nb = len(wanted) * self.store.expert_bytes
+        self.stats.record(layer, Counts(misses=len(wanted), uploaded_bytes=nb, copies=len(wanted)))
         return ExpertWeights(self.w13, self.w2, ids)
 
 

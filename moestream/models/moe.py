@@ -37,7 +37,16 @@ def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
     if on_route is not None:
         on_route(layer, ids)
     w = provider.fetch(layer, ids)
-    out = combine(kernel(x, w.slots, w.w13, w.w2), weights)
+    if hasattr(w, "slots"):
+        y = kernel(x, w.slots, w.w13, w.w2)                              # (T, k, H)
+    else:
+        # Waves (a pool smaller than this ubatch's routed set): each wave computes its experts' rows, in the
+        # same token order as one launch would, so every expert's result is the same.
+        y = torch.zeros(*ids.shape, x.shape[1], dtype=x.dtype, device=x.device)
+        for wave, member in w:
+            tok, j = member.nonzero(as_tuple=True)
+            y[tok, j] = kernel(x[tok], wave.slots[tok, j].unsqueeze(1), wave.w13, wave.w2)[:, 0]
+    out = combine(y, weights)
     if cfg.shared_expert_intermediate_size:
         shared = swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"])
         out = out + torch.sigmoid(F.linear(x, lw["ffn_gate_inp_shexp.weight"])) * shared

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..config import EngineConfig, ModelConfig
 from ..device import Device
 from ..errors import UserError
+from ..experts.cache import ExpertCache
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.store import ExpertStore, fill_layer
 from ..kernels import experts_reference, pick_kernel
@@ -34,12 +35,13 @@ MiB = 1 << 20
 
 class Engine:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, model: MoETransformer, experts, kv: KVCache,
-                 kernel, device: Device, uploads=None):
+                 kernel, device: Device, host=None):
         self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
-        self.kernel, self.device, self.uploads = kernel, device, uploads
+        self.kernel, self.device = kernel, device
+        self.host = host                # the provider of host layers (UploadPerUbatch or ExpertCache), or None
         self.dtype = model.lm_head.dtype
         self.graphs = None
-        if (ecfg.cuda_graphs and device.is_cuda and uploads is None and kernel is not experts_reference):
+        if (ecfg.cuda_graphs and device.is_cuda and host is None and kernel is not experts_reference):
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
@@ -53,7 +55,9 @@ class Engine:
         ctx = ecfg.ctx_size
         if ctx > cfg.max_position_embeddings:
             log.warning("context %d is longer than the model's trained %d positions", ctx, cfg.max_position_embeddings)
-        _check_fits(cfg, ecfg, dev, dtype, host)
+        size = torch.empty((), dtype=dtype).element_size()
+        n_slots = cache_slots(cfg, ecfg, len(host), cfg.expert_numel * size)
+        _check_fits(cfg, ecfg, dev, dtype, host, n_slots)
 
         names = dense_names(cfg)
         moe = cfg.moe_layers
@@ -83,19 +87,25 @@ class Engine:
         del staging
 
         providers: dict[int, object] = {}
-        uploads = None
+        host_provider = None
         if dev_rows:
             resident = ResidentExperts(dev_rows, inter, hidden)
             providers.update({l: resident for l in dev_rows})
         if host_rows:
-            uploads = UploadPerUbatch(ExpertStore(host_rows, inter, hidden), cfg.n_experts, dev.torch)
-            providers.update({l: uploads for l in host_rows})
+            store = ExpertStore(host_rows, inter, hidden)
+            if n_slots is None:
+                host_provider = UploadPerUbatch(store, cfg.n_experts, dev.torch)
+            else:
+                host_provider = ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev.torch, ecfg.cache_policy)
+                log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB,
+                         n_slots, store.expert_bytes / 1e6, ecfg.cache_policy)
+            providers.update({l: host_provider for l in host_rows})
             log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
-                     len(host_rows), uploads.store.nbytes / MiB, len(dev_rows))
+                     len(host_rows), store.nbytes / MiB, len(dev_rows))
         model = MoETransformer(cfg, weights, rope_tables(cfg, ctx, dev.torch))
         kv = KVCache(cfg.n_layers, ecfg.n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, dev.torch)
         kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
-        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, uploads)
+        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, host_provider)
 
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -131,6 +141,24 @@ class Engine:
                 return self.graphs.run(steps)
         return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps])
 
+    def begin_prompt(self) -> None:
+        """Start the per-prompt counters (a prompt and the decode that follows it)."""
+        if self.host is not None:
+            self.host.stats.begin_prompt()
+
+    def stats(self) -> dict:
+        """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative)."""
+        from ..experts.stats import CacheStats
+        st = self.host.stats if self.host is not None else CacheStats()
+        total = CacheStats.summary(st.total)
+        cache = None
+        if isinstance(self.host, ExpertCache):
+            cache = {"slots": self.host.n_slots, "policy": self.host.policy_name,
+                     "mib": self.host.n_slots * self.host.store.expert_bytes / MiB}
+        return {"cache": cache, "total": total, "prompt": CacheStats.summary(st.prompt),
+                "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
+                "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"]}
+
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
         """Change -b/-ub without reloading (they change how prompts are cut, not where weights live)."""
         self.ecfg = dataclasses.replace(self.ecfg, batch_size=batch_size, ubatch_size=ubatch_size)
@@ -153,7 +181,27 @@ def _resolve_dtype(spec: str, file_dtype: torch.dtype, dev: Device) -> torch.dty
     return file_dtype if file_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, host: set[int]) -> None:
+def cache_slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
+    """Slots of the expert cache for --moe-cache-mib (None: no cache). 0 MiB: one layer's experts, the smallest
+    pool that never needs waves. Never more slots than host experts."""
+    if ecfg.moe_cache_mib is None or not n_host_layers:
+        return None
+    if ecfg.moe_cache_mib == 0:
+        n = cfg.n_experts
+    else:
+        n = ecfg.moe_cache_mib * MiB // expert_bytes
+        if n < 1:
+            raise UserError(f"--moe-cache-mib {ecfg.moe_cache_mib} holds no expert (one is "
+                            f"{expert_bytes / MiB:.1f} MiB); use at least {-(-expert_bytes // MiB)} or 0 for the smallest pool")
+    n = min(n, n_host_layers * cfg.n_experts)
+    if n < min(cfg.n_experts, ecfg.ubatch * cfg.n_experts_used):
+        log.warning("moe cache of %d slots is smaller than one layer's %d experts: ubatches that route more than %d "
+                    "experts in one layer run in waves (correct, but slower)", n, cfg.n_experts, n)
+    return n
+
+
+def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, host: set[int],
+                n_slots: int | None) -> None:
     """Refuse, before loading anything, a placement whose device part cannot fit in free device memory."""
     if not dev.is_cuda:
         return
@@ -161,12 +209,20 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
     expert_bytes = cfg.expert_numel * size
     n_dev = len(cfg.moe_layers) - len(host)
     need = n_dev * cfg.n_experts * expert_bytes
-    need += (cfg.n_experts * expert_bytes) if host else 0          # the upload buffer
+    pool = 0
+    if host:
+        pool = (n_slots if n_slots is not None else cfg.n_experts) * expert_bytes   # the cache or upload buffer
     need += KVCache.nbytes_for(cfg.n_layers, ecfg.n_seq, ecfg.ctx_size, cfg.n_kv_heads, cfg.head_dim, dtype)
     dense = (2 * cfg.vocab_size * cfg.hidden_size + cfg.n_layers * (
         2 * cfg.n_heads * cfg.head_dim * cfg.hidden_size + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.hidden_size))
     need += dense * size
     free = dev.free_memory()
+    need += pool
+    if n_slots is not None and need > free:
+        room = free - (need - pool) - 256 * MiB
+        raise UserError(f"--moe-cache-mib {ecfg.moe_cache_mib} does not fit: {free / MiB:.0f} MiB are free on {dev.name} "
+                        f"and the rest of the model takes {(need - pool) / MiB:.0f} MiB; use --moe-cache-mib "
+                        f"{max(0, int(room // MiB))} or less")
     if need > free:
         per_layer = cfg.n_experts * expert_bytes
         fit = max(0, int((free - (need - n_dev * per_layer)) // per_layer))

@@ -1,0 +1,82 @@
+"""Residency: which (layer, expert) sits in which slot of the GPU pool. Host-side, numpy, no device.
+
+    res = Residency(n_slots=1700, n_layers=24, n_experts=128, policy=make_policy("lfru", 1700))
+    plan = res.ensure(layer=3, experts=np.array([5, 9, 17]))
+    plan.slots        # the slot of each asked expert
+    plan.misses       # [(expert, slot)] to upload now
+    plan.evicted      # [(layer, expert)] that lost their slot
+
+Invariants (tested directly, without a model):
+- `slot_of[l, e] == s` if and only if `owner[s] == (l, e)`: the map always points at its expert's slot, and no expert
+  is in two slots.
+- A pinned slot is never a victim. An `ensure` pins, for its own duration, every slot it returns, so one call
+  never evicts an expert it is about to hand out.
+- `ensure` asks for at most one upload per expert: a hit uploads nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class CacheTooSmall(Exception):
+    """More experts asked for at once than there are unpinned slots: the caller runs the layer in waves."""
+
+
+@dataclass
+class Plan:
+    slots: np.ndarray                                   # (n,) slot of each asked expert
+    misses: list[tuple[int, int]] = field(default_factory=list)     # (expert, slot): copy these
+    evicted: list[tuple[int, int]] = field(default_factory=list)    # (layer, expert) no longer resident
+
+
+class Residency:
+    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy):
+        self.n_slots = n_slots
+        self.slot_of = np.full((n_layers, n_experts), -1, dtype=np.int64)     # (L, E): slot or -1
+        self.owner = np.full((n_slots, 2), -1, dtype=np.int64)                # (S, 2): (layer, expert) or -1
+        self.pinned = np.zeros(n_slots, dtype=bool)                           # read by queued compute
+        self.policy = policy
+
+    def resident(self, layer: int) -> np.ndarray:
+        return np.flatnonzero(self.slot_of[layer] >= 0)
+
+    def ensure(self, layer: int, experts: np.ndarray) -> Plan:
+        """Make every expert in `experts` (distinct ids) resident in `layer`; raise CacheTooSmall if they can't all be."""
+        experts = np.asarray(experts, dtype=np.int64)
+        slots = self.slot_of[layer, experts].copy()
+        hit = slots >= 0
+        need = experts[~hit]
+        plan = Plan(slots)
+        if len(need):
+            busy = self.pinned.copy()
+            busy[slots[hit]] = True                     # this call's hits are handed out: not victims
+            free = np.flatnonzero(~busy)
+            if len(free) < len(need):
+                raise CacheTooSmall(f"{len(need)} misses but {len(free)} unpinned slots")
+            empty = free[self.owner[free, 0] < 0]
+            taken = self.policy.order(free[self.owner[free, 0] >= 0])
+            victims = np.concatenate([empty, taken])[:len(need)]
+            for s in victims:
+                old_l, old_e = self.owner[s]
+                if old_l >= 0:
+                    self.slot_of[old_l, old_e] = -1
+                    plan.evicted.append((int(old_l), int(old_e)))
+            self.policy.forget(victims)
+            self.owner[victims, 0] = layer
+            self.owner[victims, 1] = need
+            self.slot_of[layer, need] = victims
+            slots[~hit] = victims
+            plan.misses = list(zip(need.tolist(), victims.tolist()))
+        self.policy.touch(slots)
+        return plan
+
+    def check(self) -> None:
+        """Assert the invariants (for tests)."""
+        ls, es = np.nonzero(self.slot_of >= 0)
+        s = self.slot_of[ls, es]
+        assert len(np.unique(s)) == len(s), "a slot holds two experts"
+        assert (self.owner[s, 0] == ls).all() and (self.owner[s, 1] == es).all(), "map and owner disagree"
+        used = self.owner[:, 0] >= 0
+        assert used.sum() == len(s), "an owned slot is not in the map"

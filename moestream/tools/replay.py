@@ -1,0 +1,44 @@
+"""`moestream replay`: a recorded routing trace against cache sizes and policies, offline (no GPU, no model).
+
+    moestream generate -m model.gguf -p 1,2,3 -n 64 --cpu-moe --trace run.npz
+    moestream replay run.npz --moe-cache-mib 8000,16000 --policy lfru,lru
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UserError
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("replay", help="replay a routing trace against cache sizes and policies (offline)")
+    p.add_argument("trace", help="a trace written by generate --trace")
+    p.add_argument("--moe-cache-mib", type=_ints, default=None, help="cache sizes in MiB, comma list")
+    p.add_argument("--slots", type=_ints, default=None, help="cache sizes in expert slots, comma list")
+    p.add_argument("--policy", default="lfru,lru", help="policies, comma list (default lfru,lru)")
+    p.set_defaults(func=main)
+
+
+def main(a: argparse.Namespace) -> int:
+    from ..experts.trace import load_trace, replay
+    tr = load_trace(a.trace)
+    sizes = list(a.slots or [])
+    sizes += [m * (1 << 20) // tr.expert_bytes for m in (a.moe_cache_mib or [])]
+    if not sizes:
+        raise UserError("give cache sizes with --moe-cache-mib or --slots")
+    n_ubatch = sum(1 for i, l in enumerate(tr.layers.tolist()) if i == 0 or l <= tr.layers[i - 1])
+    print(f"trace: {n_ubatch} ubatches, {tr.n_layers} layers x {tr.n_experts} experts of {tr.expert_bytes / 1e6:.2f} MB")
+    print("| policy | slots | MiB | hit rate | misses | uploaded GB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for policy in a.policy.split(","):
+        for n in sizes:
+            if n < 1:
+                raise UserError(f"a cache of {n} slots holds nothing; give a larger size")
+            t = replay(tr, n, policy)["total"]
+            print(f"| {policy} | {n} | {n * tr.expert_bytes / (1 << 20):.0f} | {t['hit_rate']:.4f} | "
+                  f"{t['misses']} | {t['uploaded_bytes'] / 1e9:.3f} |")
+    return 0
