@@ -18,7 +18,7 @@ import sys
 from .errors import UserError
 
 # Modules that add a subcommand each: `add_parser(subparsers)` registers it, with `func` as its entry point.
-SUBCOMMANDS = ("moestream.tools.make_model", "moestream.tools.bench")
+SUBCOMMANDS = ("moestream.tools.make_model", "moestream.tools.bench", "moestream.tools.replay")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     p.add_argument("--kernel", default="auto", help="expert kernel: auto, reference, grouped")
+    p.add_argument("--moe-cache-mib", type=int, default=None, metavar="MIB",
+                   help="GPU cache for host-resident experts, in MiB (0: the smallest that works)")
+    p.add_argument("--cache-policy", default="lfru", help="expert cache eviction: lfru (default) or lru")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
 
@@ -40,7 +43,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe, ubatch_size=a.ubatch_size, batch_size=a.batch_size,
                 ctx_size=a.ctx_size, device=a.device, dtype=a.dtype, kernel=a.kernel,
-                cuda_graphs=not a.no_cuda_graphs)
+                cuda_graphs=not a.no_cuda_graphs, moe_cache_mib=a.moe_cache_mib, cache_policy=a.cache_policy)
 
 
 def parse_prompt(text: str, has_tokenizer: bool):
@@ -73,6 +76,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
         ids = llm.chat_prompt([{"role": "user", "content": prompt}])
     else:
         ids = llm.encode(prompt)
+    recorder = None
+    if a.trace:
+        from .experts.trace import TraceRecorder
+        cfg = llm.model_config
+        recorder = TraceRecorder(cfg.n_layers, cfg.n_experts, cfg.expert_numel * llm.engine.dtype.itemsize)
+        llm.engine.model.on_route = recorder
     gen = llm.stream(ids, params)
     if not a.hash_only:
         if llm.tokenizer is not None and not a.chat:
@@ -84,6 +93,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         gen.run()
     res = gen.result
+    if recorder is not None:
+        recorder.save(a.trace)
     if a.hash or a.hash_only:
         print(f"sha256 {res.sha256} ({len(res.token_ids)} tokens)")
     if a.verbose or a.timings:
@@ -92,10 +103,22 @@ def cmd_generate(a: argparse.Namespace) -> int:
               f"({res.prompt_tokens / max(res.prompt_s, 1e-9):.1f} tok/s); "
               f"generated: {n} tokens in {res.decode_s * 1e3:.1f} ms ({n / max(res.decode_s, 1e-9):.1f} tok/s); "
               f"finish: {res.finish_reason}", file=sys.stderr)
-        st = llm.stats()
-        if st["uploaded_experts"]:
-            print(f"uploads: {st['uploaded_experts']} experts, {st['uploaded_bytes'] / 1e9:.3f} GB", file=sys.stderr)
+        print_stats(llm.stats())
     return 0
+
+
+def print_stats(st: dict) -> None:
+    """The cache counters, for --verbose: this prompt's, the cumulative ones, and per layer."""
+    if st["cache"]:
+        c = st["cache"]
+        print(f"moe cache: {c['mib']:.0f} MiB, {c['slots']} slots, {c['policy']}", file=sys.stderr)
+    for name in ("prompt", "total"):
+        t = st[name]
+        print(f"{name}: hits {t['hits']}, misses {t['misses']}, hit rate {t['hit_rate']:.3f}, evictions "
+              f"{t['evictions']}, uploaded {t['uploaded_bytes'] / 1e9:.3f} GB in {t['copies']} copies", file=sys.stderr)
+    for layer, t in st["per_layer"].items():
+        print(f"  layer {layer:3d}: hit rate {t['hit_rate']:.3f}, uploaded {t['uploaded_bytes'] / 1e6:.1f} MB",
+              file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--hash", action="store_true", help="print the sha256 of the generated token ids")
     g.add_argument("--hash-only", action="store_true", help="print only the hash, not the text")
+    g.add_argument("--trace", metavar="FILE", help="record the routing of every MoE layer to FILE (.npz)")
     g.add_argument("--timings", action="store_true", help="print prompt and generation speed")
     g.set_defaults(func=cmd_generate)
 
