@@ -22,12 +22,16 @@ class LLM:
     def __init__(self, model: str, *, cpu_moe: bool = False, n_cpu_moe: int = 0, ubatch_size: int = 512,
                  batch_size: int = 2048, ctx_size: int = 4096, device: str | None = None, dtype: str = "auto",
                  kernel: str = "auto", n_seq: int = 1, cuda_graphs: bool = True,
-                 moe_cache_mib: int | None = None, cache_policy: str = "lfru", progress: bool = False):
+                 moe_cache_mib: int | None = None, cache_policy: str = "lfru", prefetch: bool = True,
+                 prefetch_min_batch: int = 256, prefetch_seed: bool = True, prefetch_first_all: bool = False,
+                 lookahead: bool = True, progress: bool = False):
         self.source = open_source(model, progress=progress)
         self.config = EngineConfig(device=device or "auto", dtype=dtype, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
                                    ctx_size=ctx_size, n_seq=n_seq, batch_size=batch_size, ubatch_size=ubatch_size,
                                    kernel=kernel, cuda_graphs=cuda_graphs,
-                                   moe_cache_mib=moe_cache_mib, cache_policy=cache_policy)
+                                   moe_cache_mib=moe_cache_mib, cache_policy=cache_policy, prefetch=prefetch,
+                                   prefetch_min_batch=prefetch_min_batch, prefetch_seed=prefetch_seed,
+                                   prefetch_first_all=prefetch_first_all, lookahead=lookahead)
         self.engine = Engine.load(self.source, self.config, progress=progress)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config
@@ -71,7 +75,7 @@ class LLM:
     @torch.inference_mode()
     def logits(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
         """float32 logits for every position of token_ids (N, V), on the CPU: for tests and perplexity."""
-        self.engine.begin_prompt()
+        self.engine.begin_prompt(seq)
         return self.engine.prefill(seq, self.encode(list(token_ids)), 0, all_logits=True).float().cpu()
 
     def stats(self) -> dict:

@@ -36,6 +36,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-cache-mib", type=int, default=None, metavar="MIB",
                    help="GPU cache for host-resident experts, in MiB (0: the smallest that works)")
     p.add_argument("--cache-policy", default="lfru", help="expert cache eviction: lfru (default) or lru")
+    p.add_argument("--no-prefetch", action="store_true", help="with a cache: upload on demand only")
+    p.add_argument("--prefetch-min-batch", type=int, default=256, metavar="N",
+                   help="ubatches of at least N tokens copy experts ahead (default 256)")
+    p.add_argument("--no-prefetch-seed", action="store_true",
+                   help="the first big chunk of a prompt does not seed from the previous prompt's routing")
+    p.add_argument("--prefetch-first-all", action="store_true",
+                   help="the first big chunk of a prompt copies every expert ahead")
+    p.add_argument("--no-lookahead", action="store_true", help="decode: no next-layer expert prediction")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
 
@@ -43,7 +51,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe, ubatch_size=a.ubatch_size, batch_size=a.batch_size,
                 ctx_size=a.ctx_size, device=a.device, dtype=a.dtype, kernel=a.kernel,
-                cuda_graphs=not a.no_cuda_graphs, moe_cache_mib=a.moe_cache_mib, cache_policy=a.cache_policy)
+                cuda_graphs=not a.no_cuda_graphs, moe_cache_mib=a.moe_cache_mib, cache_policy=a.cache_policy,
+                prefetch=not a.no_prefetch, prefetch_min_batch=a.prefetch_min_batch,
+                prefetch_seed=not a.no_prefetch_seed, prefetch_first_all=a.prefetch_first_all,
+                lookahead=not a.no_lookahead)
 
 
 def parse_prompt(text: str, has_tokenizer: bool):

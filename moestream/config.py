@@ -161,6 +161,11 @@ class EngineConfig:
     cuda_graphs: bool = True         # decode through CUDA graphs where every expert is on the GPU
     moe_cache_mib: int | None = None # GPU expert cache for host layers (None: no cache, upload per ubatch; 0: smallest)
     cache_policy: str = "lfru"       # lfru (decayed frequency, scan-resistant) | lru
+    prefetch: bool = True            # copy experts ahead of their layer on the copy stream (with a cache)
+    prefetch_min_batch: int = 256    # rule 1: ubatches at least this long prefetch
+    prefetch_seed: bool = True       # rule 2: the first big chunk of a prompt seeds from the previous prompt
+    prefetch_first_all: bool = False # rule 2's option: the first big chunk copies every expert
+    lookahead: bool = True           # decode: predict the next layer's experts through its router
 
     def __post_init__(self):
         if self.ctx_size <= 0:
@@ -177,6 +182,8 @@ class EngineConfig:
             raise UserError(f"--moe-cache-mib must be >= 0, got {self.moe_cache_mib}")
         if self.cache_policy not in ("lfru", "lru"):
             raise UserError(f"--cache-policy must be lfru or lru, got {self.cache_policy!r}")
+        if self.prefetch_min_batch <= 0:
+            raise UserError(f"--prefetch-min-batch must be positive, got {self.prefetch_min_batch}")
         if self.n_seq <= 0:
             raise UserError(f"the number of sequences must be positive, got {self.n_seq}")
 

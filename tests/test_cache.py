@@ -162,7 +162,7 @@ def test_cache_size_errors():
 @pytest.mark.parametrize("policy,mib", [("lfru", 1), ("lru", 3), ("lfru", 0)])
 def test_trace_replay_predicts_the_live_cache(tmp_path, policy, mib):
     llm = LLM("synth:tiny", ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=mib,
-              cache_policy=policy)
+              cache_policy=policy, prefetch=False)       # the replay models demand misses, not prefetch
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
     llm.engine.model.on_route = rec

@@ -1,30 +1,34 @@
-"""The GPU expert cache: a pool of expert slots under --moe-cache-mib, filled from the host store on misses.
+"""The GPU expert cache: a pool of expert slots under --moe-cache-mib, filled from the host store.
 
-    cache = ExpertCache(store, n_slots=1702, layers=[0..23], n_experts=128, device="cuda", policy="lfru")
-    w = cache.fetch(layer, ids)        # uploads only the misses; w.slots index the pool
+    cache = ExpertCache(store, n_slots=1702, n_layers=24, n_experts=128, device=dev, policy="lfru")
+    cache.begin_ubatch(seq=0, n_tokens=4096, is_prompt=True)     # the engine, before each forward
+    w = cache.fetch(layer, ids)          # uploads the misses on the copy stream; compute waits only for its slots
 
-Compute reads weights from the pool by slot index (no staging copy). When a ubatch routes more experts in one layer
-than the pool has slots, `fetch` returns Waves: groups of experts that fit, uploaded one group at a time, each
-group's compute queued before the next group's uploads overwrite slots.
+Compute reads weights from the pool by slot index (no staging copy). Misses go on the copy stream ahead of the
+speculative copies (prefetch), whose bytes in flight are bounded. A slot that queued compute still reads is
+pinned: it is never a victim, so a copy never overwrites weights before their reader ran. When a ubatch routes more
+experts in one layer than the pool holds, `fetch` returns Waves.
 """
 from __future__ import annotations
 
-import logging
 import numpy as np
 import torch
 
+from .copy_queue import CopyQueue
 from .policy import make_policy
+from .prefetch import PrefetchConfig, RoutingStats, Seed, choose_seed, predicted
 from .provider import ExpertWeights
-from .residency import Residency
+from .residency import CacheTooSmall, Residency
 from .stats import CacheStats, Counts
 from .store import ExpertStore, expert_views
 
-log = logging.getLogger("moestream")
+NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
+
 
 class CachePlanner:
-    """The decisions of the cache, with no device: the policy's clock, residency, the counters, waves.
+    """The cache's decisions with no device: the policy's clock, residency, counters and waves.
 
-    The live cache and the offline trace replay both run this, so a replay predicts the live counts exactly.
+    The live cache and the offline trace replay both run this, so a replay predicts the live demand counts.
     """
 
     def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy: str, expert_bytes: int):
@@ -57,6 +61,7 @@ class Waves:
 
     def __iter__(self):
         for g in self.groups:
+            self.cache._mark_reads()             # the previous wave's compute is queued: its slots may go
             w = self.cache._load(self.layer, self.ids, g)
             member = torch.zeros(self.cache.n_experts, dtype=torch.bool)
             member[torch.from_numpy(g)] = True
@@ -64,31 +69,175 @@ class Waves:
 
 
 class ExpertCache:
-    def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device: torch.device,
-                 policy: str = "lfru"):
+    def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device, policy: str = "lfru",
+                 prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1):
         any_rows = next(iter(store.rows.values()))
-        self.store, self.n_experts, self.device = store, n_experts, device
-        self.pool = torch.empty(n_slots, any_rows.shape[1], dtype=any_rows.dtype, device=device)   # (S, numel)
+        self.store, self.n_experts, self.device, self.prefetch = store, n_experts, device, prefetch
+        self.pool = torch.empty(n_slots, any_rows.shape[1], dtype=any_rows.dtype, device=device.torch)  # (S, numel)
         self.w13, self.w2 = expert_views(self.pool, store.inter, store.hidden)
         self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes)
         self.residency, self.stats, self.policy_name = self.planner.residency, self.planner.stats, policy
+        self.queue = CopyQueue(device)
+        self.layers = sorted(host_layers if host_layers is not None else store.rows)
+        self.routing = [RoutingStats(n_layers, n_experts) for _ in range(n_seq)]      # per context
+        self.ready = np.zeros(n_slots, dtype=np.int64)          # copy batch that filled each slot
+        self.use = np.full(n_slots, -1, dtype=np.int64)         # compute event after each slot's last read
+        self.use_events: dict[int, object] = {}
+        self.use_seq, self.use_done = 0, 0
+        self.spec_flag = np.zeros(n_slots, dtype=bool)          # filled by a prefetch, not used yet
+        self.handed: np.ndarray = np.zeros(0, dtype=np.int64)   # slots the last fetch handed out
+        self.seed: Seed | None = None
+        self.seq, self.is_prompt = 0, False
+        self.predicted: dict[int, np.ndarray] = {}              # decode lookahead: layer -> predicted experts
+        self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
 
     @property
     def n_slots(self) -> int:
         return self.residency.n_slots
 
-    def fetch(self, layer: int, ids: torch.Tensor):
+    # --- context --------------------------------------------------------------------------------------------
+    def begin_prompt(self, seq: int = 0) -> None:
+        self.stats.begin_prompt()
+        self.routing[seq].begin_prompt()
+
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+        self.seq, self.is_prompt = seq, is_prompt
+        stats = self.routing[seq]
+        self.seed = choose_seed(n_tokens, is_prompt, stats, self.prefetch)
+        if is_prompt:
+            stats.begin_ubatch(n_tokens)
+        if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now
+            self._prefetch(self.layers[0], predicted(self._seed_row(self.layers[0]), self.n_experts))
+
+    def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
+        """Decode-sized ubatches guess the next host layer's experts (a prompt ubatch routes too many to guess)."""
+        return (self.prefetch.enabled and self.prefetch.lookahead and not self.is_prompt and n_tokens <= 8
+                and layer != self.layers[-1])
+
+    # --- the hot path ---------------------------------------------------------------------------------------
+    def fetch(self, layer: int, ids: torch.Tensor, lookahead: torch.Tensor | None = None):
         """ids (T, k) routed expert ids -> ExpertWeights, or Waves when the pool cannot hold them all at once."""
-        wanted = torch.unique(ids).cpu().numpy()        # host sync: the copies are chosen on the host
+        self._mark_reads()
+        if lookahead is not None:            # one host sync for both: the routing and the lookahead guess
+            both = torch.cat([ids.reshape(-1), lookahead.reshape(-1)]).cpu().numpy()
+            flat, guess = both[:ids.numel()], np.unique(both[ids.numel():])
+        else:
+            flat, guess = ids.reshape(-1).cpu().numpy(), None
+        wanted = np.unique(flat).astype(np.int64)
+        if self.is_prompt:
+            self.routing[self.seq].record(layer, flat.reshape(ids.shape))
+        self._score_lookahead(layer, wanted)
         groups = self.planner.groups(layer, wanted)
-        if len(groups) == 1:
-            return self._load(layer, ids, groups[0])
-        return Waves(self, layer, ids, groups)
+        if len(groups) > 1:
+            return Waves(self, layer, ids, groups)
+        w = self._load(layer, ids, groups[0])
+        nxt = self._next_layer(layer)
+        if nxt is not None:
+            if guess is not None:
+                self.predicted[nxt] = guess
+                self._prefetch(nxt, guess)
+            elif self.seed is not None:
+                self._prefetch(nxt, predicted(self._seed_row(nxt), self.n_experts))
+        return w
 
     def _load(self, layer: int, ids: torch.Tensor, group: np.ndarray) -> ExpertWeights:
-        plan = self.planner.plan(layer, group)
-        src = self.store.rows[layer]
-        for e, s in plan.misses:                        # each miss once: one contiguous copy per expert
-            self.pool[s].copy_(src[e], non_blocking=True)
-        lut = torch.from_numpy(self.residency.slot_of[layer]).to(self.device, non_blocking=False)   # (E,)
+        self._update_pins()
+        try:
+            plan = self.planner.plan(layer, group)
+        except CacheTooSmall:                # pins hold too much: let queued compute finish, then every slot is free
+            self.device.synchronize()
+            self._update_pins()
+            plan = self.planner.plan(layer, group)
+        hit_slots = plan.slots[~np.isin(group, [e for e, _ in plan.misses])]
+        used = self.spec_flag[hit_slots]
+        victims = np.array([s for _, s in plan.misses], dtype=np.int64)
+        wasted = int(self.spec_flag[victims].sum()) if len(victims) else 0
+        self.spec_flag[hit_slots] = False
+        self.spec_flag[victims] = False
+        self.stats.record(layer, Counts(prefetch_used=int(used.sum()), prefetch_wasted=wasted))
+        if plan.misses:
+            src = self.store.rows[layer]
+            seq = self.queue.submit([(self.pool[s], src[e]) for e, s in plan.misses],
+                                    len(plan.misses) * self.store.expert_bytes, speculative=False)
+            self.ready[victims] = seq
+        self._wait_for(layer, int(self.ready[plan.slots].max()))
+        self.use[plan.slots] = NOT_YET
+        self.handed = plan.slots
+        lut = torch.from_numpy(self.residency.slot_of[layer].copy()).to(self.device.torch)        # (E,)
         return ExpertWeights(self.w13, self.w2, lut[ids])
+
+    def _prefetch(self, layer: int, experts: np.ndarray) -> None:
+        """Copy ahead the experts of `layer` not resident, in the given order, within the in-flight bound."""
+        res = self.residency
+        experts = experts[res.slot_of[layer, experts] < 0]
+        room = self.prefetch.max_inflight_mib * (1 << 20) - self.queue.speculative_inflight()
+        n = min(len(experts), max(0, room // self.store.expert_bytes))
+        self._update_pins()
+        n = min(n, int((~res.pinned).sum()) - 1)
+        if n <= 0:
+            return
+        experts = experts[:n]
+        plan = res.ensure(layer, experts)
+        victims = np.array([s for _, s in plan.misses], dtype=np.int64)
+        wasted = int(self.spec_flag[victims].sum())
+        self.spec_flag[victims] = True
+        src = self.store.rows[layer]
+        nbytes = len(plan.misses) * self.store.expert_bytes
+        seq = self.queue.submit([(self.pool[s], src[e]) for e, s in plan.misses], nbytes, speculative=True)
+        self.ready[victims] = seq
+        self.stats.record(layer, Counts(evictions=len(plan.evicted), uploaded_bytes=nbytes, copies=len(plan.misses),
+                                        prefetched=len(plan.misses), prefetched_bytes=nbytes,
+                                        prefetch_wasted=wasted))
+
+    # --- bookkeeping ----------------------------------------------------------------------------------------
+    def _seed_row(self, layer: int):
+        return None if self.seed.counts is None else self.seed.counts[layer]
+
+    def _next_layer(self, layer: int) -> int | None:
+        i = self.layers.index(layer)
+        return self.layers[i + 1] if i + 1 < len(self.layers) else None
+
+    def _score_lookahead(self, layer: int, wanted: np.ndarray) -> None:
+        guess = self.predicted.pop(layer, None)
+        if guess is not None:
+            tp = len(np.intersect1d(guess, wanted))
+            self.stats.record(layer, Counts(lookahead_tp=tp, lookahead_fp=len(guess) - tp,
+                                            lookahead_fn=len(wanted) - tp))
+
+    def _mark_reads(self) -> None:
+        """An event after everything queued so far, which includes the compute that read the last fetch's slots.
+        On the CPU that compute has already run: the slots are free at once."""
+        if not self.device.is_cuda:
+            self.use[self.handed] = 0
+            return
+        self.use_seq += 1
+        ev = torch.cuda.Event()
+        ev.record()
+        self.use_events[self.use_seq] = ev
+        self.use[self.handed] = self.use_seq
+        self.handed = np.zeros(0, dtype=np.int64)
+
+    def _update_pins(self) -> None:
+        while self.use_done < self.use_seq and self.use_events[self.use_done + 1].query():
+            del self.use_events[self.use_done + 1]
+            self.use_done += 1
+        self.residency.pinned = self.use > self.use_done
+
+    def _wait_for(self, layer: int, seq: int) -> None:
+        """The compute stream waits for copy batch `seq` (if still running), timed with a pair of events."""
+        if not self.device.is_cuda or seq <= self.queue.poll():
+            return
+        compute = torch.cuda.current_stream(self.device.torch)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        self.queue.wait(seq, compute)
+        after.record(compute)
+        self.waits.append((layer, before, after))
+
+    def collect_waits(self) -> None:
+        """Turn recorded event pairs into per-layer wait counts (synchronises; call when reading stats)."""
+        if self.waits:
+            self.device.synchronize()
+            for layer, before, after in self.waits:
+                self.stats.record(layer, Counts(waits=1, wait_s=before.elapsed_time(after) / 1e3))
+            self.waits = []

@@ -30,7 +30,7 @@ class ResidentExperts:
         self.rows = rows                       # layer -> (E, numel) on the device
         self.views = {l: expert_views(r, inter, hidden) for l, r in rows.items()}
 
-    def fetch(self, layer: int, ids: torch.Tensor) -> ExpertWeights:
+    def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         w13, w2 = self.views[layer]
         return ExpertWeights(w13, w2, ids)
 
@@ -51,7 +51,7 @@ class UploadPerUbatch:
         self.w13, self.w2 = expert_views(self.buf, store.inter, store.hidden)
         self.stats = CacheStats()
 
-    def fetch(self, layer: int, ids: torch.Tensor) -> ExpertWeights:
+    def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         src = self.store.rows[layer]
         wanted = torch.unique(ids).tolist()    # host sync: the copies are chosen on the host
         for e in wanted:
@@ -67,5 +67,9 @@ class LayerRouter:
     def __init__(self, by_layer: dict[int, object]):
         self.by_layer = by_layer
 
-    def fetch(self, layer: int, ids: torch.Tensor) -> ExpertWeights:
-        return self.by_layer[layer].fetch(layer, ids)
+    def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
+        return self.by_layer[layer].fetch(layer, ids, lookahead)
+
+    def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
+        p = self.by_layer[layer]
+        return hasattr(p, "wants_lookahead") and p.wants_lookahead(layer, n_tokens)

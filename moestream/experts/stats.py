@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KEYS = ("hits", "misses", "evictions", "uploaded_bytes", "copies")
+KEYS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "prefetched", "prefetched_bytes",
+        "prefetch_used", "prefetch_wasted", "waits", "wait_s", "lookahead_tp", "lookahead_fp", "lookahead_fn")
 
 
 @dataclass
@@ -11,8 +12,17 @@ class Counts:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    uploaded_bytes: int = 0
+    uploaded_bytes: int = 0         # demand and speculative
     copies: int = 0
+    prefetched: int = 0             # experts copied ahead of their layer (speculative)
+    prefetched_bytes: int = 0
+    prefetch_used: int = 0          # ... and then used by their layer
+    prefetch_wasted: int = 0        # ... and evicted unused
+    waits: int = 0                  # times the compute stream waited for a copy
+    wait_s: float = 0.0             # total time it waited (CUDA events)
+    lookahead_tp: int = 0           # decode lookahead: predicted and routed
+    lookahead_fp: int = 0           # predicted, not routed
+    lookahead_fn: int = 0           # routed, not predicted
 
     def add(self, other: "Counts") -> None:
         for k in KEYS:
@@ -21,6 +31,9 @@ class Counts:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in KEYS}
         d["hit_rate"] = self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+        tp, fp, fn = self.lookahead_tp, self.lookahead_fp, self.lookahead_fn
+        d["lookahead_precision"] = tp / (tp + fp) if tp + fp else 0.0
+        d["lookahead_recall"] = tp / (tp + fn) if tp + fn else 0.0
         return d
 
 

@@ -31,12 +31,19 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel,
-              on_route=None) -> torch.Tensor:
-    """x (T, H) -> (T, H). `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats)."""
+              on_route=None, next_router: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, H) -> (T, H). `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats).
+
+    Decode lookahead: where the provider asks, the next MoE layer's router applied to this layer's input guesses
+    the next layer's experts, so their copies start before that layer's own routing is known.
+    """
     weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
     if on_route is not None:
         on_route(layer, ids)
-    w = provider.fetch(layer, ids)
+    guess = None
+    if next_router is not None and provider.wants_lookahead(layer, x.shape[0]):
+        guess = torch.topk(F.linear(x, next_router), cfg.n_experts_used, dim=-1).indices      # (T, k)
+    w = provider.fetch(layer, ids, guess)
     if hasattr(w, "slots"):
         y = kernel(x, w.slots, w.w13, w.w2)                              # (T, k, H)
     else:

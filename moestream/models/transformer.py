@@ -67,6 +67,8 @@ class MoETransformer:
         self.cos, self.sin = rope                                            # (P, hd) float32 each
         self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
         self.on_route = None            # callback(layer, ids) for routing traces and statistics
+        moe = cfg.moe_layers            # the next MoE layer's router, for decode lookahead
+        self.next_router = {a: self.layers[b]["ffn_gate_inp.weight"] for a, b in zip(moe, moe[1:])}
 
     def forward(self, batch: Batch, kv, experts, kernel) -> torch.Tensor:
         cfg = self.cfg
@@ -80,7 +82,7 @@ class MoETransformer:
             if i in cfg.dense_layers:
                 h = h + swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
             else:
-                h = h + moe_block(m, lw, i, cfg, experts, kernel, self.on_route)
+                h = h + moe_block(m, lw, i, cfg, experts, kernel, self.on_route, self.next_router.get(i))
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                             # (R, V)
 

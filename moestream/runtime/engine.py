@@ -20,6 +20,7 @@ from ..config import EngineConfig, ModelConfig
 from ..device import Device
 from ..errors import UserError
 from ..experts.cache import ExpertCache
+from ..experts.prefetch import PrefetchConfig
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.store import ExpertStore, fill_layer
 from ..kernels import experts_reference, pick_kernel
@@ -96,7 +97,11 @@ class Engine:
             if n_slots is None:
                 host_provider = UploadPerUbatch(store, cfg.n_experts, dev.torch)
             else:
-                host_provider = ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev.torch, ecfg.cache_policy)
+                pf = PrefetchConfig(enabled=ecfg.prefetch, min_batch=ecfg.prefetch_min_batch,
+                                    seed_previous=ecfg.prefetch_seed, first_chunk_all=ecfg.prefetch_first_all,
+                                    lookahead=ecfg.lookahead)
+                host_provider = ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache_policy,
+                                            pf, sorted(host_rows), ecfg.n_seq)
                 log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB,
                          n_slots, store.expert_bytes / 1e6, ecfg.cache_policy)
             providers.update({l: host_provider for l in host_rows})
@@ -109,7 +114,10 @@ class Engine:
 
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False) -> torch.Tensor:
+    def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False,
+                is_prompt: bool = False) -> torch.Tensor:
+        if hasattr(self.host, "begin_ubatch"):
+            self.host.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
         batch = Batch.make(segments, tokens, self.device.torch, all_logits)
         return self.model.forward(batch, self.kv, self.experts, self.kernel)
 
@@ -127,7 +135,7 @@ class Engine:
         outs = []
         for i in range(0, len(tokens), ub):
             chunk = tokens[i:i + ub]
-            out = self.forward([Segment(seq, start + i, len(chunk))], chunk, all_logits)
+            out = self.forward([Segment(seq, start + i, len(chunk))], chunk, all_logits, is_prompt=True)
             if all_logits or i + ub >= len(tokens):
                 outs.append(out)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -141,14 +149,19 @@ class Engine:
                 return self.graphs.run(steps)
         return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps])
 
-    def begin_prompt(self) -> None:
-        """Start the per-prompt counters (a prompt and the decode that follows it)."""
-        if self.host is not None:
+    def begin_prompt(self, seq: int = 0) -> None:
+        """Start the per-prompt counters (a prompt and the decode that follows it) and, with a cache, the
+        context's routing statistics (this prompt's become the previous prompt's)."""
+        if isinstance(self.host, ExpertCache):
+            self.host.begin_prompt(seq)
+        elif self.host is not None:
             self.host.stats.begin_prompt()
 
     def stats(self) -> dict:
         """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative)."""
         from ..experts.stats import CacheStats
+        if isinstance(self.host, ExpertCache):
+            self.host.collect_waits()
         st = self.host.stats if self.host is not None else CacheStats()
         total = CacheStats.summary(st.total)
         cache = None

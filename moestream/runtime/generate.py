@@ -55,7 +55,7 @@ class Generation:
         sampler = Sampler()
         ids, text, reason = [], [], "length"
 
-        eng.begin_prompt()
+        eng.begin_prompt(self.seq)
         t0 = time.perf_counter()
         logits = eng.prefill(self.seq, self.prompt, 0)
         eng.synchronize()

@@ -1,0 +1,65 @@
+"""The copy queue: host-to-device expert copies on their own CUDA stream, each batch returning an event.
+
+    q = CopyQueue(device)
+    seq = q.submit([(pool[s], store_row)], nbytes, speculative=False)    # a sequence number (None on the CPU)
+    q.wait(seq, compute_stream)      # the compute stream waits for that batch (and, FIFO, all before it)
+
+One stream keeps copies in order, so waiting for batch n waits for every batch before it too. Speculative bytes in
+flight are bounded by the caller (`speculative_inflight()`), so a demand miss never queues behind more than that.
+On the CPU copies run inline and every call is a no-op.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class CopyQueue:
+    def __init__(self, device):
+        self.device = device
+        self.stream = device.new_stream() if device.is_cuda else None    # the copy stream
+        self.events: dict[int, torch.cuda.Event] = {}                    # seq -> event, until known complete
+        self.seq = 0                                                     # last submitted batch
+        self.done = 0                                                    # every batch <= done has completed
+        self.spec = deque()                                              # (seq, nbytes) speculative in flight
+
+    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, speculative: bool) -> int:
+        self.seq += 1
+        if self.stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            self.done = self.seq
+            return self.seq
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.events[self.seq] = ev
+        if speculative:
+            self.spec.append((self.seq, nbytes))
+        return self.seq
+
+    def poll(self) -> int:
+        """Advance `done` past every completed batch (events complete in order on one stream)."""
+        while self.done < self.seq:
+            ev = self.events.get(self.done + 1)
+            if ev is not None and not ev.query():
+                break
+            self.events.pop(self.done + 1, None)
+            self.done += 1
+        while self.spec and self.spec[0][0] <= self.done:
+            self.spec.popleft()
+        return self.done
+
+    def speculative_inflight(self) -> int:
+        self.poll()
+        return sum(n for _, n in self.spec)
+
+    def wait(self, seq: int, stream) -> bool:
+        """Make `stream` wait for batch `seq`; False when it had already completed (no wait was queued)."""
+        if seq <= self.poll():
+            return False
+        stream.wait_event(self.events[seq])
+        return True
