@@ -5,6 +5,7 @@
 #   bash bench/gpu.sh smoke      cuda tests + a 4-layer synth model with the reference shapes
 #   bash bench/gpu.sh ref        the 24-layer reference GGUF: load, pp4096/tg64 at ubatch 512/2048/4096, all on the
 #                                GPU and --cpu-moe
+#   bash bench/gpu.sh cache      cuda tests, then bench/cache_sweep.py on the reference GGUF (issues 3 and 4)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,5 +29,11 @@ ref)
   [ -f $REF ] || { /usr/bin/time -v python3 .carry/make_reference_gguf.py $REF 24 2>&1 | grep -E "wrote|Elapsed|Maximum resident"; } | tee "$OUT/make_ref.log"
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v 2>&1 | tee "$OUT/ref_gpu.md"
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v --cpu-moe 2>&1 | tee "$OUT/ref_host.md"
+  ;;
+cache)
+  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  python3 bench/cache_sweep.py $REF "$OUT" 2>&1 | grep -v '^{' | tee "$OUT/cache_sweep.md"
   ;;
 esac

@@ -181,3 +181,15 @@ def test_bad_trace_file_is_a_user_error(tmp_path):
     p.write_bytes(b"not a trace")
     with pytest.raises(UserError, match="cannot read routing trace"):
         load_trace(str(p))
+
+
+def test_reconfigure_cache_keeps_logits_and_restarts_counters():
+    llm = LLM("synth:tiny", ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=1000)
+    ids = _prompt(40, 3)
+    base = llm.logits(ids)
+    for mib, policy in ((0, "lru"), (3, "lfru"), (None, "lfru")):
+        llm.engine.reconfigure_cache(moe_cache_mib=mib, cache_policy=policy)
+        assert torch.equal(llm.logits(ids), base)
+        assert llm.stats()["total"]["misses"] == llm.stats()["prompt"]["misses"] > 0
+    with pytest.raises(UserError, match="host memory"):
+        LLM("synth:tiny", device="cpu").engine.reconfigure_cache(moe_cache_mib=1)

@@ -76,3 +76,23 @@ def test_greedy_decode_hash_same_on_every_placement(checkpoint):
               .generate(list(range(7, 19)), max_tokens=16, ignore_eos=True).sha256
               for kw in ({}, {"cpu_moe": True}, {"n_cpu_moe": 1})}
     assert len(hashes) == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("ubatch", [16, 512])
+def test_cache_sizes_policies_and_prefetch_bit_identical_on_cuda(ubatch):
+    """bf16, grouped kernel, copy stream: 1 MiB (5 slots: waves), 0 (16), 3 MiB, every expert; prefetch on and off."""
+    spec = "synth:tiny:dtype=bfloat16"
+    prompts = [list(range(1 + s, 300 + s, 3)) for s in range(3)]
+    base = LLM(spec, ctx_size=512, device="cuda", ubatch_size=ubatch)
+    want = [base.logits(p) for p in prompts]
+    hashes = {base.generate(prompts[0], max_tokens=24, ignore_eos=True).sha256}
+    for kw in ({"moe_cache_mib": 1}, {"moe_cache_mib": 0}, {"moe_cache_mib": 3, "cache_policy": "lru"},
+               {"moe_cache_mib": 100}, {"moe_cache_mib": 3, "prefetch": False},
+               {"moe_cache_mib": 3, "prefetch_min_batch": 8, "prefetch_first_all": True}):
+        llm = LLM(spec, ctx_size=512, device="cuda", ubatch_size=ubatch, cpu_moe=True, **kw)
+        for p, w in zip(prompts, want):
+            assert torch.equal(llm.logits(p), w), kw
+        hashes.add(llm.generate(prompts[0], max_tokens=24, ignore_eos=True).sha256)
+        assert llm.stats()["total"]["misses"] > 0
+    assert len(hashes) == 1

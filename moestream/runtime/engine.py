@@ -94,16 +94,7 @@ class Engine:
             providers.update({l: resident for l in dev_rows})
         if host_rows:
             store = ExpertStore(host_rows, inter, hidden)
-            if n_slots is None:
-                host_provider = UploadPerUbatch(store, cfg.n_experts, dev.torch)
-            else:
-                pf = PrefetchConfig(enabled=ecfg.prefetch, min_batch=ecfg.prefetch_min_batch,
-                                    seed_previous=ecfg.prefetch_seed, first_chunk_all=ecfg.prefetch_first_all,
-                                    lookahead=ecfg.lookahead)
-                host_provider = ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache_policy,
-                                            pf, sorted(host_rows), ecfg.n_seq)
-                log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB,
-                         n_slots, store.expert_bytes / 1e6, ecfg.cache_policy)
+            host_provider = _host_provider(cfg, ecfg, store, dev, n_slots)
             providers.update({l: host_provider for l in host_rows})
             log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                      len(host_rows), store.nbytes / MiB, len(dev_rows))
@@ -172,6 +163,26 @@ class Engine:
                 "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
                 "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"]}
 
+    def reconfigure_cache(self, **changes) -> None:
+        """A new expert cache (size, policy, prefetch switches) over the same pinned store, without reloading:
+        e.g. reconfigure_cache(moe_cache_mib=16000, prefetch=False). Counters and routing statistics restart."""
+        if self.host is None:
+            raise UserError("no expert is in host memory: use --cpu-moe or --n-cpu-moe for a cache")
+        ecfg = dataclasses.replace(self.ecfg, **changes)
+        store = self.host.store
+        self.host = None
+        self.experts.by_layer = {l: p for l, p in self.experts.by_layer.items() if l not in store.rows}
+        if self.device.is_cuda:
+            torch.cuda.empty_cache()
+        size = torch.empty((), dtype=self.dtype).element_size()
+        n_slots = cache_slots(self.cfg, ecfg, len(store.rows), self.cfg.expert_numel * size)
+        if n_slots is not None and n_slots * store.expert_bytes > self.device.free_memory():
+            raise UserError(f"--moe-cache-mib {ecfg.moe_cache_mib} does not fit: {self.device.free_memory() / MiB:.0f} "
+                            f"MiB are free on {self.device.name}")
+        self.host = _host_provider(self.cfg, ecfg, store, self.device, n_slots)
+        self.experts.by_layer.update({l: self.host for l in store.rows})
+        self.ecfg = ecfg
+
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
         """Change -b/-ub without reloading (they change how prompts are cut, not where weights live)."""
         self.ecfg = dataclasses.replace(self.ecfg, batch_size=batch_size, ubatch_size=ubatch_size)
@@ -192,6 +203,18 @@ def _resolve_dtype(spec: str, file_dtype: torch.dtype, dev: Device) -> torch.dty
     if spec != "auto":
         return DTYPES[spec]
     return file_dtype if file_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None):
+    """Uploads per ubatch (no cache), or the expert cache with its copy stream and prefetcher."""
+    if n_slots is None:
+        return UploadPerUbatch(store, cfg.n_experts, dev.torch)
+    pf = PrefetchConfig(enabled=ecfg.prefetch, min_batch=ecfg.prefetch_min_batch, seed_previous=ecfg.prefetch_seed,
+                        first_chunk_all=ecfg.prefetch_first_all, lookahead=ecfg.lookahead)
+    log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
+             store.expert_bytes / 1e6, ecfg.cache_policy)
+    return ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache_policy, pf, sorted(store.rows),
+                       ecfg.n_seq)
 
 
 def cache_slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
