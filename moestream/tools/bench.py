@@ -1,102 +1,381 @@
-"""`moestream bench`: prompt and generation speed, shaped like llama-bench.
+"""`moestream bench`: prompt and generation speed, shaped like llama-bench, with the expert-streaming figures.
 
     moestream bench -m ref.gguf -p 4096 -n 64 -ub 512,2048,4096 -b 4096 --cpu-moe -r 3 -o md
+    moestream bench -m ref.gguf -p 4096 -n 0 --cpu-moe --moe-cache-mib 0,8000,16000 --plot sweep.png
+    moestream bench -m ref.gguf -p 2048 -n 32 -pg 2048,32 --compare "--cpu-moe" "--cpu-moe --moe-cache-mib 8000"
 
-pp N: one N-token prompt of random ids from position 0, in ubatches. tg N: N tokens decoded one at a time from
-position 0, each waiting for the previous one's argmax (as a real decode does). A warm-up run precedes the timed
-repetitions; results are mean ± std of tokens per second. Comma lists sweep; the model loads once, since -b and
--ub change how prompts are cut, not where weights live.
+pp N: one N-token prompt from position 0, in ubatches. tg N: N tokens decoded one at a time from position 0, each
+waiting for the previous one's argmax (as a real decode does). pg PP,TG: a PP-token prompt, then TG decoded
+tokens; its t/s counts both. Each run gets its own seeded random prompt (the same sequence for every
+configuration), so a cache cannot have learnt the exact prompt it is timed on. A warm-up run precedes the timed
+repetitions; t/s is mean ± std over them.
+
+Beside t/s, from the engine's statistics (differences over each timed run, averaged): uploaded GB per run, the
+expert cache's hit rate, the compute stream's wait per MoE layer (ms per run), and the roofline fraction
+`bound / measured`, where bound = max(uploaded bytes / link speed, --compute-s-per-token x tokens). The link speed
+is a pinned host -> device copy of --link-mib MiB timed with CUDA events at start (n/a on the CPU).
+
+Sweeps: comma lists for -p, -n, -b, -ub, -ncmoe and --moe-cache-mib. -b and -ub change how prompts are cut, so the
+model loads once for them; each placement or cache size is its own load. --compare A B loads both configurations
+once and runs them alternately (A, B, A, B, ...) so that drift (clocks, heat, other tenants) cancels in the
+ratio, printed pair by pair.
 """
 from __future__ import annotations
 
 import argparse
-import csv
-import io
+import copy
+import gc
 import itertools
-import json
+import shlex
 import statistics
+import sys
 
 import torch
 
+from ..errors import UserError
+from . import report
+from .report import Col, na
+
+COUNTERS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "wait_s")
+SWEPT = ("batch_size", "ubatch_size", "n_cpu_moe", "moe_cache_mib")      # engine flags that take comma lists here
+
 
 def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x != ""]
+    try:
+        return [int(x) for x in s.split(",") if x.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _pair(s: str) -> tuple[int, int]:
+    v = _ints(s)
+    if len(v) != 2:
+        raise argparse.ArgumentTypeError(f"-pg takes PP,TG (two integers), got {s!r}")
+    return v[0], v[1]
 
 
 def add_parser(sub) -> None:
     from ..cli import add_engine_flags
-    p = sub.add_parser("bench", help="measure prompt (pp) and generation (tg) speed, like llama-bench")
+    p = sub.add_parser("bench", help="measure prompt (pp) and generation (tg) speed, like llama-bench",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(p)
-    for a in p._actions:                         # sweepable: -b and -ub take comma lists here
-        if a.dest in ("batch_size", "ubatch_size"):
-            a.type = _ints
-            a.default = [a.default]
+    for a in p._actions:                         # sweepable engine flags take comma lists here
+        if a.dest in SWEPT:
+            a.type, a.default = _ints, [a.default]
     p.add_argument("-p", "--n-prompt", type=_ints, default=[512], help="prompt lengths, comma list (0 skips)")
     p.add_argument("-n", "--n-gen", type=_ints, default=[128], help="generation lengths, comma list (0 skips)")
+    p.add_argument("-pg", dest="pg", type=_pair, action="append", default=[], metavar="PP,TG",
+                   help="a prompt of PP tokens then TG generated ones (repeatable)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="timed repetitions (default 5)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="output format")
     p.add_argument("--seed", type=int, default=1234, help="seed of the random prompt tokens")
+    # REMAINDER, so that a set of one flag ("--cpu-moe") is taken as a value, not as the bench's own flag
+    p.add_argument("--compare", nargs=argparse.REMAINDER, metavar="A B",
+                   help="two sets of engine flags (quoted) run alternately; prints B/A of t/s pair by pair")
+    p.add_argument("--link-mib", type=int, default=1024, help="MiB copied to measure the link at start (0: skip)")
+    p.add_argument("--compute-s-per-token", type=float, default=None,
+                   help="compute time per token for the roofline (default: the link bound alone)")
+    p.add_argument("--plot", metavar="FILE.png", help="plot tok/s against ubatch and per-layer uploads/hit rate")
     p.set_defaults(func=main)
 
 
-def run_test(llm, kind: str, n: int, reps: int, seed: int) -> dict:
-    eng = llm.engine
-    vocab = llm.model_config.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (max(n, 1),), generator=g).tolist()
+# --- the engine's statistics ----------------------------------------------------------------------------------
+def read_stats(llm) -> tuple[dict, dict[int, dict]]:
+    """(total, per_layer) counters from llm.stats(), whichever version of it the engine has.
 
-    def once():
-        if kind == "pp":
-            eng.prefill(0, ids, 0)
-        else:
+    Each counter in COUNTERS is a number, or None where the engine does not count it (no cache: no hits).
+    """
+    st = llm.stats()
+
+    def norm(d: dict) -> dict:
+        return {k: (float(d[k]) if d.get(k) is not None else None) for k in COUNTERS}
+
+    if "total" in st:
+        total = norm(st["total"])
+    else:                                                  # the engine before the cache: uploads only
+        total = norm({"uploaded_bytes": st.get("uploaded_bytes", 0), "copies": st.get("uploaded_experts", 0)})
+    if "per_layer" in st:
+        per_layer = {int(l): norm(v) for l, v in st["per_layer"].items()}
+    else:
+        per_layer = {int(l): norm({"uploaded_bytes": b}) for l, b in st.get("uploaded_bytes_per_layer", {}).items()}
+    return total, per_layer
+
+
+def diff_counters(after: dict, before: dict | None) -> dict:
+    """after - before per counter, and the hit rate of the difference (None where not counted or no lookups)."""
+    before = before or {}
+    d = {k: (None if after.get(k) is None else after[k] - (before.get(k) or 0.0)) for k in COUNTERS}
+    lookups = (d["hits"] or 0) + (d["misses"] or 0)
+    d["hit_rate"] = d["hits"] / lookups if d["hits"] is not None and lookups > 0 else None
+    return d
+
+
+def mean_counters(ds: list[dict]) -> dict:
+    """The mean of several diffs (per run), hit rate recomputed from the summed hits and misses."""
+    out = {k: (None if any(d[k] is None for d in ds) else sum(d[k] for d in ds) / len(ds)) for k in COUNTERS}
+    lookups = (out["hits"] or 0) + (out["misses"] or 0)
+    out["hit_rate"] = out["hits"] / lookups if out["hits"] is not None and lookups > 0 else None
+    return out
+
+
+def measure_link(device, mib: int) -> float | None:
+    """Host -> device bytes per second from pinned memory (a timed copy of `mib` MiB); None on the CPU."""
+    if not device.is_cuda or mib <= 0:
+        return None
+    n = mib << 20
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)                 # (n,) pinned host bytes
+    dst = torch.empty(n, dtype=torch.uint8, device=device.torch)
+    dst.copy_(src, non_blocking=True)                                        # warm-up: first-touch costs
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    bps = 3 * n / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return bps
+
+
+# --- one test -------------------------------------------------------------------------------------------------
+class BenchTest:
+    """pp N, tg N or pp PP + tg TG; `run(llm, i)` times the i-th run (i = -1 is the warm-up)."""
+
+    def __init__(self, n_prompt: int, n_gen: int, seed: int):
+        self.n_prompt, self.n_gen, self.seed = n_prompt, n_gen, seed
+        self.name = "+".join(f"{k}{n}" for k, n in (("pp", n_prompt), ("tg", n_gen)) if n)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prompt + self.n_gen
+
+    def prompt(self, vocab: int, i: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 7919 + i + 1)
+        return torch.randint(0, vocab, (max(self.n_prompt, 1),), generator=g).tolist()
+
+    def run(self, llm, i: int) -> dict:
+        eng = llm.engine
+        ids = self.prompt(llm.model_config.vocab_size, i)
+
+        def once():
             tok = ids[0]
-            for pos in range(n):
+            if self.n_prompt:
+                tok = int(eng.prefill(0, ids, 0)[-1].argmax())
+            for pos in range(self.n_prompt, self.n_tokens):
                 tok = int(eng.decode([(0, tok, pos)])[0].argmax())
 
-    once()                                              # warm-up: allocations, kernels, caches
-    times, up0 = [], llm.stats()["uploaded_bytes"]
-    for _ in range(reps):
-        times.append(eng.timed(once)[1])
-    uploaded = (llm.stats()["uploaded_bytes"] - up0) / reps
-    tps = [n / t for t in times]
-    return {"test": f"{kind}{n}", "n": n, "tps_mean": statistics.mean(tps),
-            "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0,
-            "seconds_mean": statistics.mean(times), "uploaded_gb": uploaded / 1e9}
+        begin = getattr(eng, "begin_prompt", None)           # the engine's per-prompt counters and routing
+        if begin is not None:
+            begin()
+        before = read_stats(llm)
+        seconds = eng.timed(once)[1]
+        after = read_stats(llm)
+        per_layer = {l: diff_counters(v, before[1].get(l)) for l, v in after[1].items()}
+        return {"seconds": seconds, "total": diff_counters(after[0], before[0]), "per_layer": per_layer}
+
+
+def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float | None,
+              compute_s_per_token: float | None) -> dict:
+    """One result row: t/s mean ± std and the per-run means of the counters."""
+    tps = [test.n_tokens / r["seconds"] for r in runs]
+    seconds = statistics.mean(r["seconds"] for r in runs)
+    tot = mean_counters([r["total"] for r in runs])
+    layers = sorted({l for r in runs for l in r["per_layer"]})
+    per_layer = {l: mean_counters([r["per_layer"].get(l) or diff_counters({}, None) for r in runs]) for l in layers}
+    bounds = []
+    if link_bps and tot["uploaded_bytes"] is not None:
+        bounds.append(tot["uploaded_bytes"] / link_bps)
+    if compute_s_per_token:
+        bounds.append(compute_s_per_token * test.n_tokens)
+    bound = max(bounds) if bounds else None
+    wait = tot["wait_s"]
+    return {"test": test.name, "n_prompt": test.n_prompt, "n_gen": test.n_gen, "reps": len(runs),
+            "tps_mean": statistics.mean(tps), "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0,
+            "seconds_mean": seconds,
+            "uploaded_gb": None if tot["uploaded_bytes"] is None else tot["uploaded_bytes"] / 1e9,
+            "copies": tot["copies"], "hit_rate": tot["hit_rate"],
+            "wait_ms_per_layer": None if wait is None else wait * 1e3 / max(len(layers) or n_layers, 1),
+            "link_gbps": None if link_bps is None else link_bps / 1e9,
+            "bound_s": bound, "roofline_frac": None if bound is None else bound / seconds,
+            "per_layer": per_layer}
+
+
+# --- configurations -------------------------------------------------------------------------------------------
+def tests_of(a: argparse.Namespace) -> list[BenchTest]:
+    tests = [BenchTest(n, 0, a.seed) for n in a.n_prompt if n > 0] + [BenchTest(0, n, a.seed) for n in a.n_gen if n > 0]
+    tests += [BenchTest(pp, tg, a.seed) for pp, tg in a.pg if pp + tg > 0]
+    if not tests:
+        raise UserError("nothing to run: give -p N, -n N or -pg PP,TG with N > 0")
+    return tests
+
+
+def placement(ns: argparse.Namespace) -> str:
+    """Where the experts live: host (--cpu-moe), host xN (--n-cpu-moe N) or device (all on the GPU, or the CPU)."""
+    return "host" if ns.cpu_moe else (f"host x{ns.n_cpu_moe}" if ns.n_cpu_moe else "device")
+
+
+def load(ns: argparse.Namespace, ctx: int):
+    from ..api import LLM
+    from ..cli import engine_kwargs
+    ns = copy.copy(ns)
+    ns.ctx_size = max(ns.ctx_size, ctx)
+    return LLM(ns.model, progress=ns.verbose, **engine_kwargs(ns))
+
+
+def free_memory(device) -> None:
+    """After the last reference to an LLM is gone: give its memory back before the next load."""
+    gc.collect()
+    if device.is_cuda:
+        torch.cuda.empty_cache()
+
+
+def scalar(a: argparse.Namespace, **values) -> argparse.Namespace:
+    """A copy of the bench's flags with one value for each swept flag (the first, unless given)."""
+    ns = copy.copy(a)
+    for k in SWEPT:
+        if isinstance(getattr(ns, k, None), list):
+            setattr(ns, k, values.get(k, getattr(ns, k)[0]))
+    return ns
+
+
+BENCH_COLS = [
+    Col("model", "model", right=False), Col("experts", "experts", right=False),
+    Col("cache MiB", "moe_cache_mib"), Col("n_batch", "n_batch"), Col("n_ubatch", "n_ubatch"), Col("test", "test"),
+    Col("t/s", "tps_mean", lambda r: f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f}"),
+    Col("up GB", "uploaded_gb", lambda r: na(r["uploaded_gb"], "{:.3f}")),
+    Col("hit %", "hit_rate", lambda r: na(None if r["hit_rate"] is None else 100 * r["hit_rate"], "{:.1f}")),
+    Col("wait ms/layer", "wait_ms_per_layer", lambda r: na(r["wait_ms_per_layer"], "{:.2f}")),
+    Col("roofline", "roofline_frac", lambda r: na(r["roofline_frac"], "{:.2f}")),
+]
 
 
 def main(a: argparse.Namespace) -> int:
-    from ..api import LLM
-    from ..cli import engine_kwargs
-    rows = []
-    kw = engine_kwargs(a) | {"batch_size": a.batch_size[0], "ubatch_size": a.ubatch_size[0]}
-    kw["ctx_size"] = max(a.ctx_size, max(a.n_prompt + a.n_gen))
-    llm = LLM(a.model, progress=a.verbose, **kw)           # one load: -b and -ub change no placement
-    placement = "host" if a.cpu_moe else (f"host x{a.n_cpu_moe}" if a.n_cpu_moe else "gpu")
-    for b, ub in itertools.product(a.batch_size, a.ubatch_size):
-        llm.engine.set_batching(b, ub)
-        for kind, ns in (("pp", a.n_prompt), ("tg", a.n_gen)):
-            for n in ns:
-                if n > 0:
-                    r = run_test(llm, kind, n, a.repetitions, a.seed)
-                    rows.append({"model": a.model, "experts": placement, "n_batch": b, "n_ubatch": ub,
-                                 "device": llm.engine.device.name, **r})
-    print(render(rows, a.output))
+    if a.repetitions < 1:
+        raise UserError(f"-r must be at least 1, got {a.repetitions}")
+    if a.compare is not None:
+        return compare(a)
+    tests = tests_of(a)
+    ctx = max(t.n_tokens for t in tests)
+    from ..device import Device
+    link = measure_link(Device.resolve(a.device), a.link_mib)           # before loading: the memory is free
+    print(f"link: host -> device {link / 1e9:.2f} GB/s (pinned, {a.link_mib} MiB, CUDA events)" if link
+          else "link: not measured (no CUDA device, or --link-mib 0): roofline from --compute-s-per-token or n/a",
+          file=sys.stderr)
+    rows, stream_md = [], a.output == "md"
+    if stream_md:
+        print(report.md_header(BENCH_COLS), flush=True)
+    loads = list(itertools.product(a.n_cpu_moe, getattr(a, "moe_cache_mib", [None])))
+    for n_cpu_moe, mib in loads:
+        ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib)
+        llm = load(ns, ctx)
+        for b, ub in itertools.product(a.batch_size, a.ubatch_size):
+            llm.engine.set_batching(b, ub)
+            for t in tests:
+                t.run(llm, -1)                                  # warm-up: allocations, kernels, caches
+                runs = [t.run(llm, i) for i in range(a.repetitions)]
+                row = {"model": a.model, "device": llm.engine.device.name, "experts": placement(ns),
+                       "moe_cache_mib": mib, "cache_policy": getattr(ns, "cache_policy", None),
+                       "n_batch": b, "n_ubatch": ub,
+                       **summarise(t, runs, len(llm.model_config.moe_layers), link, a.compute_s_per_token)}
+                rows.append(row)
+                if stream_md:
+                    print(report.md_row(BENCH_COLS, row), flush=True)
+        device = llm.engine.device
+        del llm
+        free_memory(device)
+    if not stream_md:
+        print(report.render(rows, a.output, BENCH_COLS))
+    if a.plot:
+        report.plot_bench(rows, a.plot)
+        print(f"plot: {a.plot}", file=sys.stderr)
     return 0
 
 
-def render(rows: list[dict], fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(rows, indent=2)
-    if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [])
-        w.writeheader()
-        w.writerows(rows)
-        return buf.getvalue()
-    head = "| model | experts | n_batch | n_ubatch | test | t/s | uploaded GB |"
-    lines = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['experts']} | {r['n_batch']} | {r['n_ubatch']} | {r['test']} | "
-                     f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f} | {r['uploaded_gb']:.2f} |")
-    return "\n".join(lines)
+# --- A/B -----------------------------------------------------------------------------------------------------
+class _Raising(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(f"--compare: {message}")
 
+
+def compare_config(a: argparse.Namespace, spec: str) -> argparse.Namespace:
+    """The bench's engine flags with `spec` (e.g. "--cpu-moe --moe-cache-mib 8000") on top; -m may change too."""
+    from ..cli import add_engine_flags
+    p = _Raising(prog="moestream bench --compare", add_help=False)
+    add_engine_flags(p)
+    base = scalar(a)
+    p.set_defaults(**{act.dest: getattr(base, act.dest) for act in p._actions if hasattr(base, act.dest)})
+    ns = copy.copy(base)
+    vars(ns).update(vars(p.parse_args(["-m", a.model, *shlex.split(spec)])))
+    return ns
+
+
+COMPARE_COLS = [
+    Col("test", "test"), Col("pair", "pair"),
+    Col("A t/s", "a_tps", lambda r: f"{r['a_tps']:.2f}"), Col("B t/s", "b_tps", lambda r: f"{r['b_tps']:.2f}"),
+    Col("B/A", "ratio", lambda r: f"{r['ratio']:.4f}" + (f" ± {r['ratio_std']:.4f}" if r["pair"] == "mean" else "")),
+    Col("A up GB", "a_uploaded_gb", lambda r: na(r["a_uploaded_gb"], "{:.3f}")),
+    Col("B up GB", "b_uploaded_gb", lambda r: na(r["b_uploaded_gb"], "{:.3f}")),
+    Col("A hit %", "a_hit_rate", lambda r: na(None if r["a_hit_rate"] is None else 100 * r["a_hit_rate"], "{:.1f}")),
+    Col("B hit %", "b_hit_rate", lambda r: na(None if r["b_hit_rate"] is None else 100 * r["b_hit_rate"], "{:.1f}")),
+]
+
+
+def _pair_row(test: BenchTest, pair, ra: dict, rb: dict) -> dict:
+    a_tps, b_tps = test.n_tokens / ra["seconds"], test.n_tokens / rb["seconds"]
+    up = lambda r: None if r["total"]["uploaded_bytes"] is None else r["total"]["uploaded_bytes"] / 1e9
+    return {"test": test.name, "pair": pair, "a_tps": a_tps, "b_tps": b_tps, "ratio": b_tps / a_tps,
+            "ratio_std": None, "a_uploaded_gb": up(ra), "b_uploaded_gb": up(rb),
+            "a_hit_rate": ra["total"]["hit_rate"], "b_hit_rate": rb["total"]["hit_rate"]}
+
+
+def _bench_flags_after_compare(a: argparse.Namespace) -> None:
+    """--compare A B takes the rest of the line (see add_parser): parse what follows A and B as bench flags."""
+    if len(a.compare) < 2:
+        raise UserError("--compare takes two quoted sets of engine flags, e.g. "
+                        f"--compare \"--cpu-moe\" \"--cpu-moe --moe-cache-mib 8000\"; got {a.compare}")
+    a.compare, rest = a.compare[:2], a.compare[2:]
+    if rest:
+        sub = argparse.ArgumentParser(prog="moestream").add_subparsers()
+        add_parser(sub)
+        p = sub.choices["bench"]
+        for act in p._actions:
+            act.required = False
+        p.parse_args(rest, namespace=a)            # sets only the flags given: the namespace keeps the others
+
+
+def compare(a: argparse.Namespace) -> int:
+    _bench_flags_after_compare(a)
+    flag = {"batch_size": "-b", "ubatch_size": "-ub", "n_cpu_moe": "-ncmoe", "moe_cache_mib": "--moe-cache-mib"}
+    swept = [flag[k] for k in SWEPT if len(getattr(a, k, None) or [None]) > 1]
+    if swept:
+        raise UserError(f"--compare runs one configuration per side: give {', '.join(swept)} inside A or B, "
+                        "not as comma lists")
+    tests = tests_of(a)
+    ctx = max(t.n_tokens for t in tests)
+    specs = [compare_config(a, s) for s in a.compare]
+    llms = [load(ns, ctx) for ns in specs]                 # both loaded once, held together
+    rows, stream_md = [], a.output == "md"
+    if stream_md:
+        print(f"A: {a.compare[0]!r}  ({placement(specs[0])})\nB: {a.compare[1]!r}  ({placement(specs[1])})\n")
+        print(report.md_header(COMPARE_COLS), flush=True)
+    for t in tests:
+        for llm in llms:
+            t.run(llm, -1)
+        pairs = []
+        for i in range(a.repetitions):
+            ra, rb = t.run(llms[0], i), t.run(llms[1], i)   # A, B, A, B, ...: drift cancels in each pair
+            pairs.append(_pair_row(t, i + 1, ra, rb))
+            if stream_md:
+                print(report.md_row(COMPARE_COLS, pairs[-1]), flush=True)
+        ratios = [r["ratio"] for r in pairs]
+        mean = lambda k: None if any(r[k] is None for r in pairs) else statistics.mean(r[k] for r in pairs)
+        summary = {"test": t.name, "pair": "mean", "a_tps": mean("a_tps"), "b_tps": mean("b_tps"),
+                   "ratio": statistics.mean(ratios), "ratio_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
+                   **{k: mean(k) for k in ("a_uploaded_gb", "b_uploaded_gb", "a_hit_rate", "b_hit_rate")}}
+        if stream_md:
+            print(report.md_row(COMPARE_COLS, summary), flush=True)
+        rows += pairs + [summary]
+    if not stream_md:
+        print(report.render(rows, a.output, COMPARE_COLS))
+    return 0

@@ -1,0 +1,163 @@
+"""Tables and pictures for the tools: markdown, JSON and CSV rows (llama-bench's three formats) and PNG plots.
+
+    cols = [Col("test", "test"), Col("t/s", "tps_mean", lambda r: f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f}")]
+    print(md_header(cols)); print(md_row(cols, row))       # markdown, one row at a time (rows print as measured)
+    print(render(rows, "json", cols))                     # or "csv": every key of the rows but nested ones
+    plot_bench(rows, "bench.png")                         # needs matplotlib (pip install 'moestream[plot]')
+
+A value that was not measured (no GPU, no cache statistics) is None: `n/a` in markdown, null in JSON, an empty
+field in CSV.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class Col:
+    header: str
+    key: str
+    fmt: Callable[[dict], str] | None = None     # the cell from the whole row; default: the value, n/a for None
+    right: bool = True                           # right-aligned (numbers)
+
+    def cell(self, row: dict) -> str:
+        if self.fmt is not None:
+            return self.fmt(row)
+        return na(row.get(self.key), "{}")
+
+
+def na(value, spec: str = "{:.2f}") -> str:
+    """`spec` applied to value, or n/a where nothing was measured."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return spec.format(value)
+
+
+def md_header(cols: list[Col]) -> str:
+    head = "| " + " | ".join(c.header for c in cols) + " |"
+    rule = "| " + " | ".join("---:" if c.right else "---" for c in cols) + " |"
+    return head + "\n" + rule
+
+
+def md_row(cols: list[Col], row: dict) -> str:
+    return "| " + " | ".join(c.cell(row) for c in cols) + " |"
+
+
+def render(rows: list[dict], fmt: str, cols: list[Col]) -> str:
+    """All rows in one format: md (cols), json (every key, nested ones too) or csv (every flat key)."""
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    if fmt == "csv":
+        keys = [k for k in (rows[0] if rows else {}) if not isinstance(rows[0][k], (dict, list))]
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        return buf.getvalue().rstrip("\n")
+    return "\n".join([md_header(cols)] + [md_row(cols, r) for r in rows])
+
+
+# --- pictures -------------------------------------------------------------------------------------------------
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported only when a plot is asked for."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib (or pip install 'moestream[plot]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _integer_x(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _label(r: dict) -> str:
+    cache = f" cache {r['moe_cache_mib']}" if r.get("moe_cache_mib") is not None else ""
+    return f"{r['test']} {r['experts']} ub {r['n_ubatch']}{cache}"
+
+
+def plot_bench(rows: list[dict], path: str) -> None:
+    """Per layer: uploaded MB per run and hit rate (where per-layer statistics exist); tok/s against ubatch."""
+    plt = pyplot()
+    layered = [r for r in rows if r.get("per_layer")]
+    with_hits = [r for r in layered if any(v.get("hit_rate") is not None for v in r["per_layer"].values())]
+    panels = 1 + bool(layered) + bool(with_hits)
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 3.6 * panels), squeeze=False)
+    axes = [a[0] for a in axes]
+    ax = axes.pop(0)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["test"], r["experts"], r.get("moe_cache_mib"), r["n_batch"]), []).append(r)
+    for (test, experts, mib, b), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["n_ubatch"])
+        cache = f", cache {mib} MiB" if mib is not None else ""
+        ax.errorbar([r["n_ubatch"] for r in rs], [r["tps_mean"] for r in rs], yerr=[r["tps_std"] for r in rs],
+                    marker="o", capsize=3, label=f"{test}, {experts}{cache}, b {b}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("n_ubatch")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("speed")
+    ax.legend(fontsize=7)
+    if layered:
+        ax = axes.pop(0)
+        for r in layered:
+            layers = sorted(r["per_layer"])
+            ax.plot(layers, [r["per_layer"][l]["uploaded_bytes"] / 1e6 for l in layers], marker=".", label=_label(r))
+        ax.set_xlabel("layer")
+        _integer_x(ax)
+        ax.set_ylabel("uploaded MB per run")
+        ax.set_title("uploads per layer")
+        ax.legend(fontsize=7)
+    if with_hits:
+        ax = axes.pop(0)
+        for r in with_hits:
+            layers = sorted(r["per_layer"])
+            hr = [r["per_layer"][l].get("hit_rate") for l in layers]
+            ax.plot(layers, [math.nan if h is None else 100 * h for h in hr], marker=".", label=_label(r))
+        ax.set_xlabel("layer")
+        _integer_x(ax)
+        ax.set_ylabel("hit rate %")
+        ax.set_ylim(0, 100)
+        ax.set_title("expert cache hit rate per layer")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_perplexity(chunk_ppl: list[float], kld_values: list[float] | None, path: str) -> None:
+    """The running perplexity per chunk and, against a base, the histogram of the per-token KL divergence."""
+    plt = pyplot()
+    panels = 1 + (kld_values is not None)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 3.8), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(range(1, len(chunk_ppl) + 1), chunk_ppl, marker=".")
+    ax.set_xlabel("chunk")
+    _integer_x(ax)
+    ax.set_ylabel("PPL (running estimate)")
+    ax.set_title("perplexity")
+    if kld_values is not None:
+        ax = axes[0][1]
+        pos = [v for v in kld_values if v > 0]
+        if pos:
+            lo, hi = math.log10(min(pos)), math.log10(max(pos))
+            edges = [10 ** (lo + (hi - lo) * i / 40) for i in range(41)] if hi > lo else 20
+            ax.hist(pos, bins=edges)
+            ax.set_xscale("log")
+        zeros = len(kld_values) - len(pos)
+        ax.set_title(f"KL divergence per token ({zeros} of {len(kld_values)} are 0)")
+        ax.set_xlabel("KLD (nats)")
+        ax.set_ylabel("tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
