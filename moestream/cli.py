@@ -18,7 +18,8 @@ import sys
 from .errors import UserError
 
 # Modules that add a subcommand each: `add_parser(subparsers)` registers it, with `func` as its entry point.
-SUBCOMMANDS = ("moestream.tools.make_model", "moestream.tools.bench", "moestream.tools.replay")
+SUBCOMMANDS = ("moestream.tools.make_model", "moestream.tools.bench", "moestream.tools.replay",
+               "moestream.tools.perplexity", "moestream.server.cli")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,343 @@
+"""The HTTP side: FastAPI routes of the OpenAI-compatible API, llama-server's /tokenize, /detokenize and /slots,
+Prometheus /metrics and /health.
+
+    app = create_app(loader=lambda: LLM("synth:tiny", n_seq=4), n_slots=4)    # loads in the background
+    uvicorn.run(app, host="127.0.0.1", port=8080)
+
+Requests are tokenized here and handed to the scheduler thread (scheduler.py), which owns the engine; its events
+come back through the event loop (call_soon_threadsafe) into one asyncio.Queue per HTTP request. A client that goes
+away cancels its requests: the scheduler frees their slots before its next forward.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ..errors import UserError
+from ..runtime.sampling import SamplingParams
+from . import openai_format as fmt
+from .guard import Guard
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .scheduler import QueueFull, Request, Scheduler
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+
+log = logging.getLogger("moestream.server")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
+class State:
+    """What the routes share: the model once loaded, its scheduler, the metrics."""
+
+    def __init__(self, n_slots: int, max_queue: int, cache_prompt: bool, model_name: str):
+        self.n_slots, self.max_queue, self.cache_prompt, self.model_name = n_slots, max_queue, cache_prompt, model_name
+        self.llm = self.scheduler = None
+        self.load_error: str | None = None
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+
+    def start(self, llm) -> None:
+        self.scheduler = Scheduler(llm, self.n_slots, self.max_queue, self.cache_prompt, self.metrics)
+        self.metrics.set_queue_sizes(self.n_slots, lambda: (self.scheduler.n_running, self.scheduler.n_waiting))
+        self.scheduler.start()
+        self.llm = llm                       # last: /health says ready only once the scheduler runs
+
+    def ready(self):
+        if self.llm is None:
+            raise ApiError(503, self.load_error or "Loading model", "unavailable_error", code="model_loading")
+        return self.llm, self.scheduler
+
+
+def create_app(llm=None, *, loader=None, n_slots: int = 1, max_queue: int = 64, api_key: str | None = None,
+               model_name: str = "moestream", cache_prompt: bool = True, max_body: int = 8 << 20,
+               on_load_error=None):
+    """An ASGI app. Give a loaded `llm` (built with n_seq >= n_slots), or a `loader()` run in a thread at startup."""
+    st = State(n_slots, max_queue, cache_prompt, model_name)
+
+    def load():
+        try:
+            st.start(loader())
+        except Exception as e:               # the server stays up to say why (/health), and the CLI exits
+            st.load_error = f"loading the model failed: {e}"
+            if on_load_error is not None:
+                on_load_error(e)             # the CLI prints it and exits
+            else:
+                log.error("%s", st.load_error, exc_info=not isinstance(e, UserError))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        if llm is not None:
+            st.start(llm)
+        else:
+            threading.Thread(target=load, name="moestream-loader", daemon=True).start()
+        yield
+        if st.scheduler is not None:
+            await run_in_threadpool(st.scheduler.stop)
+
+    app = FastAPI(title="moestream", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server for Mixture-of-Experts models with experts in host memory")
+    app.state.moestream = st
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if st.llm is None:
+            raise ApiError(500 if st.load_error else 503, st.load_error or "Loading model", "unavailable_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        meta = {}
+        if st.llm is not None:
+            c = st.llm.model_config
+            meta = {"n_ctx": st.llm.engine.kv.ctx, "n_vocab": c.vocab_size, "n_layers": c.n_layers,
+                    "n_experts": c.n_experts, "n_experts_used": c.n_experts_used, "family": c.family}
+        return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": st.created,
+                                            "owned_by": "moestream", "meta": meta}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: HttpRequest):
+        llm, _ = st.ready()
+        texts = body.prompts()
+        prompts = [await run_in_threadpool(_encode, llm, p) for p in texts]
+        echo = [p if isinstance(p, str) else fmt.detok(llm.tokenizer, ids) for p, ids in zip(texts, prompts)] \
+            if body.echo else None
+        return await _serve(st, request, body, prompts, "text", echo=echo, default_max=16)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: HttpRequest):
+        llm, _ = st.ready()
+        if llm.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
+                                "token ids (prompt: [1, 2, 3])", param="messages")
+        prompt = await run_in_threadpool(_chat_prompt, llm, body)
+        return await _serve(st, request, body, [prompt], "chat", default_max=None)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        llm, _ = st.ready()
+        tok = _tokenizer(llm)
+        ids = await run_in_threadpool(tok.encode, body.content, body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": i, "piece": tok.token_to_piece(i)} for i in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        llm, _ = st.ready()
+        tok = _tokenizer(llm)
+        _check_ids(llm, body.tokens, "tokens")
+        return {"content": await run_in_threadpool(tok.decode, body.tokens)}
+
+    @app.get("/slots")
+    async def slots():
+        _, sched = st.ready()
+        return await asyncio.wait_for(asyncio.wrap_future(sched.call(sched.slots_info)), 60)
+
+    @app.get("/metrics")
+    async def metrics():
+        if st.llm is not None:
+            try:                             # the engine's counters, read on the thread that owns the engine
+                stats = await asyncio.wait_for(asyncio.wrap_future(st.scheduler.call(st.llm.stats)), 2)
+                st.metrics.set_engine_stats(stats)
+            except Exception as e:           # a busy or failing engine: serve the last counters read
+                log.warning("metrics: engine stats unavailable (%s)", type(e).__name__)
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+    return Guard(app, api_key=api_key, max_body=max_body)
+
+
+# --- prompts ---------------------------------------------------------------------------------------------------------
+def _encode(llm, prompt) -> list[int]:
+    if isinstance(prompt, str) and llm.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: give the prompt as token ids (prompt: [1, 2, 3])",
+                       param="prompt")
+    ids = llm.encode(prompt)                 # UserError (-> 400) for ids outside the vocabulary
+    if not ids:
+        raise ApiError(400, "the prompt is empty: give at least one token", param="prompt")
+    return ids
+
+
+def _chat_prompt(llm, body: ChatRequest) -> list[int]:
+    tok = llm.tokenizer
+    msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+    reserved = {"messages", "tools", "add_generation_prompt"}
+    extra = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k.isidentifier() and k not in reserved}
+    try:
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tools=body.tools, **extra)
+    except UserError:
+        raise
+    except Exception as e:                   # a template tripping on unusual input is the input's fault
+        raise ApiError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+    ids = tok.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
+    return ids
+
+
+def _tokenizer(llm):
+    if llm.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer")
+    return llm.tokenizer
+
+
+def _check_ids(llm, ids, param) -> None:
+    V = llm.model_config.vocab_size
+    bad = [i for i in ids if not 0 <= i < V]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{V - 1})", param=param)
+
+
+def _params(llm, body, n_prompt: int, default_max: int | None, i: int) -> SamplingParams:
+    ctx = llm.engine.kv.ctx
+    if n_prompt >= ctx:
+        raise ApiError(400, f"the prompt has {n_prompt} tokens but the context is {ctx} (-c): shorten it",
+                       param="prompt" if hasattr(body, "prompt") else "messages", code="context_length_exceeded")
+    asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if asked is not None and n_prompt + asked > ctx:
+        raise ApiError(400, f"this model's context is {ctx} tokens, but you asked for {n_prompt + asked} "
+                            f"({n_prompt} in the prompt, {asked} to generate)", param="max_tokens",
+                       code="context_length_exceeded")
+    max_tokens = asked if asked is not None else min(default_max or ctx, ctx - n_prompt)
+    seed = body.seed
+    if seed is not None and i:               # n > 1: each choice its own stream, all reproducible
+        seed = (seed + i + (1 << 63)) % (1 << 64) - (1 << 63)
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                              top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                              min_p=body.min_p or 0.0, seed=seed, stop=body.stops,
+                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+    except UserError as e:
+        raise ApiError(400, str(e)) from None
+
+
+# --- serving one completion request ------------------------------------------------------------------------------
+async def _serve(st: State, http: HttpRequest, body, prompts: list[list[int]], kind: str, echo=None,
+                 default_max: int | None = 16):
+    llm, sched = st.ready()
+    if body.stop_token_ids:
+        _check_ids(llm, body.stop_token_ids, "stop_token_ids")
+    n_logprobs = fmt.logprobs_wanted(body, kind)
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+    def emit(event):                         # on the scheduler thread
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    reqs = []
+    for ids in prompts:                      # choice i is prompt i // n, sample i % n (OpenAI's order)
+        for _ in range(body.n):
+            i = len(reqs)
+            reqs.append(Request(ids, _params(llm, body, len(ids), default_max, i), emit, index=i,
+                                logprobs=n_logprobs, cache_prompt=body.cache_prompt, stream=body.stream))
+    if len(reqs) > st.max_queue + st.n_slots:     # could never be queued whole: the request's fault, not load
+        raise ApiError(400, f"{len(reqs)} choices (prompts x n) in one request, but this server takes at most "
+                            f"{st.max_queue + st.n_slots} at once (-np + --max-queue)", param="n")
+    try:
+        sched.submit(reqs)
+    except QueueFull as e:
+        st.metrics.on_rejected()
+        raise ApiError(503, f"server busy: {e}; retry later", "server_error", code="queue_full") from None
+    out = fmt.Formatter(kind, st.model_name, llm.tokenizer, body, prompts, echo)
+    if body.stream:
+        return StreamingResponse(_stream(sched, reqs, queue, out), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _collect(sched, http, reqs, queue, out)
+
+
+async def _stream(sched, reqs, queue, out):
+    left = {r.index: r for r in reqs}
+    try:
+        for chunk in out.start():
+            yield fmt.sse(chunk)
+        while left:
+            ev = await queue.get()
+            if ev[0] == "error":
+                yield fmt.sse(error_body(ev[3], "server_error" if ev[2] >= 500 else "invalid_request_error"))
+                return
+            if ev[0] == "done":
+                left.pop(ev[1], None)
+            for chunk in out.event(ev):
+                yield fmt.sse(chunk)
+        if out.include_usage:
+            yield fmt.sse(out.usage_chunk())
+        yield "data: [DONE]\n\n"
+    finally:                                 # the client went away, or an error: free the other slots too
+        for r in left.values():
+            sched.cancel(r)
+
+
+async def _collect(sched, http: HttpRequest, reqs, queue, out):
+    left = {r.index: r for r in reqs}
+    gone = asyncio.create_task(_disconnected(http))
+    try:
+        while left:
+            get = asyncio.create_task(queue.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                return Response(status_code=499)         # nobody reads this: the client has gone
+            ev = get.result()
+            if ev[0] == "error":
+                raise ApiError(ev[2], ev[3], "server_error" if ev[2] >= 500 else "invalid_request_error")
+            if ev[0] == "done":
+                left.pop(ev[1], None)
+                out.event(ev)
+        return out.response()
+    finally:
+        gone.cancel()
+        for r in left.values():
+            sched.cancel(r)
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- errors in OpenAI's shape --------------------------------------------------------------------------------------
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_req, e: ApiError):
+        return JSONResponse(e.body, status_code=e.status)
+
+    @app.exception_handler(UserError)
+    async def user_error(_req, e: UserError):
+        return JSONResponse(error_body(str(e)), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_req, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        msg = "the body is not valid JSON" if first.get("type") == "json_invalid" else first.get("msg", "invalid")
+        msg = msg.removeprefix("Value error, ")
+        if not where and first.get("type") == "model_attributes_type":
+            msg = "the body must be a JSON object, sent with Content-Type: application/json"
+        return JSONResponse(error_body(f"{where}: {msg}" if where else msg, param=where or None), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_req, e: HTTPException):
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def crash(_req, e: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+
+

@@ -1,0 +1,76 @@
+"""The ASGI layer in front of the routes: the API key and the body size limit, both checked before any parsing.
+
+    app = Guard(fastapi_app, api_key="sk-...", max_body=8 << 20, public={"/health"})
+
+A request body is read whole, up to max_body bytes, before the app sees it (413 past it, whether the client sent a
+Content-Length or chunks), then replayed to the app; after the body, `receive` is the server's own again, so that
+the routes still hear a client's disconnect.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+
+from .schemas import error_body
+
+
+class Guard:
+    def __init__(self, app, api_key: str | None = None, max_body: int = 8 << 20, public=frozenset({"/health"})):
+        self.app, self.max_body, self.public = app, max_body, frozenset(public)
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        if self.key is not None and scope["path"] not in self.public and not self._authorized(headers):
+            return await _reply(send, 401, error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                                      "authentication_error", code="invalid_api_key"))
+        length = headers.get("content-length", b"")
+        try:
+            declared = int(length) if length else 0
+        except ValueError:
+            return await _reply(send, 400, error_body("malformed Content-Length header"))
+        if declared > self.max_body:
+            return await _reply(send, 413, self._too_large())
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > self.max_body:
+                return await _reply(send, 413, self._too_large())
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def _authorized(self, headers: dict) -> bool:
+        auth = headers.get("authorization", b"")
+        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get("x-api-key", b"")
+        # compare_digest: the time taken does not tell how much of a guessed key was right.
+        return hmac.compare_digest(token, self.key)
+
+    def _too_large(self) -> dict:
+        return error_body(f"request body too large (limit {self.max_body} bytes)", "invalid_request_error",
+                          code="request_too_large")
+
+
+async def _reply(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,401 @@
+"""The slot scheduler: one thread owns the engine and serves up to N requests at once, one slot (KV sequence) each.
+
+    sched = Scheduler(llm, n_slots=4, max_queue=64)          # llm built with n_seq=4
+    sched.start()
+    sched.submit([Request(prompt_ids, SamplingParams(max_tokens=16), emit=callback)])   # QueueFull when full
+    ...                                      # emit(("token", ...)) if streaming, then ("done", ...) or ("error", ...)
+    sched.stop()
+
+One loop turn: run queued calls (snapshots for /slots and /metrics), drop cancelled requests, give waiting requests
+to idle slots, run ONE prompt ubatch of the oldest prompt still prefilling, then ONE decode step of every slot that
+is generating, batched into one forward (`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for
+that step serve every request in it. A prompt is cut into ubatches (-ub) so that a long prompt arriving delays the
+other requests' next token by at most one ubatch forward. Prompt and decode forwards stay separate: mixing them
+would change a decode row's numerics (the prompt attention path, other GEMM shapes) and greedy outputs must equal
+`LLM.generate`'s.
+
+Each slot keeps the routing of its requests (routing.py: layers x experts counts of the current request and of the
+previous one, from the model's `on_route` callback), to seed its next prompt's prefetch, and the tokens whose KV
+its sequence holds: a new prompt reuses the longest common prefix (llama-server's cache_prompt).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UserError
+from ..runtime.sampling import Sampler, SamplingParams, StopChecker, make_generator
+from .routing import SlotRouting
+
+log = logging.getLogger("moestream.server")
+_ids = itertools.count(1)
+
+
+class QueueFull(Exception):
+    """More requests are waiting than --max-queue allows."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One completion. `emit(event)` is called on the scheduler thread; it must be thread-safe and quick."""
+    prompt: list[int]
+    params: SamplingParams
+    emit: object                              # callable(event)
+    index: int = 0                            # the choice index this request answers
+    logprobs: int | None = None               # None: none; n: the chosen token's and the top n
+    cache_prompt: bool = True
+    stream: bool = False                      # False: only the final event (with every logprob) is emitted
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    finish_reason: str                        # stop | length
+    stop_reason: str | int | None             # the stop string or stop token that ended it
+    prompt_tokens: int
+    cached_tokens: int                        # prompt tokens whose KV was reused
+    ttft_s: float
+    duration_s: float
+    logprobs: list = field(default_factory=list)   # (token, logprob, [(id, logprob)] top n) per generated token
+
+
+class _Run:
+    """A request in a slot: its prompt progress and decode state (the loop of runtime.generate.Generation)."""
+
+    def __init__(self, req: Request, engine, tokenizer, n_cached: int):
+        p = req.params
+        self.req, self.n_cached, self.done = req, n_cached, n_cached     # done: prompt tokens in the KV cache
+        self.gen = make_generator(p, engine.device.torch)
+        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.cfg.eos_token_ids))
+        if tokenizer is not None and not p.ignore_eos:
+            self.stop_ids |= set(tokenizer.eos_ids)
+        self.detok = tokenizer.stream_decoder() if tokenizer is not None else None
+        self.stops = StopChecker(list(p.stop)) if p.stop and tokenizer is not None else None
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.lps: list = []                   # logprob entries not yet sent with a piece
+        self.all_lps: list = []
+        self.stop_reason = None
+        self.t_first = self.t_last = 0.0
+
+    @property
+    def pos(self) -> int:
+        """The position of the next token to feed: the last sampled one."""
+        return len(self.req.prompt) + len(self.ids) - 1
+
+
+class Slot:
+    def __init__(self, sid: int):
+        self.id = sid
+        self.run: _Run | None = None
+        self.cached: list[int] = []          # tokens whose K/V this slot's sequence holds, from position 0
+        self.last_used = 0.0
+        self.prompt_tokens = self.generated = self.n_cached = 0
+        self.task: int | None = None
+
+    @property
+    def state(self) -> str:
+        if self.run is None:
+            return "idle"
+        return "prefill" if self.run.done < len(self.run.req.prompt) else "generating"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Scheduler:
+    def __init__(self, llm, n_slots: int, max_queue: int = 64, cache_prompt: bool = True, metrics=None):
+        eng = llm.engine
+        if eng.kv.n_seq < n_slots:
+            raise UserError(f"the engine has {eng.kv.n_seq} sequences for {n_slots} slots: "
+                            f"build it with n_seq={n_slots}")
+        self.llm, self.engine, self.tokenizer, self.metrics = llm, eng, llm.tokenizer, metrics
+        self.max_queue, self.cache_prompt = max_queue, cache_prompt
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.pending: collections.deque[Request] = collections.deque()
+        self._calls: list[tuple[object, Future]] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._sampler = Sampler()
+        self.routing = SlotRouting(eng, n_slots)   # per-slot expert counts, for the prefetch of the next prompt
+
+    # --- the HTTP side (any thread) ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="moestream-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, reqs: list[Request]) -> None:
+        """Queue requests, all or none: QueueFull when all slots are busy and the queue has no room for them."""
+        with self._cv:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            # Places: the idle slots (a request waits in pending until the loop admits it) and the queue proper.
+            if len(self.pending) + len(reqs) > self.max_queue + len(self.slots) - self.n_running:
+                raise QueueFull(f"every slot is busy and {len(self.pending)} requests are waiting "
+                                f"(--max-queue {self.max_queue})")
+            self.pending.extend(reqs)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        with self._cv:
+            req.cancelled = True
+            self._cv.notify()
+
+    def call(self, fn) -> Future:
+        """Run fn() on the scheduler thread between two forwards (it owns the engine); its result as a Future."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping:
+                fut.set_exception(RuntimeError("the scheduler has stopped"))
+            else:
+                self._calls.append((fn, fut))
+                self._cv.notify()
+        return fut
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.pending)
+
+    @property
+    def n_running(self) -> int:
+        return sum(s.run is not None for s in self.slots)
+
+    # --- the scheduler thread ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.engine.device.is_cuda:       # a new thread's current device is cuda:0 whatever the engine's
+            torch.cuda.set_device(self.engine.device.torch)
+        self._warm_up()
+        while True:
+            with self._cv:
+                while not (self._stopping or self.pending or self._calls or self.n_running):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                calls, self._calls = self._calls, []
+            for fn, fut in calls:
+                if not fut.set_running_or_notify_cancel():   # its caller gave up waiting
+                    continue
+                try:
+                    fut.set_result(fn())
+                except Exception as e:           # a failed snapshot must not stop the loop
+                    fut.set_exception(e)
+            self._reap()
+            self._admit()
+            filling = [s for s in self.slots if s.state == "prefill"]
+            if filling:
+                self._guard(self._prefill, min(filling, key=lambda s: s.run.req.t_submit))
+            batch = [s for s in self.slots if s.state == "generating"]
+            if batch:
+                self._guard(self._decode, batch)
+        self._shutdown()
+
+    def _warm_up(self) -> None:
+        """Capture the CUDA graph of every decode batch size now rather than in the middle of serving (a capture
+        stalls every running request). The steps write the KV cache's last position, which no request has yet."""
+        if self.engine.graphs is None:
+            return
+        last = self.engine.kv.ctx - 1
+        try:
+            for b in range(1, len(self.slots) + 1):
+                self.engine.decode([(i, 0, last) for i in range(b)])
+            self.engine.synchronize()
+        except Exception:                    # serving can still try: each batch size is captured when first needed
+            log.exception("decode warm-up failed")
+
+    def _guard(self, fn, arg) -> None:
+        """Run one forward; if it fails, fail the requests it served (400 for a UserError) and keep serving."""
+        try:
+            fn(arg)
+        except Exception as e:
+            slots = arg if isinstance(arg, list) else [arg]
+            user = isinstance(e, UserError)
+            if not user:
+                log.exception("forward failed; failing %d request(s)", len(slots))
+            for s in slots:
+                if s.run is not None:
+                    self._emit(s.run.req, ("error", s.run.req.index, 400 if user else 500, str(e) or type(e).__name__))
+                    self._free(s, outcome="error", valid=0)
+
+    def _reap(self) -> None:
+        with self._cv:
+            gone = [r for r in self.pending if r.cancelled]
+            if gone:
+                self.pending = collections.deque(r for r in self.pending if not r.cancelled)
+        for _ in gone if self.metrics is not None else ():
+            self.metrics.on_finish("cancelled")
+        for s in self.slots:
+            if s.run is not None and s.run.req.cancelled:
+                self._free(s, outcome="cancelled")
+
+    def _admit(self) -> None:
+        """Give waiting requests, oldest first, to idle slots: the one sharing the longest prefix, else the LRU."""
+        while True:
+            with self._cv:                   # under the lock: submit() counts free slots as places to wait in
+                idle = [s for s in self.slots if s.run is None]
+                if not idle or not self.pending:
+                    return
+                req = self.pending.popleft()
+                if req.cancelled:            # cancelled since _reap ran
+                    if self.metrics is not None:
+                        self.metrics.on_finish("cancelled")
+                    continue
+                use = req.cache_prompt and self.cache_prompt
+                slot = max(idle, key=lambda s: (common_prefix(s.cached, req.prompt) if use else 0, -s.last_used))
+                # Keep at least one prompt token to run, so that there are logits to sample the first token from.
+                n = min(common_prefix(slot.cached, req.prompt), len(req.prompt) - 1) if use else 0
+                slot.run = _Run(req, self.engine, self.tokenizer, n)
+            self.routing.begin(slot.id)
+            if hasattr(self.engine, "begin_prompt"):   # the engine's own per-context statistics (prefetch seeding)
+                self.engine.begin_prompt(slot.id)
+            slot.cached = slot.cached[:n]
+            slot.prompt_tokens, slot.generated, slot.n_cached, slot.task = len(req.prompt), 0, n, req.id
+            if self.metrics is not None:
+                self.metrics.on_admit(req, n)
+
+    def _prefill(self, slot: Slot) -> None:
+        run = slot.run
+        prompt = run.req.prompt
+        chunk = prompt[run.done:run.done + self.engine.ecfg.ubatch]
+        logits = self.routing.counted(slot.id, self.engine.prefill, slot.id, chunk, run.done)   # (1, V)
+        run.done += len(chunk)
+        slot.cached = prompt[:run.done]
+        if run.done == len(prompt) and run.req.params.max_tokens == 0:
+            self._finish(slot, "length")
+        elif run.done == len(prompt):
+            token = int(self._sampler.sample(logits[-1:], [run.req.params], [run.gen])[0])
+            self._accept(slot, token, logits[-1])
+
+    def _decode(self, slots: list[Slot]) -> None:
+        steps = [(s.id, s.run.ids[-1], s.run.pos) for s in slots]
+        # Under CUDA graphs a replay calls no Python, and the capture's warm-up forwards run on dummy tokens:
+        # count decode routing only in eager decodes (host experts decode eagerly, and they are what prefetch serves).
+        owner = [s.id for s in slots] if self.engine.graphs is None else None
+        logits = self.routing.counted(owner, self.engine.decode, steps)                     # (B, V)
+        for s, (_, tok, _) in zip(slots, steps):
+            s.cached.append(tok)
+        tokens = self._sampler.sample(logits, [s.run.req.params for s in slots], [s.run.gen for s in slots]).tolist()
+        if self.metrics is not None:
+            self.metrics.on_decode_batch(len(slots))
+        for i, (s, token) in enumerate(zip(slots, tokens)):
+            self._accept(s, token, logits[i])
+
+    def _accept(self, slot: Slot, token: int, row: torch.Tensor) -> None:
+        """One sampled token of a slot's request: stop, or append it and emit its text (Generation's rules)."""
+        run, p = slot.run, slot.run.req.params
+        now = time.perf_counter()
+        if not run.t_first:
+            run.t_first = now
+            if self.metrics is not None:
+                self.metrics.on_first_token(now - run.req.t_submit)
+        elif self.metrics is not None:
+            self.metrics.on_token_gap(now - run.t_last)
+        run.t_last = now
+        if token in run.stop_ids:
+            run.stop_reason = token
+            return self._finish(slot, "stop")
+        run.ids.append(token)
+        slot.generated = len(run.ids)
+        if run.req.logprobs is not None:
+            run.lps.append(_logprobs(row, token, run.req.logprobs))
+            run.all_lps.append(run.lps[-1])
+        piece = run.detok.push(token) if run.detok is not None else f"{token} "
+        if run.stops is not None:
+            piece, stopped = run.stops.push(piece)
+            if stopped:
+                run.stop_reason = run.stops.matched
+                self._piece(run, piece)
+                return self._finish(slot, "stop")
+        self._piece(run, piece)
+        if len(run.ids) >= p.max_tokens or run.pos >= self.engine.kv.ctx:
+            self._finish(slot, "length")
+
+    def _piece(self, run: _Run, piece: str) -> None:
+        if piece:
+            run.text.append(piece)
+            if run.req.stream:
+                self._emit(run.req, ("token", run.req.index, piece, run.lps))
+            run.lps = []
+
+    def _finish(self, slot: Slot, reason: str) -> None:
+        run = slot.run
+        if run.detok is not None and not (run.stops is not None and run.stops.stopped):
+            rest = run.detok.flush()
+            if run.stops is not None:
+                rest, stopped = run.stops.push(rest)
+                rest += run.stops.flush()
+                if stopped:
+                    reason, run.stop_reason = "stop", run.stops.matched
+            self._piece(run, rest)
+        if run.lps and run.req.stream:       # logprobs of tokens whose text was held back, then cut
+            self._emit(run.req, ("token", run.req.index, "", run.lps))
+        now = time.perf_counter()
+        res = Result(run.ids, "".join(run.text), reason, run.stop_reason, len(run.req.prompt), run.n_cached,
+                     ttft_s=max(run.t_first - run.req.t_submit, 0.0), duration_s=now - run.req.t_submit,
+                     logprobs=run.all_lps)
+        self._emit(run.req, ("done", run.req.index, res))
+        self._free(slot, outcome=reason, result=res)
+
+    def _free(self, slot: Slot, outcome: str, result: Result | None = None, valid: int | None = None) -> None:
+        """Release a slot; its cached tokens stay reusable (`valid` cuts them, e.g. 0 after a failed forward)."""
+        if valid is not None:
+            slot.cached = slot.cached[:valid]
+        if self.metrics is not None:
+            self.metrics.on_finish(outcome, result)
+        slot.run, slot.last_used = None, time.perf_counter()
+
+    def _emit(self, req: Request, event: tuple) -> None:
+        try:
+            req.emit(event)
+        except Exception:                    # the HTTP side is gone (loop closed): the request is as good as cancelled
+            req.cancelled = True
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            waiting, self.pending = list(self.pending), collections.deque()
+            calls, self._calls = self._calls, []
+        for r in waiting + [s.run.req for s in self.slots if s.run is not None]:
+            self._emit(r, ("error", r.index, 503, "the server is shutting down"))
+        for _, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the scheduler has stopped"))
+
+    # --- snapshots (run through call()) ----------------------------------------------------------------------------
+    def slots_info(self, top: int = 4) -> list[dict]:
+        """/slots: per slot its state, prompt and generated tokens, KV reuse, and its routing's top experts."""
+        return [{"id": s.id, "state": s.state, "id_task": s.task, "n_ctx": self.engine.kv.ctx,
+                 "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated,
+                 "n_past": len(s.cached), "n_cached": s.n_cached, "routing": r}
+                for s, r in zip(self.slots, self.routing.summary(top))]
+
+
+def _logprobs(row: torch.Tensor, token: int, n: int) -> tuple:
+    """(token, its logprob, [(id, logprob)] of the top n) from one row of raw logits (V,)."""
+    # Clamped as vLLM does: a -inf (a masked or underflowed token) is not valid JSON.
+    lp = torch.log_softmax(row.float(), dim=-1).clamp_min(-9999.0)
+    top = lp.topk(n) if n > 0 else None
+    tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return token, float(lp[token]), tops

@@ -1,0 +1,158 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models, and the errors' shape.
+
+    req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
+
+Unknown fields are ignored (OpenAI clients send extras: user, metadata, store, ...). Ranges are checked here, so
+that a bad value is a 400 naming its field; what depends on the model (the context length, the tokenizer) is
+checked by the routes. Fields we accept but do not implement must keep their neutral value (penalties 0, no
+logit_bias, response_format text), so that a client never silently gets something other than what it asked for.
+Extensions, as vLLM and llama-server spell them: top_k, min_p, ignore_eos, stop_token_ids, cache_prompt,
+return_token_ids, chat_template_kwargs.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+Stop = Annotated[str, StringConstraints(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+Text = Annotated[str, StringConstraints(min_length=1)]
+
+
+class _Body(BaseModel):
+    # NaN and infinity are not numbers a sampler can use (Python's json reads NaN and Infinity).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)      # torch.Generator.manual_seed's range
+    stop: Stop | list[Stop] | None = Field(None, max_length=16)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Not implemented: the schema says so (only 0 / empty), and the validator below says it in words.
+    presence_penalty: float = Field(0.0, ge=-2, le=2, json_schema_extra={"enum": [0]})
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, json_schema_extra={"enum": [0]})
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    return_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    # A string, a list of token ids (the only form a model without a tokenizer takes), or a batch of either.
+    prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Text], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)] = Field(...)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=16, description="only null or equal to n")
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.suffix:
+            raise ValueError("suffix (fill-in-the-middle) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must equal n)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (prompt logprobs)")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) > 64:
+                raise ValueError("at most 64 prompts in one request")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts (one for a string or one list of ids)."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
+
+class ContentPart(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    type: str
+    text: str | None = None
+
+
+class Message(_Body):
+    # Extra keys (tool_calls, tool_call_id, reasoning_content, ...) reach the chat template, as in transformers.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list):
+            bad = [p.type for p in v if p.type != "text" or p.text is None]
+            if bad:
+                raise ValueError(f"only text content parts are supported, got type {bad[0]!r}")
+            return "".join(p.text for p in v)
+        return v
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(..., min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+class TokenizeRequest(_Body):
+    content: str = Field(..., max_length=1 << 23)
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[TokenId] = Field(..., max_length=1 << 20)
+
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error",
+                    "unavailable_error", "request_too_large"]
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

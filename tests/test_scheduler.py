@@ -1,0 +1,166 @@
+"""The slot scheduler without HTTP: routing statistics per slot, prompt-prefix reuse, the queue bound, failures."""
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+from moestream import LLM, SamplingParams
+from moestream.server.scheduler import QueueFull, Request, Scheduler
+
+CTX = 128
+
+
+@pytest.fixture(scope="module")
+def llm2():
+    return LLM("synth:tiny", ctx_size=CTX, n_seq=2)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return LLM("synth:tiny", ctx_size=CTX)
+
+
+@pytest.fixture
+def sched(llm2):
+    s = Scheduler(llm2, n_slots=2, max_queue=4)
+    s.start()
+    yield s
+    s.stop()
+
+
+def run(sched, prompts, max_tokens=8, **kw) -> list[tuple]:
+    """Submit one request per prompt at once; each one's final event, in prompt order."""
+    events = queue.Queue()
+    reqs = [Request(p, SamplingParams(max_tokens=max_tokens), events.put, index=i, **kw) for i, p in enumerate(prompts)]
+    sched.submit(reqs)
+    done = {}
+    while len(done) < len(reqs):
+        ev = events.get(timeout=30)
+        if ev[0] != "token":
+            done[ev[1]] = ev
+    return [done[i] for i in range(len(reqs))], reqs
+
+
+def reference_routing(ref, prompt, max_tokens) -> tuple[np.ndarray, list[int]]:
+    """Routing counts (layers x experts) of the prompt and its greedy continuation, run alone."""
+    cfg = ref.model_config
+    counts = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)
+
+    def on_route(layer, ids):
+        np.add.at(counts[layer], ids.reshape(-1).cpu().numpy(), 1)
+
+    ref.engine.model.on_route = on_route
+    try:
+        out = ref.generate(prompt, max_tokens=max_tokens)
+    finally:
+        ref.engine.model.on_route = None
+    return counts, out.token_ids
+
+
+def test_routing_counts_per_slot_in_batched_decode(sched, ref):
+    """Two requests decode in the same forwards; each slot's counts are exactly its own request's routing."""
+    prompts = [ref.encode("Once upon a time there was"), ref.encode("Light travels about")]
+    results, reqs = run(sched, prompts, max_tokens=10)
+    info = sched.call(sched.slots_info).result(10)
+    k = ref.model_config.n_experts_used
+    for (_, _, res), req, prompt in zip(results, reqs, prompts):
+        want, ids = reference_routing(ref, prompt, 10)
+        assert res.token_ids == ids
+        slot = next(s["id"] for s in info if s["id_task"] == req.id)
+        current, _ = sched.call(lambda: (sched.routing.current(slot), sched.routing.previous[slot])).result(10)
+        fed = len(prompt) + len(ids) - 1                 # the last sampled token is never run
+        assert current.sum(axis=1).tolist() == [fed * k] * ref.model_config.n_layers
+        assert np.array_equal(current, want)
+
+
+def test_prefix_reuse_and_previous_routing(sched, ref):
+    prompt = ref.encode("The market opens at dawn. Farmers unload baskets")
+    (first,), _ = run(sched, [prompt], max_tokens=4)
+    slot = next(s for s in sched.call(sched.slots_info).result(10) if s["id_task"] == _[0].id)["id"]
+    before, _prev = sched.call(lambda: (sched.routing.current(slot), sched.routing.previous[slot])).result(10)
+    longer = prompt + ref.encode(" of onions")
+    (second,), reqs = run(sched, [longer], max_tokens=4)
+    res = second[2]
+    assert res.cached_tokens == len(prompt) and res.token_ids == ref.generate(longer, max_tokens=4).token_ids
+    info = sched.call(sched.slots_info).result(10)
+    assert next(s for s in info if s["id_task"] == reqs[0].id)["id"] == slot      # the slot holding the prefix
+    _cur, previous = sched.call(lambda: (sched.routing.current(slot), sched.routing.previous[slot])).result(10)
+    assert np.array_equal(previous, before)
+    (third,), _ = run(sched, [longer], max_tokens=4, cache_prompt=False)
+    assert third[2].cached_tokens == 0 and third[2].token_ids == res.token_ids
+
+
+def test_queue_bound_counts_idle_slots(llm2):
+    s = Scheduler(llm2, n_slots=2, max_queue=1)            # not started: nothing leaves the queue
+    req = lambda: Request([1, 2, 3], SamplingParams(max_tokens=1), lambda ev: None)  # noqa: E731
+    s.submit([req(), req()])                               # two idle slots
+    s.submit([req()])                                      # one waiting place
+    with pytest.raises(QueueFull):
+        s.submit([req()])
+    with pytest.raises(QueueFull):                         # all or none
+        Scheduler(llm2, n_slots=2, max_queue=1).submit([req(), req(), req(), req()])
+
+
+def test_a_failed_forward_fails_its_requests_and_the_loop_goes_on(sched, ref, monkeypatch):
+    eng = sched.engine
+    real = eng.decode
+    calls = []
+
+    def flaky(steps):
+        calls.append(steps)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(steps)
+
+    monkeypatch.setattr(eng, "decode", flaky)
+    (ev,), _ = run(sched, [ref.encode("Hello there")], max_tokens=4)
+    assert ev[0] == "error" and ev[2] == 500 and "boom" in ev[3]
+    (ok,), _ = run(sched, [ref.encode("Hello there")], max_tokens=4)
+    assert ok[0] == "done" and ok[2].token_ids == ref.generate(ref.encode("Hello there"), max_tokens=4).token_ids
+    assert all(s["state"] == "idle" for s in sched.call(sched.slots_info).result(10))
+
+
+def test_cancel_before_and_during_a_request(sched, ref):
+    events = queue.Queue()
+    long = Request(ref.encode("Once upon a time"), SamplingParams(max_tokens=100, ignore_eos=True), events.put,
+                   stream=True)
+    pending = Request(ref.encode("Never run"), SamplingParams(max_tokens=5), events.put)
+    pending.cancelled = True                               # cancelled while waiting: never admitted
+    sched.submit([long, pending])
+    assert events.get(timeout=10)[0] == "token"
+    sched.cancel(long)
+    info = None
+    for _ in range(500):
+        info = sched.call(sched.slots_info).result(10)
+        if all(s["state"] == "idle" for s in info):
+            break
+    assert all(s["state"] == "idle" for s in info)
+    seen = []
+    while not events.empty():
+        seen.append(events.get()[0])
+    assert "done" not in seen and "error" not in seen      # a cancelled request just stops
+    assert 0 < max(s["generated_tokens"] for s in info) < 100
+
+
+def test_host_experts_batched_and_their_counters_in_metrics(ref):
+    """Experts in host memory behind a small GPU-style cache: batched results still equal each request alone,
+    and /metrics exports the engine's cache counters that exist (and only those)."""
+    from moestream.server.metrics import ServerMetrics
+    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=2, cpu_moe=True, moe_cache_mib=2)
+    m = ServerMetrics()
+    s = Scheduler(llm, n_slots=2, max_queue=4, metrics=m)
+    s.start()
+    try:
+        prompts = [ref.encode("Good software is written twice"), ref.encode("In 1969 two astronauts")]
+        results, _ = run(s, prompts, max_tokens=6)
+        assert [r[2].token_ids for r in results] == [ref.generate(p, max_tokens=6).token_ids for p in prompts]
+        m.set_engine_stats(s.call(llm.stats).result(10))
+    finally:
+        s.stop()
+    text = m.render().decode()
+    assert "moestream_expert_cache_misses_total" in text and "moestream_expert_uploaded_bytes_total" in text
+    m.set_engine_stats({"uploaded_bytes": 7})                  # an engine before the cache: what it has
+    text = m.render().decode()
+    assert "moestream_expert_uploaded_bytes_total 7.0" in text and "cache_misses" not in text
