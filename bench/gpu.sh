@@ -30,6 +30,18 @@ ref)
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v 2>&1 | tee "$OUT/ref_gpu.md"
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v --cpu-moe 2>&1 | tee "$OUT/ref_host.md"
   ;;
+full)
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  python3 bench/cache_sweep.py $REF "$OUT" 2>&1 | grep -v '^{' | tee "$OUT/cache_sweep.md"
+  python3 -c "import random; random.seed(7); print(' '.join(str(random.randrange(151936)) for _ in range(2048)))" > /tmp/ids.txt
+  ms perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --kl-divergence-base /tmp/base.kld 2>&1 | tail -2 | tee "$OUT/ppl_gpu.txt"
+  ms perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --cpu-moe --moe-cache-mib 8000 --kl-divergence-base /tmp/base.kld \
+     --kl-divergence 2>&1 | tail -40 | tee "$OUT/kld_cache8000.txt"
+  ms serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 > "$OUT/serve.log" 2>&1 &
+  for i in $(seq 120); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
+  python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_load.md"
+  ;;
 cache)
   python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"
   REF=/tmp/ref.gguf
