@@ -62,6 +62,7 @@ def sweep(label, changes, timed=3):
                    "wait_ms_per_layer": p["wait_s"] / n_layers * 1e3, "link_bound_s": p["uploaded_bytes"] / 55e9}
             rows.append(row)
             print(json.dumps(row), flush=True)
+    json.dump(rows, open(f"{out}/cache_sweep.json", "w"), indent=1)
     tg, h, p = decode(TG)
     row = {"config": label, "test": f"tg{TG}", "tok_s": tg, "hash": h, "hit_rate": p["hit_rate"],
            "uploaded_gb": p["uploaded_bytes"] / 1e9, "lookahead_precision": p["lookahead_precision"],

@@ -31,9 +31,10 @@ ref)
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v --cpu-moe 2>&1 | tee "$OUT/ref_host.md"
   ;;
 full)
+  python3 bench/grouped_identity.py 2>&1 | tee "$OUT/grouped_identity.txt"
   REF=/tmp/ref.gguf
   [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  python3 bench/cache_sweep.py $REF "$OUT" 2>&1 | grep -v '^{' | tee "$OUT/cache_sweep.md"
+  python3 bench/cache_sweep.py $REF "$OUT" > "$OUT/cache_sweep.log" 2>&1; grep -v '^{' "$OUT/cache_sweep.log" | tail -40
   python3 -c "import random; random.seed(7); print(' '.join(str(random.randrange(151936)) for _ in range(2048)))" > /tmp/ids.txt
   ms perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --kl-divergence-base /tmp/base.kld 2>&1 | tail -2 | tee "$OUT/ppl_gpu.txt"
   ms perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --cpu-moe --moe-cache-mib 8000 --kl-divergence-base /tmp/base.kld \

@@ -18,7 +18,7 @@ def grouped_available(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-MAX_GROUPS = 1024          # torch._grouped_mm's limit per launch
+MAX_GROUPS = 1023          # torch._grouped_mm takes fewer than 1024 groups per launch
 
 
 def _expert_mlp(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
