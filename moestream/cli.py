@@ -115,20 +115,22 @@ def cmd_generate(a: argparse.Namespace) -> int:
               f"({res.prompt_tokens / max(res.prompt_s, 1e-9):.1f} tok/s); "
               f"generated: {n} tokens in {res.decode_s * 1e3:.1f} ms ({n / max(res.decode_s, 1e-9):.1f} tok/s); "
               f"finish: {res.finish_reason}", file=sys.stderr)
-        print_stats(llm.stats())
+        print_stats(llm.stats(), per_layer=a.verbose)
     return 0
 
 
-def print_stats(st: dict) -> None:
-    """The cache counters, for --verbose: this prompt's, the cumulative ones, and per layer."""
+def print_stats(st: dict, per_layer: bool) -> None:
+    """The cache counters: this prompt's, the cumulative ones, and (with -v) per layer."""
     if st["cache"]:
         c = st["cache"]
         print(f"moe cache: {c['mib']:.0f} MiB, {c['slots']} slots, {c['policy']}", file=sys.stderr)
     for name in ("prompt", "total"):
         t = st[name]
         print(f"{name}: hits {t['hits']}, misses {t['misses']}, hit rate {t['hit_rate']:.3f}, evictions "
-              f"{t['evictions']}, uploaded {t['uploaded_bytes'] / 1e9:.3f} GB in {t['copies']} copies", file=sys.stderr)
-    for layer, t in st["per_layer"].items():
+              f"{t['evictions']}, uploaded {t['uploaded_bytes'] / 1e9:.3f} GB in {t['copies']} copies; prefetched "
+              f"{t['prefetched']} ({t['prefetch_used']} used, {t['prefetch_wasted']} wasted); waits "
+              f"{t['wait_s'] * 1e3:.1f} ms", file=sys.stderr)
+    for layer, t in (st["per_layer"].items() if per_layer else ()):
         print(f"  layer {layer:3d}: hit rate {t['hit_rate']:.3f}, uploaded {t['uploaded_bytes'] / 1e6:.1f} MB",
               file=sys.stderr)
 

@@ -27,7 +27,11 @@ class Device:
         if spec.startswith("cuda"):
             if not torch.cuda.is_available():
                 raise UserError(f"device {spec!r} asked for, but this machine has no usable CUDA GPU; use --device cpu")
-            return Device(spec if ":" in spec else "cuda:0")
+            index = int(spec.split(":")[1]) if ":" in spec and spec.split(":")[1].isdigit() else 0
+            if index >= torch.cuda.device_count():
+                raise UserError(f"device {spec!r} asked for, but this machine has {torch.cuda.device_count()} "
+                                "CUDA GPU(s); use cuda:0 or --device cpu")
+            return Device(f"cuda:{index}")
         if spec == "cpu":
             return Device("cpu")
         raise UserError(f"unknown device {spec!r}; use cpu, cuda or cuda:N")
