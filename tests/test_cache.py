@@ -176,6 +176,26 @@ def test_trace_replay_predicts_the_live_cache(tmp_path, policy, mib):
     assert got["per_layer"] == live["per_layer"]
 
 
+@pytest.mark.parametrize("mib", [2, 12])
+def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib):
+    """Prompts in ubatches of 32 with prefetch from 8 tokens: first chunks, own-prompt chunks, tails, waves."""
+    llm = LLM("synth:tiny", ubatch_size=32, ctx_size=256, device="cpu", cpu_moe=True, moe_cache_mib=mib,
+              prefetch_min_batch=8, lookahead=False)
+    cfg = llm.model_config
+    rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
+    llm.engine.model.on_route = rec
+    for s in range(3):
+        llm.generate(_prompt(70, s), max_tokens=6, ignore_eos=True)
+    path = tmp_path / "run.npz"
+    rec.save(str(path))
+    from moestream.experts.prefetch import PrefetchConfig
+    got = replay(load_trace(str(path)), llm.stats()["cache"]["slots"], "lfru",
+                 PrefetchConfig(min_batch=8, lookahead=False))
+    live = llm.stats()
+    assert live["total"]["prefetched"] > 0
+    assert got["total"] == live["total"]
+
+
 def test_bad_trace_file_is_a_user_error(tmp_path):
     p = tmp_path / "x.npz"
     p.write_bytes(b"not a trace")

@@ -1,21 +1,26 @@
 """Routing traces: record which experts every ubatch routed, and replay them against a cache offline.
 
-    rec = TraceRecorder(cfg, expert_bytes)
+    rec = TraceRecorder(n_layers, n_experts, expert_bytes)
     llm.engine.model.on_route = rec          # called with (layer, ids (T, k)) for every MoE layer of every forward
     ...; rec.save("run.trace.npz")
     replay(load_trace("run.trace.npz"), n_slots=1700, policy="lfru")   # {"total": {...}, "per_layer": {...}}
+    replay(trace, 1700, "lfru", prefetch=PrefetchConfig())             # with the prompt-path prefetch rules too
 
-So policies and cache sizes are compared on real routing without a GPU. The replay runs the live cache's own
-planner (clock, residency, waves, counters), so it predicts the live counts exactly.
+So policies, cache sizes and prefetch rules are compared on real routing without a GPU. The replay runs the live
+cache's own code (planner, residency, waves, counters; with `prefetch`, the whole ExpertCache on the CPU over
+stand-in rows), so it predicts the live counts exactly. Decode lookahead needs hidden states, which a trace does
+not hold: a prefetch replay leaves it out.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..errors import UserError
-from .cache import CachePlanner
+from .cache import CachePlanner, ExpertCache
+from .prefetch import PrefetchConfig
 
 
 @dataclass
@@ -25,6 +30,8 @@ class Trace:
     n_layers: int
     n_experts: int
     expert_bytes: int
+    ubatch_of: np.ndarray | None = None     # (R,) the ubatch of each record
+    ubatches: np.ndarray | None = None      # (U, 4): sequence, tokens, is_prompt, begins a prompt
 
 
 class TraceRecorder:
@@ -32,38 +39,88 @@ class TraceRecorder:
         self.n_layers, self.n_experts, self.expert_bytes = n_layers, n_experts, expert_bytes
         self.layers: list[int] = []
         self.ids: list[np.ndarray] = []
+        self.ubatch_of: list[int] = []
+        self.ubatches: list[list[int]] = []
+        self._new_prompt = False
+
+    # The engine calls these around forwards, so the trace knows where prompts and ubatches begin.
+    def begin_prompt(self, seq: int) -> None:
+        self._new_prompt = True
+
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+        self.ubatches.append([seq, n_tokens, int(is_prompt), int(self._new_prompt and is_prompt)])
+        if is_prompt:
+            self._new_prompt = False
 
     def __call__(self, layer: int, ids) -> None:
         self.layers.append(layer)
         self.ids.append(ids.detach().cpu().numpy().astype(np.int16))
-
-    def trace(self) -> Trace:
-        return Trace(np.array(self.layers, dtype=np.int32), self.ids, self.n_layers, self.n_experts,
-                     self.expert_bytes)
+        self.ubatch_of.append(len(self.ubatches) - 1)
 
     def save(self, path: str) -> None:
         rows = np.array([len(a) for a in self.ids], dtype=np.int64)
         k = self.ids[0].shape[1] if self.ids else 0
         flat = np.concatenate(self.ids) if self.ids else np.zeros((0, k), dtype=np.int16)
         np.savez_compressed(path, layers=np.array(self.layers, dtype=np.int32), rows=rows, ids=flat,
-                            meta=np.array([self.n_layers, self.n_experts, self.expert_bytes], dtype=np.int64))
+                            meta=np.array([self.n_layers, self.n_experts, self.expert_bytes], dtype=np.int64),
+                            ubatch_of=np.array(self.ubatch_of, dtype=np.int64),
+                            ubatches=np.array(self.ubatches, dtype=np.int64).reshape(-1, 4))
 
 
 def load_trace(path: str) -> Trace:
     try:
         z = np.load(path)
         layers, rows, flat, meta = z["layers"], z["rows"], z["ids"], z["meta"]
+        ub_of = z["ubatch_of"] if "ubatch_of" in z.files else None
+        ubs = z["ubatches"] if "ubatches" in z.files else None
     except (OSError, KeyError, ValueError) as e:
         raise UserError(f"cannot read routing trace {path!r} ({e}); record one with generate --trace FILE") from None
     ids = np.split(flat, np.cumsum(rows)[:-1]) if len(rows) else []
-    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]))
+    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs)
 
 
-def replay(trace: Trace, n_slots: int, policy: str = "lfru") -> dict:
+def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None) -> dict:
     """Counts the live cache would have had on this routing: totals and per layer."""
+    if prefetch is not None:
+        return _replay_with_prefetch(trace, n_slots, policy, prefetch)
     planner = CachePlanner(n_slots, trace.n_layers, trace.n_experts, policy, trace.expert_bytes)
     for layer, ids in zip(trace.layers.tolist(), trace.ids):
         for group in planner.groups(layer, np.unique(ids).astype(np.int64)):
             planner.plan(layer, group)
-    return {"total": planner.stats.summary(planner.stats.total),
-            "per_layer": {l: c.as_dict() for l, c in sorted(planner.stats.total.items())}}
+    return _report(planner.stats)
+
+
+def _replay_with_prefetch(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConfig) -> dict:
+    if trace.ubatches is None or trace.ubatch_of is None:
+        raise UserError("this trace has no ubatch boundaries (an older recording): record it again to replay prefetch")
+    from ..device import Device
+    from .store import ExpertStore
+    layers = sorted(set(trace.layers.tolist()))
+    # Stand-in rows of one byte per expert: the cache's decisions do not depend on the bytes, and counters in
+    # bytes are rescaled to the traced expert size below.
+    store = ExpertStore({l: torch.zeros(trace.n_experts, 3, dtype=torch.uint8) for l in layers}, 1, 1)
+    cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy,
+                        PrefetchConfig(**{**prefetch.__dict__, "lookahead": False}), layers,
+                        int(trace.ubatches[:, 0].max()) + 1 if len(trace.ubatches) else 1)
+    current = -1
+    for layer, ids, ub in zip(trace.layers.tolist(), trace.ids, trace.ubatch_of.tolist()):
+        if ub != current:
+            seq, n, is_prompt, new_prompt = trace.ubatches[ub].tolist()
+            if new_prompt:
+                cache.begin_prompt(seq)
+            cache.begin_ubatch(seq, n, bool(is_prompt))
+            current = ub
+        w = cache.fetch(layer, torch.from_numpy(ids.astype(np.int64)))
+        if not hasattr(w, "slots"):
+            for _ in w:                      # waves load as they are iterated
+                pass
+    out = _report(cache.stats)
+    for d in (out["total"], *out["per_layer"].values()):
+        for key in ("uploaded_bytes", "prefetched_bytes"):
+            d[key] = d[key] // store.expert_bytes * trace.expert_bytes
+    return out
+
+
+def _report(stats) -> dict:
+    return {"total": stats.summary(stats.total),
+            "per_layer": {l: c.as_dict() for l, c in sorted(stats.total.items())}}

@@ -107,8 +107,9 @@ class Engine:
     @torch.inference_mode()
     def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False,
                 is_prompt: bool = False) -> torch.Tensor:
-        if hasattr(self.host, "begin_ubatch"):
-            self.host.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
+        for hook in (self.host, self.model.on_route):      # the cache, and a routing trace being recorded
+            if hasattr(hook, "begin_ubatch"):
+                hook.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
         batch = Batch.make(segments, tokens, self.device.torch, all_logits)
         return self.model.forward(batch, self.kv, self.experts, self.kernel)
 
@@ -147,6 +148,8 @@ class Engine:
             self.host.begin_prompt(seq)
         elif self.host is not None:
             self.host.stats.begin_prompt()
+        if hasattr(self.model.on_route, "begin_prompt"):
+            self.model.on_route.begin_prompt(seq)
 
     def stats(self) -> dict:
         """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative)."""

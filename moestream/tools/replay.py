@@ -20,25 +20,36 @@ def add_parser(sub) -> None:
     p.add_argument("--moe-cache-mib", type=_ints, default=None, help="cache sizes in MiB, comma list")
     p.add_argument("--slots", type=_ints, default=None, help="cache sizes in expert slots, comma list")
     p.add_argument("--policy", default="lfru,lru", help="policies, comma list (default lfru,lru)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="also run the prompt-path prefetch rules (decode lookahead needs hidden states: left out)")
+    p.add_argument("--prefetch-min-batch", type=int, default=256)
+    p.add_argument("--no-prefetch-seed", action="store_true")
+    p.add_argument("--prefetch-first-all", action="store_true")
     p.set_defaults(func=main)
 
 
 def main(a: argparse.Namespace) -> int:
+    from ..experts.prefetch import PrefetchConfig
     from ..experts.trace import load_trace, replay
     tr = load_trace(a.trace)
+    pf = None
+    if a.prefetch:
+        pf = PrefetchConfig(min_batch=a.prefetch_min_batch, seed_previous=not a.no_prefetch_seed,
+                            first_chunk_all=a.prefetch_first_all, lookahead=False)
     sizes = list(a.slots or [])
     sizes += [m * (1 << 20) // tr.expert_bytes for m in (a.moe_cache_mib or [])]
     if not sizes:
         raise UserError("give cache sizes with --moe-cache-mib or --slots")
     n_ubatch = sum(1 for i, l in enumerate(tr.layers.tolist()) if i == 0 or l <= tr.layers[i - 1])
     print(f"trace: {n_ubatch} ubatches, {tr.n_layers} layers x {tr.n_experts} experts of {tr.expert_bytes / 1e6:.2f} MB")
-    print("| policy | slots | MiB | hit rate | misses | uploaded GB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| policy | slots | MiB | hit rate | misses | uploaded GB | prefetched | used | wasted |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for policy in a.policy.split(","):
         for n in sizes:
             if n < 1:
                 raise UserError(f"a cache of {n} slots holds nothing; give a larger size")
-            t = replay(tr, n, policy)["total"]
+            t = replay(tr, n, policy, pf)["total"]
             print(f"| {policy} | {n} | {n * tr.expert_bytes / (1 << 20):.0f} | {t['hit_rate']:.4f} | "
-                  f"{t['misses']} | {t['uploaded_bytes'] / 1e9:.3f} |")
+                  f"{t['misses']} | {t['uploaded_bytes'] / 1e9:.3f} | {t['prefetched']} | {t['prefetch_used']} | "
+                  f"{t['prefetch_wasted']} |")
     return 0
