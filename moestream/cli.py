@@ -44,6 +44,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the first big chunk of a prompt does not seed from the previous prompt's routing")
     p.add_argument("--prefetch-first-all", action="store_true",
                    help="the first big chunk of a prompt copies every expert ahead")
+    p.add_argument("--prefetch-min-use", type=float, default=0.0, metavar="P",
+                   help="copy ahead only experts the ubatch routes with probability >= P (default 0: all seen)")
     p.add_argument("--no-lookahead", action="store_true", help="decode: no next-layer expert prediction")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
@@ -55,7 +57,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 cuda_graphs=not a.no_cuda_graphs, moe_cache_mib=a.moe_cache_mib, cache_policy=a.cache_policy,
                 prefetch=not a.no_prefetch, prefetch_min_batch=a.prefetch_min_batch,
                 prefetch_seed=not a.no_prefetch_seed, prefetch_first_all=a.prefetch_first_all,
-                lookahead=not a.no_lookahead)
+                lookahead=not a.no_lookahead, prefetch_min_use=a.prefetch_min_use)
 
 
 def parse_prompt(text: str, has_tokenizer: bool):

@@ -166,6 +166,7 @@ class EngineConfig:
     prefetch_seed: bool = True       # rule 2: the first big chunk of a prompt seeds from the previous prompt
     prefetch_first_all: bool = False # rule 2's option: the first big chunk copies every expert
     lookahead: bool = True           # decode: predict the next layer's experts through its router
+    prefetch_min_use: float = 0.0    # copy ahead only experts the ubatch routes with at least this probability
 
     def __post_init__(self):
         if self.ctx_size <= 0:
@@ -184,6 +185,8 @@ class EngineConfig:
             raise UserError(f"--cache-policy must be lfru or lru, got {self.cache_policy!r}")
         if self.prefetch_min_batch <= 0:
             raise UserError(f"--prefetch-min-batch must be positive, got {self.prefetch_min_batch}")
+        if not 0.0 <= self.prefetch_min_use <= 1.0:
+            raise UserError(f"--prefetch-min-use must be within [0, 1], got {self.prefetch_min_use}")
         if self.n_seq <= 0:
             raise UserError(f"the number of sequences must be positive, got {self.n_seq}")
 

@@ -123,3 +123,12 @@ def test_decode_lookahead_reports_precision_and_recall():
     t = llm.stats()["total"]
     assert t["lookahead_tp"] + t["lookahead_fp"] > 0
     assert 0.0 < t["lookahead_precision"] <= 1.0 and 0.0 < t["lookahead_recall"] <= 1.0
+
+
+def test_min_use_keeps_only_experts_the_ubatch_is_likely_to_route():
+    counts = np.array([1000, 10, 1, 0, 300])          # shares of 1311 routings
+    assert list(predicted(counts, 5)) == [0, 4, 1, 2]
+    # 64 routings: expert 0 (p = 0.76) and 4 (0.23) are near-certain, 1 (0.0076) is a coin flip, 2 is unlikely
+    assert list(predicted(counts, 5, n_routings=64, min_use=0.5)) == [0, 4]
+    assert list(predicted(counts, 5, n_routings=64, min_use=0.3)) == [0, 4, 1]
+    assert list(predicted(counts, 5, n_routings=100000, min_use=0.9)) == [0, 4, 1, 2]

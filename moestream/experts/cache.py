@@ -70,7 +70,8 @@ class Waves:
 
 class ExpertCache:
     def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device, policy: str = "lfru",
-                 prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1):
+                 prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1,
+                 top_k: int = 8):
         any_rows = next(iter(store.rows.values()))
         self.store, self.n_experts, self.device, self.prefetch = store, n_experts, device, prefetch
         self.pool = torch.empty(n_slots, any_rows.shape[1], dtype=any_rows.dtype, device=device.torch)  # (S, numel)
@@ -87,7 +88,8 @@ class ExpertCache:
         self.spec_flag = np.zeros(n_slots, dtype=bool)          # filled by a prefetch, not used yet
         self.handed: np.ndarray = np.zeros(0, dtype=np.int64)   # slots the last fetch handed out
         self.seed: Seed | None = None
-        self.seq, self.is_prompt = 0, False
+        self.seq, self.is_prompt, self.n_tokens = 0, False, 0
+        self.top_k = top_k
         self.predicted: dict[int, np.ndarray] = {}              # decode lookahead: layer -> predicted experts
         self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
 
@@ -101,13 +103,13 @@ class ExpertCache:
         self.routing[seq].begin_prompt()
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
-        self.seq, self.is_prompt = seq, is_prompt
+        self.seq, self.is_prompt, self.n_tokens = seq, is_prompt, n_tokens
         stats = self.routing[seq]
         self.seed = choose_seed(n_tokens, is_prompt, stats, self.prefetch)
         if is_prompt:
             stats.begin_ubatch(n_tokens)
         if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now
-            self._prefetch(self.layers[0], predicted(self._seed_row(self.layers[0]), self.n_experts))
+            self._prefetch(self.layers[0], self._predicted(self.layers[0]))
 
     def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
         """Decode-sized ubatches guess the next host layer's experts (a prompt ubatch routes too many to guess)."""
@@ -137,7 +139,7 @@ class ExpertCache:
                 self.predicted[nxt] = guess
                 self._prefetch(nxt, guess)
             elif self.seed is not None:
-                self._prefetch(nxt, predicted(self._seed_row(nxt), self.n_experts))
+                self._prefetch(nxt, self._predicted(nxt))
         return w
 
     def _load(self, layer: int, ids: torch.Tensor, group: np.ndarray) -> ExpertWeights:
@@ -190,8 +192,9 @@ class ExpertCache:
                                         prefetch_wasted=wasted))
 
     # --- bookkeeping ----------------------------------------------------------------------------------------
-    def _seed_row(self, layer: int):
-        return None if self.seed.counts is None else self.seed.counts[layer]
+    def _predicted(self, layer: int) -> np.ndarray:
+        row = None if self.seed.counts is None else self.seed.counts[layer]
+        return predicted(row, self.n_experts, self.n_tokens * self.top_k, self.prefetch.min_use)
 
     def _next_layer(self, layer: int) -> int | None:
         i = self.layers.index(layer)

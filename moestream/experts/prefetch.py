@@ -63,6 +63,7 @@ class PrefetchConfig:
     first_chunk_all: bool = False   # rule 2's option: copy every expert of the next layer instead
     lookahead: bool = True          # decode: the next layer's router on the current hidden state
     max_inflight_mib: int = 512     # speculative bytes on the copy stream at once (demand misses go first)
+    min_use: float = 0.0            # copy ahead only experts the ubatch routes with at least this probability
 
 
 @dataclass
@@ -99,9 +100,18 @@ def choose_seed(n_tokens: int, is_prompt: bool, stats: RoutingStats, cfg: Prefet
     return None
 
 
-def predicted(counts_row: np.ndarray | None, n_experts: int) -> np.ndarray:
-    """A layer's experts to copy ahead, most-routed first (every expert for the "all" rule)."""
+def predicted(counts_row: np.ndarray | None, n_experts: int, n_routings: int = 0, min_use: float = 0.0) -> np.ndarray:
+    """A layer's experts to copy ahead, most-routed first (every expert for the "all" rule).
+
+    With `min_use`, only experts the coming ubatch is likely to route: an expert with share p of the seed's
+    routings is routed at least once among the ubatch's n_routings (tokens x k) with probability about
+    1 - exp(-n_routings p). Copying ahead an expert the ubatch then does not route wastes the link and evicts a
+    resident expert that may be needed.
+    """
     if counts_row is None:
         return np.arange(n_experts, dtype=np.int64)
     nz = np.flatnonzero(counts_row)
+    if min_use > 0 and n_routings > 0:
+        use = 1.0 - np.exp(-n_routings * counts_row[nz] / counts_row.sum())
+        nz = nz[use >= min_use]
     return nz[np.argsort(-counts_row[nz], kind="stable")].astype(np.int64)

@@ -101,7 +101,8 @@ def _replay_with_prefetch(trace: Trace, n_slots: int, policy: str, prefetch: Pre
     store = ExpertStore({l: torch.zeros(trace.n_experts, 3, dtype=torch.uint8) for l in layers}, 1, 1)
     cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy,
                         PrefetchConfig(**{**prefetch.__dict__, "lookahead": False}), layers,
-                        int(trace.ubatches[:, 0].max()) + 1 if len(trace.ubatches) else 1)
+                        int(trace.ubatches[:, 0].max()) + 1 if len(trace.ubatches) else 1,
+                        trace.ids[0].shape[1] if trace.ids else 8)
     current = -1
     for layer, ids, ub in zip(trace.layers.tolist(), trace.ids, trace.ubatch_of.tolist()):
         if ub != current:

@@ -213,11 +213,12 @@ def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev
     if n_slots is None:
         return UploadPerUbatch(store, cfg.n_experts, dev.torch)
     pf = PrefetchConfig(enabled=ecfg.prefetch, min_batch=ecfg.prefetch_min_batch, seed_previous=ecfg.prefetch_seed,
-                        first_chunk_all=ecfg.prefetch_first_all, lookahead=ecfg.lookahead)
+                        first_chunk_all=ecfg.prefetch_first_all, lookahead=ecfg.lookahead,
+                        min_use=ecfg.prefetch_min_use)
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
              store.expert_bytes / 1e6, ecfg.cache_policy)
     return ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache_policy, pf, sorted(store.rows),
-                       ecfg.n_seq)
+                       ecfg.n_seq, cfg.n_experts_used)
 
 
 def cache_slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:

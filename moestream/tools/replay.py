@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefetch-min-batch", type=int, default=256)
     p.add_argument("--no-prefetch-seed", action="store_true")
     p.add_argument("--prefetch-first-all", action="store_true")
+    p.add_argument("--prefetch-min-use", type=float, default=0.0)
     p.set_defaults(func=main)
 
 
@@ -35,7 +36,7 @@ def main(a: argparse.Namespace) -> int:
     pf = None
     if a.prefetch:
         pf = PrefetchConfig(min_batch=a.prefetch_min_batch, seed_previous=not a.no_prefetch_seed,
-                            first_chunk_all=a.prefetch_first_all, lookahead=False)
+                            first_chunk_all=a.prefetch_first_all, lookahead=False, min_use=a.prefetch_min_use)
     sizes = list(a.slots or [])
     sizes += [m * (1 << 20) // tr.expert_bytes for m in (a.moe_cache_mib or [])]
     if not sizes:
