@@ -96,3 +96,25 @@ def test_cache_sizes_policies_and_prefetch_bit_identical_on_cuda(ubatch):
         hashes.add(llm.generate(prompts[0], max_tokens=24, ignore_eos=True).sha256)
         assert llm.stats()["total"]["misses"] > 0
     assert len(hashes) == 1
+
+
+@needs_cuda
+def test_host_decode_graphs_match_eager_decode():
+    """--host-decode-graphs (experimental): captured segments give the eager decode's logits."""
+    def run(graphs):
+        llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=64, device="cuda", cpu_moe=True, moe_cache_mib=12, n_seq=2,
+                  host_decode_graphs=graphs)
+        eng = llm.engine
+        assert (eng.host_graphs is not None) == graphs
+        eng.prefill(0, list(range(5, 30)))
+        eng.prefill(1, list(range(40, 52)))
+        outs, toks = [], [(0, 7, 25), (1, 9, 12)]
+        for _ in range(6):
+            lg = eng.decode(toks)
+            outs.append(lg.clone())
+            toks = [(s, int(lg[i].argmax()), p + 1) for i, (s, _, p) in enumerate(toks)]
+        return outs, llm.stats()["total"]
+    eager, eager_stats = run(False)
+    graphs, graph_stats = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphs))
+    assert graph_stats["hits"] + graph_stats["misses"] == eager_stats["hits"] + eager_stats["misses"]

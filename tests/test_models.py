@@ -103,6 +103,14 @@ def test_grouped_kernel_segments_a_large_pool(monkeypatch):
     whole = g.experts_grouped(x, slots, w13, w2)
     monkeypatch.setattr(g, "MAX_GROUPS", 4)
     assert torch.equal(g.experts_grouped(x, slots, w13, w2), whole)
+    # the sync-free segmentation used inside CUDA graph captures
+    order, counts = g.sort_by_slot(slots, S)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    xs = x[order // k]
+    y = g._segments_without_sync(xs, w13, w2, offs)
+    out = torch.empty_like(y)
+    out[order] = y
+    assert torch.equal(out.view(T, k, -1), whole)
     from moestream.kernels.reference import experts_reference
     ref = experts_reference(x.double(), slots, w13.double(), w2.double())
     assert ((whole.double() - ref).norm() / ref.norm()) < 1e-2

@@ -122,27 +122,45 @@ class ExpertCache:
         self._mark_reads()
         if lookahead is not None:            # one host sync for both: the routing and the lookahead guess
             both = torch.cat([ids.reshape(-1), lookahead.reshape(-1)]).cpu().numpy()
-            flat, guess = both[:ids.numel()], np.unique(both[ids.numel():])
+            flat, guess = both[:ids.numel()], both[ids.numel():]
         else:
             flat, guess = ids.reshape(-1).cpu().numpy(), None
-        wanted = np.unique(flat).astype(np.int64)
+        table = self.prepare(layer, flat.reshape(ids.shape), guess)
+        if isinstance(table, list):
+            return Waves(self, layer, ids, table)
+        lut = torch.from_numpy(table).to(self.device.torch)                                 # (E,)
+        return ExpertWeights(self.w13, self.w2, lut[ids])
+
+    def prepare(self, layer: int, ids: np.ndarray, guess: np.ndarray | None = None):
+        """The host's part of one MoE layer, once its routing ids (T, k) are on the host: routing statistics,
+        counters, uploads of the misses, the compute stream's wait, and the prefetch of what comes next.
+        Returns the layer's slot table (E,) (slot of each expert id, -1 if absent), or the groups of experts to
+        run in waves when the pool cannot hold them all at once (then nothing is loaded yet)."""
+        wanted = np.unique(ids).astype(np.int64)
         if self.is_prompt:
-            self.routing[self.seq].record(layer, flat.reshape(ids.shape))
+            self.routing[self.seq].record(layer, ids)
         self._score_lookahead(layer, wanted)
         groups = self.planner.groups(layer, wanted)
         if len(groups) > 1:
-            return Waves(self, layer, ids, groups)
-        w = self._load(layer, ids, groups[0])
+            return groups
+        self._load_slots(layer, groups[0])
         nxt = self._next_layer(layer)
         if nxt is not None:
             if guess is not None:
+                guess = np.unique(guess)
                 self.predicted[nxt] = guess
                 self._prefetch(nxt, guess)
             elif self.seed is not None:
                 self._prefetch(nxt, self._predicted(nxt))
-        return w
+        return self.residency.slot_of[layer].copy()
 
     def _load(self, layer: int, ids: torch.Tensor, group: np.ndarray) -> ExpertWeights:
+        self._load_slots(layer, group)
+        lut = torch.from_numpy(self.residency.slot_of[layer].copy()).to(self.device.torch)        # (E,)
+        return ExpertWeights(self.w13, self.w2, lut[ids])
+
+    def _load_slots(self, layer: int, group: np.ndarray) -> None:
+        """Make `group` resident: plan, copy the misses on the copy stream, make compute wait for its slots."""
         self._update_pins()
         try:
             plan = self.planner.plan(layer, group)
@@ -165,8 +183,6 @@ class ExpertCache:
         self._wait_for(layer, int(self.ready[plan.slots].max()))
         self.use[plan.slots] = NOT_YET
         self.handed = plan.slots
-        lut = torch.from_numpy(self.residency.slot_of[layer].copy()).to(self.device.torch)        # (E,)
-        return ExpertWeights(self.w13, self.w2, lut[ids])
 
     def _prefetch(self, layer: int, experts: np.ndarray) -> None:
         """Copy ahead the experts of `layer` not resident, in the given order, within the in-flight bound."""

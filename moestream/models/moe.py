@@ -30,12 +30,13 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (y * weights.unsqueeze(-1)).sum(dim=1)
 
 
-def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel,
-              on_route=None, next_router: torch.Tensor | None = None) -> torch.Tensor:
-    """x (T, H) -> (T, H). `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats).
+def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, on_route=None,
+              next_router: torch.Tensor | None = None):
+    """The router half of the MoE block: (T, k) weights and ids, and the decode lookahead guess (or None).
 
-    Decode lookahead: where the provider asks, the next MoE layer's router applied to this layer's input guesses
-    the next layer's experts, so their copies start before that layer's own routing is known.
+    `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats). Decode lookahead: where the
+    provider asks, the next MoE layer's router applied to this layer's input guesses the next layer's experts, so
+    their copies start before that layer's own routing is known.
     """
     weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
     if on_route is not None:
@@ -43,6 +44,12 @@ def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
     guess = None
     if next_router is not None and provider.wants_lookahead(layer, x.shape[0]):
         guess = torch.topk(F.linear(x, next_router), cfg.n_experts_used, dim=-1).indices      # (T, k)
+    return weights, ids, guess
+
+
+def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,
+                guess=None) -> torch.Tensor:
+    """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert."""
     w = provider.fetch(layer, ids, guess)
     if hasattr(w, "slots"):
         y = kernel(x, w.slots, w.w13, w.w2)                              # (T, k, H)
@@ -58,3 +65,10 @@ def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
         shared = swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"])
         out = out + torch.sigmoid(F.linear(x, lw["ffn_gate_inp_shexp.weight"])) * shared
     return out
+
+
+def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel,
+              on_route=None, next_router: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, H) -> (T, H): router, then experts."""
+    weights, ids, guess = moe_route(x, lw, layer, cfg, provider, on_route, next_router)
+    return moe_experts(x, lw, layer, cfg, provider, kernel, weights, ids, guess)

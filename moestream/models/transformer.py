@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .layers import apply_rope, attention, rms_norm, swiglu
-from .moe import moe_block
+from .moe import moe_experts, moe_route
 
 
 @dataclass
@@ -71,6 +71,18 @@ class MoETransformer:
         self.next_router = {a: self.layers[b]["ffn_gate_inp.weight"] for a, b in zip(moe, moe[1:])}
 
     def forward(self, batch: Batch, kv, experts, kernel) -> torch.Tensor:
+        """(R, V) float32 logits of batch.out_rows."""
+        steps = self.forward_steps(batch, kv, experts, kernel)
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("a forward with no split layers does not pause")
+
+    def forward_steps(self, batch: Batch, kv, experts, kernel, split=frozenset()):
+        """The forward as a generator that pauses after the router of each MoE layer in `split`, yielding
+        (layer, ids, guess), so a caller can do host work (the expert cache's decisions) between device segments;
+        the logits are its return value. Each segment between pauses can then be a captured CUDA graph."""
         cfg = self.cfg
         h = self.w["token_embd.weight"][batch.tokens]                        # (T, H)
         cos = self.cos[batch.positions].to(h.dtype)                          # (T, hd)
@@ -82,7 +94,10 @@ class MoETransformer:
             if i in cfg.dense_layers:
                 h = h + swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
             else:
-                h = h + moe_block(m, lw, i, cfg, experts, kernel, self.on_route, self.next_router.get(i))
+                weights, ids, guess = moe_route(m, lw, i, cfg, experts, self.on_route, self.next_router.get(i))
+                if i in split:
+                    yield i, ids, guess
+                h = h + moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess)
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                             # (R, V)
 

@@ -41,10 +41,11 @@ class Engine:
         self.kernel, self.device = kernel, device
         self.host = host                # the provider of host layers (UploadPerUbatch or ExpertCache), or None
         self.dtype = model.lm_head.dtype
-        self.graphs = None
-        if (ecfg.cuda_graphs and device.is_cuda and host is None and kernel is not experts_reference):
+        self.graphs = self.host_graphs = None
+        if ecfg.cuda_graphs and device.is_cuda and kernel is not experts_reference:
             from .graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self) if host is None else None
+        self._setup_host_graphs()
 
     # --- loading -------------------------------------------------------------------------------------------
     @staticmethod
@@ -139,6 +140,8 @@ class Engine:
         if self.graphs is not None:
             with torch.inference_mode():
                 return self.graphs.run(steps)
+        if self.host_graphs is not None and len(steps) * self.cfg.n_experts_used <= self.host.n_slots:
+            return self.host_graphs.run(steps)
         return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps])
 
     def begin_prompt(self, seq: int = 0) -> None:
@@ -185,6 +188,15 @@ class Engine:
         self.host = _host_provider(self.cfg, ecfg, store, self.device, n_slots)
         self.experts.by_layer.update({l: self.host for l in store.rows})
         self.ecfg = ecfg
+        self._setup_host_graphs()
+
+    def _setup_host_graphs(self) -> None:
+        """Experimental (--host-decode-graphs): decode steps over a cache as captured per-layer segments."""
+        self.host_graphs = None
+        if (self.ecfg.host_decode_graphs and self.ecfg.cuda_graphs and self.device.is_cuda
+                and isinstance(self.host, ExpertCache) and self.kernel is not experts_reference):
+            from .graphs import HostDecodeGraphs
+            self.host_graphs = HostDecodeGraphs(self)
 
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
         """Change -b/-ub without reloading (they change how prompts are cut, not where weights live)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..experts.provider import ExpertWeights
 from ..models.transformer import Batch, Segment
 
 
@@ -54,3 +55,134 @@ class DecodeGraphs:
             logits = eng.model.forward(batch, eng.kv, eng.experts, eng.kernel)
         self.pool = graph.pool()
         return graph, inputs, batch, logits
+
+
+class _TableProvider:
+    """Host layers read their slots from a device table the host fills between graph segments; other layers go
+    to their own provider. Nothing here touches the host, so the segments can be captured."""
+
+    def __init__(self, cache, tables: dict[int, torch.Tensor], others):
+        self.cache, self.tables, self.others = cache, tables, others
+
+    def fetch(self, layer: int, ids: torch.Tensor, lookahead=None):
+        if layer in self.tables:
+            return ExpertWeights(self.cache.w13, self.cache.w2, self.tables[layer][ids])
+        return self.others.fetch(layer, ids, lookahead)
+
+    def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
+        return self.others.wants_lookahead(layer, n_tokens)
+
+
+class HostDecodeGraphs:
+    """Decode steps with experts in host memory, as captured segments: each segment runs from one host layer's
+    experts to the next host layer's router; between two segments the host reads that layer's routing, lets the
+    expert cache upload its misses and make the compute stream wait for them, and writes the layer's slot table.
+
+    A hit then costs one read-back per layer instead of a few hundred Python launches. With capture=False the
+    same segments run eagerly (the CPU tests check that path against the plain forward, bit for bit).
+    Requires a pool that holds one decode step's routed experts (no waves).
+    """
+
+    def __init__(self, engine, capture: bool = True):
+        self.engine, self.capture = engine, capture
+        self.cache = engine.host
+        self.host_layers = sorted(self.cache.store.rows)
+        self.steps: dict[int, tuple] = {}
+        self.pool = None
+
+    @torch.inference_mode()
+    def run(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
+        eng = self.engine
+        B = len(steps)
+        self.cache.begin_ubatch(steps[0][0], B, False)      # before a capture too: it decides on lookahead
+        if B not in self.steps:
+            self.steps[B] = self._build(B)
+        segments, inputs, pauses, logits, tables = self.steps[B]
+        host = torch.tensor([[t for _, t, _ in steps], [s for s, _, _ in steps], [p for _, _, p in steps]],
+                            dtype=torch.int64)
+        inputs.copy_(host.pin_memory() if eng.device.is_cuda else host, non_blocking=eng.device.is_cuda)
+        on_route = eng.model.on_route
+        if hasattr(on_route, "begin_ubatch"):
+            on_route.begin_ubatch(steps[0][0], B, False)
+        for j, segment in enumerate(segments):
+            segment()
+            if j < len(pauses):
+                layer, ids, guess = pauses[j]
+                self.cache._mark_reads()
+                got = torch.cat([ids.reshape(-1), guess.reshape(-1)]) if guess is not None else ids.reshape(-1)
+                got = got.cpu().numpy()                                   # the one host sync of this layer
+                ids_np = got[:ids.numel()].reshape(ids.shape)
+                if on_route is not None:
+                    on_route(layer, torch.from_numpy(ids_np))
+                table = self.cache.prepare(layer, ids_np, got[ids.numel():] if guess is not None else None)
+                if isinstance(table, list):
+                    raise RuntimeError("decode routed more experts than the cache holds: use a larger cache")
+                tables[layer].copy_(torch.from_numpy(table))
+        return logits
+
+    @torch.inference_mode()
+    def _build(self, B: int):
+        eng = self.engine
+        dev = eng.device.torch
+        ctx = eng.kv.ctx
+        inputs = torch.zeros(3, B, dtype=torch.int64, device=dev)
+        inputs[1] = torch.arange(B) % eng.kv.n_seq
+        inputs[2] = ctx - 1                          # warm-up writes land in the last KV slot: rewritten before read
+        batch = Batch(tokens=inputs[0], segments=[Segment(0, ctx - 1, 1)] * B, seq_ids=inputs[1],
+                      positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=ctx)
+        tables = {l: torch.zeros(eng.cfg.n_experts, dtype=torch.int64, device=dev) for l in self.host_layers}
+        provider = _TableProvider(self.cache, tables, eng.experts)
+        split = frozenset(self.host_layers)
+        if not self.capture:
+            return self._eager_build(batch, provider, split, inputs, tables)
+        on_route, eng.model.on_route = eng.model.on_route, None     # callbacks run on the host, between segments
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):                            # warm-up: lazy initialisation, workspaces
+                for _ in eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split):
+                    pass
+            torch.cuda.current_stream(dev).wait_stream(side)
+            gen = eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)
+            graphs, pauses, logits = [], [], None
+            while logits is None:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    try:
+                        pauses.append(next(gen))
+                    except StopIteration as done:
+                        logits = done.value
+                self.pool = g.pool()
+                graphs.append(g.replay)
+        finally:
+            eng.model.on_route = on_route
+        return graphs, inputs, pauses, logits, tables
+
+    def _eager_build(self, batch, provider, split, inputs, tables):
+        """The same segments, uncaptured: each call advances the forward's generator to its next pause and copies
+        what it yields into static buffers, as a graph replay would leave them."""
+        eng = self.engine
+        steps = eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)
+        pauses = []
+        try:                                                   # one dry run, for the buffers' shapes
+            while True:
+                layer, ids, guess = next(steps)
+                pauses.append((layer, ids.clone(), None if guess is None else guess.clone()))
+        except StopIteration as done:
+            logits = done.value.clone()
+        state = {}
+
+        def segment():
+            if "gen" not in state:
+                state.update(gen=eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split), j=0)
+            try:
+                _, ids, guess = next(state["gen"])
+                _, static_ids, static_guess = pauses[state["j"]]
+                static_ids.copy_(ids)
+                if guess is not None:
+                    static_guess.copy_(guess)
+                state["j"] += 1
+            except StopIteration as done:
+                logits.copy_(done.value)
+                state.clear()
+        return [segment] * (len(pauses) + 1), inputs, pauses, logits, tables
