@@ -9,7 +9,7 @@ the file they came from: the names are family-independent, and a GGUF file then 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import UserError
 

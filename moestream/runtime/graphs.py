@@ -16,6 +16,24 @@ from ..experts.provider import ExpertWeights
 from ..models.transformer import Batch, Segment
 
 
+def static_decode_batch(eng, B: int) -> tuple[torch.Tensor, Batch]:
+    """A decode batch of B sequences over static device inputs (3, B): tokens, sequences, positions."""
+    dev, ctx = eng.device.torch, eng.kv.ctx
+    inputs = torch.zeros(3, B, dtype=torch.int64, device=dev)
+    inputs[1] = torch.arange(B) % eng.kv.n_seq
+    inputs[2] = ctx - 1                          # warm-up writes land in the last KV slot: rewritten before read
+    batch = Batch(tokens=inputs[0], segments=[Segment(0, ctx - 1, 1)] * B, seq_ids=inputs[1],
+                  positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=ctx)
+    return inputs, batch
+
+
+def step_inputs(steps: list[tuple[int, int, int]], pinned: bool) -> torch.Tensor:
+    """(3, B) host tensor of a decode step's tokens, sequences and positions, for one copy into the static inputs."""
+    t = torch.tensor([[tok for _, tok, _ in steps], [s for s, _, _ in steps], [p for _, _, p in steps]],
+                     dtype=torch.int64)
+    return t.pin_memory() if pinned else t
+
+
 class DecodeGraphs:
     def __init__(self, engine):
         self.engine = engine
@@ -28,9 +46,7 @@ class DecodeGraphs:
         if B not in self.graphs:
             self.graphs[B] = self._capture(B)
         graph, inputs, _, logits = self.graphs[B]
-        host = torch.tensor([[t for _, t, _ in steps], [s for s, _, _ in steps], [p for _, _, p in steps]],
-                            dtype=torch.int64).pin_memory()
-        inputs.copy_(host, non_blocking=True)                # (3, B): tokens, sequences, positions
+        inputs.copy_(step_inputs(steps, pinned=True), non_blocking=True)
         graph.replay()
         return logits
 
@@ -38,12 +54,7 @@ class DecodeGraphs:
     def _capture(self, B: int):
         eng = self.engine
         dev = eng.device.torch
-        ctx = eng.kv.ctx
-        inputs = torch.zeros(3, B, dtype=torch.int64, device=dev)
-        inputs[1] = torch.arange(B) % eng.kv.n_seq
-        inputs[2] = ctx - 1                          # warm-up writes land in the last KV slot: rewritten before read
-        batch = Batch(tokens=inputs[0], segments=[Segment(0, ctx - 1, 1)] * B, seq_ids=inputs[1],
-                      positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=ctx)
+        inputs, batch = static_decode_batch(eng, B)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -98,9 +109,7 @@ class HostDecodeGraphs:
         if B not in self.steps:
             self.steps[B] = self._build(B)
         segments, inputs, pauses, logits, tables = self.steps[B]
-        host = torch.tensor([[t for _, t, _ in steps], [s for s, _, _ in steps], [p for _, _, p in steps]],
-                            dtype=torch.int64)
-        inputs.copy_(host.pin_memory() if eng.device.is_cuda else host, non_blocking=eng.device.is_cuda)
+        inputs.copy_(step_inputs(steps, pinned=eng.device.is_cuda), non_blocking=eng.device.is_cuda)
         on_route = eng.model.on_route
         if hasattr(on_route, "begin_ubatch"):
             on_route.begin_ubatch(steps[0][0], B, False)
@@ -124,12 +133,7 @@ class HostDecodeGraphs:
     def _build(self, B: int):
         eng = self.engine
         dev = eng.device.torch
-        ctx = eng.kv.ctx
-        inputs = torch.zeros(3, B, dtype=torch.int64, device=dev)
-        inputs[1] = torch.arange(B) % eng.kv.n_seq
-        inputs[2] = ctx - 1                          # warm-up writes land in the last KV slot: rewritten before read
-        batch = Batch(tokens=inputs[0], segments=[Segment(0, ctx - 1, 1)] * B, seq_ids=inputs[1],
-                      positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=ctx)
+        inputs, batch = static_decode_batch(eng, B)
         tables = {l: torch.zeros(eng.cfg.n_experts, dtype=torch.int64, device=dev) for l in self.host_layers}
         provider = _TableProvider(self.cache, tables, eng.experts)
         split = frozenset(self.host_layers)
