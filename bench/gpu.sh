@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (see .library/device): install what the image lacks, run the cuda tests and the benchmarks,
-# logs under $OUT. Needs .carry/ (ignored, carried): the gguf wheel and make_reference_gguf.py from ../shared.
+# logs under $OUT. Needs .carry/ (ignored, carried): ../shared/wheels-gpu/*.whl and ../shared/bench/make_reference_gguf.py
+# (mkdir .carry; cp ../shared/wheels-gpu/*.whl ../shared/bench/make_reference_gguf.py .carry/; echo /.carry/ >> .git/info/exclude).
 #
 #   bash bench/gpu.sh smoke      cuda tests + a 4-layer synth model with the reference shapes
 #   bash bench/gpu.sh ref        the 24-layer reference GGUF: load, pp4096/tg64 at ubatch 512/2048/4096, all on the
