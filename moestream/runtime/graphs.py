@@ -27,6 +27,16 @@ def static_decode_batch(eng, B: int) -> tuple[torch.Tensor, Batch]:
     return inputs, batch
 
 
+def warm_up(dev, fn, times: int = 1) -> None:
+    """Run fn on a side stream before a capture: lazy initialisation and workspaces stay out of the graph."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+
+
 def step_inputs(steps: list[tuple[int, int, int]], pinned: bool) -> torch.Tensor:
     """(3, B) host tensor of a decode step's tokens, sequences and positions, for one copy into the static inputs."""
     t = torch.tensor([[tok for _, tok, _ in steps], [s for s, _, _ in steps], [p for _, _, p in steps]],
@@ -55,12 +65,7 @@ class DecodeGraphs:
         eng = self.engine
         dev = eng.device.torch
         inputs, batch = static_decode_batch(eng, B)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):                       # warm-up: lazy initialisation, workspace allocation
-                eng.model.forward(batch, eng.kv, eng.experts, eng.kernel)
-        torch.cuda.current_stream(dev).wait_stream(side)
+        warm_up(dev, lambda: eng.model.forward(batch, eng.kv, eng.experts, eng.kernel), times=2)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = eng.model.forward(batch, eng.kv, eng.experts, eng.kernel)
@@ -141,12 +146,7 @@ class HostDecodeGraphs:
             return self._eager_build(batch, provider, split, inputs, tables)
         on_route, eng.model.on_route = eng.model.on_route, None     # callbacks run on the host, between segments
         try:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):                            # warm-up: lazy initialisation, workspaces
-                for _ in eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split):
-                    pass
-            torch.cuda.current_stream(dev).wait_stream(side)
+            warm_up(dev, lambda: list(eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)))
             gen = eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)
             graphs, pauses, logits = [], [], None
             while logits is None:
