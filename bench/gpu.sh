@@ -7,6 +7,8 @@
 #   bash bench/gpu.sh ref        the 24-layer reference GGUF: load, pp4096/tg64 at ubatch 512/2048/4096, all on the
 #                                GPU and --cpu-moe
 #   bash bench/gpu.sh cache      cuda tests, then bench/cache_sweep.py on the reference GGUF (issues 3 and 4)
+#   bash bench/gpu.sh probe      cuda tests; bench/probe.py: determinism across processes and cache settings, host
+#                                time per layer, prompt lookahead, --host-decode-graphs, a routing trace, a profile
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -49,5 +51,21 @@ cache)
   REF=/tmp/ref.gguf
   [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
   python3 bench/cache_sweep.py $REF "$OUT" 2>&1 | grep -v '^{' | tee "$OUT/cache_sweep.md"
+  ;;
+probe)
+  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  timeout 200 python3 bench/probe.py $REF "$OUT" gpu > "$OUT/probe_gpu.log" 2>&1
+  PROBE_TAG=_2 timeout 200 python3 bench/probe.py $REF "$OUT" gpu > "$OUT/probe_gpu_2.log" 2>&1
+  python3 bench/probe.py - "$OUT" compare "$OUT/probe_gpu.json" "$OUT/probe_gpu_2.json" | tee "$OUT/compare_gpu.txt"
+  if grep -q "differs in \[" "$OUT/compare_gpu.txt"; then        # across processes: is it cuDNN's attention?
+    PROBE_TAG=_nocudnn PROBE_CUDNN_SDP=0 timeout 200 python3 bench/probe.py $REF "$OUT" gpu > "$OUT/probe_gpu_nc.log" 2>&1
+    PROBE_TAG=_nocudnn2 PROBE_CUDNN_SDP=0 timeout 200 python3 bench/probe.py $REF "$OUT" gpu > "$OUT/probe_gpu_nc2.log" 2>&1
+    python3 bench/probe.py - "$OUT" compare "$OUT/probe_gpu_nocudnn.json" "$OUT/probe_gpu_nocudnn2.json" | tee -a "$OUT/compare_gpu.txt"
+  fi
+  timeout 400 python3 bench/probe.py $REF "$OUT" cache 2>&1 | grep -v "^USDT\|Warning" | tee "$OUT/probe_cache.log" | grep -v '^{'
+  python3 bench/probe.py - "$OUT" compare "$OUT/probe_gpu.json" "$OUT/probe_cache.json" | tee "$OUT/compare_cache.txt"
+  (cd "$OUT" && tar czf probe.tgz --remove-files *.json *.log *.txt)
   ;;
 esac

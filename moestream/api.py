@@ -24,7 +24,8 @@ class LLM:
                  kernel: str = "auto", n_seq: int = 1, cuda_graphs: bool = True,
                  moe_cache_mib: int | None = None, cache_policy: str = "lfru", prefetch: bool = True,
                  prefetch_min_batch: int = 256, prefetch_seed: bool = True, prefetch_first_all: bool = False,
-                 lookahead: bool = True, prefetch_min_use: float = 0.0, host_decode_graphs: bool = False,
+                 lookahead: bool = True, prompt_lookahead: bool = True, prefetch_min_use: float = 0.0,
+                 host_decode_graphs: bool = False,
                  progress: bool = False):
         self.source = open_source(model, progress=progress)
         self.config = EngineConfig(device=device or "auto", dtype=dtype, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
@@ -33,6 +34,7 @@ class LLM:
                                    moe_cache_mib=moe_cache_mib, cache_policy=cache_policy, prefetch=prefetch,
                                    prefetch_min_batch=prefetch_min_batch, prefetch_seed=prefetch_seed,
                                    prefetch_first_all=prefetch_first_all, lookahead=lookahead,
+                                   prompt_lookahead=prompt_lookahead,
                                    prefetch_min_use=prefetch_min_use, host_decode_graphs=host_decode_graphs)
         self.engine = Engine.load(self.source, self.config, progress=progress)
         self.tokenizer = self.source.tokenizer

@@ -46,7 +46,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the first big chunk of a prompt copies every expert ahead")
     p.add_argument("--prefetch-min-use", type=float, default=0.0, metavar="P",
                    help="copy ahead only experts the ubatch routes with probability >= P (default 0: all seen)")
-    p.add_argument("--no-lookahead", action="store_true", help="decode: no next-layer expert prediction")
+    p.add_argument("--no-lookahead", action="store_true", help="no next-layer expert prediction (decode and prompts)")
+    p.add_argument("--no-prompt-lookahead", action="store_true",
+                   help="prompt ubatches prefetch from routing statistics only, not through the next layer's router")
     p.add_argument("--host-decode-graphs", action="store_true",
                    help="experimental: with a cache, decode as CUDA-graph segments between host layers")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
@@ -59,7 +61,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 cuda_graphs=not a.no_cuda_graphs, moe_cache_mib=a.moe_cache_mib, cache_policy=a.cache_policy,
                 prefetch=not a.no_prefetch, prefetch_min_batch=a.prefetch_min_batch,
                 prefetch_seed=not a.no_prefetch_seed, prefetch_first_all=a.prefetch_first_all,
-                lookahead=not a.no_lookahead, prefetch_min_use=a.prefetch_min_use,
+                lookahead=not a.no_lookahead, prompt_lookahead=not a.no_prompt_lookahead,
+                prefetch_min_use=a.prefetch_min_use,
                 host_decode_graphs=a.host_decode_graphs)
 
 

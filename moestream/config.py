@@ -167,6 +167,7 @@ class EngineConfig:
     prefetch_seed: bool = True       # rule 2: the first big chunk of a prompt seeds from the previous prompt
     prefetch_first_all: bool = False # rule 2's option: the first big chunk copies every expert
     lookahead: bool = True           # decode: predict the next layer's experts through its router
+    prompt_lookahead: bool = True    # ... and for prompt ubatches of >= prefetch_min_batch tokens
     prefetch_min_use: float = 0.0    # copy ahead only experts the ubatch routes with at least this probability
 
     def __post_init__(self):

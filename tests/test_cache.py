@@ -159,6 +159,11 @@ def test_cache_size_errors():
 
 
 # --- traces -------------------------------------------------------------------------------------------------------
+def counts_only(d: dict) -> dict:
+    """A counter dict without its timings (host times are measured, not replayed)."""
+    return {k: v for k, v in d.items() if k not in ("sync_s", "host_s", "wait_s")}
+
+
 @pytest.mark.parametrize("policy,mib", [("lfru", 1), ("lru", 3), ("lfru", 0)])
 def test_trace_replay_predicts_the_live_cache(tmp_path, policy, mib):
     llm = LLM("synth:tiny", ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=mib,
@@ -172,8 +177,9 @@ def test_trace_replay_predicts_the_live_cache(tmp_path, policy, mib):
     rec.save(str(path))
     got = replay(load_trace(str(path)), llm.stats()["cache"]["slots"], policy)
     live = llm.stats()
-    assert got["total"] == live["total"]
-    assert got["per_layer"] == live["per_layer"]
+    assert counts_only(got["total"]) == counts_only(live["total"])
+    assert ({l: counts_only(c) for l, c in got["per_layer"].items()}
+            == {l: counts_only(c) for l, c in live["per_layer"].items()})
 
 
 @pytest.mark.parametrize("mib", [2, 12])
@@ -193,7 +199,7 @@ def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib):
                  PrefetchConfig(min_batch=8, lookahead=False))
     live = llm.stats()
     assert live["total"]["prefetched"] > 0
-    assert got["total"] == live["total"]
+    assert counts_only(got["total"]) == counts_only(live["total"])
 
 
 def test_bad_trace_file_is_a_user_error(tmp_path):
@@ -213,3 +219,10 @@ def test_reconfigure_cache_keeps_logits_and_restarts_counters():
         assert llm.stats()["total"]["misses"] == llm.stats()["prompt"]["misses"] > 0
     with pytest.raises(UserError, match="host memory"):
         LLM("synth:tiny", device="cpu").engine.reconfigure_cache(moe_cache_mib=1)
+
+
+def test_segment_row_ends_count_rows_per_run_of_slots():
+    from moestream.experts.provider import segment_row_ends
+    table = np.array([0, 1022, 1023, 2500, -1])          # expert -> slot (-1: not resident, not routed)
+    counts = np.array([3, 1, 2, 5, 0])
+    assert segment_row_ends(table, counts, segment=1023) == [4, 6, 11]

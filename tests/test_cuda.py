@@ -118,3 +118,27 @@ def test_host_decode_graphs_match_eager_decode():
     graphs, graph_stats = run(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, graphs))
     assert graph_stats["hits"] + graph_stats["misses"] == eager_stats["hits"] + eager_stats["misses"]
+
+
+@needs_cuda
+def test_grouped_kernel_segments_of_a_big_pool_agree():
+    """A pool of more slots than one launch takes: host-known row ends, read-back row ends and the sync-free
+    (capturable) segments give the same bits."""
+    import numpy as np
+    from moestream.experts.provider import segment_row_ends
+    from moestream.kernels.grouped import experts_grouped
+    S, H, I, k, T = 2100, 64, 32, 4, 300
+    w13, w2 = _weights(S, H, I, torch.bfloat16)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    table = np.random.default_rng(0).permutation(S)[:64]                 # 64 experts scattered over the pool
+    ids = torch.randint(0, 64, (T, k), device="cuda")
+    slots = torch.from_numpy(table).cuda()[ids]
+    counts = np.bincount(ids.reshape(-1).cpu().numpy(), minlength=64)
+    synced = experts_grouped(x, slots, w13, w2)
+    hinted = experts_grouped(x, slots, w13, w2, segment_row_ends(table, counts))
+    assert torch.equal(synced, hinted)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = experts_grouped(x, slots, w13, w2)
+    g.replay()
+    assert torch.equal(synced, captured)

@@ -11,13 +11,15 @@ experts in one layer than the pool holds, `fetch` returns Waves.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
 from .copy_queue import CopyQueue
 from .policy import make_policy
 from .prefetch import PrefetchConfig, RoutingStats, Seed, choose_seed, predicted
-from .provider import ExpertWeights
+from .provider import ExpertWeights, segment_row_ends
 from .residency import CacheTooSmall, Residency
 from .stats import CacheStats, Counts
 from .store import ExpertStore, expert_views
@@ -112,33 +114,45 @@ class ExpertCache:
             self._prefetch(self.layers[0], self._predicted(self.layers[0]))
 
     def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
-        """Decode-sized ubatches guess the next host layer's experts (a prompt ubatch routes too many to guess)."""
-        return (self.prefetch.enabled and self.prefetch.lookahead and not self.is_prompt and n_tokens <= 8
-                and layer != self.layers[-1])
+        """Guess the next host layer's experts through its router: decode-sized ubatches, and prompt ubatches big
+        enough to prefetch (their routed set; the guess is then far more specific than earlier prompts' counts)."""
+        pf = self.prefetch
+        if not (pf.enabled and pf.lookahead) or layer == self.layers[-1]:
+            return False
+        if self.is_prompt:
+            return pf.prompt_lookahead and n_tokens >= pf.min_batch
+        return n_tokens <= 8
 
     # --- the hot path ---------------------------------------------------------------------------------------
     def fetch(self, layer: int, ids: torch.Tensor, lookahead: torch.Tensor | None = None):
         """ids (T, k) routed expert ids -> ExpertWeights, or Waves when the pool cannot hold them all at once."""
         self._mark_reads()
-        if lookahead is not None:            # one host sync for both: the routing and the lookahead guess
-            both = torch.cat([ids.reshape(-1), lookahead.reshape(-1)]).cpu().numpy()
-            flat, guess = both[:ids.numel()], both[ids.numel():]
-        else:
-            flat, guess = ids.reshape(-1).cpu().numpy(), None
-        table = self.prepare(layer, flat.reshape(ids.shape), guess)
+        t0 = time.perf_counter()
+        E = self.n_experts
+        parts = [ids] if lookahead is None else [ids, lookahead]
+        counts = torch.zeros(len(parts), E, dtype=torch.int64, device=ids.device)
+        for row, p in zip(counts, parts):        # routings per expert, on the device: no sort, no big read-back
+            row.scatter_add_(0, p.reshape(-1), torch.ones(p.numel(), dtype=torch.int64, device=ids.device))
+        got = counts.cpu().numpy()               # the one host sync of this layer: its routing and the guess
+        t1 = time.perf_counter()
+        table = self.prepare(layer, got[0], got[1] if lookahead is not None else None)
         if isinstance(table, list):
+            self.stats.record(layer, Counts(sync_s=t1 - t0, host_s=time.perf_counter() - t1))
             return Waves(self, layer, ids, table)
         lut = torch.from_numpy(table).to(self.device.torch)                                 # (E,)
-        return ExpertWeights(self.w13, self.w2, lut[ids])
+        w = ExpertWeights(self.w13, self.w2, lut[ids], row_ends=segment_row_ends(table, got[0]))
+        self.stats.record(layer, Counts(sync_s=t1 - t0, host_s=time.perf_counter() - t1))
+        return w
 
-    def prepare(self, layer: int, ids: np.ndarray, guess: np.ndarray | None = None):
-        """The host's part of one MoE layer, once its routing ids (T, k) are on the host: routing statistics,
-        counters, uploads of the misses, the compute stream's wait, and the prefetch of what comes next.
-        Returns the layer's slot table (E,) (slot of each expert id, -1 if absent), or the groups of experts to
-        run in waves when the pool cannot hold them all at once (then nothing is loaded yet)."""
-        wanted = np.unique(ids).astype(np.int64)
+    def prepare(self, layer: int, counts: np.ndarray, guess: np.ndarray | None = None):
+        """The host's part of one MoE layer, once its routing is on the host as counts per expert (E,): routing
+        statistics, counters, uploads of the misses, the compute stream's wait, and the prefetch of what comes
+        next (`guess`: the lookahead's counts per expert of the next host layer). Returns the layer's slot table
+        (E,) (slot of each expert id, -1 if absent), or the groups of experts to run in waves when the pool
+        cannot hold them all at once (then nothing is loaded yet)."""
+        wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
-            self.routing[self.seq].record(layer, ids)
+            self.routing[self.seq].record(layer, counts)
         self._score_lookahead(layer, wanted)
         groups = self.planner.groups(layer, wanted)
         if len(groups) > 1:
@@ -147,9 +161,10 @@ class ExpertCache:
         nxt = self._next_layer(layer)
         if nxt is not None:
             if guess is not None:
-                guess = np.unique(guess)
-                self.predicted[nxt] = guess
-                self._prefetch(nxt, guess)
+                g = np.flatnonzero(guess)
+                g = g[np.argsort(-guess[g], kind="stable")].astype(np.int64)        # most-routed first
+                self.predicted[nxt] = g
+                self._prefetch(nxt, g)
             elif self.seed is not None:
                 self._prefetch(nxt, self._predicted(nxt))
         return self.residency.slot_of[layer].copy()

@@ -38,9 +38,8 @@ class RoutingStats:
         self.last_ubatch_tokens = n_tokens
         self.last_ubatch[:] = 0
 
-    def record(self, layer: int, ids: np.ndarray) -> None:
-        """ids: (T, k) routed expert ids of one prompt ubatch in `layer`."""
-        counts = np.bincount(ids.reshape(-1), minlength=self.current.shape[1])
+    def record(self, layer: int, counts: np.ndarray) -> None:
+        """counts: (E,) how many of one prompt ubatch's tokens routed to each expert in `layer`."""
         self.current[layer] += counts
         self.last_ubatch[layer] += counts
 
@@ -62,6 +61,7 @@ class PrefetchConfig:
     seed_previous: bool = True      # rule 2: the first big chunk of a prompt seeds from the previous prompt
     first_chunk_all: bool = False   # rule 2's option: copy every expert of the next layer instead
     lookahead: bool = True          # decode: the next layer's router on the current hidden state
+    prompt_lookahead: bool = True   # the same for prompt ubatches of >= min_batch tokens (their routed set)
     max_inflight_mib: int = 512     # speculative bytes on the copy stream at once (demand misses go first)
     min_use: float = 0.0            # copy ahead only experts the ubatch routes with at least this probability
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 KEYS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "prefetched", "prefetched_bytes",
-        "prefetch_used", "prefetch_wasted", "waits", "wait_s", "lookahead_tp", "lookahead_fp", "lookahead_fn")
+        "prefetch_used", "prefetch_wasted", "waits", "wait_s", "lookahead_tp", "lookahead_fp", "lookahead_fn",
+        "sync_s", "host_s")
 
 
 @dataclass
@@ -23,6 +24,8 @@ class Counts:
     lookahead_tp: int = 0           # decode lookahead: predicted and routed
     lookahead_fp: int = 0           # predicted, not routed
     lookahead_fn: int = 0           # routed, not predicted
+    sync_s: float = 0.0             # host time blocked reading a layer's routing back from the device
+    host_s: float = 0.0             # host time deciding (residency, copies, prefetch) once the routing is read
 
     def add(self, other: "Counts") -> None:
         for k in KEYS:

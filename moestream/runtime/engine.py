@@ -226,6 +226,7 @@ def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev
         return UploadPerUbatch(store, cfg.n_experts, dev.torch)
     pf = PrefetchConfig(enabled=ecfg.prefetch, min_batch=ecfg.prefetch_min_batch, seed_previous=ecfg.prefetch_seed,
                         first_chunk_all=ecfg.prefetch_first_all, lookahead=ecfg.lookahead,
+                        prompt_lookahead=ecfg.prompt_lookahead,
                         min_use=ecfg.prefetch_min_use)
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
              store.expert_bytes / 1e6, ecfg.cache_policy)

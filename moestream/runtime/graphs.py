@@ -10,9 +10,13 @@ graph cannot change shapes between replays.
 """
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 
 from ..experts.provider import ExpertWeights
+from ..experts.stats import Counts
 from ..models.transformer import Batch, Segment
 
 
@@ -116,6 +120,7 @@ class HostDecodeGraphs:
         segments, inputs, pauses, logits, tables = self.steps[B]
         inputs.copy_(step_inputs(steps, pinned=eng.device.is_cuda), non_blocking=eng.device.is_cuda)
         on_route = eng.model.on_route
+        E = eng.cfg.n_experts
         if hasattr(on_route, "begin_ubatch"):
             on_route.begin_ubatch(steps[0][0], B, False)
         for j, segment in enumerate(segments):
@@ -123,15 +128,20 @@ class HostDecodeGraphs:
             if j < len(pauses):
                 layer, ids, guess = pauses[j]
                 self.cache._mark_reads()
+                t0 = time.perf_counter()
                 got = torch.cat([ids.reshape(-1), guess.reshape(-1)]) if guess is not None else ids.reshape(-1)
                 got = got.cpu().numpy()                                   # the one host sync of this layer
+                t1 = time.perf_counter()
                 ids_np = got[:ids.numel()].reshape(ids.shape)
                 if on_route is not None:
                     on_route(layer, torch.from_numpy(ids_np))
-                table = self.cache.prepare(layer, ids_np, got[ids.numel():] if guess is not None else None)
+                counts = np.bincount(ids_np.reshape(-1), minlength=E)
+                g = np.bincount(got[ids.numel():], minlength=E) if guess is not None else None
+                table = self.cache.prepare(layer, counts, g)
                 if isinstance(table, list):
                     raise RuntimeError("decode routed more experts than the cache holds: use a larger cache")
                 tables[layer].copy_(torch.from_numpy(table))
+                self.cache.stats.record(layer, Counts(sync_s=t1 - t0, host_s=time.perf_counter() - t1))
         return logits
 
     @torch.inference_mode()

@@ -1,0 +1,234 @@
+"""Correctness and cost probes on the reference model, for one GPU run (see bench/gpu.sh probe).
+
+    python bench/probe.py MODEL OUT_DIR gpu       all on the GPU: digests of a prompt (per layer), of 4 chunks, of
+                                                  a greedy decode (graphs and eager); run it in two processes
+    python bench/probe.py MODEL OUT_DIR cache     --cpu-moe: the same digests under several caches and prefetch
+                                                  settings, each after three warm prompts; a routing trace; the
+                                                  host-time counters; a profile of one prompt at 24000 MiB
+
+Writes OUT_DIR/probe_<part>[_<tag>].json. `compare` prints, for two or more of those files, where digests differ.
+"""
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+import moestream.models.transformer as T
+from moestream import LLM
+
+MODEL, OUT, PART = sys.argv[1], sys.argv[2], sys.argv[3]
+TAG = os.environ.get("PROBE_TAG", "")
+if os.environ.get("PROBE_CUDNN_SDP") == "0":
+    torch.backends.cuda.enable_cudnn_sdp(False)
+V = int(os.environ.get("PROBE_VOCAB", 151936))
+N = int(os.environ.get("PROBE_N", 4096))              # warm and timed prompt length (smaller for a CPU dry run)
+rand = lambda n, s: torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(s)).tolist()  # noqa: E731
+PROMPT, CHUNKS, HASH_PROMPT = rand(512, 1), [rand(512, 10 + i) for i in range(4)], rand(64, 5)
+WARM = [rand(N, 100 + i) for i in range(3)]
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:10]
+
+
+# Per-layer digests of the attention output and the MoE output (eager forwards only: a graph capture must not sync).
+LOG: list | None = None
+_attention, _moe_experts = T.MoETransformer.attention, T.moe_experts
+
+
+def attention(self, x, lw, layer, *a):
+    out = _attention(self, x, lw, layer, *a)
+    if LOG is not None:
+        LOG.append(f"a{layer}:{digest(out)}")
+    return out
+
+
+def moe_experts(x, lw, layer, *a, **kw):
+    out = _moe_experts(x, lw, layer, *a, **kw)
+    if LOG is not None:
+        LOG.append(f"m{layer}:{digest(out)}")
+    return out
+
+
+T.MoETransformer.attention, T.moe_experts = attention, moe_experts
+
+
+def digests(llm, graphs_too=True) -> dict:
+    global LOG
+    eng = llm.engine
+    eng.set_batching(2048, 512)
+    out = {}
+    LOG = []
+    eng.begin_prompt(0)
+    out["prompt"] = digest(eng.prefill(0, PROMPT, 0, all_logits=True))
+    out["prompt_layers"] = LOG
+    LOG = None
+    out["chunks"] = []
+    for c in CHUNKS:
+        eng.begin_prompt(0)
+        out["chunks"].append(digest(eng.prefill(0, c, 0, all_logits=True)))
+
+    def decode(record: bool):
+        global LOG
+        eng.begin_prompt(0)
+        tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
+        toks, logs = [], []
+        for pos in range(64, 96):
+            toks.append(tok)
+            LOG = [] if record else None
+            lg = eng.decode([(0, tok, pos)])
+            if record:
+                logs.append(LOG + [digest(lg)])
+            tok = int(lg[0].argmax())
+        LOG = None
+        return hashlib.sha256(",".join(map(str, toks)).encode()).hexdigest()[:16], logs
+
+    saved = eng.graphs, eng.host_graphs
+    eng.graphs = eng.host_graphs = None
+    out["decode_eager"], out["decode_layers"] = decode(record=True)
+    eng.graphs, eng.host_graphs = saved
+    if graphs_too and (eng.graphs is not None or eng.host_graphs is not None):
+        out["decode_graphs"] = decode(record=False)[0]
+    return out
+
+
+def warm(llm, ub=2048):
+    eng = llm.engine
+    eng.set_batching(4096, ub)
+    for ids in WARM:
+        eng.begin_prompt(0)
+        eng.prefill(0, ids, 0)
+
+
+def save(name, obj):
+    with open(f"{OUT}/probe_{name}{TAG}.json", "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def part_gpu():
+    llm = LLM(MODEL, ctx_size=4200)
+    res = {"all-gpu": digests(llm)}
+    warm(llm)
+    res["all-gpu after warm prompts"] = digests(llm)
+    save("gpu", res)
+    print(json.dumps({k: {kk: v[kk] for kk in ("prompt", "chunks", "decode_eager", "decode_graphs") if kk in v}
+                      for k, v in res.items()}, indent=1), flush=True)
+
+
+CONFIGS = [
+    ("no cache (upload per ubatch)", {"moe_cache_mib": None}),
+    ("cache 0", {"moe_cache_mib": 0, "prefetch": False}),
+    ("cache 16000 no prefetch", {"moe_cache_mib": 16000, "prefetch": False, "lookahead": False}),
+    ("cache 16000 prefetch, no seeding", {"moe_cache_mib": 16000, "prefetch_seed": False, "lookahead": False}),
+    ("cache 16000 prefetch fully on", {"moe_cache_mib": 16000}),
+    ("cache 16000 first chunk copies all", {"moe_cache_mib": 16000, "prefetch_first_all": True}),
+    ("cache 16000 host decode graphs", {"moe_cache_mib": 16000, "host_decode_graphs": True}),
+]
+
+
+def part_cache():
+    from moestream.experts.trace import TraceRecorder
+    llm = LLM(MODEL, cpu_moe=True, ctx_size=4200, moe_cache_mib=0)
+    eng = llm.engine
+    res = {}
+    for name, kw in CONFIGS:
+        eng.reconfigure_cache(**{"prefetch": True, "lookahead": True, "prefetch_seed": True,
+                                 "prefetch_first_all": False, "host_decode_graphs": False, **kw})
+        warm(llm)
+        res[name] = digests(llm)
+        print(name, {kk: res[name][kk] for kk in ("prompt", "chunks", "decode_eager", "decode_graphs")
+                     if kk in res[name]}, flush=True)
+        save("cache", res)
+
+    # Host-time counters and prompt speed, prompt lookahead on and off, at 16000 and 24000 MiB.
+    speed = []
+    for mib in (16000, 24000):
+        for name, kw in (("no prefetch", {"prefetch": False}), ("prefetch, no prompt lookahead",
+                                                                 {"prompt_lookahead": False}),
+                         ("prefetch + prompt lookahead", {})):
+            eng.reconfigure_cache(**{"moe_cache_mib": mib, "prefetch": True, "lookahead": True,
+                                     "prompt_lookahead": True, "prefetch_first_all": False,
+                                     "host_decode_graphs": False, **kw})
+            for ub in (2048, 4096):
+                warm(llm, ub)
+                for i in range(2):
+                    ids = rand(N, 200 + i)
+                    eng.begin_prompt(0)
+                    _, dt = eng.timed(eng.prefill, 0, ids, 0)
+                    p = llm.stats()["prompt"]
+                    row = {"mib": mib, "config": name, "ubatch": ub, "tok_s": N / dt,
+                           **{k: p[k] for k in ("hit_rate", "uploaded_bytes", "prefetched", "prefetch_used",
+                                                "prefetch_wasted", "lookahead_precision", "lookahead_recall")},
+                           **{f"{k}_ms_layer": p[k] * 1e3 / 24 for k in ("wait_s", "sync_s", "host_s")}}
+                    speed.append(row)
+                    print(json.dumps(row), flush=True)
+        for graphs in (False, True):
+            eng.reconfigure_cache(moe_cache_mib=mib, prefetch=True, lookahead=True, prompt_lookahead=True,
+                                  host_decode_graphs=graphs)
+            warm(llm)
+            for rep in range(2):
+                eng.begin_prompt(0)
+                tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
+                eng.synchronize()
+                t0 = time.perf_counter()
+                for pos in range(64, 128):
+                    tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+                dt = time.perf_counter() - t0
+                p = llm.stats()["prompt"]
+                row = {"mib": mib, "test": "tg64", "host_decode_graphs": graphs, "tok_s": 64 / dt,
+                       "hit_rate": p["hit_rate"], "lookahead_precision": p["lookahead_precision"],
+                       **{f"{k}_ms_layer_token": p[k] * 1e3 / 24 / 64 for k in ("wait_s", "sync_s", "host_s")}}
+                speed.append(row)
+                print(json.dumps(row), flush=True)
+    save("speed", speed)
+
+    # A routing trace of the sweep's workload (warm prompts, then different prompts at 2048 and 4096, a decode).
+    eng.reconfigure_cache(moe_cache_mib=16000, prefetch=False, lookahead=False, host_decode_graphs=False)
+    cfg = llm.model_config
+    rec = TraceRecorder(cfg.n_layers, cfg.n_experts, eng.host.store.expert_bytes)
+    eng.model.on_route = rec
+    for ub in (2048, 4096):
+        eng.set_batching(4096, ub)
+        for i in range(4):
+            eng.begin_prompt(0)
+            eng.prefill(0, rand(N, 300 + i), 0)
+    eng.begin_prompt(0)
+    tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
+    for pos in range(64, 128):
+        tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+    eng.model.on_route = None
+    rec.save(f"{OUT}/ref_trace.npz")
+
+    # Where a prompt's time goes when every expert hits (24000 MiB, ubatch 4096).
+    from torch.profiler import ProfilerActivity, profile
+    eng.reconfigure_cache(moe_cache_mib=24000, prefetch=True, lookahead=True)
+    warm(llm, 4096)
+    eng.begin_prompt(0)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.timed(eng.prefill, 0, rand(N, 400), 0)
+    with open(f"{OUT}/profile_prompt24000.txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+        f.write("\n\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+
+
+def compare():
+    runs = {}
+    for path in sys.argv[4:]:
+        for name, d in json.load(open(path)).items():
+            runs[f"{os.path.basename(path)}:{name}"] = d
+    base_name, base = next(iter(runs.items()))
+    print(f"base: {base_name}")
+    for name, d in runs.items():
+        diffs = [k for k in ("prompt", "chunks", "decode_eager", "decode_graphs") if k in d and k in base
+                 and d[k] != base[k]]
+        first = next((f"{a} != {b}" for a, b in zip(d["prompt_layers"], base["prompt_layers"]) if a != b), "-")
+        step = next((f"step {i}: {next(x for x, y in zip(a, b) if x != y)}" for i, (a, b) in
+                     enumerate(zip(d["decode_layers"], base["decode_layers"])) if a != b), "-")
+        print(f"{name}: differs in {diffs or 'nothing'}; first prompt layer {first}; first decode {step}")
+
+
+{"gpu": part_gpu, "cache": part_cache, "compare": compare}[PART]()
