@@ -21,7 +21,7 @@ from .policy import make_policy
 from .prefetch import PrefetchConfig, RoutingStats, Seed, choose_seed, predicted
 from .provider import ExpertWeights, segment_row_ends
 from .residency import CacheTooSmall, Residency
-from .stats import CacheStats, Counts
+from .stats import CacheStats
 from .store import ExpertStore, expert_views
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
@@ -50,8 +50,8 @@ class CachePlanner:
     def plan(self, layer: int, group: np.ndarray):
         plan = self.residency.ensure(layer, group)
         m = len(plan.misses)
-        self.stats.record(layer, Counts(hits=len(group) - m, misses=m, evictions=len(plan.evicted),
-                                        uploaded_bytes=m * self.expert_bytes, copies=m))
+        self.stats.record(layer, hits=len(group) - m, misses=m, evictions=len(plan.evicted),
+                          uploaded_bytes=m * self.expert_bytes, copies=m)
         return plan
 
 
@@ -137,11 +137,11 @@ class ExpertCache:
         t1 = time.perf_counter()
         table = self.prepare(layer, got[0], got[1] if lookahead is not None else None)
         if isinstance(table, list):
-            self.stats.record(layer, Counts(sync_s=t1 - t0, host_s=time.perf_counter() - t1))
+            self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
             return Waves(self, layer, ids, table)
         lut = torch.from_numpy(table).to(self.device.torch)                                 # (E,)
         w = ExpertWeights(self.w13, self.w2, lut[ids], row_ends=segment_row_ends(table, got[0]))
-        self.stats.record(layer, Counts(sync_s=t1 - t0, host_s=time.perf_counter() - t1))
+        self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
         return w
 
     def prepare(self, layer: int, counts: np.ndarray, guess: np.ndarray | None = None):
@@ -153,7 +153,7 @@ class ExpertCache:
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
             self.routing[self.seq].record(layer, counts)
-        self._score_lookahead(layer, wanted)
+        self._score_lookahead(layer, counts, len(wanted))
         groups = self.planner.groups(layer, wanted)
         if len(groups) > 1:
             return groups
@@ -183,13 +183,15 @@ class ExpertCache:
             self.device.synchronize()
             self._update_pins()
             plan = self.planner.plan(layer, group)
-        hit_slots = plan.slots[~np.isin(group, [e for e, _ in plan.misses])]
+        hit_slots = plan.slots[plan.hit]
         used = self.spec_flag[hit_slots]
         victims = np.array([s for _, s in plan.misses], dtype=np.int64)
         wasted = int(self.spec_flag[victims].sum()) if len(victims) else 0
         self.spec_flag[hit_slots] = False
         self.spec_flag[victims] = False
-        self.stats.record(layer, Counts(prefetch_used=int(used.sum()), prefetch_wasted=wasted))
+        n_used = int(used.sum())
+        if n_used or wasted:
+            self.stats.record(layer, prefetch_used=n_used, prefetch_wasted=wasted)
         if plan.misses:
             src = self.store.rows[layer]
             seq = self.queue.submit([(self.pool[s], src[e]) for e, s in plan.misses],
@@ -203,6 +205,8 @@ class ExpertCache:
         """Copy ahead the experts of `layer` not resident, in the given order, within the in-flight bound."""
         res = self.residency
         experts = experts[res.slot_of[layer, experts] < 0]
+        if not len(experts):
+            return
         room = self.prefetch.max_inflight_mib * (1 << 20) - self.queue.speculative_inflight()
         n = min(len(experts), max(0, room // self.store.expert_bytes))
         self._update_pins()
@@ -218,9 +222,8 @@ class ExpertCache:
         nbytes = len(plan.misses) * self.store.expert_bytes
         seq = self.queue.submit([(self.pool[s], src[e]) for e, s in plan.misses], nbytes, speculative=True)
         self.ready[victims] = seq
-        self.stats.record(layer, Counts(evictions=len(plan.evicted), uploaded_bytes=nbytes, copies=len(plan.misses),
-                                        prefetched=len(plan.misses), prefetched_bytes=nbytes,
-                                        prefetch_wasted=wasted))
+        self.stats.record(layer, evictions=len(plan.evicted), uploaded_bytes=nbytes, copies=len(plan.misses),
+                          prefetched=len(plan.misses), prefetched_bytes=nbytes, prefetch_wasted=wasted)
 
     # --- bookkeeping ----------------------------------------------------------------------------------------
     def _predicted(self, layer: int) -> np.ndarray:
@@ -231,12 +234,11 @@ class ExpertCache:
         i = self.layers.index(layer)
         return self.layers[i + 1] if i + 1 < len(self.layers) else None
 
-    def _score_lookahead(self, layer: int, wanted: np.ndarray) -> None:
+    def _score_lookahead(self, layer: int, counts: np.ndarray, n_wanted: int) -> None:
         guess = self.predicted.pop(layer, None)
         if guess is not None:
-            tp = len(np.intersect1d(guess, wanted))
-            self.stats.record(layer, Counts(lookahead_tp=tp, lookahead_fp=len(guess) - tp,
-                                            lookahead_fn=len(wanted) - tp))
+            tp = int(np.count_nonzero(counts[guess]))
+            self.stats.record(layer, lookahead_tp=tp, lookahead_fp=len(guess) - tp, lookahead_fn=n_wanted - tp)
 
     def _mark_reads(self) -> None:
         """An event after everything queued so far, which includes the compute that read the last fetch's slots.
@@ -273,5 +275,5 @@ class ExpertCache:
         if self.waits:
             self.device.synchronize()
             for layer, before, after in self.waits:
-                self.stats.record(layer, Counts(waits=1, wait_s=before.elapsed_time(after) / 1e3))
+                self.stats.record(layer, waits=1, wait_s=before.elapsed_time(after) / 1e3)
             self.waits = []

@@ -35,8 +35,18 @@ class LRU:
         return self.last[slots].astype(np.float64)
 
     def order(self, candidates: np.ndarray) -> np.ndarray:
-        """candidates sorted by eviction preference (lowest score first; ties by slot index)."""
+        """candidates (ascending slots) sorted by eviction preference (lowest score first; ties by slot index)."""
         return candidates[np.argsort(self.score(candidates), kind="stable")]
+
+    def lowest(self, candidates: np.ndarray, n: int) -> np.ndarray:
+        """order(candidates)[:n] without sorting them all (a miss picks a few victims among ~all slots)."""
+        if n >= len(candidates):
+            return self.order(candidates)
+        s = self.score(candidates)
+        cut = np.partition(s, n - 1)[n - 1]
+        below = np.flatnonzero(s < cut)
+        at = np.flatnonzero(s == cut)[:n - len(below)]          # ties at the cut: lowest slots, as order() has
+        return candidates[np.concatenate([below[np.argsort(s[below], kind="stable")], at])]
 
 
 class LFRU(LRU):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .stats import CacheStats, Counts
+from .stats import CacheStats
 from .store import ExpertStore, expert_views
 
 
@@ -68,7 +68,7 @@ class UploadPerUbatch:
         for e in wanted:
             self.buf[e].copy_(src[e], non_blocking=True)
         nb = len(wanted) * self.store.expert_bytes
-        self.stats.record(layer, Counts(misses=len(wanted), uploaded_bytes=nb, copies=len(wanted)))
+        self.stats.record(layer, misses=len(wanted), uploaded_bytes=nb, copies=len(wanted))
         return ExpertWeights(self.w13, self.w2, ids)
 
 

@@ -27,6 +27,7 @@ class CacheTooSmall(Exception):
 @dataclass
 class Plan:
     slots: np.ndarray                                   # (n,) slot of each asked expert
+    hit: np.ndarray | None = None                       # (n,) bool: it was resident already
     misses: list[tuple[int, int]] = field(default_factory=list)     # (expert, slot): copy these
     evicted: list[tuple[int, int]] = field(default_factory=list)    # (layer, expert) no longer resident
 
@@ -45,19 +46,21 @@ class Residency:
     def ensure(self, layer: int, experts: np.ndarray) -> Plan:
         """Make every expert in `experts` (distinct ids) resident in `layer`; raise CacheTooSmall if they can't all be."""
         experts = np.asarray(experts, dtype=np.int64)
-        slots = self.slot_of[layer, experts].copy()
+        slots = self.slot_of[layer, experts]
         hit = slots >= 0
-        need = experts[~hit]
-        plan = Plan(slots)
-        if len(need):
+        plan = Plan(slots, hit)
+        if not hit.all():
+            need = experts[~hit]
             busy = self.pinned.copy()
             busy[slots[hit]] = True                     # this call's hits are handed out: not victims
             free = np.flatnonzero(~busy)
             if len(free) < len(need):
                 raise CacheTooSmall(f"{len(need)} misses but {len(free)} unpinned slots")
-            empty = free[self.owner[free, 0] < 0]
-            taken = self.policy.order(free[self.owner[free, 0] >= 0])
-            victims = np.concatenate([empty, taken])[:len(need)]
+            owned = self.owner[free, 0] >= 0
+            empty = free[~owned]
+            victims = empty[:len(need)]
+            if len(victims) < len(need):
+                victims = np.concatenate([victims, self.policy.lowest(free[owned], len(need) - len(victims))])
             for s in victims:
                 old_l, old_e = self.owner[s]
                 if old_l >= 0:

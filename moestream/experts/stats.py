@@ -46,9 +46,15 @@ class CacheStats:
     total: dict[int, Counts] = field(default_factory=dict)
     prompt: dict[int, Counts] = field(default_factory=dict)
 
-    def record(self, layer: int, c: Counts) -> None:
+    def record(self, layer: int, **counts) -> None:
+        """Add counts to a layer's totals, e.g. record(3, hits=5, misses=2): named fields only, no Counts built
+        (this runs several times per layer on the decode path)."""
         for d in (self.total, self.prompt):
-            d.setdefault(layer, Counts()).add(c)
+            c = d.get(layer)
+            if c is None:
+                c = d[layer] = Counts()
+            for k, v in counts.items():
+                setattr(c, k, getattr(c, k) + v)
 
     def begin_prompt(self) -> None:
         self.prompt = {}

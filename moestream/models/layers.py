@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import ModelConfig
 
@@ -78,14 +79,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
+# cuDNN's attention is left out: on the H200 its decode-shaped calls (one query against a masked context) gave
+# different bits from run to run (bench/probe.py: two greedy hashes alternating over identical runs, none with it
+# off), and PyTorch leaves it out of its deterministic algorithms. Flash, memory-efficient and math are.
+DETERMINISTIC_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
     """q: (B, nh, Tq, hd); k, v: (B, nkv, Tk, hd); mask: bool (B, 1, Tq, Tk) or None -> (B, nh, Tq, hd).
 
     Grouped-query attention: the KV heads are shared by nh / nkv query heads each, without copying them.
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    if not q.is_cuda:
+        return sdpa()
+    with sdpa_kernel(DETERMINISTIC_SDPA):
+        return sdpa()
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from ..experts.provider import ExpertWeights
-from ..experts.stats import Counts
 from ..models.transformer import Batch, Segment
 
 
@@ -93,13 +92,26 @@ class _TableProvider:
         return self.others.wants_lookahead(layer, n_tokens)
 
 
+class _Step:
+    """One batch size's segments and the buffers they share with the host."""
+
+    def __init__(self, segments, inputs, batch, logits, pauses, packed, host, tables, tables_host):
+        self.segments, self.inputs, self.batch, self.logits = segments, inputs, batch, logits
+        self.pauses = pauses            # [(layer, number of routed ids, has a lookahead guess)] per pause
+        self.packed = packed            # (P, 2 B k) int64 on the device: each pause's routed ids, then its guess
+        self.host = host                # the same, pinned on the host (one small copy per pause)
+        self.tables = tables            # layer -> (E,) slot table on the device, read by the captured experts
+        self.tables_host = tables_host  # layer -> (E,) pinned staging of that table
+
+
 class HostDecodeGraphs:
     """Decode steps with experts in host memory, as captured segments: each segment runs from one host layer's
-    experts to the next host layer's router; between two segments the host reads that layer's routing, lets the
-    expert cache upload its misses and make the compute stream wait for them, and writes the layer's slot table.
+    experts to the next host layer's router (and packs that router's ids and lookahead guess into one buffer);
+    between two segments the host reads the pack back, lets the expert cache upload its misses and make the
+    compute stream wait for them, and writes the layer's slot table.
 
-    A hit then costs one read-back per layer instead of a few hundred Python launches. With capture=False the
-    same segments run eagerly (the CPU tests check that path against the plain forward, bit for bit).
+    A hit then costs one small read-back per layer instead of a few hundred Python launches. With capture=False
+    the same segments run eagerly (the CPU tests check that path against the plain forward, bit for bit).
     Requires a pool that holds one decode step's routed experts (no waves).
     """
 
@@ -107,96 +119,107 @@ class HostDecodeGraphs:
         self.engine, self.capture = engine, capture
         self.cache = engine.host
         self.host_layers = sorted(self.cache.store.rows)
-        self.steps: dict[int, tuple] = {}
+        self.steps: dict[int, _Step] = {}
         self.pool = None
 
     @torch.inference_mode()
     def run(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
         eng = self.engine
+        cuda = eng.device.is_cuda
         B = len(steps)
         self.cache.begin_ubatch(steps[0][0], B, False)      # before a capture too: it decides on lookahead
         if B not in self.steps:
             self.steps[B] = self._build(B)
-        segments, inputs, pauses, logits, tables = self.steps[B]
-        inputs.copy_(step_inputs(steps, pinned=eng.device.is_cuda), non_blocking=eng.device.is_cuda)
+        st = self.steps[B]
+        st.inputs.copy_(step_inputs(steps, pinned=cuda), non_blocking=cuda)
         on_route = eng.model.on_route
-        E = eng.cfg.n_experts
+        E, k = eng.cfg.n_experts, eng.cfg.n_experts_used
         if hasattr(on_route, "begin_ubatch"):
             on_route.begin_ubatch(steps[0][0], B, False)
-        for j, segment in enumerate(segments):
+        compute = torch.cuda.current_stream(eng.device.torch) if cuda else None
+        for j, segment in enumerate(st.segments):
             segment()
-            if j < len(pauses):
-                layer, ids, guess = pauses[j]
-                self.cache._mark_reads()
-                t0 = time.perf_counter()
-                got = torch.cat([ids.reshape(-1), guess.reshape(-1)]) if guess is not None else ids.reshape(-1)
-                got = got.cpu().numpy()                                   # the one host sync of this layer
-                t1 = time.perf_counter()
-                ids_np = got[:ids.numel()].reshape(ids.shape)
-                if on_route is not None:
-                    on_route(layer, torch.from_numpy(ids_np))
-                counts = np.bincount(ids_np.reshape(-1), minlength=E)
-                g = np.bincount(got[ids.numel():], minlength=E) if guess is not None else None
-                table = self.cache.prepare(layer, counts, g)
-                if isinstance(table, list):
-                    raise RuntimeError("decode routed more experts than the cache holds: use a larger cache")
-                tables[layer].copy_(torch.from_numpy(table))
-                self.cache.stats.record(layer, Counts(sync_s=t1 - t0, host_s=time.perf_counter() - t1))
-        return logits
+            if j == len(st.pauses):
+                break
+            layer, n, has_guess = st.pauses[j]
+            self.cache._mark_reads()
+            t0 = time.perf_counter()
+            st.host[j].copy_(st.packed[j], non_blocking=cuda)
+            if cuda:
+                compute.synchronize()                     # the one host sync of this layer
+            t1 = time.perf_counter()
+            got = st.host[j].numpy()
+            if on_route is not None:
+                on_route(layer, torch.from_numpy(got[:n].reshape(B, k).copy()))
+            counts = np.bincount(got[:n], minlength=E)
+            guess = np.bincount(got[n:2 * n], minlength=E) if has_guess else None
+            table = self.cache.prepare(layer, counts, guess)
+            if isinstance(table, list):
+                raise RuntimeError("decode routed more experts than the cache holds: use a larger cache")
+            st.tables_host[layer].numpy()[:] = table      # free: the last copy from it ended before this sync
+            st.tables[layer].copy_(st.tables_host[layer], non_blocking=cuda)
+            self.cache.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
+        return st.logits
 
     @torch.inference_mode()
-    def _build(self, B: int):
+    def _build(self, B: int) -> _Step:
         eng = self.engine
-        dev = eng.device.torch
+        dev = eng.device
+        E, k = eng.cfg.n_experts, eng.cfg.n_experts_used
         inputs, batch = static_decode_batch(eng, B)
-        tables = {l: torch.zeros(eng.cfg.n_experts, dtype=torch.int64, device=dev) for l in self.host_layers}
+        tables = {l: torch.zeros(E, dtype=torch.int64, device=dev.torch) for l in self.host_layers}
+        tables_host = {l: dev.pinned_empty((E,), torch.int64) for l in self.host_layers}
+        packed = torch.zeros(len(self.host_layers), 2 * B * k, dtype=torch.int64, device=dev.torch)
+        host = dev.pinned_empty(tuple(packed.shape), torch.int64)
         provider = _TableProvider(self.cache, tables, eng.experts)
         split = frozenset(self.host_layers)
+        pauses = []
+
+        def pack(j, paused):
+            layer, ids, guess = paused
+            n = ids.numel()
+            packed[j, :n].copy_(ids.reshape(-1))
+            if guess is not None:
+                packed[j, n:2 * n].copy_(guess.reshape(-1))
+            if len(pauses) == j:
+                pauses.append((layer, n, guess is not None))
+
+        forward = lambda: eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)    # noqa: E731
         if not self.capture:
-            return self._eager_build(batch, provider, split, inputs, tables)
+            st = _Step(None, inputs, batch, None, pauses, packed, host, tables, tables_host)
+            st.segments = self._eager_segments(forward, pack, st)
+            return st
         on_route, eng.model.on_route = eng.model.on_route, None     # callbacks run on the host, between segments
         try:
-            warm_up(dev, lambda: list(eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)))
-            gen = eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)
-            graphs, pauses, logits = [], [], None
+            warm_up(dev.torch, lambda: list(forward()))
+            gen = forward()
+            graphs, logits = [], None
             while logits is None:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
                     try:
-                        pauses.append(next(gen))
+                        pack(len(graphs), next(gen))
                     except StopIteration as done:
                         logits = done.value
                 self.pool = g.pool()
                 graphs.append(g.replay)
         finally:
             eng.model.on_route = on_route
-        return graphs, inputs, pauses, logits, tables
+        # The batch is kept too: the graphs read its tensors (out_rows is its own allocation).
+        return _Step(graphs, inputs, batch, logits, pauses, packed, host, tables, tables_host)
 
-    def _eager_build(self, batch, provider, split, inputs, tables):
-        """The same segments, uncaptured: each call advances the forward's generator to its next pause and copies
-        what it yields into static buffers, as a graph replay would leave them."""
-        eng = self.engine
-        steps = eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)
-        pauses = []
-        try:                                                   # one dry run, for the buffers' shapes
-            while True:
-                layer, ids, guess = next(steps)
-                pauses.append((layer, ids.clone(), None if guess is None else guess.clone()))
-        except StopIteration as done:
-            logits = done.value.clone()
+    def _eager_segments(self, forward, pack, st: _Step):
+        """The same segments, uncaptured: each call advances the forward to its next pause and packs what it
+        yields, as a graph replay would; the last one leaves the logits in the step."""
         state = {}
 
         def segment():
             if "gen" not in state:
-                state.update(gen=eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split), j=0)
+                state.update(gen=forward(), j=0)
             try:
-                _, ids, guess = next(state["gen"])
-                _, static_ids, static_guess = pauses[state["j"]]
-                static_ids.copy_(ids)
-                if guess is not None:
-                    static_guess.copy_(guess)
+                pack(state["j"], next(state["gen"]))
                 state["j"] += 1
             except StopIteration as done:
-                logits.copy_(done.value)
+                st.logits = done.value
                 state.clear()
-        return [segment] * (len(pauses) + 1), inputs, pauses, logits, tables
+        return [segment] * (len(self.host_layers) + 1)
