@@ -8,7 +8,9 @@
 #                                GPU and --cpu-moe
 #   bash bench/gpu.sh cache      cuda tests, then bench/cache_sweep.py on the reference GGUF (issues 3 and 4)
 #   bash bench/gpu.sh probe      cuda tests; bench/probe.py: determinism across processes and cache settings, host
-#                                time per layer, prompt lookahead, --host-decode-graphs, a routing trace, a profile
+#                                time per layer, prompt lookahead, host decode graphs, a routing trace, a profile
+#   bash bench/gpu.sh bench      the RESULTS.md rows from `moestream bench`: all on the GPU; --cpu-moe with caches
+#                                of 0 / 8000 / 16000 / 24000 MiB; the prefetch switches at 16000 MiB
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -51,6 +53,16 @@ cache)
   REF=/tmp/ref.gguf
   [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
   python3 bench/cache_sweep.py $REF "$OUT" 2>&1 | grep -v '^{' | tee "$OUT/cache_sweep.md"
+  ;;
+bench)
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 3"
+  ms bench $B 2>&1 | tee "$OUT/bench_gpu.md"
+  ms bench $B --cpu-moe --moe-cache-mib 0,8000,16000,24000 --plot "$OUT/sweep.png" 2>&1 | tee "$OUT/bench_cache.md"
+  for v in "--no-prefetch" "--no-prompt-lookahead" "--no-prompt-lookahead --no-prefetch-seed"; do
+    echo "## --cpu-moe --moe-cache-mib 16000 $v"; ms bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
+  done | tee "$OUT/bench_prefetch.md"
   ;;
 probe)
   python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"

@@ -25,7 +25,7 @@ class LLM:
                  moe_cache_mib: int | None = None, cache_policy: str = "lfru", prefetch: bool = True,
                  prefetch_min_batch: int = 256, prefetch_seed: bool = True, prefetch_first_all: bool = False,
                  lookahead: bool = True, prompt_lookahead: bool = True, prefetch_min_use: float = 0.0,
-                 host_decode_graphs: bool = False,
+                 host_decode_graphs: bool = True,
                  progress: bool = False):
         self.source = open_source(model, progress=progress)
         self.config = EngineConfig(device=device or "auto", dtype=dtype, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,

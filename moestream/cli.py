@@ -49,8 +49,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lookahead", action="store_true", help="no next-layer expert prediction (decode and prompts)")
     p.add_argument("--no-prompt-lookahead", action="store_true",
                    help="prompt ubatches prefetch from routing statistics only, not through the next layer's router")
-    p.add_argument("--host-decode-graphs", action="store_true",
-                   help="experimental: with a cache, decode as CUDA-graph segments between host layers")
+    p.add_argument("--no-host-decode-graphs", action="store_true",
+                   help="with a cache: decode eagerly instead of as CUDA-graph segments between host layers")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
 
@@ -63,7 +63,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 prefetch_seed=not a.no_prefetch_seed, prefetch_first_all=a.prefetch_first_all,
                 lookahead=not a.no_lookahead, prompt_lookahead=not a.no_prompt_lookahead,
                 prefetch_min_use=a.prefetch_min_use,
-                host_decode_graphs=a.host_decode_graphs)
+                host_decode_graphs=not a.no_host_decode_graphs)
 
 
 def parse_prompt(text: str, has_tokenizer: bool):

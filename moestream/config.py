@@ -159,7 +159,7 @@ class EngineConfig:
     ubatch_size: int = 512           # physical batch: tokens per forward
     kernel: str = "auto"             # auto | reference | grouped
     cuda_graphs: bool = True         # decode through CUDA graphs where every expert is on the GPU
-    host_decode_graphs: bool = False # experimental: decode with host experts as captured per-layer segments
+    host_decode_graphs: bool = True  # with a cache: decode as captured segments between host layers' routers
     moe_cache_mib: int | None = None # GPU expert cache for host layers (None: no cache, upload per ubatch; 0: smallest)
     cache_policy: str = "lfru"       # lfru (decayed frequency, scan-resistant) | lru
     prefetch: bool = True            # copy experts ahead of their layer on the copy stream (with a cache)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from moestream import LLM, UserError
 from moestream.experts.policy import make_policy
-from moestream.experts.residency import CacheTooSmall, Residency
+from moestream.experts.residency import CacheTooSmall, Residency, split_regions
 from moestream.experts.trace import TraceRecorder, load_trace, replay
 
 L, E = 3, 12
@@ -17,11 +17,13 @@ L, E = 3, 12
 
 # --- residency, without a model --------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
-@given(policy=st.sampled_from(["lfru", "lru"]), n_slots=st.integers(4, 30),
+@given(policy=st.sampled_from(["lfru", "lru"]), n_slots=st.integers(4, 30), max_region=st.integers(4, 30),
        steps=st.lists(st.tuples(st.integers(0, L - 1), st.sets(st.integers(0, E - 1), min_size=1, max_size=6),
                                 st.sets(st.integers(0, 29), max_size=3)), min_size=1, max_size=40))
-def test_residency_invariants(policy, n_slots, steps):
-    res = Residency(n_slots, L, E, make_policy(policy, n_slots))
+def test_residency_invariants(policy, n_slots, max_region, steps):
+    """Also with the pool split into regions (one per launch of the grouped kernel): check() asserts that every
+    expert sits in its layer's region, and a layer can only use its region's slots."""
+    res = Residency(n_slots, L, E, make_policy(policy, n_slots), split_regions(n_slots, list(range(L)), max_region))
     for layer, experts, pins in steps:
         res.pinned[:] = False
         pins = [p for p in pins if p < n_slots]
@@ -33,7 +35,8 @@ def test_residency_invariants(policy, n_slots, steps):
         try:
             plan = res.ensure(layer, experts)
         except CacheTooSmall:
-            assert len(set(experts.tolist()) - resident_before) > n_slots - len(held)
+            a, b = res.bounds[layer]
+            assert len(set(experts.tolist()) - resident_before) > (b - a) - len([h for h in held if a <= h < b])
             assert (res.owner == before_owner).all()            # a refused call changes nothing
             continue
         res.check()
@@ -221,8 +224,21 @@ def test_reconfigure_cache_keeps_logits_and_restarts_counters():
         LLM("synth:tiny", device="cpu").engine.reconfigure_cache(moe_cache_mib=1)
 
 
-def test_segment_row_ends_count_rows_per_run_of_slots():
-    from moestream.experts.provider import segment_row_ends
-    table = np.array([0, 1022, 1023, 2500, -1])          # expert -> slot (-1: not resident, not routed)
-    counts = np.array([3, 1, 2, 5, 0])
-    assert segment_row_ends(table, counts, segment=1023) == [4, 6, 11]
+
+def test_split_regions_balances_layers_and_caps_slots():
+    bounds, region_of = split_regions(2553, list(range(24)), 1023)
+    assert bounds == [(0, 851), (851, 1702), (1702, 2553)]
+    assert [region_of[l] for l in (0, 7, 8, 15, 16, 23)] == [0, 0, 1, 1, 2, 2]
+    assert split_regions(1000, [3, 5], 1023) == ([(0, 1000)], {3: 0, 5: 0})
+
+
+def test_a_pool_in_regions_changes_no_logits(monkeypatch):
+    """A pool split into regions (here of at most 40 slots, as 1023 would split a big pool) gives the same bits."""
+    import moestream.experts.cache as cache_mod
+    ids = _prompt(70, 3)
+    want = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128).logits(ids)
+    monkeypatch.setattr(cache_mod, "REGION_SLOTS", 40)
+    llm = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128, cpu_moe=True, moe_cache_mib=60)
+    assert len({b for b in llm.engine.host.residency.bounds}) > 1
+    assert torch.equal(llm.logits(ids), want)
+    llm.engine.host.residency.check()

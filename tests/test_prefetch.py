@@ -164,7 +164,7 @@ def _decode_run(make_step, **kw):
 
 @pytest.mark.parametrize("mib", [12, 100])
 def test_segmented_decode_matches_the_plain_forward_bit_for_bit(mib):
-    """The per-layer segments (what --host-decode-graphs captures), run eagerly: same logits, same counters."""
+    """The per-layer segments (what host decode graphs capture), run eagerly: same logits, same counters."""
     from moestream.runtime.graphs import HostDecodeGraphs
     plain, plain_stats = _decode_run(lambda eng: eng.decode, moe_cache_mib=mib)
     seg, seg_stats = _decode_run(lambda eng: HostDecodeGraphs(eng, capture=False).run, moe_cache_mib=mib)

@@ -19,12 +19,13 @@ import torch
 from .copy_queue import CopyQueue
 from .policy import make_policy
 from .prefetch import PrefetchConfig, RoutingStats, Seed, choose_seed, predicted
-from .provider import ExpertWeights, segment_row_ends
-from .residency import CacheTooSmall, Residency
+from .provider import ExpertWeights
+from .residency import CacheTooSmall, Residency, split_regions
 from .stats import CacheStats
 from .store import ExpertStore, expert_views
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
+REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a layer's region is one launch
 
 
 class CachePlanner:
@@ -33,8 +34,10 @@ class CachePlanner:
     The live cache and the offline trace replay both run this, so a replay predicts the live demand counts.
     """
 
-    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy: str, expert_bytes: int):
-        self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots))
+    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy: str, expert_bytes: int,
+                 layers: list[int] | None = None):
+        regions = split_regions(n_slots, layers if layers is not None else list(range(n_layers)), REGION_SLOTS)
+        self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots), regions)
         self.stats = CacheStats()
         self.policy_name, self.expert_bytes = policy, expert_bytes
         self._last_layer = None
@@ -44,7 +47,7 @@ class CachePlanner:
         if self._last_layer is None or layer <= self._last_layer:
             self.residency.policy.tick()                # a new ubatch: the policy's clock counts ubatches
         self._last_layer = layer
-        n = self.residency.n_slots
+        n = self.residency.region_size(layer)
         return [wanted] if len(wanted) <= n else [wanted[i:i + n] for i in range(0, len(wanted), n)]
 
     def plan(self, layer: int, group: np.ndarray):
@@ -77,11 +80,13 @@ class ExpertCache:
         any_rows = next(iter(store.rows.values()))
         self.store, self.n_experts, self.device, self.prefetch = store, n_experts, device, prefetch
         self.pool = torch.empty(n_slots, any_rows.shape[1], dtype=any_rows.dtype, device=device.torch)  # (S, numel)
-        self.w13, self.w2 = expert_views(self.pool, store.inter, store.hidden)
-        self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes)
-        self.residency, self.stats, self.policy_name = self.planner.residency, self.planner.stats, policy
-        self.queue = CopyQueue(device)
         self.layers = sorted(host_layers if host_layers is not None else store.rows)
+        self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes, self.layers)
+        self.residency, self.stats, self.policy_name = self.planner.residency, self.planner.stats, policy
+        w13, w2 = expert_views(self.pool, store.inter, store.hidden)
+        self.views = {l: (w13[a:b], w2[a:b], a) for l, (a, b) in enumerate(self.residency.bounds)}
+        self.lut_host = device.pinned_empty((n_layers, n_experts), torch.int64)    # staging of slot tables
+        self.queue = CopyQueue(device)
         self.routing = [RoutingStats(n_layers, n_experts) for _ in range(n_seq)]      # per context
         self.ready = np.zeros(n_slots, dtype=np.int64)          # copy batch that filled each slot
         self.use = np.full(n_slots, -1, dtype=np.int64)         # compute event after each slot's last read
@@ -98,6 +103,11 @@ class ExpertCache:
     @property
     def n_slots(self) -> int:
         return self.residency.n_slots
+
+    @property
+    def min_region(self) -> int:
+        """The fewest slots any host layer can use (a decode step's routed experts must fit without waves)."""
+        return min(self.residency.region_size(l) for l in self.layers)
 
     # --- context --------------------------------------------------------------------------------------------
     def begin_prompt(self, seq: int = 0) -> None:
@@ -139,16 +149,18 @@ class ExpertCache:
         if isinstance(table, list):
             self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
             return Waves(self, layer, ids, table)
-        lut = torch.from_numpy(table).to(self.device.torch)                                 # (E,)
-        w = ExpertWeights(self.w13, self.w2, lut[ids], row_ends=segment_row_ends(table, got[0]))
+        self.lut_host[layer].numpy()[:] = table        # free again: its last copy ran before the sync above
+        lut = torch.empty(E, dtype=torch.int64, device=self.device.torch)
+        lut.copy_(self.lut_host[layer], non_blocking=True)     # pinned: no stream sync (pageable would wait)
+        w13, w2, _ = self.views[layer]
         self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
-        return w
+        return ExpertWeights(w13, w2, lut[ids])
 
     def prepare(self, layer: int, counts: np.ndarray, guess: np.ndarray | None = None):
         """The host's part of one MoE layer, once its routing is on the host as counts per expert (E,): routing
         statistics, counters, uploads of the misses, the compute stream's wait, and the prefetch of what comes
         next (`guess`: the lookahead's counts per expert of the next host layer). Returns the layer's slot table
-        (E,) (slot of each expert id, -1 if absent), or the groups of experts to run in waves when the pool
+        (E,) (slot of each expert id within the layer's region, -1 if absent), or the groups of experts to run in waves when the pool
         cannot hold them all at once (then nothing is loaded yet)."""
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
@@ -167,12 +179,25 @@ class ExpertCache:
                 self._prefetch(nxt, g)
             elif self.seed is not None:
                 self._prefetch(nxt, self._predicted(nxt))
-        return self.residency.slot_of[layer].copy()
+        return self.table(layer)
+
+    def table(self, layer: int) -> np.ndarray:
+        """The layer's slot table (E,): each expert's slot within the layer's region (its weights' views), -1 if
+        absent."""
+        t = self.residency.slot_of[layer].copy()
+        t[t >= 0] -= self.views[layer][2]
+        return t
+
+    def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (S_region, 2I, H) and (S_region, H, I) views of the layer's region, which its table indexes."""
+        w13, w2, _ = self.views[layer]
+        return w13, w2
 
     def _load(self, layer: int, ids: torch.Tensor, group: np.ndarray) -> ExpertWeights:
         self._load_slots(layer, group)
-        lut = torch.from_numpy(self.residency.slot_of[layer].copy()).to(self.device.torch)        # (E,)
-        return ExpertWeights(self.w13, self.w2, lut[ids])
+        lut = torch.from_numpy(self.table(layer)).to(self.device.torch)        # (E,)
+        w13, w2, _ = self.views[layer]
+        return ExpertWeights(w13, w2, lut[ids])
 
     def _load_slots(self, layer: int, group: np.ndarray) -> None:
         """Make `group` resident: plan, copy the misses on the copy stream, make compute wait for its slots."""

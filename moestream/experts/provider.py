@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .stats import CacheStats
@@ -22,16 +21,6 @@ class ExpertWeights:
     w13: torch.Tensor          # (S, 2I, H)
     w2: torch.Tensor           # (S, H, I)
     slots: torch.Tensor        # (T, k) int64: the slot of each routed choice
-    row_ends: list[int] | None = None   # where the host knows them: the end row of each segment of slots
-
-
-def segment_row_ends(table, counts, segment: int = 1023) -> list[int]:
-    """The end row, in slot order, of each run of `segment` slots, from the host's slot table (E,) and routings
-    per expert (E,): what the grouped kernel would otherwise read back from the device."""
-    used = np.flatnonzero(counts)
-    n_seg = int(table.max()) // segment + 1 if len(table) else 1
-    per = np.bincount(table[used] // segment, weights=counts[used], minlength=n_seg)
-    return np.cumsum(per).astype(np.int64).tolist()
 
 
 class ResidentExperts:

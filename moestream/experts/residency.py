@@ -12,6 +12,8 @@ Invariants (tested directly, without a model):
 - A pinned slot is never a victim. An `ensure` pins, for its own duration, every slot it returns, so one call
   never evicts an expert it is about to hand out.
 - `ensure` asks for at most one upload per expert: a hit uploads nothing.
+- An expert of a layer sits in that layer's region of slots (`regions`): one region is one launch of the grouped
+  kernel, which takes fewer than 1024 groups. A pool of at most 1023 slots is one region.
 """
 from __future__ import annotations
 
@@ -32,13 +34,29 @@ class Plan:
     evicted: list[tuple[int, int]] = field(default_factory=list)    # (layer, expert) no longer resident
 
 
+def split_regions(n_slots: int, layers: list[int], max_slots: int) -> tuple[list[tuple[int, int]], dict[int, int]]:
+    """Regions of at most `max_slots` slots, [start, end) each, and the region of each layer: the fewest equal
+    regions, consecutive layers sharing one."""
+    n = max(1, min(-(-n_slots // max_slots), len(layers)))
+    size = -(-n_slots // n)
+    bounds = [(r * size, min((r + 1) * size, n_slots)) for r in range(n)]
+    return bounds, {l: i * n // len(layers) for i, l in enumerate(sorted(layers))}
+
+
 class Residency:
-    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy):
+    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy,
+                 regions: tuple[list[tuple[int, int]], dict[int, int]] | None = None):
         self.n_slots = n_slots
+        bounds, region_of = regions or ([(0, n_slots)], {})
+        self.bounds = [bounds[region_of.get(l, 0)] for l in range(n_layers)]     # layer -> its slots [a, b)
         self.slot_of = np.full((n_layers, n_experts), -1, dtype=np.int64)     # (L, E): slot or -1
         self.owner = np.full((n_slots, 2), -1, dtype=np.int64)                # (S, 2): (layer, expert) or -1
         self.pinned = np.zeros(n_slots, dtype=bool)                           # read by queued compute
         self.policy = policy
+
+    def region_size(self, layer: int) -> int:
+        a, b = self.bounds[layer]
+        return b - a
 
     def resident(self, layer: int) -> np.ndarray:
         return np.flatnonzero(self.slot_of[layer] >= 0)
@@ -51,9 +69,10 @@ class Residency:
         plan = Plan(slots, hit)
         if not hit.all():
             need = experts[~hit]
-            busy = self.pinned.copy()
-            busy[slots[hit]] = True                     # this call's hits are handed out: not victims
-            free = np.flatnonzero(~busy)
+            a, b = self.bounds[layer]
+            busy = self.pinned[a:b].copy()
+            busy[slots[hit] - a] = True                 # this call's hits are handed out: not victims
+            free = a + np.flatnonzero(~busy)
             if len(free) < len(need):
                 raise CacheTooSmall(f"{len(need)} misses but {len(free)} unpinned slots")
             owned = self.owner[free, 0] >= 0
@@ -83,3 +102,5 @@ class Residency:
         assert (self.owner[s, 0] == ls).all() and (self.owner[s, 1] == es).all(), "map and owner disagree"
         used = self.owner[:, 0] >= 0
         assert used.sum() == len(s), "an owned slot is not in the map"
+        region = np.array([self.bounds[l] for l in ls]).reshape(-1, 2)
+        assert ((s >= region[:, 0]) & (s < region[:, 1])).all(), "an expert outside its layer's region"

@@ -83,7 +83,8 @@ def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchC
     """Counts the live cache would have had on this routing: totals and per layer."""
     if prefetch is not None:
         return _replay_with_prefetch(trace, n_slots, policy, prefetch)
-    planner = CachePlanner(n_slots, trace.n_layers, trace.n_experts, policy, trace.expert_bytes)
+    planner = CachePlanner(n_slots, trace.n_layers, trace.n_experts, policy, trace.expert_bytes,
+                           sorted(set(trace.layers.tolist())))
     for layer, ids in zip(trace.layers.tolist(), trace.ids):
         for group in planner.groups(layer, np.unique(ids).astype(np.int64)):
             planner.plan(layer, group)

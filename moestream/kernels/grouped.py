@@ -29,12 +29,8 @@ def _expert_mlp(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: tor
     return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)            # (n, H)
 
 
-def experts_grouped(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    row_ends: list[int] | None = None) -> torch.Tensor:
-    """Same signature and result layout as experts_reference: x (T, H), slots (T, k) -> (T, k, H).
-
-    `row_ends`, where the caller knows them, are the end rows of each run of MAX_GROUPS slots: a pool of more
-    slots then runs its segments without reading them back from the device."""
+def experts_grouped(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Same signature and result layout as experts_reference: x (T, H), slots (T, k) -> (T, k, H)."""
     T, k = slots.shape
     S = w13.shape[0]
     order, counts = sort_by_slot(slots, S)
@@ -42,14 +38,11 @@ def experts_grouped(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2:
     xs = x[order // k]                                                    # (T*k, H)
     if S <= MAX_GROUPS:
         y = _expert_mlp(xs, w13, w2, offs)
-    elif row_ends is None and xs.is_cuda and torch.cuda.is_current_stream_capturing():
+    elif xs.is_cuda and torch.cuda.is_current_stream_capturing():
         y = _segments_without_sync(xs, w13, w2, offs)
     else:
         starts = range(0, S, MAX_GROUPS)
-        if row_ends is None:
-            row_ends = offs[MAX_GROUPS - 1::MAX_GROUPS].tolist()          # one host sync
-        ends = (list(row_ends) + [T * k] * len(starts))[:len(starts)]
-        ends[-1] = T * k
+        ends = offs[MAX_GROUPS - 1::MAX_GROUPS].tolist()[:len(starts) - 1] + [T * k]     # one host sync
         y = torch.empty_like(xs)
         r0 = 0
         for a, r1 in zip(starts, ends):

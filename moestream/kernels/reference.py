@@ -18,10 +18,8 @@ def sort_by_slot(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch
     return order, counts
 
 
-def experts_reference(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      row_ends: list[int] | None = None) -> torch.Tensor:
-    """x (T, H), slots (T, k) -> (T, k, H): for each used slot, silu(x W_gate^T) * (x W_up^T) W_down^T.
-    (`row_ends` is the grouped kernel's hint; this kernel has no use for it.)"""
+def experts_reference(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x (T, H), slots (T, k) -> (T, k, H): for each used slot, silu(x W_gate^T) * (x W_up^T) W_down^T."""
     T, k = slots.shape
     inter = w2.shape[-1]
     order, counts = sort_by_slot(slots, w13.shape[0])

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from ..config import ModelConfig
 
@@ -85,19 +86,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 DETERMINISTIC_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: bool) -> torch.Tensor:
-    """q: (B, nh, Tq, hd); k, v: (B, nkv, Tk, hd); mask: bool (B, 1, Tq, Tk) or None -> (B, nh, Tq, hd).
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a prompt chunk: q (1, nh, Tq, hd) are the last Tq of the Tk positions in k, v
+    (1, nkv, Tk, hd) (the earlier ones are the KV cache) -> (1, nh, Tq, hd).
 
-    Grouped-query attention: the KV heads are shared by nh / nkv query heads each, without copying them.
+    Grouped-query attention: the KV heads are shared by nh / nkv query heads each, without copying them. The
+    causal mask is aligned to the last key (lower right), which flash attention applies without materialising it.
     """
+    Tq, Tk = q.shape[2], k.shape[2]
+    mask = None if Tq == Tk else causal_lower_right(Tq, Tk)
+
     def sdpa():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               enable_gqa=q.shape[1] != k.shape[1])
     if not q.is_cuda:
         return sdpa()
     with sdpa_kernel(DETERMINISTIC_SDPA):
         return sdpa()
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per sequence against its whole cache: q (B, nh, hd); k, v (B, nkv, n, hd); mask (B, n) bool
+    (True: attend) -> (B, nh, hd).
+
+    Two batched matmuls and a float32 softmax, grouped by KV head (no copy of the cache per query head): torch's
+    fused kernels either do not take a mask with grouped heads (they fall back to a slow path that copies the
+    cache) or are not deterministic (cuDNN, see above). Scores and softmax in float32, as flash attention keeps them.
+    """
+    B, nh, hd = q.shape
+    nkv = k.shape[1]
+    qg = q.reshape(B, nkv, nh // nkv, hd).float()                           # (B, nkv, g, hd)
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * hd ** -0.5     # (B, nkv, g, n)
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())            # (B, nkv, g, hd)
+    return out.reshape(B, nh, hd).to(q.dtype)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

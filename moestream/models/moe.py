@@ -52,7 +52,7 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
     """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert."""
     w = provider.fetch(layer, ids, guess)
     if hasattr(w, "slots"):
-        y = kernel(x, w.slots, w.w13, w.w2, w.row_ends)                  # (T, k, H)
+        y = kernel(x, w.slots, w.w13, w.w2)                              # (T, k, H)
     else:
         # Waves (a pool smaller than this ubatch's routed set): each wave computes its experts' rows, in the
         # same token order as one launch would, so every expert's result is the same.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .layers import apply_rope, attention, rms_norm, swiglu
+from .layers import apply_rope, attention, decode_attention, rms_norm, swiglu
 from .moe import moe_experts, moe_route
 
 
@@ -44,8 +44,12 @@ class Batch:
             pos += range(s.start, s.start + s.n)
             last.append(len(pos) - 1)
         rows = list(range(len(pos))) if all_logits else last
-        t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)     # noqa: E731
-        return Batch(t(tokens), segments, t(seq_ids), t(pos), t(rows))
+        host = torch.tensor(tokens + seq_ids + pos + rows, dtype=torch.int64)
+        if torch.device(device).type == "cuda":   # pinned, so the copy does not wait for the stream to drain
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=True)
+        T = len(tokens)
+        return Batch(flat[:T], segments, flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:])
 
     @property
     def is_decode(self) -> bool:
@@ -134,17 +138,12 @@ class MoETransformer:
             else:
                 kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]   # (B, nkv, n, hd)
             mask = torch.arange(n, device=q.device)[None, :] <= batch.positions[:, None]   # (B, n)
-            o = attention(q.unsqueeze(2), kk, vv, mask[:, None, None, :], causal=False)   # (B, nh, 1, hd)
-            return o.squeeze(2)
+            return decode_attention(q, kk, vv, mask)                         # (B, nh, hd)
         outs, r = [], 0
         for s in batch.segments:
             end = s.start + s.n
             qs = q[r:r + s.n].transpose(0, 1).unsqueeze(0)                   # (1, nh, n, hd)
             kk, vv = keys[s.seq:s.seq + 1, :, :end], values[s.seq:s.seq + 1, :, :end]
-            mask = None
-            if s.start:
-                qpos = torch.arange(s.start, end, device=q.device)
-                mask = (torch.arange(end, device=q.device)[None, :] <= qpos[:, None])[None, None]
-            outs.append(attention(qs, kk, vv, mask, causal=True)[0].transpose(0, 1))   # (n, nh, hd)
+            outs.append(attention(qs, kk, vv)[0].transpose(0, 1))           # (n, nh, hd)
             r += s.n
         return torch.cat(outs) if len(outs) > 1 else outs[0]

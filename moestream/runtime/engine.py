@@ -140,7 +140,7 @@ class Engine:
         if self.graphs is not None:
             with torch.inference_mode():
                 return self.graphs.run(steps)
-        if self.host_graphs is not None and len(steps) * self.cfg.n_experts_used <= self.host.n_slots:
+        if self.host_graphs is not None and len(steps) * self.cfg.n_experts_used <= self.host.min_region:
             return self.host_graphs.run(steps)
         return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps])
 
@@ -191,7 +191,7 @@ class Engine:
         self._setup_host_graphs()
 
     def _setup_host_graphs(self) -> None:
-        """Experimental (--host-decode-graphs): decode steps over a cache as captured per-layer segments."""
+        """With a cache on CUDA (unless --no-host-decode-graphs): decode steps as captured per-layer segments."""
         self.host_graphs = None
         if (self.ecfg.host_decode_graphs and self.ecfg.cuda_graphs and self.device.is_cuda
                 and isinstance(self.host, ExpertCache) and self.kernel is not experts_reference):

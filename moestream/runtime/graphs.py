@@ -85,7 +85,7 @@ class _TableProvider:
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None):
         if layer in self.tables:
-            return ExpertWeights(self.cache.w13, self.cache.w2, self.tables[layer][ids])
+            return ExpertWeights(*self.cache.layer_weights(layer), self.tables[layer][ids])
         return self.others.fetch(layer, ids, lookahead)
 
     def wants_lookahead(self, layer: int, n_tokens: int) -> bool:

@@ -16,7 +16,8 @@ expert cache's hit rate, the compute stream's wait per MoE layer (ms per run), a
 is a pinned host -> device copy of --link-mib MiB timed with CUDA events at start (n/a on the CPU).
 
 Sweeps: comma lists for -p, -n, -b, -ub, -ncmoe and --moe-cache-mib. -b and -ub change how prompts are cut, so the
-model loads once for them; each placement or cache size is its own load. --compare A B loads both configurations
+model loads once for them; each placement is its own load, and each cache size a new cache over the same pinned
+experts (the cache starts empty; the warm-up run fills it). --compare A B loads both configurations
 once and runs them alternately (A, B, A, B, ...) so that drift (clocks, heat, other tenants) cancels in the
 ratio, printed pair by pair.
 """
@@ -36,7 +37,7 @@ from ..errors import UserError
 from . import report
 from .report import Col, na
 
-COUNTERS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "wait_s")
+COUNTERS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "wait_s", "host_s")
 SWEPT = ("batch_size", "ubatch_size", "n_cpu_moe", "moe_cache_mib")      # engine flags that take comma lists here
 
 
@@ -189,13 +190,14 @@ def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float 
     if compute_s_per_token:
         bounds.append(compute_s_per_token * test.n_tokens)
     bound = max(bounds) if bounds else None
-    wait = tot["wait_s"]
+    wait, host = tot["wait_s"], tot["host_s"]
     return {"test": test.name, "n_prompt": test.n_prompt, "n_gen": test.n_gen, "reps": len(runs),
             "tps_mean": statistics.mean(tps), "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0,
             "seconds_mean": seconds,
             "uploaded_gb": None if tot["uploaded_bytes"] is None else tot["uploaded_bytes"] / 1e9,
             "copies": tot["copies"], "hit_rate": tot["hit_rate"],
             "wait_ms_per_layer": None if wait is None else wait * 1e3 / max(len(layers) or n_layers, 1),
+            "host_ms_per_layer": None if host is None else host * 1e3 / max(len(layers) or n_layers, 1),
             "link_gbps": None if link_bps is None else link_bps / 1e9,
             "bound_s": bound, "roofline_frac": None if bound is None else bound / seconds,
             "per_layer": per_layer}
@@ -246,6 +248,7 @@ BENCH_COLS = [
     Col("up GB", "uploaded_gb", lambda r: na(r["uploaded_gb"], "{:.3f}")),
     Col("hit %", "hit_rate", lambda r: na(None if r["hit_rate"] is None else 100 * r["hit_rate"], "{:.1f}")),
     Col("wait ms/layer", "wait_ms_per_layer", lambda r: na(r["wait_ms_per_layer"], "{:.2f}")),
+    Col("host ms/layer", "host_ms_per_layer", lambda r: na(r["host_ms_per_layer"], "{:.2f}")),
     Col("roofline", "roofline_frac", lambda r: na(r["roofline_frac"], "{:.2f}")),
 ]
 
@@ -266,9 +269,17 @@ def main(a: argparse.Namespace) -> int:
     if stream_md:
         print(report.md_header(BENCH_COLS), flush=True)
     loads = list(itertools.product(a.n_cpu_moe, getattr(a, "moe_cache_mib", [None])))
-    for n_cpu_moe, mib in loads:
+    llm = None
+    for i, (n_cpu_moe, mib) in enumerate(loads):
         ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib)
-        llm = load(ns, ctx)
+        if llm is not None and loads[i - 1][0] == n_cpu_moe and llm.engine.host is not None:
+            llm.engine.reconfigure_cache(moe_cache_mib=mib)        # another cache over the same pinned experts
+        else:
+            if llm is not None:
+                device = llm.engine.device
+                llm = None
+                free_memory(device)
+            llm = load(ns, ctx)
         for b, ub in itertools.product(a.batch_size, a.ubatch_size):
             llm.engine.set_batching(b, ub)
             for t in tests:
@@ -281,8 +292,9 @@ def main(a: argparse.Namespace) -> int:
                 rows.append(row)
                 if stream_md:
                     print(report.md_row(BENCH_COLS, row), flush=True)
+    if llm is not None:
         device = llm.engine.device
-        del llm
+        llm = None
         free_memory(device)
     if not stream_md:
         print(report.render(rows, a.output, BENCH_COLS))
