@@ -9,6 +9,7 @@
 #   bash bench/gpu.sh cache      cuda tests, then bench/cache_sweep.py on the reference GGUF (issues 3 and 4)
 #   bash bench/gpu.sh probe      cuda tests; bench/probe.py: determinism across processes and cache settings, host
 #                                time per layer, prompt lookahead, host decode graphs, a routing trace, a profile
+#   bash bench/gpu.sh final      cuda tests, determinism, greedy hashes, bench rows and KL divergence in one run
 #   bash bench/gpu.sh bench      the RESULTS.md rows from `moestream bench`: all on the GPU; --cpu-moe with caches
 #                                of 0 / 8000 / 16000 / 24000 MiB; the prefetch switches at 16000 MiB
 set -uo pipefail
@@ -63,6 +64,29 @@ bench)
   for v in "--no-prefetch" "--no-prompt-lookahead" "--no-prompt-lookahead --no-prefetch-seed"; do
     echo "## --cpu-moe --moe-cache-mib 16000 $v"; ms bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
   done | tee "$OUT/bench_prefetch.md"
+  ;;
+final)
+  # One run for the closing figures: cuda tests, determinism across processes, the greedy hash under every cache
+  # setting (all-GPU hash in probe_gpu_f.json), the bench rows, the KL divergence of a cached run against all-GPU.
+  # Each step's logs go into final.tar as soon as it ends (at most 8 files come back, even from a run cut short).
+  keep() { (cd "$OUT" && tar rf final.tar "$@" && rm -f "$@"); }
+  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"; keep cuda_tests.log
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  PROBE_TAG=_f timeout 150 python3 bench/probe.py $REF "$OUT" gpu > "$OUT/probe_gpu.log" 2>&1; grep tg64 "$OUT/probe_gpu.log"
+  python3 -c "import json; d=json.load(open('$OUT/probe_gpu_f.json')); print({k: (v['decode_eager'], v.get('decode_graphs')) for k, v in d.items()})"
+  keep probe_gpu.log probe_gpu_f.json
+  timeout 150 python3 bench/probe.py $REF "$OUT" hashes 2>&1 | grep -v Warn > "$OUT/hashes.log"; cat "$OUT/hashes.log"; keep hashes.log probe_hashes.json
+  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2"
+  timeout 150 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 0,8000,16000,24000 --plot "$OUT/sweep.png" > "$OUT/bench_cache.md" 2>&1; cat "$OUT/bench_cache.md"; keep bench_cache.md
+  timeout 80 python3 -m moestream bench $B > "$OUT/bench_gpu.md" 2>&1; cat "$OUT/bench_gpu.md"; keep bench_gpu.md
+  python3 -c "import random; random.seed(7); print(' '.join(str(random.randrange(151936)) for _ in range(2048)))" > /tmp/ids.txt
+  timeout 80 python3 -m moestream perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --kl-divergence-base /tmp/base.kld > "$OUT/ppl.txt" 2>&1
+  timeout 90 python3 -m moestream perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --cpu-moe --moe-cache-mib 8000 --kl-divergence-base /tmp/base.kld --kl-divergence >> "$OUT/ppl.txt" 2>&1
+  grep -E "Final|KLD|Same top" "$OUT/ppl.txt"; keep ppl.txt
+  for v in "--no-prefetch" "--no-prompt-lookahead"; do
+    echo "## --cpu-moe --moe-cache-mib 16000 $v"; timeout 70 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
+  done > "$OUT/bench_prefetch.md"; cat "$OUT/bench_prefetch.md"; keep bench_prefetch.md
   ;;
 probe)
   python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"

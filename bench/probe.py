@@ -5,6 +5,7 @@
     python bench/probe.py MODEL OUT_DIR cache     --cpu-moe: the same digests under several caches and prefetch
                                                   settings, each after three warm prompts; a routing trace; the
                                                   host-time counters; a profile of one prompt at 24000 MiB
+    python bench/probe.py MODEL OUT_DIR hashes    --cpu-moe: the greedy hash of one decode under each setting
 
 Writes OUT_DIR/probe_<part>[_<tag>].json. `compare` prints, for two or more of those files, where digests differ.
 """
@@ -231,6 +232,28 @@ def profile_prompt(llm, path):
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
 
 
+def part_hashes():
+    """The greedy hash of one fixed decode under each cache and prefetch setting, after warm prompts (issue 4)."""
+    llm = LLM(MODEL, cpu_moe=True, ctx_size=4200, moe_cache_mib=0)
+    eng = llm.engine
+    configs = CONFIGS + [("cache 16000 (defaults: prefetch, lookahead, host decode graphs)", {"moe_cache_mib": 16000}),
+                         ("cache 24000", {"moe_cache_mib": 24000})]
+    res = {}
+    for name, kw in configs:
+        eng.reconfigure_cache(**{"prefetch": True, "lookahead": True, "prefetch_seed": True,
+                                 "prefetch_first_all": False, "host_decode_graphs": "defaults" in name, **kw})
+        warm(llm)
+        eng.begin_prompt(0)
+        tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
+        toks = []
+        for pos in range(64, 96):
+            toks.append(tok)
+            tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+        res[name] = hashlib.sha256(",".join(map(str, toks)).encode()).hexdigest()[:16]
+        print(f"{name}: {res[name]}", flush=True)
+    save("hashes", res)
+
+
 def compare():
     runs = {}
     for path in sys.argv[4:]:
@@ -247,4 +270,4 @@ def compare():
         print(f"{name}: differs in {diffs or 'nothing'}; first prompt layer {first}; first decode {step}")
 
 
-{"gpu": part_gpu, "cache": part_cache, "compare": compare}[PART]()
+{"gpu": part_gpu, "cache": part_cache, "hashes": part_hashes, "compare": compare}[PART]()

@@ -114,3 +114,26 @@ def test_grouped_kernel_segments_a_large_pool(monkeypatch):
     from moestream.kernels.reference import experts_reference
     ref = experts_reference(x.double(), slots, w13.double(), w2.double())
     assert ((whole.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_decode_span_rounds_up_to_a_power_of_two_within_the_cache():
+    from moestream.runtime.kv_cache import KVCache
+    kv = KVCache(1, 1, 4200, 1, 8, torch.float32, "cpu")
+    assert [kv.span(n) for n in (1, 256, 257, 600, 4096, 4097, 4200)] == [256, 256, 512, 1024, 4096, 4200, 4200]
+    assert kv.spans() == [256, 512, 1024, 2048, 4096, 4200]
+    assert KVCache(1, 1, 100, 1, 8, torch.float32, "cpu").spans() == [100]
+
+
+def test_decode_across_a_span_boundary_matches_the_prompt_path():
+    """Decode steps at positions 250..261 attend 256 keys, then 512: each step's logits are the prompt path's."""
+    llm = LLM("synth:tiny", device="cpu", ctx_size=600)
+    eng = llm.engine
+    ids = torch.randint(0, 1000, (250,), generator=torch.Generator().manual_seed(1)).tolist()
+    tok = int(eng.prefill(0, ids, 0)[-1].argmax())
+    for pos in range(250, 262):
+        step = eng.decode([(0, tok, pos)])[0]
+        ids.append(tok)
+        full = llm.logits(ids)[-1]
+        assert torch.allclose(step, full, atol=1e-4, rtol=1e-4), pos
+        tok = int(step.argmax())
+        eng.prefill(0, ids, 0)                    # the KV cache as the decode left it (logits() rewrote it)

@@ -167,7 +167,11 @@ def test_segmented_decode_matches_the_plain_forward_bit_for_bit(mib):
     """The per-layer segments (what host decode graphs capture), run eagerly: same logits, same counters."""
     from moestream.runtime.graphs import HostDecodeGraphs
     plain, plain_stats = _decode_run(lambda eng: eng.decode, moe_cache_mib=mib)
-    seg, seg_stats = _decode_run(lambda eng: HostDecodeGraphs(eng, capture=False).run, moe_cache_mib=mib)
+
+    def segmented(eng):
+        graphs = HostDecodeGraphs(eng, capture=False)
+        return lambda toks: graphs.run(toks, eng.kv.span(max(p for _, _, p in toks) + 1))
+    seg, seg_stats = _decode_run(segmented, moe_cache_mib=mib)
     assert all(torch.equal(a, b) for a, b in zip(plain, seg))
     timings = ("sync_s", "host_s", "wait_s")
     assert ({k: v for k, v in plain_stats.items() if k not in timings}

@@ -3,6 +3,7 @@
     cache = ExpertCache(store, n_slots=1702, n_layers=24, n_experts=128, device=dev, policy="lfru")
     cache.begin_ubatch(seq=0, n_tokens=4096, is_prompt=True)     # the engine, before each forward
     w = cache.fetch(layer, ids)          # uploads the misses on the copy stream; compute waits only for its slots
+    y = kernel(x, w.slots, w.w13, w.w2); cache.experts_launched(layer)   # then the next layer's copies go ahead
 
 Compute reads weights from the pool by slot index (no staging copy). Misses go on the copy stream ahead of the
 speculative copies (prefetch), whose bytes in flight are bounded. A slot that queued compute still reads is
@@ -98,6 +99,7 @@ class ExpertCache:
         self.seq, self.is_prompt, self.n_tokens = 0, False, 0
         self.top_k = top_k
         self.predicted: dict[int, np.ndarray] = {}              # decode lookahead: layer -> predicted experts
+        self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
         self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
 
     @property
@@ -162,6 +164,7 @@ class ExpertCache:
         next (`guess`: the lookahead's counts per expert of the next host layer). Returns the layer's slot table
         (E,) (slot of each expert id within the layer's region, -1 if absent), or the groups of experts to run in waves when the pool
         cannot hold them all at once (then nothing is loaded yet)."""
+        self.experts_launched(layer)            # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
             self.routing[self.seq].record(layer, counts)
@@ -176,10 +179,18 @@ class ExpertCache:
                 g = np.flatnonzero(guess)
                 g = g[np.argsort(-guess[g], kind="stable")].astype(np.int64)        # most-routed first
                 self.predicted[nxt] = g
-                self._prefetch(nxt, g)
+                self.pending = (nxt, g)
             elif self.seed is not None:
-                self._prefetch(nxt, self._predicted(nxt))
+                self.pending = (nxt, self._predicted(nxt))
         return self.table(layer)
+
+    def experts_launched(self, layer: int) -> None:
+        """The layer's expert kernels are queued: now copy ahead what the next layer is predicted to need. Its
+        bookkeeping then runs while the GPU computes, not while it waits for this layer's table."""
+        if self.pending is not None:
+            nxt, experts = self.pending
+            self.pending = None
+            self._prefetch(nxt, experts)
 
     def table(self, layer: int) -> np.ndarray:
         """The layer's slot table (E,): each expert's slot within the layer's region (its weights' views), -1 if

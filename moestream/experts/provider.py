@@ -73,3 +73,8 @@ class LayerRouter:
     def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
         p = self.by_layer[layer]
         return hasattr(p, "wants_lookahead") and p.wants_lookahead(layer, n_tokens)
+
+    def experts_launched(self, layer: int) -> None:
+        p = self.by_layer[layer]
+        if hasattr(p, "experts_launched"):
+            p.experts_launched(layer)

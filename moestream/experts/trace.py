@@ -116,6 +116,7 @@ def _replay_with_prefetch(trace: Trace, n_slots: int, policy: str, prefetch: Pre
         if not hasattr(w, "slots"):
             for _ in w:                      # waves load as they are iterated
                 pass
+        cache.experts_launched(layer)
     out = _report(cache.stats)
     for d in (out["total"], *out["per_layer"].values()):
         for key in ("uploaded_bytes", "prefetched_bytes"):

@@ -60,6 +60,8 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
         for wave, member in w:
             tok, j = member.nonzero(as_tuple=True)
             y[tok, j] = kernel(x[tok], wave.slots[tok, j].unsqueeze(1), wave.w13, wave.w2)[:, 0]
+    if hasattr(provider, "experts_launched"):
+        provider.experts_launched(layer)           # the cache copies the next layer's experts ahead from here
     out = combine(y, weights)
     if cfg.shared_expert_intermediate_size:
         shared = swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"])

@@ -37,7 +37,8 @@ class Batch:
     kv_len: int | None = None      # decode: keys attended, masked past each token's position (None: the context)
 
     @staticmethod
-    def make(segments: list[Segment], tokens: list[int], device, all_logits: bool = False) -> "Batch":
+    def make(segments: list[Segment], tokens: list[int], device, all_logits: bool = False,
+             kv_len: int | None = None) -> "Batch":
         seq_ids, pos, last = [], [], []
         for s in segments:
             seq_ids += [s.seq] * s.n
@@ -49,7 +50,7 @@ class Batch:
             host = host.pin_memory()
         flat = host.to(device, non_blocking=True)
         T = len(tokens)
-        return Batch(flat[:T], segments, flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:])
+        return Batch(flat[:T], segments, flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:], kv_len)
 
     @property
     def is_decode(self) -> bool:

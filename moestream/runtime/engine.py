@@ -107,11 +107,11 @@ class Engine:
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False,
-                is_prompt: bool = False) -> torch.Tensor:
+                is_prompt: bool = False, kv_len: int | None = None) -> torch.Tensor:
         for hook in (self.host, self.model.on_route):      # the cache, and a routing trace being recorded
             if hasattr(hook, "begin_ubatch"):
                 hook.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
-        batch = Batch.make(segments, tokens, self.device.torch, all_logits)
+        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len)
         return self.model.forward(batch, self.kv, self.experts, self.kernel)
 
     def check_context(self, n_tokens: int) -> None:
@@ -137,12 +137,13 @@ class Engine:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
         for _, _, pos in steps:
             self.check_context(pos + 1)
+        span = self.kv.span(max(p for _, _, p in steps) + 1)
         if self.graphs is not None:
             with torch.inference_mode():
-                return self.graphs.run(steps)
+                return self.graphs.run(steps, span)
         if self.host_graphs is not None and len(steps) * self.cfg.n_experts_used <= self.host.min_region:
-            return self.host_graphs.run(steps)
-        return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps])
+            return self.host_graphs.run(steps, span)
+        return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span)
 
     def begin_prompt(self, seq: int = 0) -> None:
         """Start the per-prompt counters (a prompt and the decode that follows it) and, with a cache, the

@@ -19,14 +19,15 @@ from ..experts.provider import ExpertWeights
 from ..models.transformer import Batch, Segment
 
 
-def static_decode_batch(eng, B: int) -> tuple[torch.Tensor, Batch]:
-    """A decode batch of B sequences over static device inputs (3, B): tokens, sequences, positions."""
+def static_decode_batch(eng, B: int, span: int) -> tuple[torch.Tensor, Batch]:
+    """A decode batch of B sequences attending `span` keys, over static device inputs (3, B): tokens, sequences,
+    positions."""
     dev, ctx = eng.device.torch, eng.kv.ctx
     inputs = torch.zeros(3, B, dtype=torch.int64, device=dev)
     inputs[1] = torch.arange(B) % eng.kv.n_seq
     inputs[2] = ctx - 1                          # warm-up writes land in the last KV slot: rewritten before read
     batch = Batch(tokens=inputs[0], segments=[Segment(0, ctx - 1, 1)] * B, seq_ids=inputs[1],
-                  positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=ctx)
+                  positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=span)
     return inputs, batch
 
 
@@ -50,24 +51,24 @@ def step_inputs(steps: list[tuple[int, int, int]], pinned: bool) -> torch.Tensor
 class DecodeGraphs:
     def __init__(self, engine):
         self.engine = engine
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, Batch, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, Batch, torch.Tensor]] = {}
         self.pool = None
 
-    def run(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
+    def run(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
         """steps = [(seq, token, position)] -> (B, V) logits (a buffer overwritten by the next replay)."""
-        B = len(steps)
-        if B not in self.graphs:
-            self.graphs[B] = self._capture(B)
-        graph, inputs, _, logits = self.graphs[B]
+        key = (len(steps), span)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        graph, inputs, _, logits = self.graphs[key]
         inputs.copy_(step_inputs(steps, pinned=True), non_blocking=True)
         graph.replay()
         return logits
 
     @torch.inference_mode()
-    def _capture(self, B: int):
+    def _capture(self, B: int, span: int):
         eng = self.engine
         dev = eng.device.torch
-        inputs, batch = static_decode_batch(eng, B)
+        inputs, batch = static_decode_batch(eng, B, span)
         warm_up(dev, lambda: eng.model.forward(batch, eng.kv, eng.experts, eng.kernel), times=2)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -119,18 +120,18 @@ class HostDecodeGraphs:
         self.engine, self.capture = engine, capture
         self.cache = engine.host
         self.host_layers = sorted(self.cache.store.rows)
-        self.steps: dict[int, _Step] = {}
+        self.steps: dict[tuple[int, int], _Step] = {}
         self.pool = None
 
     @torch.inference_mode()
-    def run(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
+    def run(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
         eng = self.engine
         cuda = eng.device.is_cuda
         B = len(steps)
         self.cache.begin_ubatch(steps[0][0], B, False)      # before a capture too: it decides on lookahead
-        if B not in self.steps:
-            self.steps[B] = self._build(B)
-        st = self.steps[B]
+        if (B, span) not in self.steps:
+            self.steps[(B, span)] = self._build(B, span)
+        st = self.steps[(B, span)]
         st.inputs.copy_(step_inputs(steps, pinned=cuda), non_blocking=cuda)
         on_route = eng.model.on_route
         E, k = eng.cfg.n_experts, eng.cfg.n_experts_used
@@ -139,6 +140,8 @@ class HostDecodeGraphs:
         compute = torch.cuda.current_stream(eng.device.torch) if cuda else None
         for j, segment in enumerate(st.segments):
             segment()
+            if j:
+                self.cache.experts_launched(st.pauses[j - 1][0])   # the previous pause's layer's experts are queued
             if j == len(st.pauses):
                 break
             layer, n, has_guess = st.pauses[j]
@@ -162,11 +165,11 @@ class HostDecodeGraphs:
         return st.logits
 
     @torch.inference_mode()
-    def _build(self, B: int) -> _Step:
+    def _build(self, B: int, span: int) -> _Step:
         eng = self.engine
         dev = eng.device
         E, k = eng.cfg.n_experts, eng.cfg.n_experts_used
-        inputs, batch = static_decode_batch(eng, B)
+        inputs, batch = static_decode_batch(eng, B, span)
         tables = {l: torch.zeros(E, dtype=torch.int64, device=dev.torch) for l in self.host_layers}
         tables_host = {l: dev.pinned_empty((E,), torch.int64) for l in self.host_layers}
         packed = torch.zeros(len(self.host_layers), 2 * B * k, dtype=torch.int64, device=dev.torch)

@@ -15,6 +15,20 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
 
+    def span(self, n: int) -> int:
+        """Keys a decode step attends when its furthest token is at position n - 1: n rounded up to a power of two
+        (at least 256, at most the cache), masked past each token's own position. Every decode path uses the same
+        span, so eager and captured steps give the same bits, and a short context does not pay for a long one."""
+        return min(self.ctx, max(256, 1 << (n - 1).bit_length()))
+
+    def spans(self) -> list[int]:
+        """Every span a decode step can use."""
+        out, n = [], 1
+        while not out or out[-1] < self.ctx:
+            out.append(self.span(n))
+            n = out[-1] + 1
+        return out
+
     @staticmethod
     def nbytes_for(n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype) -> int:
         return 2 * n_layers * n_seq * n_kv * ctx * hd * torch.empty((), dtype=dtype).element_size()

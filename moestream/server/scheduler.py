@@ -214,14 +214,14 @@ class Scheduler:
         self._shutdown()
 
     def _warm_up(self) -> None:
-        """Capture the CUDA graph of every decode batch size now rather than in the middle of serving (a capture
-        stalls every running request). The steps write the KV cache's last position, which no request has yet."""
-        if self.engine.graphs is None:
+        """Capture the CUDA graphs of every decode batch size and span now rather than in the middle of serving (a
+        capture stalls every running request). The steps write positions no request has yet."""
+        if self.engine.graphs is None and self.engine.host_graphs is None:
             return
-        last = self.engine.kv.ctx - 1
         try:
-            for b in range(1, len(self.slots) + 1):
-                self.engine.decode([(i, 0, last) for i in range(b)])
+            for span in self.engine.kv.spans():             # each decode span, written at its last position
+                for b in range(1, len(self.slots) + 1):
+                    self.engine.decode([(i, 0, span - 1) for i in range(b)])
             self.engine.synchronize()
         except Exception:                    # serving can still try: each batch size is captured when first needed
             log.exception("decode warm-up failed")
