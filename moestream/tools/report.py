@@ -87,49 +87,64 @@ def _label(r: dict) -> str:
 
 
 def plot_bench(rows: list[dict], path: str) -> None:
-    """Per layer: uploaded MB per run and hit rate (where per-layer statistics exist); tok/s against ubatch."""
+    """Prompt tok/s against ubatch; generation tok/s per configuration; per layer, uploaded MB per run and hit rate
+    of the prompt runs at the largest ubatch (where per-layer statistics exist)."""
     plt = pyplot()
-    layered = [r for r in rows if r.get("per_layer")]
+    prompt = [r for r in rows if r["n_prompt"]]
+    gen = [r for r in rows if not r["n_prompt"] and r["n_gen"]]
+    top_ub = max((r["n_ubatch"] for r in prompt), default=None)
+    layered = [r for r in prompt if r.get("per_layer") and r["n_ubatch"] == top_ub]
     with_hits = [r for r in layered if any(v.get("hit_rate") is not None for v in r["per_layer"].values())]
-    panels = 1 + bool(layered) + bool(with_hits)
-    fig, axes = plt.subplots(panels, 1, figsize=(9, 3.6 * panels), squeeze=False)
+    panels = bool(prompt) + bool(gen) + bool(layered) + bool(with_hits)
+    fig, axes = plt.subplots(max(panels, 1), 1, figsize=(10, 3.4 * max(panels, 1)), squeeze=False)
     axes = [a[0] for a in axes]
-    ax = axes.pop(0)
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["test"], r["experts"], r.get("moe_cache_mib"), r["n_batch"]), []).append(r)
-    for (test, experts, mib, b), rs in groups.items():
-        rs = sorted(rs, key=lambda r: r["n_ubatch"])
-        cache = f", cache {mib} MiB" if mib is not None else ""
-        ax.errorbar([r["n_ubatch"] for r in rs], [r["tps_mean"] for r in rs], yerr=[r["tps_std"] for r in rs],
-                    marker="o", capsize=3, label=f"{test}, {experts}{cache}, b {b}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("n_ubatch")
-    ax.set_ylabel("tokens / s")
-    ax.set_title("speed")
-    ax.legend(fontsize=7)
-    if layered:
+
+    def config(r):
+        cache = f", cache {r['moe_cache_mib']} MiB" if r.get("moe_cache_mib") is not None else ""
+        return f"{r['experts']}{cache}, b {r['n_batch']}"
+
+    def finish(ax, title, xlabel, ylabel):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+    if prompt:
         ax = axes.pop(0)
-        for r in layered:
-            layers = sorted(r["per_layer"])
-            ax.plot(layers, [r["per_layer"][l]["uploaded_bytes"] / 1e6 for l in layers], marker=".", label=_label(r))
-        ax.set_xlabel("layer")
-        _integer_x(ax)
-        ax.set_ylabel("uploaded MB per run")
-        ax.set_title("uploads per layer")
-        ax.legend(fontsize=7)
-    if with_hits:
+        groups: dict[tuple, list[dict]] = {}
+        for r in prompt:
+            groups.setdefault((r["test"], config(r)), []).append(r)
+        for (test, cfg), rs in groups.items():
+            rs = sorted(rs, key=lambda r: r["n_ubatch"])
+            ax.errorbar([r["n_ubatch"] for r in rs], [r["tps_mean"] for r in rs], yerr=[r["tps_std"] for r in rs],
+                        marker="o", capsize=3, label=f"{test}, {cfg}")
+        ax.set_xscale("log", base=2)
+        finish(ax, "prompt speed", "n_ubatch", "tokens / s")
+    if gen:
         ax = axes.pop(0)
-        for r in with_hits:
+        by: dict[str, list[dict]] = {}
+        for r in gen:
+            by.setdefault(f"{r['test']}, {config(r)}", []).append(r)
+        names = list(by)
+        ax.bar(range(len(names)), [sum(r["tps_mean"] for r in by[n]) / len(by[n]) for n in names],
+               color=[f"C{i % 10}" for i in range(len(names))], label=None)
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
+        ax.set_title("generation speed (mean over the ubatch sizes)")
+        ax.set_ylabel("tokens / s")
+    for rs, key, title, ylabel in ((layered, "uploaded_bytes", "uploads per layer", "uploaded MB per run"),
+                                   (with_hits, "hit_rate", "expert cache hit rate per layer", "hit rate %")):
+        if not rs:
+            continue
+        ax = axes.pop(0)
+        for r in rs:
             layers = sorted(r["per_layer"])
-            hr = [r["per_layer"][l].get("hit_rate") for l in layers]
-            ax.plot(layers, [math.nan if h is None else 100 * h for h in hr], marker=".", label=_label(r))
-        ax.set_xlabel("layer")
+            vals = [r["per_layer"][l].get(key) for l in layers]
+            scale = 1e-6 if key == "uploaded_bytes" else 100
+            ax.plot(layers, [math.nan if v is None else v * scale for v in vals], marker=".", label=_label(r))
         _integer_x(ax)
-        ax.set_ylabel("hit rate %")
-        ax.set_ylim(0, 100)
-        ax.set_title("expert cache hit rate per layer")
-        ax.legend(fontsize=7)
+        if key == "hit_rate":
+            ax.set_ylim(0, 100)
+        finish(ax, f"{title} (prompts at ubatch {top_ub})", "layer", ylabel)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
