@@ -6,12 +6,11 @@
 #   bash bench/gpu.sh smoke      cuda tests + a 4-layer synth model with the reference shapes
 #   bash bench/gpu.sh ref        the 24-layer reference GGUF: load, pp4096/tg64 at ubatch 512/2048/4096, all on the
 #                                GPU and --cpu-moe
-#   bash bench/gpu.sh cache      cuda tests, then bench/cache_sweep.py on the reference GGUF (issues 3 and 4)
+#   bash bench/gpu.sh serve      the OpenAI server on the reference GGUF under 1 / 4 / 8 streaming clients
 #   bash bench/gpu.sh probe      cuda tests; bench/probe.py: determinism across processes and cache settings, host
 #                                time per layer, prompt lookahead, host decode graphs, a routing trace, a profile
-#   bash bench/gpu.sh final      cuda tests, determinism, greedy hashes, bench rows and KL divergence in one run
-#   bash bench/gpu.sh bench      the RESULTS.md rows from `moestream bench`: all on the GPU; --cpu-moe with caches
-#                                of 0 / 8000 / 16000 / 24000 MiB; the prefetch switches at 16000 MiB
+#   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, determinism, greedy hashes, `moestream bench` all on
+#                                the GPU and with caches of 0 / 8000 / 16000 / 24000 MiB, KL divergence, prefetch switches
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,34 +35,12 @@ ref)
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v 2>&1 | tee "$OUT/ref_gpu.md"
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v --cpu-moe 2>&1 | tee "$OUT/ref_host.md"
   ;;
-full)
-  python3 bench/grouped_identity.py 2>&1 | tee "$OUT/grouped_identity.txt"
+serve)
   REF=/tmp/ref.gguf
   [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  python3 bench/cache_sweep.py $REF "$OUT" > "$OUT/cache_sweep.log" 2>&1; grep -v '^{' "$OUT/cache_sweep.log" | tail -40
-  python3 -c "import random; random.seed(7); print(' '.join(str(random.randrange(151936)) for _ in range(2048)))" > /tmp/ids.txt
-  ms perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --kl-divergence-base /tmp/base.kld 2>&1 | tail -2 | tee "$OUT/ppl_gpu.txt"
-  ms perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --cpu-moe --moe-cache-mib 8000 --kl-divergence-base /tmp/base.kld \
-     --kl-divergence 2>&1 | tail -40 | tee "$OUT/kld_cache8000.txt"
   ms serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 > "$OUT/serve.log" 2>&1 &
   for i in $(seq 120); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
   python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_load.md"
-  ;;
-cache)
-  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  python3 bench/cache_sweep.py $REF "$OUT" 2>&1 | grep -v '^{' | tee "$OUT/cache_sweep.md"
-  ;;
-bench)
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 3"
-  ms bench $B 2>&1 | tee "$OUT/bench_gpu.md"
-  ms bench $B --cpu-moe --moe-cache-mib 0,8000,16000,24000 --plot "$OUT/sweep.png" 2>&1 | tee "$OUT/bench_cache.md"
-  for v in "--no-prefetch" "--no-prompt-lookahead" "--no-prompt-lookahead --no-prefetch-seed"; do
-    echo "## --cpu-moe --moe-cache-mib 16000 $v"; ms bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
-  done | tee "$OUT/bench_prefetch.md"
   ;;
 final)
   # One run for the closing figures: cuda tests, determinism across processes, the greedy hash under every cache
