@@ -96,6 +96,18 @@ def digests(llm, graphs_too=True) -> dict:
     return out
 
 
+def greedy(eng, n: int = 64) -> tuple[float, list[int]]:
+    """Seconds to decode n tokens greedily after HASH_PROMPT (from position 64), and the tokens."""
+    eng.begin_prompt(0)
+    tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
+    eng.synchronize()
+    t0, toks = time.perf_counter(), []
+    for pos in range(64, 64 + n):
+        toks.append(tok)
+        tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+    return time.perf_counter() - t0, toks
+
+
 def warm(llm, ub=2048):
     eng = llm.engine
     eng.set_batching(4096, ub)
@@ -115,14 +127,7 @@ def part_gpu():
     warm(llm)
     res["all-gpu after warm prompts"] = digests(llm)
     save("gpu", res)
-    eng = llm.engine
-    eng.begin_prompt(0)
-    tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
-    eng.synchronize()
-    t0 = time.perf_counter()
-    for pos in range(64, 128):
-        tok = int(eng.decode([(0, tok, pos)])[0].argmax())
-    print(f"all-gpu tg64 (graphs, no cuDNN attention): {64 / (time.perf_counter() - t0):.1f} tok/s", flush=True)
+    print(f"all-gpu tg64 (graphs, no cuDNN attention): {64 / greedy(llm.engine)[0]:.1f} tok/s", flush=True)
     if not TAG:
         profile_prompt(llm, f"{OUT}/profile_prompt_gpu.txt")
     print(json.dumps({k: {kk: v[kk] for kk in ("prompt", "chunks", "decode_eager", "decode_graphs") if kk in v}
@@ -181,13 +186,7 @@ def part_cache():
                                   host_decode_graphs=graphs)
             warm(llm)
             for rep in range(2):
-                eng.begin_prompt(0)
-                tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
-                eng.synchronize()
-                t0 = time.perf_counter()
-                for pos in range(64, 128):
-                    tok = int(eng.decode([(0, tok, pos)])[0].argmax())
-                dt = time.perf_counter() - t0
+                dt = greedy(eng)[0]
                 p = llm.stats()["prompt"]
                 row = {"mib": mib, "test": "tg64", "host_decode_graphs": graphs, "tok_s": 64 / dt,
                        "hit_rate": p["hit_rate"], "lookahead_precision": p["lookahead_precision"],
@@ -243,12 +242,7 @@ def part_hashes():
         eng.reconfigure_cache(**{"prefetch": True, "lookahead": True, "prefetch_seed": True,
                                  "prefetch_first_all": False, "host_decode_graphs": "defaults" in name, **kw})
         warm(llm)
-        eng.begin_prompt(0)
-        tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
-        toks = []
-        for pos in range(64, 96):
-            toks.append(tok)
-            tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+        toks = greedy(eng, 32)[1]
         res[name] = hashlib.sha256(",".join(map(str, toks)).encode()).hexdigest()[:16]
         print(f"{name}: {res[name]}", flush=True)
     save("hashes", res)
