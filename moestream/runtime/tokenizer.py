@@ -13,18 +13,14 @@ rendered exactly as transformers renders it, and conversion to and from GGUF's t
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _Backend
 
 from ..errors import UserError
+from .chat_template import render_chat
 from .synth_text import SYNTH_TEXT
 
 # Pre-tokenizer split regexes, by GGUF `tokenizer.ggml.pre` name; any other byte-level vocabulary gets GPT-2's.
@@ -257,21 +253,7 @@ class Tokenizer:
         template = template or self.chat_template
         if template is None:
             raise UserError("model has no chat template; use a completion prompt or pass --chat-template FILE")
-        # As transformers does: keys set to None are dropped (OpenAI clients send content=None with tool calls),
-        # and reasoning given under an older name is also passed as reasoning_content (and thinking).
-        msgs = []
-        for m in messages:
-            m = {k: v for k, v in dict(m).items() if v is not None}
-            reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
-            if reasoning is not None:
-                m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-            msgs.append(m)
-        context = {**self.special_tokens_map, "documents": None, **kwargs, "messages": msgs, "tools": tools,
-                   "add_generation_prompt": add_generation_prompt}
-        try:
-            return _compile(template).render(context)
-        except jinja2.TemplateError as e:
-            raise UserError(f"chat template failed: {e}; fix the template or pass --chat-template FILE") from None
+        return render_chat(template, messages, self.special_tokens_map, add_generation_prompt, tools, **kwargs)
 
 
 class StreamDecoder:
@@ -331,43 +313,6 @@ def _synth_cached() -> Tokenizer:
     return Tokenizer(backend, bos_id=None, eos_ids=(ids["<|im_end|>"], ids["<|endoftext|>"]), add_bos=False,
                      chat_templates={"default": SYNTH_TEMPLATE}, pre="qwen2",
                      special_tokens_map={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
-
-
-# ---- chat template rendering, as transformers does it ----------------------------------------------------------
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`: transformers' marker of assistant text; renders its body as is."""
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller):
-        return caller()
-
-
-def _raise_exception(message):
-    raise UserError(f"chat template: {message}")
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # jinja's own tojson escapes HTML characters, which changes the prompt; transformers overrides it the same way
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise UserError(f"chat template does not parse (line {e.lineno}: {e.message}); "
-                        "pass --chat-template FILE") from None
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
