@@ -185,11 +185,12 @@ def test_trace_replay_predicts_the_live_cache(tmp_path, policy, mib):
             == {l: counts_only(c) for l, c in live["per_layer"].items()})
 
 
-@pytest.mark.parametrize("mib", [2, 12])
-def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib):
-    """Prompts in ubatches of 32 with prefetch from 8 tokens: first chunks, own-prompt chunks, tails, waves."""
+@pytest.mark.parametrize("mib,lookahead", [(2, False), (12, False), (12, True), (2, True)])
+def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib, lookahead):
+    """Prompts in ubatches of 32 with prefetch from 8 tokens: first chunks, own-prompt chunks, tails, waves; with
+    lookahead, the guesses the trace recorded drive the replay's copies ahead as they drove the live cache's."""
     llm = LLM("synth:tiny", ubatch_size=32, ctx_size=256, device="cpu", cpu_moe=True, moe_cache_mib=mib,
-              prefetch_min_batch=8, lookahead=False)
+              prefetch_min_batch=8, lookahead=lookahead)
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
     llm.engine.model.on_route = rec
@@ -199,9 +200,10 @@ def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib):
     rec.save(str(path))
     from moestream.experts.prefetch import PrefetchConfig
     got = replay(load_trace(str(path)), llm.stats()["cache"]["slots"], "lfru",
-                 PrefetchConfig(min_batch=8, lookahead=False))
+                 PrefetchConfig(min_batch=8, lookahead=lookahead))
     live = llm.stats()
     assert live["total"]["prefetched"] > 0
+    assert (live["total"]["lookahead_tp"] > 0) == lookahead
     assert counts_only(got["total"]) == counts_only(live["total"])
 
 

@@ -8,8 +8,10 @@
 
 So policies, cache sizes and prefetch rules are compared on real routing without a GPU. The replay runs the live
 cache's own code (planner, residency, waves, counters; with `prefetch`, the whole ExpertCache on the CPU over
-stand-in rows), so it predicts the live counts exactly. Decode lookahead needs hidden states, which a trace does
-not hold: a prefetch replay leaves it out.
+stand-in rows), so it predicts the live counts exactly. Lookahead needs hidden states, which a trace does not hold,
+so the recorder keeps the guesses themselves (the next layer's router on each layer's input), wherever the forward
+made one (every eager forward while recording; captured decode steps only where the cache asked for them), and a
+prefetch replay copies ahead from them as the live cache did.
 """
 from __future__ import annotations
 
@@ -32,13 +34,17 @@ class Trace:
     expert_bytes: int
     ubatch_of: np.ndarray | None = None     # (R,) the ubatch of each record
     ubatches: np.ndarray | None = None      # (U, 4): sequence, tokens, is_prompt, begins a prompt
+    guesses: list[np.ndarray | None] | None = None   # R lookahead guesses (T, k) of the next layer's experts
 
 
 class TraceRecorder:
+    wants_guess = True                  # the forward computes the lookahead guess for the trace too
+
     def __init__(self, n_layers: int, n_experts: int, expert_bytes: int):
         self.n_layers, self.n_experts, self.expert_bytes = n_layers, n_experts, expert_bytes
         self.layers: list[int] = []
         self.ids: list[np.ndarray] = []
+        self.guesses: list[np.ndarray | None] = []
         self.ubatch_of: list[int] = []
         self.ubatches: list[list[int]] = []
         self._new_prompt = False
@@ -52,16 +58,21 @@ class TraceRecorder:
         if is_prompt:
             self._new_prompt = False
 
-    def __call__(self, layer: int, ids) -> None:
+    def __call__(self, layer: int, ids, guess=None) -> None:
         self.layers.append(layer)
         self.ids.append(ids.detach().cpu().numpy().astype(np.int16))
+        self.guesses.append(None if guess is None else guess.detach().cpu().numpy().astype(np.int16))
         self.ubatch_of.append(len(self.ubatches) - 1)
 
     def save(self, path: str) -> None:
         rows = np.array([len(a) for a in self.ids], dtype=np.int64)
         k = self.ids[0].shape[1] if self.ids else 0
         flat = np.concatenate(self.ids) if self.ids else np.zeros((0, k), dtype=np.int16)
+        g_rows = np.array([0 if g is None else len(g) for g in self.guesses], dtype=np.int64)
+        given = [g for g in self.guesses if g is not None]
+        g_flat = np.concatenate(given) if given else np.zeros((0, k), dtype=np.int16)
         np.savez_compressed(path, layers=np.array(self.layers, dtype=np.int32), rows=rows, ids=flat,
+                            guess_rows=g_rows, guesses=g_flat,
                             meta=np.array([self.n_layers, self.n_experts, self.expert_bytes], dtype=np.int64),
                             ubatch_of=np.array(self.ubatch_of, dtype=np.int64),
                             ubatches=np.array(self.ubatches, dtype=np.int64).reshape(-1, 4))
@@ -73,10 +84,15 @@ def load_trace(path: str) -> Trace:
         layers, rows, flat, meta = z["layers"], z["rows"], z["ids"], z["meta"]
         ub_of = z["ubatch_of"] if "ubatch_of" in z.files else None
         ubs = z["ubatches"] if "ubatches" in z.files else None
+        g_rows, g_flat = (z["guess_rows"], z["guesses"]) if "guesses" in z.files else (None, None)
     except (OSError, KeyError, ValueError) as e:
         raise UserError(f"cannot read routing trace {path!r} ({e}); record one with generate --trace FILE") from None
     ids = np.split(flat, np.cumsum(rows)[:-1]) if len(rows) else []
-    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs)
+    guesses = None
+    if g_rows is not None:
+        parts = np.split(g_flat, np.cumsum(g_rows)[:-1]) if len(g_rows) else []
+        guesses = [p if n else None for p, n in zip(parts, g_rows.tolist())]
+    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses)
 
 
 def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None) -> dict:
@@ -100,19 +116,23 @@ def _replay_with_prefetch(trace: Trace, n_slots: int, policy: str, prefetch: Pre
     # Stand-in rows of one byte per expert: the cache's decisions do not depend on the bytes, and counters in
     # bytes are rescaled to the traced expert size below.
     store = ExpertStore({l: torch.zeros(trace.n_experts, 3, dtype=torch.uint8) for l in layers}, 1, 1)
-    cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy,
-                        PrefetchConfig(**{**prefetch.__dict__, "lookahead": False}), layers,
+    guesses = trace.guesses or [None] * len(trace.ids)
+    cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy, prefetch, layers,
                         int(trace.ubatches[:, 0].max()) + 1 if len(trace.ubatches) else 1,
                         trace.ids[0].shape[1] if trace.ids else 8)
     current = -1
-    for layer, ids, ub in zip(trace.layers.tolist(), trace.ids, trace.ubatch_of.tolist()):
+    for layer, ids, guess, ub in zip(trace.layers.tolist(), trace.ids, guesses, trace.ubatch_of.tolist()):
         if ub != current:
             seq, n, is_prompt, new_prompt = trace.ubatches[ub].tolist()
             if new_prompt:
                 cache.begin_prompt(seq)
             cache.begin_ubatch(seq, n, bool(is_prompt))
             current = ub
-        w = cache.fetch(layer, torch.from_numpy(ids.astype(np.int64)))
+        if guess is not None and cache.wants_lookahead(layer, len(ids)):     # as the live forward would have asked
+            guess = torch.from_numpy(guess.astype(np.int64))
+        else:
+            guess = None
+        w = cache.fetch(layer, torch.from_numpy(ids.astype(np.int64)), guess)
         if not hasattr(w, "slots"):
             for _ in w:                      # waves load as they are iterated
                 pass

@@ -30,20 +30,34 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (y * weights.unsqueeze(-1)).sum(dim=1)
 
 
+def report_route(on_route, layer: int, ids, guess=None) -> None:
+    """Call the routing callback: with the guess where it asks for guesses (`wants_guess`), else (layer, ids)."""
+    if on_route is None:
+        return
+    if getattr(on_route, "wants_guess", False):
+        on_route(layer, ids, guess)
+    else:
+        on_route(layer, ids)
+
+
 def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, on_route=None,
               next_router: torch.Tensor | None = None):
     """The router half of the MoE block: (T, k) weights and ids, and the decode lookahead guess (or None).
 
-    `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats). Decode lookahead: where the
-    provider asks, the next MoE layer's router applied to this layer's input guesses the next layer's experts, so
-    their copies start before that layer's own routing is known.
+    `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats), and the lookahead guess too
+    (`on_route(layer, ids, guess)`) if it has `wants_guess`.
+    Lookahead: where the provider asks (or a trace being recorded, `on_route.wants_guess`), the next MoE layer's
+    router applied to this layer's input guesses the next layer's experts, so their copies start before that
+    layer's own routing is known.
     """
     weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
-    if on_route is not None:
-        on_route(layer, ids)
     guess = None
-    if next_router is not None and provider.wants_lookahead(layer, x.shape[0]):
+    if next_router is not None and (provider.wants_lookahead(layer, x.shape[0])
+                                    or getattr(on_route, "wants_guess", False)):
         guess = torch.topk(F.linear(x, next_router), cfg.n_experts_used, dim=-1).indices      # (T, k)
+    report_route(on_route, layer, ids, guess)
+    if guess is not None and not provider.wants_lookahead(layer, x.shape[0]):
+        guess = None                                   # recorded, but the provider did not ask for it
     return weights, ids, guess
 
 

@@ -71,7 +71,7 @@ class MoETransformer:
                     lw[f"attn_qkv.{kind}"] = torch.cat(parts)
         self.cos, self.sin = rope                                            # (P, hd) float32 each
         self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
-        self.on_route = None            # callback(layer, ids) for routing traces and statistics
+        self.on_route = None            # callback(layer, ids, guess) for routing traces and statistics
         moe = cfg.moe_layers            # the next MoE layer's router, for decode lookahead
         self.next_router = {a: self.layers[b]["ffn_gate_inp.weight"] for a, b in zip(moe, moe[1:])}
 

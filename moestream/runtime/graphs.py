@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..experts.provider import ExpertWeights
+from ..models.moe import report_route
 from ..models.transformer import Batch, Segment
 
 
@@ -153,7 +154,8 @@ class HostDecodeGraphs:
             t1 = time.perf_counter()
             got = st.host[j].numpy()
             if on_route is not None:
-                on_route(layer, torch.from_numpy(got[:n].reshape(B, k).copy()))
+                guess_ids = torch.from_numpy(got[n:2 * n].reshape(B, k).copy()) if has_guess else None
+                report_route(on_route, layer, torch.from_numpy(got[:n].reshape(B, k).copy()), guess_ids)
             counts = np.bincount(got[:n], minlength=E)
             guess = np.bincount(got[n:2 * n], minlength=E) if has_guess else None
             table = self.cache.prepare(layer, counts, guess)

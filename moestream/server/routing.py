@@ -59,11 +59,15 @@ class SlotRouting:
         self._routed = []
         return out
 
-    def _on_route(self, layer: int, ids: torch.Tensor) -> None:
+    def _on_route(self, layer: int, ids: torch.Tensor, guess: torch.Tensor | None = None) -> None:
         if self._owner is not None:
             self._routed.append((layer, ids))
         if self._chained is not None:
-            self._chained(layer, ids)
+            self._chained(layer, ids, guess)
+
+    @property
+    def wants_guess(self) -> bool:
+        return getattr(self._chained, "wants_guess", False)
 
     def begin(self, slot: int) -> None:
         """A new request in `slot`: its counts so far become the previous request's; the current ones restart."""

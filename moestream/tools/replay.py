@@ -21,11 +21,13 @@ def add_parser(sub) -> None:
     p.add_argument("--slots", type=_ints, default=None, help="cache sizes in expert slots, comma list")
     p.add_argument("--policy", default="lfru,lru", help="policies, comma list (default lfru,lru)")
     p.add_argument("--prefetch", action="store_true",
-                   help="also run the prompt-path prefetch rules (decode lookahead needs hidden states: left out)")
+                   help="also run the prefetch: the prompt-path rules, and lookahead from the guesses the trace holds")
     p.add_argument("--prefetch-min-batch", type=int, default=256)
     p.add_argument("--no-prefetch-seed", action="store_true")
     p.add_argument("--prefetch-first-all", action="store_true")
     p.add_argument("--prefetch-min-use", type=float, default=0.0)
+    p.add_argument("--no-lookahead", action="store_true", help="with --prefetch: no lookahead (decode and prompts)")
+    p.add_argument("--no-prompt-lookahead", action="store_true", help="with --prefetch: no lookahead for prompts")
     p.set_defaults(func=main)
 
 
@@ -36,7 +38,8 @@ def main(a: argparse.Namespace) -> int:
     pf = None
     if a.prefetch:
         pf = PrefetchConfig(min_batch=a.prefetch_min_batch, seed_previous=not a.no_prefetch_seed,
-                            first_chunk_all=a.prefetch_first_all, lookahead=False, min_use=a.prefetch_min_use)
+                            first_chunk_all=a.prefetch_first_all, lookahead=not a.no_lookahead,
+                            prompt_lookahead=not a.no_prompt_lookahead, min_use=a.prefetch_min_use)
     sizes = list(a.slots or [])
     sizes += [m * (1 << 20) // tr.expert_bytes for m in (a.moe_cache_mib or [])]
     if not sizes:
