@@ -86,16 +86,25 @@ def _label(r: dict) -> str:
     return f"{r['test']} {r['experts']} ub {r['n_ubatch']}{cache}"
 
 
+def _by(rows: list[dict], key) -> dict:
+    out: dict = {}
+    for r in rows:
+        out.setdefault(key(r), []).append(r)
+    return out
+
+
 def plot_bench(rows: list[dict], path: str) -> None:
-    """Prompt tok/s against ubatch; generation tok/s per configuration; per layer, uploaded MB per run and hit rate
-    of the prompt runs at the largest ubatch (where per-layer statistics exist)."""
+    """Prompt tok/s against ubatch (and against the cache size, for a cache sweep); generation tok/s per
+    configuration; per layer, uploaded MB per run and hit rate of the prompt runs at the largest ubatch (where
+    per-layer statistics exist)."""
     plt = pyplot()
     prompt = [r for r in rows if r["n_prompt"]]
     gen = [r for r in rows if not r["n_prompt"] and r["n_gen"]]
     top_ub = max((r["n_ubatch"] for r in prompt), default=None)
     layered = [r for r in prompt if r.get("per_layer") and r["n_ubatch"] == top_ub]
     with_hits = [r for r in layered if any(v.get("hit_rate") is not None for v in r["per_layer"].values())]
-    panels = bool(prompt) + bool(gen) + bool(layered) + bool(with_hits)
+    sizes = sorted({r["moe_cache_mib"] for r in prompt if r.get("moe_cache_mib") is not None})
+    panels = bool(prompt) + (len(sizes) > 1) + bool(gen) + bool(layered) + bool(with_hits)
     fig, axes = plt.subplots(max(panels, 1), 1, figsize=(10, 3.4 * max(panels, 1)), squeeze=False)
     axes = [a[0] for a in axes]
 
@@ -120,6 +129,13 @@ def plot_bench(rows: list[dict], path: str) -> None:
                         marker="o", capsize=3, label=f"{test}, {cfg}")
         ax.set_xscale("log", base=2)
         finish(ax, "prompt speed", "n_ubatch", "tokens / s")
+    if len(sizes) > 1:                          # a cache-size sweep: tok/s against the cache, a line per ubatch
+        ax = axes.pop(0)
+        for (test, ub), rs in _by(prompt, lambda r: (r["test"], r["n_ubatch"])).items():
+            rs = sorted((r for r in rs if r.get("moe_cache_mib") is not None), key=lambda r: r["moe_cache_mib"])
+            ax.errorbar([r["moe_cache_mib"] for r in rs], [r["tps_mean"] for r in rs],
+                        yerr=[r["tps_std"] for r in rs], marker="o", capsize=3, label=f"{test}, ubatch {ub}")
+        finish(ax, "prompt speed against the expert cache", "--moe-cache-mib", "tokens / s")
     if gen:
         ax = axes.pop(0)
         by: dict[str, list[dict]] = {}
