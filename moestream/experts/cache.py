@@ -98,7 +98,7 @@ class ExpertCache:
         self.seed: Seed | None = None
         self.seq, self.is_prompt, self.n_tokens = 0, False, 0
         self.top_k = top_k
-        self.predicted: dict[int, np.ndarray] = {}              # decode lookahead: layer -> predicted experts
+        self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
         self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
 
