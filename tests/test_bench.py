@@ -91,14 +91,16 @@ def test_formats_parse_back_with_sweeps_and_pg(capsys):
     assert rows[0]["roofline"] == "n/a" and float(rows[2]["up GB"]) > 0
 
 
-def test_cache_size_sweep_loads_each_size(capsys):
-    from moestream.cli import build_parser
-    if "moe_cache_mib" not in vars(build_parser().parse_args(["bench", "-m", "x"])):
-        pytest.skip("this engine has no --moe-cache-mib")
-    assert main(TINY + ["-p", "16", "-n", "2", "--cpu-moe", "--moe-cache-mib", "0,8", "-o", "json"]) == 0
+def test_cache_size_sweep_loads_each_size_and_hashes_the_same_tokens(capsys):
+    assert main(TINY + ["-p", "16", "-n", "6", "--cpu-moe", "--moe-cache-mib", "0,8", "-o", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["moe_cache_mib"] for r in rows] == [0, 0, 8, 8]
     assert all(r["hit_rate"] is None or 0 <= r["hit_rate"] <= 1 for r in rows)
+    assert main(TINY + ["-p", "16", "-n", "6", "-o", "json"]) == 0                 # every expert on the device
+    device = json.loads(capsys.readouterr().out)
+    hashes = {r["hash"] for r in rows + device if r["n_gen"]}
+    assert len(hashes) == 1 and None not in hashes                 # the cache changes no generated token
+    assert all(r["hash"] is None for r in rows if not r["n_gen"])
 
 
 def test_compare_alternates_and_prints_ratios(capsys):

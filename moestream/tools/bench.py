@@ -10,6 +10,10 @@ tokens; its t/s counts both. Each run gets its own seeded random prompt (the sam
 configuration), so a cache cannot have learnt the exact prompt it is timed on. A warm-up run precedes the timed
 repetitions; t/s is mean ± std over them.
 
+A test that generates also gets `hash`: the sha256 of the first timed run's generated tokens. Each configuration
+decodes the same prompt there, so equal hashes across configurations show the numerics contract (the cache, its
+policy and prefetching change no token).
+
 Beside t/s, from the engine's statistics (differences over each timed run, averaged): uploaded GB per run, the
 expert cache's hit rate, the compute stream's wait per MoE layer (ms per run), and the roofline fraction
 `bound / measured`, where bound = max(uploaded bytes / link speed, --compute-s-per-token x tokens). The link speed
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import gc
 import itertools
 import shlex
@@ -159,12 +164,15 @@ class BenchTest:
         eng = llm.engine
         ids = self.prompt(llm.model_config.vocab_size, i)
 
+        generated = []
+
         def once():
             tok = ids[0]
             if self.n_prompt:
                 tok = int(eng.prefill(0, ids, 0)[-1].argmax())
             for pos in range(self.n_prompt, self.n_tokens):
                 tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+                generated.append(tok)
 
         begin = getattr(eng, "begin_prompt", None)           # the engine's per-prompt counters and routing
         if begin is not None:
@@ -173,7 +181,9 @@ class BenchTest:
         seconds = eng.timed(once)[1]
         after = read_stats(llm)
         per_layer = {l: diff_counters(v, before[1].get(l)) for l, v in after[1].items()}
-        return {"seconds": seconds, "total": diff_counters(after[0], before[0]), "per_layer": per_layer}
+        digest = hashlib.sha256(",".join(map(str, generated)).encode()).hexdigest()[:16] if generated else None
+        return {"seconds": seconds, "total": diff_counters(after[0], before[0]), "per_layer": per_layer,
+                "hash": digest}
 
 
 def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float | None,
@@ -200,6 +210,7 @@ def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float 
             "host_ms_per_layer": None if host is None else host * 1e3 / max(len(layers) or n_layers, 1),
             "link_gbps": None if link_bps is None else link_bps / 1e9,
             "bound_s": bound, "roofline_frac": None if bound is None else bound / seconds,
+            "hash": runs[0].get("hash"),
             "per_layer": per_layer}
 
 
@@ -250,6 +261,7 @@ BENCH_COLS = [
     Col("wait ms/layer", "wait_ms_per_layer", lambda r: na(r["wait_ms_per_layer"], "{:.2f}")),
     Col("host ms/layer", "host_ms_per_layer", lambda r: na(r["host_ms_per_layer"], "{:.2f}")),
     Col("roofline", "roofline_frac", lambda r: na(r["roofline_frac"], "{:.2f}")),
+    Col("hash", "hash", lambda r: r.get("hash") or "-", right=False),
 ]
 
 
