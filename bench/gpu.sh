@@ -7,6 +7,7 @@
 #   bash bench/gpu.sh ref        the 24-layer reference GGUF: load, pp4096/tg64 at ubatch 512/2048/4096, all on the
 #                                GPU and --cpu-moe
 #   bash bench/gpu.sh serve      the OpenAI server on the reference GGUF under 1 / 4 / 8 streaming clients
+#   bash bench/gpu.sh rest       the prefetch rows the final run left out, and a routing trace with lookahead guesses
 #   bash bench/gpu.sh probe      cuda tests; bench/probe.py: determinism across processes and cache settings, host
 #                                time per layer, prompt lookahead, host decode graphs, a routing trace, a profile
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, determinism, greedy hashes, `moestream bench` all on
@@ -64,6 +65,17 @@ final)
   for v in "--no-prefetch" "--no-prompt-lookahead"; do
     echo "## --cpu-moe --moe-cache-mib 16000 $v"; timeout 70 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
   done > "$OUT/bench_prefetch.md"; cat "$OUT/bench_prefetch.md"; keep bench_prefetch.md
+  ;;
+rest)
+  # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
+  # a routing trace with lookahead guesses for `moestream replay --prefetch` (brought back as ref_trace.npz).
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2"
+  for v in "--no-prefetch-seed" "--no-lookahead" "--prefetch-first-all"; do
+    echo "## --cpu-moe --moe-cache-mib 16000 $v"; timeout 90 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
+  done | tee "$OUT/bench_prefetch_rest.md"
+  timeout 150 python3 bench/probe.py $REF "$OUT" trace 2>&1 | tail -3
   ;;
 probe)
   python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"

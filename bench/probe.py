@@ -6,6 +6,7 @@
                                                   settings, each after three warm prompts; a routing trace; the
                                                   host-time counters; a profile of one prompt at 24000 MiB
     python bench/probe.py MODEL OUT_DIR hashes    --cpu-moe: the greedy hash of one decode under each setting
+    python bench/probe.py MODEL OUT_DIR trace     --cpu-moe: a routing trace with lookahead guesses (ref_trace.npz)
 
 Writes OUT_DIR/probe_<part>[_<tag>].json. `compare` prints, for two or more of those files, where digests differ.
 """
@@ -146,7 +147,6 @@ CONFIGS = [
 
 
 def part_cache():
-    from moestream.experts.trace import TraceRecorder
     llm = LLM(MODEL, cpu_moe=True, ctx_size=4200, moe_cache_mib=0)
     eng = llm.engine
     res = {}
@@ -195,7 +195,18 @@ def part_cache():
                 print(json.dumps(row), flush=True)
     save("speed", speed)
 
-    # A routing trace of the sweep's workload (warm prompts, then different prompts at 2048 and 4096, a decode).
+    record_trace(llm, f"{OUT}/ref_trace.npz")
+
+    # Where a prompt's time goes when every expert hits (24000 MiB, ubatch 4096).
+    eng.reconfigure_cache(moe_cache_mib=24000, prefetch=True, lookahead=True)
+    profile_prompt(llm, f"{OUT}/profile_prompt24000.txt")
+
+
+def record_trace(llm, path):
+    """The routing, and each layer's lookahead guess, of 4 prompts at ubatch 2048, 4 at 4096 and a 64-token decode
+    (eager, so every guess is made), for `moestream replay`."""
+    from moestream.experts.trace import TraceRecorder
+    eng = llm.engine
     eng.reconfigure_cache(moe_cache_mib=16000, prefetch=False, lookahead=False, host_decode_graphs=False)
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, eng.host.store.expert_bytes)
@@ -205,16 +216,13 @@ def part_cache():
         for i in range(4):
             eng.begin_prompt(0)
             eng.prefill(0, rand(N, 300 + i), 0)
-    eng.begin_prompt(0)
-    tok = int(eng.prefill(0, HASH_PROMPT, 0)[0].argmax())
-    for pos in range(64, 128):
-        tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+    greedy(eng, 64)
     eng.model.on_route = None
-    rec.save(f"{OUT}/ref_trace.npz")
+    rec.save(path)
 
-    # Where a prompt's time goes when every expert hits (24000 MiB, ubatch 4096).
-    eng.reconfigure_cache(moe_cache_mib=24000, prefetch=True, lookahead=True)
-    profile_prompt(llm, f"{OUT}/profile_prompt24000.txt")
+
+def part_trace():
+    record_trace(LLM(MODEL, cpu_moe=True, ctx_size=4200, moe_cache_mib=16000), f"{OUT}/ref_trace.npz")
 
 
 def profile_prompt(llm, path):
@@ -264,4 +272,4 @@ def compare():
         print(f"{name}: differs in {diffs or 'nothing'}; first prompt layer {first}; first decode {step}")
 
 
-{"gpu": part_gpu, "cache": part_cache, "hashes": part_hashes, "compare": compare}[PART]()
+{"gpu": part_gpu, "cache": part_cache, "hashes": part_hashes, "trace": part_trace, "compare": compare}[PART]()
