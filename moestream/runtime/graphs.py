@@ -1,12 +1,15 @@
-"""CUDA graphs for decode steps: one captured forward per batch size, replayed with new tokens and positions.
+"""CUDA graphs for decode steps, replayed with new tokens and positions.
 
 A decode token launches a few hundred small kernels; launched from Python one by one they cost more than the
-work. Replaying a captured graph launches them all at once. Applies where nothing in the forward needs the host:
-every expert resident on the GPU and the grouped kernel (host layers choose their uploads on the host, so they
-run eagerly; uploads stay outside captured graphs).
+work. Replaying a captured graph launches them all at once.
 
-Attention in a graph always spans the whole context (the mask hides positions past each token's own), since a
-graph cannot change shapes between replays.
+- DecodeGraphs: every expert resident on the GPU; one graph per batch size and attention span.
+- HostDecodeGraphs: experts behind the expert cache; per batch size and span, one graph segment per host layer,
+  with the host's decisions (routing read-back, uploads, the slot table) between segments. Uploads stay outside
+  the graphs.
+
+Attention in a graph spans a fixed number of keys (KVCache.span: a power of two, the mask hides positions past
+each token's own), since a graph cannot change shapes between replays; eager decode steps use the same span.
 """
 from __future__ import annotations
 
