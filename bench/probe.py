@@ -20,6 +20,7 @@ import torch
 
 import moestream.models.transformer as T
 from moestream import LLM
+from moestream.runtime.generate import token_hash
 
 MODEL, OUT, PART = sys.argv[1], sys.argv[2], sys.argv[3]
 TAG = os.environ.get("PROBE_TAG", "")
@@ -86,7 +87,7 @@ def digests(llm, graphs_too=True) -> dict:
                 logs.append(LOG + [digest(lg)])
             tok = int(lg[0].argmax())
         LOG = None
-        return hashlib.sha256(",".join(map(str, toks)).encode()).hexdigest()[:16], logs
+        return token_hash(toks)[:16], logs
 
     saved = eng.graphs, eng.host_graphs
     eng.graphs = eng.host_graphs = None
@@ -251,7 +252,7 @@ def part_hashes():
                                  "prefetch_first_all": False, "host_decode_graphs": "defaults" in name, **kw})
         warm(llm)
         toks = greedy(eng, 32)[1]
-        res[name] = hashlib.sha256(",".join(map(str, toks)).encode()).hexdigest()[:16]
+        res[name] = token_hash(toks)[:16]
         print(f"{name}: {res[name]}", flush=True)
     save("hashes", res)
 

@@ -149,21 +149,21 @@ class ExpertCache:
         t1 = time.perf_counter()
         table = self.prepare(layer, got[0], got[1] if lookahead is not None else None)
         if isinstance(table, list):
-            self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
-            return Waves(self, layer, ids, table)
-        self.lut_host[layer].numpy()[:] = table        # free again: its last copy ran before the sync above
-        lut = torch.empty(E, dtype=torch.int64, device=self.device.torch)
-        lut.copy_(self.lut_host[layer], non_blocking=True)     # pinned: no stream sync (pageable would wait)
-        w13, w2, _ = self.views[layer]
+            w = Waves(self, layer, ids, table)
+        else:
+            self.lut_host[layer].numpy()[:] = table        # free again: its last copy ran before the sync above
+            lut = torch.empty(E, dtype=torch.int64, device=self.device.torch)
+            lut.copy_(self.lut_host[layer], non_blocking=True)     # pinned: no stream sync (pageable would wait)
+            w = ExpertWeights(*self.layer_weights(layer), lut[ids])
         self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
-        return ExpertWeights(w13, w2, lut[ids])
+        return w
 
     def prepare(self, layer: int, counts: np.ndarray, guess: np.ndarray | None = None):
         """The host's part of one MoE layer, once its routing is on the host as counts per expert (E,): routing
         statistics, counters, uploads of the misses, the compute stream's wait, and the prefetch of what comes
         next (`guess`: the lookahead's counts per expert of the next host layer). Returns the layer's slot table
-        (E,) (slot of each expert id within the layer's region, -1 if absent), or the groups of experts to run in waves when the pool
-        cannot hold them all at once (then nothing is loaded yet)."""
+        (E,) (slot of each expert id within the layer's region, -1 if absent), or the groups of experts to run in
+        waves when the pool cannot hold them all at once (then nothing is loaded yet)."""
         self.experts_launched(layer)            # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
@@ -206,9 +206,8 @@ class ExpertCache:
 
     def _load(self, layer: int, ids: torch.Tensor, group: np.ndarray) -> ExpertWeights:
         self._load_slots(layer, group)
-        lut = torch.from_numpy(self.table(layer)).to(self.device.torch)        # (E,)
-        w13, w2, _ = self.views[layer]
-        return ExpertWeights(w13, w2, lut[ids])
+        lut = torch.from_numpy(self.table(layer)).to(self.device.torch)        # (E,): a wave reuses no staging
+        return ExpertWeights(*self.layer_weights(layer), lut[ids])
 
     def _load_slots(self, layer: int, group: np.ndarray) -> None:
         """Make `group` resident: plan, copy the misses on the copy stream, make compute wait for its slots."""

@@ -51,14 +51,12 @@ def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
     layer's own routing is known.
     """
     weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
+    wanted = next_router is not None and provider.wants_lookahead(layer, x.shape[0])
     guess = None
-    if next_router is not None and (provider.wants_lookahead(layer, x.shape[0])
-                                    or getattr(on_route, "wants_guess", False)):
+    if wanted or (next_router is not None and getattr(on_route, "wants_guess", False)):
         guess = torch.topk(F.linear(x, next_router), cfg.n_experts_used, dim=-1).indices      # (T, k)
     report_route(on_route, layer, ids, guess)
-    if guess is not None and not provider.wants_lookahead(layer, x.shape[0]):
-        guess = None                                   # recorded, but the provider did not ask for it
-    return weights, ids, guess
+    return weights, ids, guess if wanted else None     # a guess made only for the trace is not the provider's
 
 
 def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,

@@ -19,6 +19,11 @@ import torch
 from .sampling import Sampler, SamplingParams, StopChecker
 
 
+def token_hash(ids) -> str:
+    """sha256 of token ids written `1,2,3`: equal hashes mean equal tokens (`generate --hash`, bench's column)."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -32,7 +37,7 @@ class Completion:
     @property
     def sha256(self) -> str:
         """The hash of the generated token ids, for comparing configurations (`generate --hash`)."""
-        return hashlib.sha256(",".join(map(str, self.token_ids)).encode()).hexdigest()
+        return token_hash(self.token_ids)
 
 
 class Generation:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import gc
 import itertools
 import shlex
@@ -39,6 +38,7 @@ import sys
 import torch
 
 from ..errors import UserError
+from ..runtime.generate import token_hash
 from . import report
 from .report import Col, na
 
@@ -181,9 +181,8 @@ class BenchTest:
         seconds = eng.timed(once)[1]
         after = read_stats(llm)
         per_layer = {l: diff_counters(v, before[1].get(l)) for l, v in after[1].items()}
-        digest = hashlib.sha256(",".join(map(str, generated)).encode()).hexdigest()[:16] if generated else None
         return {"seconds": seconds, "total": diff_counters(after[0], before[0]), "per_layer": per_layer,
-                "hash": digest}
+                "hash": token_hash(generated)[:16] if generated else None}
 
 
 def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float | None,
