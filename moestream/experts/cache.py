@@ -151,10 +151,7 @@ class ExpertCache:
         if isinstance(table, list):
             w = Waves(self, layer, ids, table)
         else:
-            self.lut_host[layer].numpy()[:] = table        # free again: its last copy ran before the sync above
-            lut = torch.empty(E, dtype=torch.int64, device=self.device.torch)
-            lut.copy_(self.lut_host[layer], non_blocking=True)     # pinned: no stream sync (pageable would wait)
-            w = ExpertWeights(*self.layer_weights(layer), lut[ids])
+            w = ExpertWeights(*self.layer_weights(layer), self.upload_table(layer, table)[ids])
         self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
         return w
 
@@ -198,6 +195,15 @@ class ExpertCache:
         t = self.residency.slot_of[layer].copy()
         t[t >= 0] -= self.views[layer][2]
         return t
+
+    def upload_table(self, layer: int, table: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's slot table (E,) on the device (into `out`, or a new tensor), through pinned staging: a copy
+        from pageable memory would wait for the compute stream. Call after this layer's host sync: the staging's
+        last copy was queued before it, so it is free again."""
+        self.lut_host[layer].numpy()[:] = table
+        if out is None:
+            out = torch.empty(self.n_experts, dtype=torch.int64, device=self.device.torch)
+        return out.copy_(self.lut_host[layer], non_blocking=True)
 
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (S_region, 2I, H) and (S_region, H, I) views of the layer's region, which its table indexes."""

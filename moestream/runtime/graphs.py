@@ -100,13 +100,12 @@ class _TableProvider:
 class _Step:
     """One batch size's segments and the buffers they share with the host."""
 
-    def __init__(self, segments, inputs, batch, logits, pauses, packed, host, tables, tables_host):
+    def __init__(self, segments, inputs, batch, logits, pauses, packed, host, tables):
         self.segments, self.inputs, self.batch, self.logits = segments, inputs, batch, logits
         self.pauses = pauses            # [(layer, number of routed ids, has a lookahead guess)] per pause
         self.packed = packed            # (P, 2 B k) int64 on the device: each pause's routed ids, then its guess
         self.host = host                # the same, pinned on the host (one small copy per pause)
         self.tables = tables            # layer -> (E,) slot table on the device, read by the captured experts
-        self.tables_host = tables_host  # layer -> (E,) pinned staging of that table
 
 
 class HostDecodeGraphs:
@@ -164,8 +163,7 @@ class HostDecodeGraphs:
             table = self.cache.prepare(layer, counts, guess)
             if isinstance(table, list):
                 raise RuntimeError("decode routed more experts than the cache holds: use a larger cache")
-            st.tables_host[layer].numpy()[:] = table      # free: the last copy from it ended before this sync
-            st.tables[layer].copy_(st.tables_host[layer], non_blocking=cuda)
+            self.cache.upload_table(layer, table, st.tables[layer])
             self.cache.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
         return st.logits
 
@@ -176,7 +174,6 @@ class HostDecodeGraphs:
         E, k = eng.cfg.n_experts, eng.cfg.n_experts_used
         inputs, batch = static_decode_batch(eng, B, span)
         tables = {l: torch.zeros(E, dtype=torch.int64, device=dev.torch) for l in self.host_layers}
-        tables_host = {l: dev.pinned_empty((E,), torch.int64) for l in self.host_layers}
         packed = torch.zeros(len(self.host_layers), 2 * B * k, dtype=torch.int64, device=dev.torch)
         host = dev.pinned_empty(tuple(packed.shape), torch.int64)
         provider = _TableProvider(self.cache, tables, eng.experts)
@@ -194,7 +191,7 @@ class HostDecodeGraphs:
 
         forward = lambda: eng.model.forward_steps(batch, eng.kv, provider, eng.kernel, split)    # noqa: E731
         if not self.capture:
-            st = _Step(None, inputs, batch, None, pauses, packed, host, tables, tables_host)
+            st = _Step(None, inputs, batch, None, pauses, packed, host, tables)
             st.segments = self._eager_segments(forward, pack, st)
             return st
         on_route, eng.model.on_route = eng.model.on_route, None     # callbacks run on the host, between segments
@@ -214,7 +211,7 @@ class HostDecodeGraphs:
         finally:
             eng.model.on_route = on_route
         # The batch is kept too: the graphs read its tensors (out_rows is its own allocation).
-        return _Step(graphs, inputs, batch, logits, pauses, packed, host, tables, tables_host)
+        return _Step(graphs, inputs, batch, logits, pauses, packed, host, tables)
 
     def _eager_segments(self, forward, pack, st: _Step):
         """The same segments, uncaptured: each call advances the forward to its next pause and packs what it
