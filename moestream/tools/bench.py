@@ -235,10 +235,10 @@ def load(ns: argparse.Namespace, ctx: int):
     return LLM(ns.model, progress=ns.verbose, **engine_kwargs(ns))
 
 
-def free_memory(device) -> None:
+def release_memory() -> None:
     """After the last reference to an LLM is gone: give its memory back before the next load."""
     gc.collect()
-    if device.is_cuda:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
@@ -286,10 +286,8 @@ def main(a: argparse.Namespace) -> int:
         if llm is not None and loads[i - 1][0] == n_cpu_moe and llm.engine.host is not None:
             llm.engine.reconfigure_cache(moe_cache_mib=mib)        # another cache over the same pinned experts
         else:
-            if llm is not None:
-                device = llm.engine.device
-                llm = None
-                free_memory(device)
+            llm = None
+            release_memory()
             llm = load(ns, ctx)
         for b, ub in itertools.product(a.batch_size, a.ubatch_size):
             llm.engine.set_batching(b, ub)
@@ -303,10 +301,8 @@ def main(a: argparse.Namespace) -> int:
                 rows.append(row)
                 if stream_md:
                     print(report.md_row(BENCH_COLS, row), flush=True)
-    if llm is not None:
-        device = llm.engine.device
-        llm = None
-        free_memory(device)
+    llm = None
+    release_memory()
     if not stream_md:
         print(report.render(rows, a.output, BENCH_COLS))
     if a.plot:
