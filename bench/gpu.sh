@@ -77,6 +77,12 @@ rest)
   done | tee "$OUT/bench_prefetch_rest.md"
   timeout 150 python3 bench/probe.py $REF "$OUT" trace 2>&1 | tail -3
   ;;
+kernel)
+  # The decode expert kernel (bench/decode_kernel.py), the cuda tests, and where an all-GPU decode step's time goes.
+  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+  timeout 200 python3 bench/decode_kernel.py --sweep 2>&1 | tee "$OUT/decode_kernel.log"
+  timeout 120 python3 bench/profile_decode.py synth:qwen3-30b-a3b:layers=4 > "$OUT/profile_decode.log" 2>&1; head -40 "$OUT/profile_decode.log"
+  ;;
 probe)
   python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"
   REF=/tmp/ref.gguf

@@ -51,6 +51,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt ubatches prefetch from routing statistics only, not through the next layer's router")
     p.add_argument("--no-host-decode-graphs", action="store_true",
                    help="with a cache: decode eagerly instead of as CUDA-graph segments between host layers")
+    p.add_argument("--no-zero-copy-decode", dest="zero_copy_decode", action="store_const", const=False, default=None,
+                   help="decode steps fetch their experts through the cache (a host step per layer) instead of "
+                        "reading each expert where it lies, a cache slot or pinned host memory")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
 
@@ -63,7 +66,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 prefetch_seed=not a.no_prefetch_seed, prefetch_first_all=a.prefetch_first_all,
                 lookahead=not a.no_lookahead, prompt_lookahead=not a.no_prompt_lookahead,
                 prefetch_min_use=a.prefetch_min_use,
-                host_decode_graphs=not a.no_host_decode_graphs)
+                host_decode_graphs=not a.no_host_decode_graphs, zero_copy_decode=a.zero_copy_decode)
 
 
 def parse_prompt(text: str, has_tokenizer: bool):

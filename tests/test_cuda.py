@@ -105,7 +105,7 @@ def test_host_decode_graphs_match_eager_decode():
     """Host decode graphs (the default with a cache): captured segments give the eager decode's logits."""
     def run(graphs):
         llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=64, device="cuda", cpu_moe=True, moe_cache_mib=12, n_seq=2,
-                  host_decode_graphs=graphs)
+                  host_decode_graphs=graphs, zero_copy_decode=False)
         eng = llm.engine
         assert (eng.host_graphs is not None) == graphs
         eng.prefill(0, list(range(5, 30)))
@@ -153,7 +153,8 @@ def test_chunked_prompt_matches_one_chunk_bf16():
 
 
 @needs_cuda
-@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 12}])
+@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 12},
+                                {"cpu_moe": True, "moe_cache_mib": 12, "zero_copy_decode": False}])
 def test_captured_decode_matches_eager_across_a_span_boundary(kw):
     """Positions 250..261 cross the 256-key span: graphs captured per span give the eager decode's bits, all on
     the GPU (DecodeGraphs) and with host experts (host decode graphs)."""
@@ -169,3 +170,57 @@ def test_captured_decode_matches_eager_across_a_span_boundary(kw):
         return outs
     eager, graphs = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, graphs))
+
+
+# --- zero-copy decode: the Triton kernel reads experts by address, from the device or from pinned host memory ---
+def _expert_rows(E, H, I, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = torch.randn(E, 3 * I * H, device="cuda", generator=g) * H ** -0.5
+    return rows.to(torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("T,k,H,I", [(1, 8, 2048, 768), (5, 8, 256, 128), (3, 6, 96, 40), (16, 2, 64, 32)])
+def test_decode_kernel_matches_reference_and_reads_host_memory_in_place(T, k, H, I):
+    """Against the float32 oracle; the output poisoned first; the same bits when any of the experts are read from
+    pinned host memory instead of the device (odd sizes and k check the masks)."""
+    from moestream.kernels.decode import experts_by_address
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    E = 12
+    rows = _expert_rows(E, H, I, seed=T)
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows)
+    book = AddressBook()
+    book.add(rows)
+    book.add(host)
+    step = rows.stride(0) * rows.element_size()
+    ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+    dev_addr = rows.data_ptr() + ids * step
+    host_addr = host.data_ptr() + ids * step
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    w = torch.softmax(torch.randn(T, k, device="cuda"), -1).to(torch.bfloat16)
+    out = experts_by_address(x, dev_addr, w, I)
+    ref = experts_by_address_reference(x.cpu(), dev_addr.cpu(), w.cpu(), I, book).cuda()
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert torch.isfinite(out).all() and rel < 1e-2, rel
+    mixed = torch.where(torch.rand(T, k, device="cuda") < 0.5, host_addr, dev_addr)
+    for addrs in (host_addr, mixed):
+        assert torch.equal(experts_by_address(x, addrs, w, I), out)
+
+
+@needs_cuda
+def test_zero_copy_decode_hash_same_on_every_placement_and_cache():
+    """Zero-copy decode (the default on CUDA): all on the GPU, no cache, caches from the smallest to every expert,
+    eager and captured: the same greedy tokens; with a cache the misses are read in place and then uploaded."""
+    spec = "synth:tiny:dtype=bfloat16"
+    prompt = list(range(3, 60, 2))
+    hashes, reads = set(), {}
+    for kw in ({}, {"cuda_graphs": False}, {"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 0},
+               {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 100},
+               {"cpu_moe": True, "moe_cache_mib": 100, "cuda_graphs": False}, {"n_cpu_moe": 1, "moe_cache_mib": 3}):
+        llm = LLM(spec, ctx_size=256, device="cuda", **kw)
+        assert llm.engine.model.decode_kernel is not None
+        hashes.add(llm.generate(prompt, max_tokens=32, ignore_eos=True).sha256)
+        reads[str(kw)] = llm.stats()["total"]["host_reads"]
+    assert len(hashes) == 1, hashes
+    assert reads[str({"cpu_moe": True})] > reads[str({"cpu_moe": True, "moe_cache_mib": 100})] > 0

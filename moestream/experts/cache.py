@@ -101,6 +101,13 @@ class ExpertCache:
         self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
         self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
+        self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
+
+    def enable_zero_copy(self, max_tokens: int) -> None:
+        """Decode steps of up to max_tokens tokens read experts where they lie (experts/zero_copy.py)."""
+        from .zero_copy import ZeroCopyDecode
+        self.zero_copy = ZeroCopyDecode(self, max_tokens, self.top_k)
+        self.zero_copy_max = max_tokens
 
     @property
     def n_slots(self) -> int:
@@ -113,10 +120,13 @@ class ExpertCache:
 
     # --- context --------------------------------------------------------------------------------------------
     def begin_prompt(self, seq: int = 0) -> None:
+        self.flush_decode()
         self.stats.begin_prompt()
         self.routing[seq].begin_prompt()
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+        if is_prompt or self.zero_copy is None or n_tokens > self.zero_copy_max:
+            self.flush_decode()                 # this ubatch decides on the host: the last zero-copy step first
         self.seq, self.is_prompt, self.n_tokens = seq, is_prompt, n_tokens
         stats = self.routing[seq]
         self.seed = choose_seed(n_tokens, is_prompt, stats, self.prefetch)
@@ -131,6 +141,8 @@ class ExpertCache:
         pf = self.prefetch
         if not (pf.enabled and pf.lookahead) or layer == self.layers[-1]:
             return False
+        if self.zero_copy is not None and n_tokens <= self.zero_copy_max:
+            return False                        # a zero-copy decode step has no host step to copy ahead from
         if self.is_prompt:
             return pf.prompt_lookahead and n_tokens >= pf.min_batch
         return n_tokens <= 8
@@ -215,8 +227,23 @@ class ExpertCache:
         lut = torch.from_numpy(self.table(layer)).to(self.device.torch)        # (E,): a wave reuses no staging
         return ExpertWeights(*self.layer_weights(layer), lut[ids])
 
-    def _load_slots(self, layer: int, group: np.ndarray) -> None:
-        """Make `group` resident: plan, copy the misses on the copy stream, make compute wait for its slots."""
+    # --- zero-copy decode (experts/zero_copy.py) ---------------------------------------------------------------
+    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        return self.zero_copy.addresses(layer, ids)
+
+    def begin_decode_step(self) -> None:
+        self.zero_copy.begin_step()
+
+    def end_decode_step(self, n_tokens: int, on_route=None) -> None:
+        self.zero_copy.end_step(n_tokens, on_route)
+
+    def flush_decode(self) -> None:
+        if self.zero_copy is not None:
+            self.zero_copy.flush()
+
+    def _load_slots(self, layer: int, group: np.ndarray, compute_waits: bool = True, after=None) -> None:
+        """Make `group` resident: plan, copy the misses on the copy stream (behind the compute event `after`, if
+        given), and (compute_waits) make compute wait for its slots and pin them until it has read them."""
         self._update_pins()
         try:
             plan = self.planner.plan(layer, group)
@@ -236,8 +263,10 @@ class ExpertCache:
         if plan.misses:
             src = self.store.rows[layer]
             seq = self.queue.submit([(self.pool[s], src[e]) for e, s in plan.misses],
-                                    len(plan.misses) * self.store.expert_bytes, speculative=False)
+                                    len(plan.misses) * self.store.expert_bytes, speculative=False, after=after)
             self.ready[victims] = seq
+        if not compute_waits:
+            return
         self._wait_for(layer, int(self.ready[plan.slots].max()))
         self.use[plan.slots] = NOT_YET
         self.handed = plan.slots
@@ -313,6 +342,7 @@ class ExpertCache:
 
     def collect_waits(self) -> None:
         """Turn recorded event pairs into per-layer wait counts (synchronises; call when reading stats)."""
+        self.flush_decode()
         if self.waits:
             self.device.synchronize()
             for layer, before, after in self.waits:

@@ -24,13 +24,18 @@ class CopyQueue:
         self.done = 0                                                    # every batch <= done has completed
         self.spec = deque()                                              # (seq, nbytes) speculative in flight
 
-    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, speculative: bool) -> int:
+    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, speculative: bool,
+               after=None) -> int:
+        """Queue the copies (dst, src); `after`: a compute-stream event they must wait for (their slots' last
+        readers). Returns the batch's sequence number."""
         self.seq += 1
         if self.stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
             self.done = self.seq
             return self.seq
+        if after is not None:
+            self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)

@@ -5,11 +5,17 @@
 
 `fetch` returns stacked weights and, per routed choice, the slot that holds it. The model never knows whether
 the weights were on the GPU all along or were just uploaded: the cache slots in here without touching it.
+
+Zero-copy decode asks instead where each routed expert's row lies (device or pinned host memory), and the decode
+kernel reads it there (kernels/decode.py):
+
+    addrs = provider.addresses(layer, ids)     # (T, k) int64 addresses, without touching the host
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .stats import CacheStats
@@ -29,6 +35,10 @@ class ResidentExperts:
     def __init__(self, rows: dict[int, torch.Tensor], inter: int, hidden: int):
         self.rows = rows                       # layer -> (E, numel) on the device
         self.views = {l: expert_views(r, inter, hidden) for l, r in rows.items()}
+        self.addr = {l: row_addresses(r, r.device) for l, r in rows.items()}
+
+    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        return self.addr[layer][ids]
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         w13, w2 = self.views[layer]
@@ -44,12 +54,26 @@ class UploadPerUbatch:
     cannot overwrite what layer L's queued compute still reads.
     """
 
-    def __init__(self, store: ExpertStore, n_experts: int, device: torch.device):
+    def __init__(self, store: ExpertStore, n_experts: int, device: torch.device, top_k: int = 8):
         any_rows = next(iter(store.rows.values()))
-        self.store = store
+        self.store, self.top_k = store, top_k
         self.buf = torch.empty(n_experts, any_rows.shape[1], dtype=any_rows.dtype, device=device)   # (E, numel)
         self.w13, self.w2 = expert_views(self.buf, store.inter, store.hidden)
         self.stats = CacheStats()
+        self.addr = {l: row_addresses(r, device) for l, r in store.rows.items()}
+
+    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """Zero-copy decode with no cache: every routed expert is read from host memory, in place."""
+        return self.addr[layer][ids]
+
+    def begin_decode_step(self) -> None:
+        pass
+
+    def end_decode_step(self, n_tokens: int, on_route=None) -> None:
+        """Every routed choice of every host layer crossed the link (counted without reading the routing back)."""
+        reads = n_tokens * self.top_k
+        for l in self.store.rows:
+            self.stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.expert_bytes)
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         src = self.store.rows[layer]
@@ -74,7 +98,16 @@ class LayerRouter:
         p = self.by_layer[layer]
         return hasattr(p, "wants_lookahead") and p.wants_lookahead(layer, n_tokens)
 
+    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        return self.by_layer[layer].addresses(layer, ids)
+
     def experts_launched(self, layer: int) -> None:
         p = self.by_layer[layer]
         if hasattr(p, "experts_launched"):
             p.experts_launched(layer)
+
+
+def row_addresses(rows: torch.Tensor, device) -> torch.Tensor:
+    """(E,) int64 on `device`: the address of each expert's row of rows (E, numel), device or pinned host memory."""
+    step = rows.stride(0) * rows.element_size()
+    return torch.from_numpy(rows.data_ptr() + np.arange(rows.shape[0], dtype=np.int64) * step).to(device)

@@ -35,3 +35,45 @@ def experts_reference(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w
         out[rows] = F.linear(h, w2[s])                                    # (n, H)
         start += n
     return out.view(T, k, -1)
+
+
+class AddressBook:
+    """Which registered tensor an expert's address falls in: the plain-torch path reads experts by address too.
+
+    book.add(rows)                # rows (n, numel): one expert per row
+    row = book.row(addr)          # (numel,) view of the expert at that address
+    """
+
+    def __init__(self):
+        self.spans: list[tuple[int, int, torch.Tensor]] = []       # (start, end, rows)
+
+    def add(self, rows: torch.Tensor) -> None:
+        start = rows.data_ptr()
+        self.spans.append((start, start + rows.numel() * rows.element_size(), rows))
+
+    def row(self, addr: int) -> torch.Tensor:
+        for start, end, rows in self.spans:
+            if start <= addr < end:
+                n, rem = divmod(addr - start, rows.stride(0) * rows.element_size())
+                if rem:
+                    raise ValueError(f"address {addr:#x} is not at an expert's start")
+                return rows[n]
+        raise ValueError(f"address {addr:#x} is in no registered expert store")
+
+
+def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
+                                 book: AddressBook) -> torch.Tensor:
+    """Plain torch, the oracle of kernels.decode.experts_by_address: x (T, H), addrs and weights (T, k) -> (T, H).
+
+    Float32 throughout, the activation rounded to x's dtype between the two projections, the k outputs weighted
+    and summed in float32 and rounded once, as the kernel does."""
+    T, H = x.shape
+    k = addrs.shape[1]
+    rows = torch.stack([book.row(a) for a in addrs.reshape(-1).tolist()]).to(x.device)     # (T k, numel)
+    w13 = rows[:, :2 * inter * H].view(T * k, 2 * inter, H).float()
+    w2 = rows[:, 2 * inter * H:].view(T * k, H, inter).float()
+    xs = x.float().repeat_interleave(k, dim=0).unsqueeze(-1)                               # (T k, H, 1)
+    gu = torch.bmm(w13, xs).squeeze(-1)                                                    # (T k, 2I)
+    h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+    y = torch.bmm(w2, h.float().unsqueeze(-1)).squeeze(-1).view(T, k, H)
+    return (y * weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)

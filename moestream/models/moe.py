@@ -60,8 +60,12 @@ def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
 
 
 def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,
-                guess=None) -> torch.Tensor:
-    """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert."""
+                guess=None, by_address=None) -> torch.Tensor:
+    """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert.
+    `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies."""
+    if by_address is not None:
+        out = by_address(x, provider.addresses(layer, ids), weights, cfg.moe_intermediate_size)
+        return _shared(x, lw, cfg, out)
     w = provider.fetch(layer, ids, guess)
     if hasattr(w, "slots"):
         y = kernel(x, w.slots, w.w13, w.w2)                              # (T, k, H)
@@ -74,7 +78,11 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
             y[tok, j] = kernel(x[tok], wave.slots[tok, j].unsqueeze(1), wave.w13, wave.w2)[:, 0]
     if hasattr(provider, "experts_launched"):
         provider.experts_launched(layer)           # the cache copies the next layer's experts ahead from here
-    out = combine(y, weights)
+    return _shared(x, lw, cfg, combine(y, weights))
+
+
+def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor) -> torch.Tensor:
+    """Add the sigmoid-gated shared expert, where the family has one."""
     if cfg.shared_expert_intermediate_size:
         shared = swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"])
         out = out + torch.sigmoid(F.linear(x, lw["ffn_gate_inp_shexp.weight"])) * shared

@@ -72,6 +72,8 @@ class MoETransformer:
         self.cos, self.sin = rope                                            # (P, hd) float32 each
         self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
         self.on_route = None            # callback(layer, ids, guess) for routing traces and statistics
+        self.decode_kernel = None       # zero-copy decode: fn(x, addrs, weights, inter) for decode steps
+        self.decode_max_tokens = 0      # ... of at most this many tokens
         moe = cfg.moe_layers            # the next MoE layer's router, for decode lookahead
         self.next_router = {a: self.layers[b]["ffn_gate_inp.weight"] for a, b in zip(moe, moe[1:])}
 
@@ -89,6 +91,7 @@ class MoETransformer:
         (layer, ids, guess), so a caller can do host work (the expert cache's decisions) between device segments;
         the logits are its return value. Each segment between pauses can then be a captured CUDA graph."""
         cfg = self.cfg
+        by_address = self.decode_kernel if (batch.is_decode and len(batch.segments) <= self.decode_max_tokens) else None
         h = self.w["token_embd.weight"][batch.tokens]                        # (T, H)
         cos = self.cos[batch.positions].to(h.dtype)                          # (T, hd)
         sin = self.sin[batch.positions].to(h.dtype)
@@ -102,7 +105,7 @@ class MoETransformer:
                 weights, ids, guess = moe_route(m, lw, i, cfg, experts, self.on_route, self.next_router.get(i))
                 if i in split:
                     yield i, ids, guess
-                h = h + moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess)
+                h = h + moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address)
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                             # (R, V)
 

@@ -23,7 +23,8 @@ from ..experts.cache import ExpertCache
 from ..experts.prefetch import PrefetchConfig
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.store import ExpertStore, fill_layer
-from ..kernels import experts_reference, pick_kernel
+from ..kernels import AddressBook, experts_reference, pick_decode_kernel, pick_kernel
+from ..kernels.decode import MAX_TOKENS
 from ..loading.source import dense_names
 from ..models.layers import rope_tables
 from ..models.transformer import Batch, MoETransformer, Segment
@@ -36,15 +37,17 @@ MiB = 1 << 20
 
 class Engine:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, model: MoETransformer, experts, kv: KVCache,
-                 kernel, device: Device, host=None):
+                 kernel, device: Device, host=None, book: AddressBook | None = None):
         self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
         self.kernel, self.device = kernel, device
         self.host = host                # the provider of host layers (UploadPerUbatch or ExpertCache), or None
         self.dtype = model.lm_head.dtype
+        self.book = book or AddressBook()
+        # Zero-copy decode: decode steps of up to MAX_TOKENS tokens read each expert where it lies, on every
+        # placement alike (so a cached decode gives the all-GPU bits).
+        model.decode_kernel = pick_decode_kernel(ecfg.zero_copy_decode, device.torch, self.dtype, self.book)
+        model.decode_max_tokens = MAX_TOKENS
         self.graphs = self.host_graphs = None
-        if ecfg.cuda_graphs and device.is_cuda and kernel is not experts_reference:
-            from .graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self) if host is None else None
         self._setup_host_graphs()
 
     # --- loading -------------------------------------------------------------------------------------------
@@ -102,7 +105,10 @@ class Engine:
         model = MoETransformer(cfg, weights, rope_tables(cfg, ctx, dev.torch))
         kv = KVCache(cfg.n_layers, ecfg.n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, dev.torch)
         kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
-        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, host_provider)
+        book = AddressBook()
+        for rows in (*dev_rows.values(), *host_rows.values()):
+            book.add(rows)
+        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, host_provider, book)
 
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -138,12 +144,37 @@ class Engine:
         for _, _, pos in steps:
             self.check_context(pos + 1)
         span = self.kv.span(max(p for _, _, p in steps) + 1)
-        if self.graphs is not None:
+        if self.model.decode_kernel is not None and len(steps) <= MAX_TOKENS:
+            return self._zero_copy_decode(steps, span)
+        if self.graphs is not None and self.host is None:
             with torch.inference_mode():
                 return self.graphs.run(steps, span)
         if self.host_graphs is not None and len(steps) * self.cfg.n_experts_used <= self.host.min_region:
             return self.host_graphs.run(steps, span)
         return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span)
+
+    @torch.inference_mode()
+    def _zero_copy_decode(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
+        """A decode step that reads experts where they lie: one graph (or eager forward), no host step inside; the
+        host provider writes its address table before and learns from the routing after (experts/zero_copy.py)."""
+        host = self.host
+        if host is not None:
+            host.begin_decode_step()
+        on_route = self.model.on_route
+        if host is not None:
+            self.model.on_route = None       # the provider reports the step's routing once it is queued
+            if hasattr(on_route, "begin_ubatch"):
+                on_route.begin_ubatch(steps[0][0], len(steps), False)
+        try:
+            if self.graphs is not None:
+                logits = self.graphs.run(steps, span)
+            else:
+                logits = self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span)
+        finally:
+            self.model.on_route = on_route
+        if host is not None:
+            host.end_decode_step(len(steps), on_route)
+        return logits
 
     def begin_prompt(self, seq: int = 0) -> None:
         """Start the per-prompt counters (a prompt and the decode that follows it) and, with a cache, the
@@ -192,8 +223,18 @@ class Engine:
         self._setup_host_graphs()
 
     def _setup_host_graphs(self) -> None:
-        """With a cache on CUDA (unless --no-host-decode-graphs): decode steps as captured per-layer segments."""
-        self.host_graphs = None
+        """Decode graphs: one per step (every expert on the GPU, or zero-copy decode) or, with a cache on CUDA and
+        no zero-copy decode (or batches larger than it takes), captured per-layer segments (unless
+        --no-host-decode-graphs). A new cache gets new graphs: they read its tables."""
+        if isinstance(self.host, ExpertCache):
+            self.book.add(self.host.pool)
+            if self.model.decode_kernel is not None:
+                self.host.enable_zero_copy(MAX_TOKENS)
+        self.graphs = self.host_graphs = None
+        if self.ecfg.cuda_graphs and self.device.is_cuda and self.kernel is not experts_reference:
+            from .graphs import DecodeGraphs
+            if self.host is None or self.model.decode_kernel is not None:
+                self.graphs = DecodeGraphs(self)
         if (self.ecfg.host_decode_graphs and self.ecfg.cuda_graphs and self.device.is_cuda
                 and isinstance(self.host, ExpertCache) and self.kernel is not experts_reference):
             from .graphs import HostDecodeGraphs
@@ -224,7 +265,7 @@ def _resolve_dtype(spec: str, file_dtype: torch.dtype, dev: Device) -> torch.dty
 def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None):
     """Uploads per ubatch (no cache), or the expert cache with its copy stream and prefetcher."""
     if n_slots is None:
-        return UploadPerUbatch(store, cfg.n_experts, dev.torch)
+        return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used)
     pf = PrefetchConfig(enabled=ecfg.prefetch, min_batch=ecfg.prefetch_min_batch, seed_previous=ecfg.prefetch_seed,
                         first_chunk_all=ecfg.prefetch_first_all, lookahead=ecfg.lookahead,
                         prompt_lookahead=ecfg.prompt_lookahead,

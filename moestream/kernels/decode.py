@@ -1,0 +1,109 @@
+"""The decode expert kernel: a few tokens' routed experts read where they lie, by address (Triton, CUDA).
+
+    out = experts_by_address(x, addrs, weights, inter)     # x (T, H); addrs, weights (T, k) -> (T, H), combined
+
+`addrs[t, j]` is the address of token t's j-th routed expert's row (gate (I, H) | up (I, H) | down (H, I),
+contiguous): a slot of the GPU cache, or the expert's row in pinned host memory, which the GPU reads over the link
+in place (unified addressing: a pinned host buffer has the same address on the device). A decode step then needs
+no host decision and no upload on its critical path: a miss costs its bytes over the link once, as an upload would.
+
+The kernel reads each choice's weights once and streams them (a decode token's experts are memory-bound GEMVs):
+one launch computes every choice's silu(gate x) * (up x), a second its down projection, weighted and summed over
+the k choices in a fixed order, in float32. The result depends only on the bytes read, never on where they were:
+the same bits from a slot, from host memory or from the all-GPU layout. Block shapes are fixed (no autotuning: a
+tuned choice could differ between runs, and with it the bits).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:          # the CPU build of torch has no Triton: the reference below is the path there
+    triton = None
+
+MAX_TOKENS = 16              # decode batches up to this many tokens use this kernel (each choice reads its expert)
+
+
+def decode_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+if triton is not None:
+    @triton.jit
+    def _gate_up(x_ptr, addr_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+                 BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Program (t k + j, block of I): rows of choice j's gate and up against x[t], then silu(g) * u."""
+        pair = tl.program_id(0)
+        t = pair // K
+        rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        cols = tl.arange(0, BLOCK_H)
+        base = tl.load(addr_ptr + pair).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        g = tl.zeros([BLOCK_I], dtype=tl.float32)
+        u = tl.zeros([BLOCK_I], dtype=tl.float32)
+        rmask = rows < I
+        for h0 in range(0, H, BLOCK_H):
+            cmask = h0 + cols < H
+            xv = tl.load(x_ptr + t * H + h0 + cols, mask=cmask, other=0.0).to(tl.float32)
+            m = rmask[:, None] & cmask[None, :]
+            off = rows[:, None] * H + h0 + cols[None, :]
+            wg = tl.load(base + off, mask=m, other=0.0).to(tl.float32)
+            wu = tl.load(base + I * H + off, mask=m, other=0.0).to(tl.float32)
+            g += tl.sum(wg * xv[None, :], axis=1)
+            u += tl.sum(wu * xv[None, :], axis=1)
+        h = g * tl.sigmoid(g) * u
+        tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
+
+    @triton.jit
+    def _down(h_ptr, addr_ptr, w_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+              KP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+        """Program (t, block of H): rows of every choice's down projection at once, weighted, summed over j."""
+        t = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        cols = tl.arange(0, BLOCK_I)
+        js = tl.arange(0, KP)
+        jmask = js < K
+        rmask = rows < H
+        base = tl.load(addr_ptr + t * K + js, mask=jmask, other=0).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        base += 2 * I * H
+        wj = tl.load(w_ptr + t * K + js, mask=jmask, other=0.0).to(tl.float32)
+        acc = tl.zeros([KP, BLOCK_O], dtype=tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            cmask = i0 + cols < I
+            hv = tl.load(h_ptr + (t * K + js[:, None]) * I + i0 + cols[None, :],
+                         mask=jmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)        # (KP, BLOCK_I)
+            m = jmask[:, None, None] & rmask[None, :, None] & cmask[None, None, :]
+            wd = tl.load(base[:, None, None] + rows[None, :, None] * I + i0 + cols[None, None, :],
+                         mask=m, other=0.0).to(tl.float32)                                     # (KP, BLOCK_O, BLOCK_I)
+            acc += tl.sum(wd * hv[:, None, :], axis=2)
+        out = tl.sum(acc * wj[:, None], axis=0)
+        tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+# Block shapes, fixed: (BLOCK_I, BLOCK_H, warps) of the gate/up launch, (BLOCK_O, BLOCK_I, warps) of the down launch.
+GATE_UP = (8, 1024, 4)
+DOWN = (4, 256, 4)
+
+
+def _block(n: int, want: int) -> int:
+    return min(want, triton.next_power_of_2(n))
+
+
+def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
+                       config: tuple = (GATE_UP, DOWN)) -> torch.Tensor:
+    """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t])."""
+    T, H = x.shape
+    k = addrs.shape[1]
+    (bi, bh, wa), (bo, bi2, wb) = config
+    x = x.contiguous()
+    addrs = addrs.contiguous()
+    weights = weights.contiguous()
+    h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
+    bi, bh = _block(inter, bi), _block(H, bh)
+    _gate_up[(T * k, triton.cdiv(inter, bi))](x, addrs, h, H, inter, k, bi, bh, num_warps=wa)
+    out = torch.empty_like(x)
+    bo, bi2 = _block(H, bo), _block(inter, bi2)
+    _down[(T, triton.cdiv(H, bo))](h, addrs, weights, out, H, inter, k, triton.next_power_of_2(k), bo, bi2,
+                                   num_warps=wb)
+    return out

@@ -1,0 +1,113 @@
+"""Zero-copy decode on the CPU: the plain-torch oracle reads experts by address, so the address tables, the lagged
+learning and the cache under it run here as on the GPU (where the Triton kernel reads the same addresses)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moestream import LLM
+from moestream.kernels.reference import AddressBook, experts_by_address_reference, experts_reference
+from moestream.models.moe import combine
+
+KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True)
+PROMPTS = ["Once upon a time", "The capital of France is"]
+
+
+def test_address_oracle_is_the_expert_mlp_combined():
+    E, H, I, T, k = 6, 16, 8, 3, 2
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(E, 3 * I * H, generator=g)
+    book = AddressBook()
+    book.add(rows)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    x, w = torch.randn(T, H, generator=g), torch.softmax(torch.randn(T, k, generator=g), -1)
+    addrs = rows.data_ptr() + ids * rows.stride(0) * rows.element_size()
+    w13, w2 = rows[:, :2 * I * H].view(E, 2 * I, H), rows[:, 2 * I * H:].view(E, H, I)
+    want = combine(experts_reference(x, ids, w13, w2), w)
+    assert torch.allclose(experts_by_address_reference(x, addrs, w, I, book), want, atol=1e-5)
+    with pytest.raises(ValueError, match="no registered"):
+        book.row(12345)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Every expert on the device, zero-copy decode: two prompts one after the other in one engine."""
+    llm = LLM("synth:tiny", **KW)
+    return [llm.generate(p, max_tokens=24, ignore_eos=True).sha256 for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kw", [{"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 0},
+                                {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 3,
+                                                                        "cache_policy": "lru"},
+                                {"cpu_moe": True, "moe_cache_mib": 1000}, {"n_cpu_moe": 1, "moe_cache_mib": 2}])
+def test_greedy_tokens_identical_whatever_the_cache(reference, kw):
+    llm = LLM("synth:tiny", **KW, **kw)
+    assert llm.engine.model.decode_kernel is not None
+    assert [llm.generate(p, max_tokens=24, ignore_eos=True).sha256 for p in PROMPTS] == reference
+
+
+def test_zero_copy_and_fetching_decode_agree_on_the_cpu():
+    """On the CPU both paths compute in float32: the same greedy tokens."""
+    a = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=2).generate(PROMPTS[0], max_tokens=24, ignore_eos=True)
+    b = LLM("synth:tiny", ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=2).generate(
+        PROMPTS[0], max_tokens=24, ignore_eos=True)
+    assert a.sha256 == b.sha256
+
+
+def _check_table(cache):
+    """A table as the next step would get it: every address points at its expert, its host row or the slot that
+    holds it. (A table describes the cache when it was written: learning from the step after it moves experts.)"""
+    zc = cache.zero_copy
+    zc.begin_step()
+    table = zc.table.numpy()
+    slot = cache.residency.slot_of
+    for l in cache.layers:
+        for e in range(cache.n_experts):
+            a = int(table[l, e])
+            if a != zc.host_addr[l, e]:
+                s = (a - zc.pool_addr) // zc.row_bytes
+                assert slot[l, e] == s and tuple(cache.residency.owner[s]) == (l, e), (l, e)
+
+
+def test_address_table_points_at_each_experts_bytes_and_misses_become_hits():
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=1000)
+    eng, cache = llm.engine, llm.engine.host
+    eng.prefill(0, list(range(5, 25)))
+    reads = []
+    for pos in range(20, 32):                   # the same token again and again: the same routing every step
+        before = llm.stats()["total"]["host_reads"]
+        eng.decode([(0, 7, pos)])
+        _check_table(cache)
+        assert cache.zero_copy.pending is not None            # learned one step later, while the next one runs
+        reads.append(llm.stats()["total"]["host_reads"] - before)
+    assert reads[0] > 0                        # nothing of this token's routing had been seen before
+    assert reads[-1] == 0 and reads[-2] == 0    # a pool that holds them all: every step after the lag hits
+    st = llm.stats()["total"]                   # reading the counters learns from the last step too
+    assert cache.zero_copy.pending is None
+    assert st["host_read_bytes"] == st["host_reads"] * cache.store.expert_bytes
+
+
+def test_small_pool_keeps_cycling_and_counts_add_up():
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=1)     # 2 slots: fewer than one token's experts
+    llm.generate(PROMPTS[0], max_tokens=12, ignore_eos=True)
+    st = llm.stats()
+    _check_table(llm.engine.host)
+    llm.engine.host.residency.check()
+    for key in ("hits", "misses", "host_reads", "uploaded_bytes"):
+        assert sum(v[key] for v in st["per_layer"].values()) == st["total"][key]
+    assert st["total"]["host_reads"] > 0
+
+
+def test_routing_of_zero_copy_steps_reaches_the_callback():
+    """The trace recorder and the server's slot statistics see each decode step's routing (reported after the
+    step is queued)."""
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=3)
+    seen = []
+    llm.engine.model.on_route = lambda layer, ids, guess=None: seen.append((layer, tuple(ids.shape)))
+    eng = llm.engine
+    eng.prefill(0, list(range(5, 15)))
+    n_prompt = len(seen)
+    eng.decode([(0, 3, 10)])
+    k = llm.model_config.n_experts_used
+    assert seen[n_prompt:] == [(l, (1, k)) for l in llm.model_config.moe_layers]
