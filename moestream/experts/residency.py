@@ -94,6 +94,15 @@ class Residency:
         self.policy.touch(slots)
         return plan
 
+    def evict(self, slots: np.ndarray) -> list[tuple[int, int]]:
+        """Empty these slots (owned, unpinned): the (layer, expert) pairs that lost their slot."""
+        gone = [(int(l), int(e)) for l, e in self.owner[slots]]
+        for l, e in gone:
+            self.slot_of[l, e] = -1
+        self.owner[slots] = -1
+        self.policy.forget(slots)
+        return gone
+
     def check(self) -> None:
         """Assert the invariants (for tests)."""
         ls, es = np.nonzero(self.slot_of >= 0)

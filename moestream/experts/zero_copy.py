@@ -10,16 +10,23 @@ link once, read in place by the kernel (kernels/decode.py), as an upload would. 
 step is queued, the host reads the previous step's routing back and runs the policy on it, uploading its misses on
 the copy stream behind the step in flight; an expert's address moves to its slot once its copy has landed.
 
-Why this is safe without pins: a table is written on the compute stream before its step, and copies for a step's
-misses wait for the step queued after it, so no step reads a slot while a copy overwrites it, and no table points
-at a slot before its copy has completed.
+Why this is safe without pins: a table is written on the compute stream before its step and points only at slots
+whose copy has completed. The misses of step t are learned while step t+1 runs (step t has completed: its routing
+was read back). A copy into a slot that step t+1's table may point at waits for step t+1; a copy into one of the
+empty slots kept in reserve (emptied before step t+1's table was written) starts at once and lands, normally,
+before step t+2, whose table then points at it. So a miss is read in place by at most two steps, not three.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
 
 from ..models.moe import report_route
+from .residency import CacheTooSmall
+
+RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
 
 
 class ZeroCopyDecode:
@@ -91,16 +98,63 @@ class ZeroCopyDecode:
         return self.routed_host[:, :n_tokens * self.top_k].numpy().copy(), from_host
 
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, after) -> None:
-        """The policy and counters see one step's routing (L, T k); its misses are uploaded behind `after` (the
-        step now queued, which may read their victims), or at once when nothing is queued."""
+        """The policy and counters see one step's routing (L, T k); its misses are uploaded, in one batch on the
+        copy stream, behind `after` (the step now queued, which may read their victims), or at once when nothing
+        is queued. A pool smaller than one step's routed experts of every host layer uploads nothing: each upload
+        would evict an expert the next step reads (the misses are read in place all the same)."""
+        t0 = time.perf_counter()
         c = self.cache
+        res, E = c.residency, c.n_experts
+        upload = c.n_slots >= len(c.layers) * routed.shape[1]
         c._mark_reads()                          # slots a prompt handed out are free once its compute has run
+        c._update_pins()
+        empty = set(np.flatnonzero(res.owner[:, 0] < 0).tolist()) if upload else set()
+        now, behind = [], []                     # copies into empty slots (unread), into evicted ones (read)
         for l in c.layers:
-            counts = np.bincount(routed[l], minlength=c.n_experts)
+            counts = np.bincount(routed[l], minlength=E)
             reads = int(counts[from_host[l]].sum())
-            if reads:
-                c.stats.record(l, host_reads=reads, host_read_bytes=reads * self.row_bytes)
             wanted = np.flatnonzero(counts).astype(np.int64)
             if len(c.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
-                wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:c.residency.region_size(l)]])
-            c._load_slots(l, wanted, compute_waits=False, after=after)
+                wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
+            if not upload:
+                slots = res.slot_of[l, wanted]
+                hit = slots >= 0
+                res.policy.touch(slots[hit])
+                c.stats.record(l, hits=int(hit.sum()), misses=int((~hit).sum()), host_reads=reads,
+                               host_read_bytes=reads * self.row_bytes)
+                continue
+            try:
+                plan = c.planner.plan(l, wanted)
+            except CacheTooSmall:                # a prompt's compute still reads its slots: let it finish
+                c.device.synchronize()
+                c._update_pins()
+                plan = c.planner.plan(l, wanted)
+            c.spec_flag[plan.slots] = False
+            src = c.store.rows[l]
+            for e, slot in plan.misses:
+                (now if slot in empty else behind).append((slot, c.pool[slot], src[e]))
+            c.stats.record(l, host_reads=reads, host_read_bytes=reads * self.row_bytes)
+        for batch, wait in ((now, None), (behind, after)):
+            if batch:
+                seq = c.queue.submit([(d, s) for _, d, s in batch], len(batch) * self.row_bytes, speculative=False,
+                                     after=wait)
+                c.ready[np.array([slot for slot, _, _ in batch], dtype=np.int64)] = seq
+        if upload:
+            self._keep_reserve()
+        per_layer = (time.perf_counter() - t0) / len(c.layers)
+        for l in c.layers:
+            c.stats.record(l, host_s=per_layer)
+
+    def _keep_reserve(self) -> None:
+        """Empty the least valued slots of each region until RESERVE are empty. The next step's table will not
+        point at them, so the misses learned while that step runs can be copied into them at once, and land
+        before the step after it, instead of queuing behind the step in flight."""
+        c = self.cache
+        res = c.residency
+        for a, b in sorted({res.bounds[l] for l in c.layers}):
+            keep = min(RESERVE, (b - a) // 8)
+            owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
+            need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
+            if need > 0 and len(owned) > need:
+                for l, _ in res.evict(res.policy.lowest(owned, need)):
+                    c.stats.record(l, evictions=1)
