@@ -224,3 +224,62 @@ def test_zero_copy_decode_hash_same_on_every_placement_and_cache():
         reads[str(kw)] = llm.stats()["total"]["host_reads"]
     assert len(hashes) == 1, hashes
     assert reads[str({"cpu_moe": True})] > reads[str({"cpu_moe": True, "moe_cache_mib": 100})] > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("norm", [True, False])
+def test_fused_qk_rope_kv_matches_the_eager_ops(norm):
+    """Head norms, rotary embedding and the cache writes of a decode step in one kernel, against layers.py's ops;
+    only each token's own (sequence, position) rows of the caches change."""
+    from moestream.kernels.fused import qk_rope_kv
+    from moestream.models.layers import apply_rope, rms_norm
+    T, nh, nkv, hd, n_seq, ctx, eps = 3, 8, 2, 128, 4, 64, 1e-6
+    qkv = torch.randn(T, (nh + 2 * nkv) * hd, device="cuda").to(torch.bfloat16)
+    qw, kw = (torch.rand(hd, device="cuda") + 0.5).to(torch.bfloat16), (torch.rand(hd, device="cuda") + 0.5).to(torch.bfloat16)
+    ang = torch.rand(T, hd // 2, device="cuda") * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16), torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
+    seq, pos = torch.tensor([2, 0, 3], device="cuda"), torch.tensor([5, 63, 0], device="cuda")
+    kc = torch.randn(n_seq, nkv, ctx, hd, device="cuda").to(torch.bfloat16)
+    vc = torch.randn_like(kc)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q = qk_rope_kv(qkv, torch.cat([qw, kw]) if norm else None, eps, cos, sin, kc, vc, seq, pos, nh, nkv)
+    rq, rk, rv = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+    rq, rk, rv = rq.view(T, nh, hd), rk.view(T, nkv, hd), rv.view(T, nkv, hd)
+    if norm:
+        rq, rk = rms_norm(rq.float(), qw.float(), eps), rms_norm(rk.float(), kw.float(), eps)
+    rq, rk = apply_rope(rq.float(), cos.float(), sin.float()), apply_rope(rk.float(), cos.float(), sin.float())
+    assert (q.float() - rq).abs().max() < 0.05 * rq.abs().max()
+    assert (kc[seq, :, pos].float() - rk).abs().max() < 0.05 * rk.abs().max()
+    assert torch.equal(vc[seq, :, pos], rv)
+    kc[seq, :, pos], vc[seq, :, pos] = kc0[seq, :, pos], vc0[seq, :, pos]
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)         # nothing else written
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,E,renorm", [(8, 128, True), (6, 60, True), (2, 8, False)])
+def test_fused_route_topk_matches_route(k, E, renorm):
+    from moestream.kernels.fused import route_topk
+    from moestream.models.moe import route
+    T, H = 5, 64
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    router = torch.randn(E, H, device="cuda").to(torch.bfloat16)
+    w, ids = route_topk(torch.nn.functional.linear(x, router), k, renorm, x.dtype)
+    rw, rids = route(x, router, k, renorm)
+    assert torch.equal(ids.sort(-1).values, rids.sort(-1).values)
+    order = ids.argsort(-1)
+    assert torch.allclose(w.gather(-1, order).float(), rw.gather(-1, rids.argsort(-1)).float(), rtol=1e-2, atol=1e-3)
+
+
+@needs_cuda
+def test_fused_decode_step_close_to_the_eager_ops():
+    """The first decode logits with the fused kernels against torch's ops (the same model and prompt)."""
+    def first(fused):
+        llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=128, device="cuda")
+        if not fused:
+            llm.engine.model.fused = None
+        eng = llm.engine
+        eng.prefill(0, list(range(3, 40)))
+        return eng.decode([(0, 11, 37)]).clone()
+    a, b = first(True), first(False)
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    assert int(a.argmax()) == int(b.argmax())

@@ -41,16 +41,21 @@ def report_route(on_route, layer: int, ids, guess=None) -> None:
 
 
 def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, on_route=None,
-              next_router: torch.Tensor | None = None):
+              next_router: torch.Tensor | None = None, fused=None):
     """The router half of the MoE block: (T, k) weights and ids, and the decode lookahead guess (or None).
 
     `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats), and the lookahead guess too
     (`on_route(layer, ids, guess)`) if it has `wants_guess`.
+    `fused` (kernels.fused, decode steps on CUDA): the softmax, top-k and renormalisation in one kernel.
     Lookahead: where the provider asks (or a trace being recorded, `on_route.wants_guess`), the next MoE layer's
     router applied to this layer's input guesses the next layer's experts, so their copies start before that
     layer's own routing is known.
     """
-    weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
+    if fused is not None:       # a decode step on CUDA: softmax, top-k and renormalise in one launch
+        weights, ids = fused.route_topk(F.linear(x, lw["ffn_gate_inp.weight"]), cfg.n_experts_used,
+                                        cfg.norm_topk_prob, x.dtype)
+    else:
+        weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
     wanted = next_router is not None and provider.wants_lookahead(layer, x.shape[0])
     guess = None
     if wanted or (next_router is not None and getattr(on_route, "wants_guess", False)):

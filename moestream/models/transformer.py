@@ -74,6 +74,10 @@ class MoETransformer:
         self.on_route = None            # callback(layer, ids, guess) for routing traces and statistics
         self.decode_kernel = None       # zero-copy decode: fn(x, addrs, weights, inter) for decode steps
         self.decode_max_tokens = 0      # ... of at most this many tokens
+        self.fused = None               # kernels.fused, for decode steps of at most decode_max_tokens (CUDA)
+        if cfg.qk_norm == "head":       # the fused decode kernel takes both head norms' weights in one tensor
+            for lw in self.layers:
+                lw["attn_qk_norm.weight"] = torch.cat([lw["attn_q_norm.weight"], lw["attn_k_norm.weight"]])
         moe = cfg.moe_layers            # the next MoE layer's router, for decode lookahead
         self.next_router = {a: self.layers[b]["ffn_gate_inp.weight"] for a, b in zip(moe, moe[1:])}
 
@@ -91,28 +95,39 @@ class MoETransformer:
         (layer, ids, guess), so a caller can do host work (the expert cache's decisions) between device segments;
         the logits are its return value. Each segment between pauses can then be a captured CUDA graph."""
         cfg = self.cfg
-        by_address = self.decode_kernel if (batch.is_decode and len(batch.segments) <= self.decode_max_tokens) else None
+        small = batch.is_decode and len(batch.segments) <= self.decode_max_tokens
+        by_address = self.decode_kernel if small else None
+        fused = self.fused if small else None
         h = self.w["token_embd.weight"][batch.tokens]                        # (T, H)
         cos = self.cos[batch.positions].to(h.dtype)                          # (T, hd)
         sin = self.sin[batch.positions].to(h.dtype)
+        mask = None
+        if batch.is_decode:             # the keys each token attends: one mask for every layer
+            n = batch.kv_len or kv.ctx
+            mask = torch.arange(n, device=h.device)[None, :] <= batch.positions[:, None]      # (B, n)
         for i, lw in enumerate(self.layers):
             a = rms_norm(h, lw["attn_norm.weight"], cfg.rms_norm_eps)
-            h = h + self.attention(a, lw, i, batch, kv, cos, sin)
+            h = h + self.attention(a, lw, i, batch, kv, cos, sin, mask, fused)
             m = rms_norm(h, lw["ffn_norm.weight"], cfg.rms_norm_eps)
             if i in cfg.dense_layers:
                 h = h + swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
             else:
-                weights, ids, guess = moe_route(m, lw, i, cfg, experts, self.on_route, self.next_router.get(i))
+                weights, ids, guess = moe_route(m, lw, i, cfg, experts, self.on_route, self.next_router.get(i), fused)
                 if i in split:
                     yield i, ids, guess
                 h = h + moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address)
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                             # (R, V)
 
-    def attention(self, x, lw, layer, batch: Batch, kv, cos, sin) -> torch.Tensor:
+    def attention(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
         qkv = F.linear(x, lw["attn_qkv.weight"], lw.get("attn_qkv.bias"))   # (T, (nh + 2 nkv) hd)
+        if fused is not None and cfg.qk_norm in (None, "head") and not cfg.clip_qkv:
+            q = fused.qk_rope_kv(qkv, lw.get("attn_qk_norm.weight"), cfg.rms_norm_eps, cos, sin, kv.k[layer],
+                                 kv.v[layer], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads)
+            o = self._attend(q, layer, batch, kv, mask)
+            return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
         q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
                              cfg.n_kv_heads * cfg.head_dim], dim=-1)
         if cfg.qk_norm == "full":
@@ -128,11 +143,12 @@ class MoETransformer:
             k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(layer, batch.seq_ids, batch.positions, k, v)
-        o = self._attend(q, layer, batch, kv)                                # (T, nh, hd)
+        o = self._attend(q, layer, batch, kv, mask)                          # (T, nh, hd)
         return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
 
-    def _attend(self, q, layer, batch: Batch, kv) -> torch.Tensor:
-        """q (T, nh, hd) against each token's own sequence's cache, up to and including its position."""
+    def _attend(self, q, layer, batch: Batch, kv, mask=None) -> torch.Tensor:
+        """q (T, nh, hd) against each token's own sequence's cache, up to and including its position (decode:
+        `mask` (B, n) says which of the first n keys each token attends)."""
         keys, values = kv.k[layer], kv.v[layer]                              # (n_seq, nkv, ctx, hd)
         if batch.is_decode:
             # The whole context, masked, in eager and captured decodes alike: the same shapes give the same bits.
@@ -141,7 +157,6 @@ class MoETransformer:
                 kk, vv = keys[:, :, :n], values[:, :, :n]                    # (1, nkv, n, hd)
             else:
                 kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]   # (B, nkv, n, hd)
-            mask = torch.arange(n, device=q.device)[None, :] <= batch.positions[:, None]   # (B, n)
             return decode_attention(q, kk, vv, mask)                         # (B, nh, hd)
         outs, r = [], 0
         for s in batch.segments:

@@ -47,6 +47,9 @@ class Engine:
         # placement alike (so a cached decode gives the all-GPU bits).
         model.decode_kernel = pick_decode_kernel(ecfg.zero_copy_decode, device.torch, self.dtype, self.book)
         model.decode_max_tokens = MAX_TOKENS
+        from ..kernels import fused
+        if fused.fused_available(device.torch, self.dtype, cfg.head_dim):
+            model.fused = fused             # decode steps: norms, rotary, cache writes and top-k fused
         self.graphs = self.host_graphs = None
         self._setup_host_graphs()
 

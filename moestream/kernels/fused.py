@@ -1,0 +1,114 @@
+"""Fused decode-step kernels (Triton, CUDA): what a decode token runs between its GEMMs, in one launch each.
+
+    q = qk_rope_kv(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
+    weights, ids = route_topk(logits, k, renormalise, dtype)
+
+A decode token's layer is a few GEMVs and a few dozen tiny kernels (norms, rotary embedding, cache writes, softmax,
+top-k), each a few microseconds for almost no bytes; these two kernels replace sixteen of them. They compute in
+float32 and round once, so their bits differ from the eager ops they replace (models/layers.py, models/moe.py,
+their oracles in tests/test_cuda.py); every placement of the experts uses them alike for decode steps, so a cached
+decode still gives the all-GPU bits.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+if triton is not None:
+    @triton.jit
+    def _qk_rope_kv(qkv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, eps,
+                    NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, CTX: tl.constexpr,
+                    NORM: tl.constexpr):
+        """Program (t, head): a query or key head normalised (NORM; w: the q then the k norm weights) and rotated
+        (NEOX halves), the key into the cache at (seq, head, pos); a value head copied into the cache."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        half: tl.constexpr = HD // 2
+        i = tl.arange(0, half)
+        row = qkv_ptr + t * (NH + 2 * NKV) * HD + h * HD
+        seq = tl.load(seq_ptr + t)
+        pos = tl.load(pos_ptr + t)
+        if h >= NH + NKV:                                   # a value head: into the cache as it is
+            dst = vc_ptr + ((seq * NKV + (h - NH - NKV)) * CTX + pos) * HD
+            tl.store(dst + i, tl.load(row + i))
+            tl.store(dst + half + i, tl.load(row + half + i))
+        else:
+            x1 = tl.load(row + i).to(tl.float32)
+            x2 = tl.load(row + half + i).to(tl.float32)
+            if NORM:
+                w = w_ptr + (h >= NH).to(tl.int32) * HD
+                r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
+                x1 = x1 * r * tl.load(w + i).to(tl.float32)
+                x2 = x2 * r * tl.load(w + half + i).to(tl.float32)
+            c1 = tl.load(cos_ptr + t * HD + i).to(tl.float32)
+            c2 = tl.load(cos_ptr + t * HD + half + i).to(tl.float32)
+            s1 = tl.load(sin_ptr + t * HD + i).to(tl.float32)
+            s2 = tl.load(sin_ptr + t * HD + half + i).to(tl.float32)
+            o1 = x1 * c1 - x2 * s1
+            o2 = x2 * c2 + x1 * s2
+            if h < NH:
+                dst = q_ptr + (t * NH + h) * HD
+            else:
+                dst = kc_ptr + ((seq * NKV + (h - NH)) * CTX + pos) * HD
+            tl.store(dst + i, o1.to(q_ptr.dtype.element_ty))
+            tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _route_topk(logit_ptr, w_ptr, id_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr, RENORM: tl.constexpr):
+        """Program t: softmax over the E logits in float32, the K largest (ties to the lower id), renormalised."""
+        t = tl.program_id(0)
+        e = tl.arange(0, EP)
+        x = tl.load(logit_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(e < E, p, -1.0)
+        j = tl.arange(0, KP)
+        ws = tl.zeros([KP], dtype=tl.float32)
+        ids = tl.zeros([KP], dtype=tl.int64)
+        for n in tl.static_range(K):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, e, EP), axis=0)
+            ws = tl.where(j == n, best, ws)
+            ids = tl.where(j == n, idx.to(tl.int64), ids)
+            p = tl.where(e == idx, -1.0, p)
+        if RENORM:
+            ws = ws / tl.sum(ws, axis=0)
+        tl.store(w_ptr + t * K + j, ws.to(w_ptr.dtype.element_ty), mask=j < K)
+        tl.store(id_ptr + t * K + j, ids, mask=j < K)
+
+
+def fused_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
+
+
+def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+               nh: int, nkv: int) -> torch.Tensor:
+    """qkv (T, (nh + 2 nkv) hd) -> q (T, nh, hd), each head RMS-normalised (qk_norm: the q then the k weights,
+    (2 hd,); None: no norm) and rotated by cos, sin (T, hd); k and v written to the caches (n_seq, nkv, ctx, hd)
+    at each token's (sequence, position)."""
+    T = qkv.shape[0]
+    hd = k_cache.shape[-1]
+    q = torch.empty(T, nh, hd, dtype=qkv.dtype, device=qkv.device)
+    norm = qk_norm is not None
+    _qk_rope_kv[(T, nh + 2 * nkv)](qkv, qk_norm if norm else qkv, cos, sin, q, k_cache, v_cache, seq_ids,
+                                   positions, eps, nh, nkv, hd, k_cache.shape[2], norm, num_warps=1)
+    return q
+
+
+def route_topk(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype):
+    """logits (T, E) -> (T, k) weights (dtype) and int64 ids: softmax, top-k, optionally renormalised."""
+    T, E = logits.shape
+    w = torch.empty(T, k, dtype=dtype, device=logits.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    _route_topk[(T,)](logits, w, ids, E, triton.next_power_of_2(E), k, triton.next_power_of_2(k), renormalise,
+                      num_warps=1)
+    return w, ids
