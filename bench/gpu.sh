@@ -86,12 +86,13 @@ kernel)
 zc)
   # Zero-copy decode: cuda tests, the kernel's block shapes, decode on the reference model all-GPU and cached.
   python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
-  timeout 150 python3 bench/decode_kernel.py --sweep > "$OUT/decode_kernel.log" 2>&1; head -6 "$OUT/decode_kernel.log"; sort -t: -k2 -n "$OUT/decode_kernel.log" | grep gate_up | head -5
+  [ -n "${SWEEP:-}" ] && { timeout 150 python3 bench/decode_kernel.py --sweep > "$OUT/decode_kernel.log" 2>&1; head -6 "$OUT/decode_kernel.log"; sort -t: -k2 -n "$OUT/decode_kernel.log" | grep gate_up | head -5; }
+  timeout 120 python3 bench/profile_decode.py synth:qwen3-30b-a3b:layers=4 > "$OUT/profile_decode.log" 2>&1; head -36 "$OUT/profile_decode.log"
   REF=/tmp/ref.gguf
   [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
   B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2"
   timeout 60 python3 -m moestream bench $B 2>&1 | tee "$OUT/zc_gpu.md"
-  timeout 150 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 0,8000,16000,24000 2>&1 | tee "$OUT/zc_cache.md"
+  timeout 150 python3 -m moestream bench $B --cpu-moe --moe-cache-mib ${SIZES:-0,8000,16000,24000} 2>&1 | tee "$OUT/zc_cache.md"
   timeout 60 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 --no-zero-copy-decode 2>&1 | tee "$OUT/zc_off.md"
   ;;
 probe)
