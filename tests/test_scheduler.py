@@ -164,3 +164,23 @@ def test_host_experts_batched_and_their_counters_in_metrics(ref):
     m.set_engine_stats({"uploaded_bytes": 7})                  # an engine before the cache: what it has
     text = m.render().decode()
     assert "moestream_expert_uploaded_bytes_total 7.0" in text and "cache_misses" not in text
+
+
+def test_zero_copy_decode_batched_keeps_results_and_slot_routing(ref):
+    """Zero-copy decode (experts read in place, the cache learning one step later) under the scheduler: batched
+    results equal each request alone, and each slot's routing counts are its own request's, step for step."""
+    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=2, cpu_moe=True, moe_cache_mib=12, zero_copy_decode=True)
+    s = Scheduler(llm, n_slots=2, max_queue=4)
+    s.start()
+    try:
+        prompts = [ref.encode("Once upon a time there was"), ref.encode("Light travels about")]
+        results, reqs = run(s, prompts, max_tokens=10)
+        info = s.call(s.slots_info).result(10)
+        for (_, _, res), req, prompt in zip(results, reqs, prompts):
+            want, ids = reference_routing(ref, prompt, 10)
+            assert res.token_ids == ids
+            slot = next(i["id"] for i in info if i["id_task"] == req.id)
+            assert np.array_equal(s.call(lambda: s.routing.current(slot)).result(10), want)
+        assert s.call(llm.stats).result(10)["total"]["host_reads"] > 0
+    finally:
+        s.stop()

@@ -60,8 +60,8 @@ class SlotRouting:
         return out
 
     def _on_route(self, layer: int, ids: torch.Tensor, guess: torch.Tensor | None = None) -> None:
-        if self._owner is not None:
-            self._routed.append((layer, ids))
+        if self._owner is not None:          # (host decode graphs report host tensors)
+            self._routed.append((layer, ids.to(self.counts.device, non_blocking=True)))
         if self._chained is not None:
             self._chained(layer, ids, guess)
 
