@@ -283,3 +283,22 @@ def test_fused_decode_step_close_to_the_eager_ops():
     a, b = first(True), first(False)
     assert (a - b).abs().max() < 0.05 * b.abs().max()
     assert int(a.argmax()) == int(b.argmax())
+
+
+@needs_cuda
+@pytest.mark.parametrize("nh,nkv,hd,n", [(32, 4, 128, 256), (8, 2, 64, 1024), (4, 4, 128, 256)])
+def test_fused_decode_attention_matches_the_two_matmuls(nh, nkv, hd, n):
+    """Split over chunks of keys and merged, against layers.decode_attention (float32 softmax), for tokens of
+    several sequences at positions inside the first chunk, at a chunk's edge and at the end of the span."""
+    from moestream.kernels.fused import decode_attention as fused_attention
+    from moestream.models.layers import decode_attention
+    n_seq, ctx = 3, 2048
+    kc = torch.randn(n_seq, nkv, ctx, hd, device="cuda").to(torch.bfloat16)
+    vc = torch.randn_like(kc)
+    seq = torch.tensor([1, 0, 2, 1], device="cuda")
+    pos = torch.tensor([0, 63, n - 1, 100], device="cuda")
+    q = torch.randn(4, nh, hd, device="cuda").to(torch.bfloat16)
+    out = fused_attention(q, kc, vc, seq, pos, n)
+    mask = torch.arange(n, device="cuda")[None, :] <= pos[:, None]
+    ref = decode_attention(q, kc[seq, :, :n], vc[seq, :, :n], mask)
+    assert (out.float() - ref.float()).abs().max() < 0.02 * ref.float().abs().max()

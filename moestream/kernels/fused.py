@@ -83,6 +83,56 @@ if triton is not None:
         tl.store(w_ptr + t * K + j, ws.to(w_ptr.dtype.element_ty), mask=j < K)
         tl.store(id_ptr + t * K + j, ids, mask=j < K)
 
+    @triton.jit
+    def _attn_split(q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, scale,
+                    NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, CTX: tl.constexpr, G: tl.constexpr,
+                    GP: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
+        """Program (b, kv head, split): the G query heads sharing the kv head against keys [split * CHUNK, + CHUNK)
+        up to the token's position: the chunk's max score, sum of exponentials and unnormalised output."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        seq = tl.load(seq_ptr + b)
+        pos = tl.load(pos_ptr + b)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
+        keys = s * CHUNK + tl.arange(0, CHUNK)
+        kmask = keys <= pos
+        q = tl.load(q_ptr + (b * NH + kvh * G + g[:, None]) * HD + d[None, :], mask=(g < G)[:, None], other=0.0)
+        rows = ((seq * NKV + kvh) * CTX + keys) * HD
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kmask[:, None], other=0.0)          # (CHUNK, HD)
+        scores = tl.dot(q, tl.trans(k)) * scale                                                   # (GP, CHUNK)
+        scores = tl.where(kmask[None, :], scores, float("-inf"))
+        m = tl.max(scores, axis=1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.exp(scores - m_safe[:, None])
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kmask[:, None], other=0.0)          # (CHUNK, HD)
+        o = tl.dot(p.to(v.dtype), v)                                                             # (GP, HD)
+        part = (b * NKV + kvh) * SPLITS + s
+        tl.store(pm_ptr + part * GP + g, m)
+        tl.store(pl_ptr + part * GP + g, tl.sum(p, axis=1))
+        tl.store(po_ptr + (part * GP + g[:, None]) * HD + d[None, :], o)
+
+    @triton.jit
+    def _attn_combine(po_ptr, pm_ptr, pl_ptr, out_ptr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+                      G: tl.constexpr, GP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+        """Program (b, query head): the splits' partial softmaxes merged, in split order."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // G
+        g = h % G
+        sp = tl.arange(0, SP)
+        d = tl.arange(0, HD)
+        part = (b * NKV + kvh) * SPLITS + sp
+        ok = sp < SPLITS
+        m = tl.load(pm_ptr + part * GP + g, mask=ok, other=float("-inf"))
+        l = tl.load(pl_ptr + part * GP + g, mask=ok, other=0.0)
+        o = tl.load(po_ptr + (part * GP + g)[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
+        big = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))
+        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * l, axis=0)
+        tl.store(out_ptr + (b * NH + h) * HD + d, out.to(out_ptr.dtype.element_ty))
+
 
 def fused_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
@@ -102,6 +152,31 @@ def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos:
     _qk_rope_kv[(T, nh + 2 * nkv)](qkv, qk_norm if norm else qkv, cos, sin, q, k_cache, v_cache, seq_ids,
                                    positions, eps, nh, nkv, hd, k_cache.shape[2], norm, num_warps=1)
     return q
+
+
+ATTN_CHUNK = 64               # keys per program of a decode step's attention (the span is a power of two >= 256)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+                     positions: torch.Tensor, n: int) -> torch.Tensor:
+    """q (B, nh, hd) against the first n keys of each token's sequence in the caches (n_seq, nkv, ctx, hd), up to
+    and including its position -> (B, nh, hd). Split over chunks of keys (flash-decoding): one launch computes
+    every chunk's partial softmax, a second merges them; float32 scores and sums, the probabilities rounded to the
+    cache's dtype for the product with the values (as flash attention does)."""
+    B, nh, hd = q.shape
+    nkv, ctx = k_cache.shape[1], k_cache.shape[2]
+    G = nh // nkv
+    GP = max(16, triton.next_power_of_2(G))
+    splits = triton.cdiv(n, ATTN_CHUNK)
+    po = torch.empty(B * nkv * splits * GP, hd, dtype=torch.float32, device=q.device)
+    pm = torch.empty(B * nkv * splits * GP, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    _attn_split[(B, nkv, splits)](q.contiguous(), k_cache, v_cache, seq_ids, positions, po, pm, pl, hd ** -0.5,
+                                  nh, nkv, hd, ctx, G, GP, ATTN_CHUNK, splits, num_warps=4)
+    out = torch.empty_like(q)
+    _attn_combine[(B, nh)](po, pm, pl, out, nh, nkv, hd, G, GP, splits, triton.next_power_of_2(splits),
+                           num_warps=4)
+    return out
 
 
 def route_topk(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype):

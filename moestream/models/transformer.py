@@ -126,7 +126,8 @@ class MoETransformer:
         if fused is not None and cfg.qk_norm in (None, "head") and not cfg.clip_qkv:
             q = fused.qk_rope_kv(qkv, lw.get("attn_qk_norm.weight"), cfg.rms_norm_eps, cos, sin, kv.k[layer],
                                  kv.v[layer], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads)
-            o = self._attend(q, layer, batch, kv, mask)
+            n = batch.kv_len or kv.ctx
+            o = fused.decode_attention(q, kv.k[layer], kv.v[layer], batch.seq_ids, batch.positions, n)
             return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
         q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
                              cfg.n_kv_heads * cfg.head_dim], dim=-1)
