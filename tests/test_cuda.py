@@ -302,3 +302,15 @@ def test_fused_decode_attention_matches_the_two_matmuls(nh, nkv, hd, n):
     mask = torch.arange(n, device="cuda")[None, :] <= pos[:, None]
     ref = decode_attention(q, kc[seq, :, :n], vc[seq, :, :n], mask)
     assert (out.float() - ref.float()).abs().max() < 0.02 * ref.float().abs().max()
+
+
+@needs_cuda
+def test_fused_add_rms_norm_matches_the_two_ops():
+    from moestream.kernels.fused import add_rms_norm
+    from moestream.models.layers import rms_norm
+    h, d = (torch.randn(3, 2048, device="cuda").to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(2048, device="cuda") + 0.5).to(torch.bfloat16)
+    new_h, normed = add_rms_norm(h, d, w, 1e-6)
+    assert torch.equal(new_h, h + d)                      # the residual stream keeps torch's bits
+    ref = rms_norm(h + d, w, 1e-6)
+    assert (normed.float() - ref.float()).abs().max() < 0.02 * ref.float().abs().max()

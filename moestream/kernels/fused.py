@@ -1,13 +1,15 @@
 """Fused decode-step kernels (Triton, CUDA): what a decode token runs between its GEMMs, in one launch each.
 
-    q = qk_rope_kv(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
+    q = qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
+    o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n)
     weights, ids = route_topk(logits, k, renormalise, dtype)
+    h, normed = add_rms_norm(h, delta, w, eps)
 
-A decode token's layer is a few GEMVs and a few dozen tiny kernels (norms, rotary embedding, cache writes, softmax,
-top-k), each a few microseconds for almost no bytes; these two kernels replace sixteen of them. They compute in
-float32 and round once, so their bits differ from the eager ops they replace (models/layers.py, models/moe.py,
-their oracles in tests/test_cuda.py); every placement of the experts uses them alike for decode steps, so a cached
-decode still gives the all-GPU bits.
+A decode token's layer is a few GEMVs and a few dozen tiny kernels (norms, rotary embedding, cache writes, the
+attention's matmuls, masks and softmax, top-k), each a few microseconds for almost no bytes; these kernels replace
+about thirty of them per layer. They compute in float32 and round once, so their bits differ from the eager ops
+they replace (models/layers.py, models/moe.py: their oracles in tests/test_cuda.py); every placement of the
+experts uses them alike for decode steps, so a cached decode still gives the all-GPU bits.
 """
 from __future__ import annotations
 
@@ -133,6 +135,19 @@ if triton is not None:
         out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * l, axis=0)
         tl.store(out_ptr + (b * NH + h) * HD + d, out.to(out_ptr.dtype.element_ty))
 
+    @triton.jit
+    def _add_rms_norm(h_ptr, d_ptr, w_ptr, hout_ptr, nout_ptr, eps, H: tl.constexpr, HP: tl.constexpr):
+        """Program t: s = h + d rounded to h's dtype (the new residual stream), and RMSNorm(s) * w."""
+        t = tl.program_id(0)
+        i = tl.arange(0, HP)
+        ok = i < H
+        s = tl.load(h_ptr + t * H + i, mask=ok, other=0.0) + tl.load(d_ptr + t * H + i, mask=ok, other=0.0)
+        tl.store(hout_ptr + t * H + i, s, mask=ok)
+        x = s.to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        y = x * r * tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        tl.store(nout_ptr + t * H + i, y.to(nout_ptr.dtype.element_ty), mask=ok)
+
 
 def fused_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
@@ -152,6 +167,14 @@ def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos:
     _qk_rope_kv[(T, nh + 2 * nkv)](qkv, qk_norm if norm else qkv, cos, sin, q, k_cache, v_cache, seq_ids,
                                    positions, eps, nh, nkv, hd, k_cache.shape[2], norm, num_warps=1)
     return q
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
+    """(h + delta, RMSNorm(h + delta) * w) for h, delta (T, H): one launch."""
+    T, H = h.shape
+    h_new, normed = torch.empty_like(h), torch.empty_like(h)
+    _add_rms_norm[(T,)](h, delta.contiguous(), w, h_new, normed, eps, H, triton.next_power_of_2(H), num_warps=4)
+    return h_new, normed
 
 
 ATTN_CHUNK = 64               # keys per program of a decode step's attention (the span is a power of two >= 256)

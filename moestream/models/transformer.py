@@ -102,22 +102,33 @@ class MoETransformer:
         cos = self.cos[batch.positions].to(h.dtype)                          # (T, hd)
         sin = self.sin[batch.positions].to(h.dtype)
         mask = None
-        if batch.is_decode:             # the keys each token attends: one mask for every layer
+        if batch.is_decode and fused is None:       # the keys each token attends: one mask for every layer
             n = batch.kv_len or kv.ctx
             mask = torch.arange(n, device=h.device)[None, :] <= batch.positions[:, None]      # (B, n)
+        delta = None                    # the last block's output, not yet added to the residual stream h
         for i, lw in enumerate(self.layers):
-            a = rms_norm(h, lw["attn_norm.weight"], cfg.rms_norm_eps)
-            h = h + self.attention(a, lw, i, batch, kv, cos, sin, mask, fused)
-            m = rms_norm(h, lw["ffn_norm.weight"], cfg.rms_norm_eps)
+            h, a = self._add_norm(h, delta, lw["attn_norm.weight"], fused)
+            delta = self.attention(a, lw, i, batch, kv, cos, sin, mask, fused)
+            h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
             if i in cfg.dense_layers:
-                h = h + swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
+                delta = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
             else:
                 weights, ids, guess = moe_route(m, lw, i, cfg, experts, self.on_route, self.next_router.get(i), fused)
                 if i in split:
                     yield i, ids, guess
-                h = h + moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address)
+                delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address)
+        h = h + delta
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                             # (R, V)
+
+    def _add_norm(self, h, delta, w, fused):
+        """h + delta (the residual stream) and its RMSNorm: one kernel in a fused decode step."""
+        if delta is None:
+            return h, rms_norm(h, w, self.cfg.rms_norm_eps)
+        if fused is not None:
+            return fused.add_rms_norm(h, delta, w, self.cfg.rms_norm_eps)
+        h = h + delta
+        return h, rms_norm(h, w, self.cfg.rms_norm_eps)
 
     def attention(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
         cfg = self.cfg
