@@ -131,3 +131,29 @@ def test_cache_under_zero_copy_keeps_its_invariants_and_a_reserve_of_empty_slots
                 assert (cache.residency.owner[a:b, 0] < 0).sum() >= min(RESERVE, (b - a) // 8)
     st = llm.stats()["total"]
     assert st["evictions"] > 0 and st["host_reads"] > 0
+
+
+def test_a_pool_smaller_than_a_step_keeps_each_layers_hottest_experts():
+    """8 layers x 4 routed > 16 slots: decode uploads nothing it would evict at the next step; each layer keeps
+    its most routed experts of recent steps in an equal share of the pool, and the greedy tokens do not change."""
+    spec = "synth:tiny:layers=8"
+    want = LLM(spec, **KW).generate(PROMPTS[0], max_tokens=30, ignore_eos=True).sha256
+    llm = LLM(spec, **KW, cpu_moe=True, moe_cache_mib=0)
+    eng, cache = llm.engine, llm.engine.host
+    assert cache.n_slots < len(cache.layers) * llm.model_config.n_experts_used
+    assert llm.generate(PROMPTS[0], max_tokens=30, ignore_eos=True).sha256 == want
+    eng.prefill(0, list(range(5, 25)))
+    reads = []
+    for pos in range(20, 50):                   # the same token: nearly the same routing every step
+        before = llm.stats()["total"]["host_reads"]
+        eng.decode([(0, 7, pos)])
+        reads.append(llm.stats()["total"]["host_reads"] - before)
+        _check_table(cache)
+        cache.residency.check()
+    share = cache.n_slots // len(cache.layers)
+    for l in cache.layers:                      # each layer holds at most its share, and its hottest experts
+        held = cache.residency.resident(l)
+        assert len(held) <= share
+        top = np.argsort(-cache.zero_copy.freq[l], kind="stable")[:share]
+        assert set(held.tolist()) <= set(top.tolist())
+    assert reads[-1] < reads[0]

@@ -27,6 +27,8 @@ from ..models.moe import report_route
 from .residency import CacheTooSmall
 
 RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
+FREQ_DECAY = 0.98          # per step, of the routing counts a too-small pool keeps its hottest experts by
+FILL_PER_STEP = 16         # ... uploading at most this many a step
 
 
 class ZeroCopyDecode:
@@ -44,6 +46,7 @@ class ZeroCopyDecode:
         self.routed_host = dev.pinned_empty((L, max_tokens * top_k), torch.int64)
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # (n_tokens, event, from_host) of a step not learned yet
+        self.freq = np.zeros((L, E))                        # decayed decode routings (a pool too small to learn)
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids (T, k) -> (T, k) addresses; keeps the ids for the host (graph-safe: device copies only)."""
@@ -117,6 +120,7 @@ class ZeroCopyDecode:
             if len(c.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
             if not upload:
+                self.freq[l] = self.freq[l] * FREQ_DECAY + counts
                 slots = res.slot_of[l, wanted]
                 hit = slots >= 0
                 res.policy.touch(slots[hit])
@@ -141,6 +145,8 @@ class ZeroCopyDecode:
                 c.ready[np.array([slot for slot, _, _ in batch], dtype=np.int64)] = seq
         if upload:
             self._keep_reserve()
+        else:
+            self._keep_hottest(empty_before=set(np.flatnonzero(res.owner[:, 0] < 0).tolist()), after=after)
         per_layer = (time.perf_counter() - t0) / len(c.layers)
         for l in c.layers:
             c.stats.record(l, host_s=per_layer)
@@ -158,3 +164,45 @@ class ZeroCopyDecode:
             if need > 0 and len(owned) > need:
                 for l, _ in res.evict(res.policy.lowest(owned, need)):
                     c.stats.record(l, evictions=1)
+
+    def _keep_hottest(self, empty_before: set, after) -> None:
+        """A pool smaller than one step's routed experts: give each layer an equal share of its region and keep
+        there its most routed experts of recent steps (decayed counts), uploading at most FILL_PER_STEP a step.
+        On a skewed routing a few experts per layer take a large part of the routings (REFERENCE.md: the top 10%
+        take 81%), so a pool of one layer's size still saves much of the link."""
+        c = self.cache
+        res = c.residency
+        desired = np.zeros(self.freq.shape, dtype=bool)
+        share = {}
+        for l in c.layers:
+            share[l] = res.region_size(l) // sum(1 for m in c.layers if res.bounds[m] == res.bounds[l])
+            top = np.argsort(-self.freq[l], kind="stable")[:share[l]]
+            desired[l, top[self.freq[l, top] >= 1.0]] = True
+        want = [(self.freq[l, e], l, e) for l in c.layers for e in np.flatnonzero(desired[l] & (res.slot_of[l] < 0))]
+        want.sort(key=lambda w: -w[0])
+        now, behind = [], []
+        for _, l, e in want[:FILL_PER_STEP]:
+            a, b = res.bounds[l]
+            own = res.owner[a:b]
+            taken = own[:, 0] >= 0
+            keep = np.zeros(b - a, dtype=bool)
+            keep[taken] = desired[own[taken, 0], own[taken, 1]]
+            free = a + np.flatnonzero(~keep & ~res.pinned[a:b])
+            if not len(free):
+                continue
+            slot = int(free[0])
+            if res.owner[slot, 0] >= 0:
+                for old_l, _ in res.evict(np.array([slot])):
+                    c.stats.record(old_l, evictions=1)
+            try:
+                res.ensure(l, np.array([e]))         # takes the lowest empty slot of the region: `slot` or one
+            except CacheTooSmall:                    # emptied earlier
+                continue
+            slot = int(res.slot_of[l, e])
+            (now if slot in empty_before else behind).append((slot, c.pool[slot], c.store.rows[l][e]))
+            c.stats.record(l, uploaded_bytes=self.row_bytes, copies=1)
+        for batch, wait in ((now, None), (behind, after)):
+            if batch:
+                seq = c.queue.submit([(d, s) for _, d, s in batch], len(batch) * self.row_bytes, speculative=False,
+                                     after=wait)
+                c.ready[np.array([slot for slot, _, _ in batch], dtype=np.int64)] = seq
