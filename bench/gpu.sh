@@ -10,8 +10,9 @@
 #   bash bench/gpu.sh rest       the prefetch rows the final run left out, and a routing trace with lookahead guesses
 #   bash bench/gpu.sh probe      cuda tests; bench/probe.py: determinism across processes and cache settings, host
 #                                time per layer, prompt lookahead, host decode graphs, a routing trace, a profile
-#   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, determinism, greedy hashes, `moestream bench` all on
-#                                the GPU and with caches of 0 / 8000 / 16000 / 24000 MiB, KL divergence, prefetch switches
+#   bash bench/gpu.sh zc         zero-copy decode: cuda tests, the decode profile, decode on the reference model
+#   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
+#                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,27 +45,19 @@ serve)
   python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_load.md"
   ;;
 final)
-  # One run for the closing figures: cuda tests, determinism across processes, the greedy hash under every cache
-  # setting (all-GPU hash in probe_gpu_f.json), the bench rows, the KL divergence of a cached run against all-GPU.
-  # Each step's logs go into final.tar as soon as it ends (at most 8 files come back, even from a run cut short).
+  # RESULTS.md's run (one call, < 10 minutes): cuda tests, then `moestream bench` all on the GPU and with caches of
+  # 0 / 8000 / 16000 / 24000 MiB (the hash column: one greedy decode per row, the same prompt in every process),
+  # then the prefetch and decode switches at 16000 MiB. Each log goes into final.tar as soon as it is written.
   keep() { (cd "$OUT" && tar rf final.tar "$@" && rm -f "$@"); }
   python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"; keep cuda_tests.log
   REF=/tmp/ref.gguf
   [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  PROBE_TAG=_f timeout 150 python3 bench/probe.py $REF "$OUT" gpu > "$OUT/probe_gpu.log" 2>&1; grep tg64 "$OUT/probe_gpu.log"
-  python3 -c "import json; d=json.load(open('$OUT/probe_gpu_f.json')); print({k: (v['decode_eager'], v.get('decode_graphs')) for k, v in d.items()})"
-  keep probe_gpu.log probe_gpu_f.json
-  timeout 150 python3 bench/probe.py $REF "$OUT" hashes 2>&1 | grep -v Warn > "$OUT/hashes.log"; cat "$OUT/hashes.log"; keep hashes.log probe_hashes.json
-  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2"
-  timeout 150 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 0,8000,16000,24000 --plot "$OUT/sweep.png" > "$OUT/bench_cache.md" 2>&1; cat "$OUT/bench_cache.md"; keep bench_cache.md
-  timeout 80 python3 -m moestream bench $B > "$OUT/bench_gpu.md" 2>&1; cat "$OUT/bench_gpu.md"; keep bench_gpu.md
-  python3 -c "import random; random.seed(7); print(' '.join(str(random.randrange(151936)) for _ in range(2048)))" > /tmp/ids.txt
-  timeout 80 python3 -m moestream perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --kl-divergence-base /tmp/base.kld > "$OUT/ppl.txt" 2>&1
-  timeout 90 python3 -m moestream perplexity -m $REF -f /tmp/ids.txt -c 512 --chunks 4 --cpu-moe --moe-cache-mib 8000 --kl-divergence-base /tmp/base.kld --kl-divergence >> "$OUT/ppl.txt" 2>&1
-  grep -E "Final|KLD|Same top" "$OUT/ppl.txt"; keep ppl.txt
-  for v in "--no-prefetch" "--no-prompt-lookahead"; do
-    echo "## --cpu-moe --moe-cache-mib 16000 $v"; timeout 70 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
-  done > "$OUT/bench_prefetch.md"; cat "$OUT/bench_prefetch.md"; keep bench_prefetch.md
+  B="-m $REF -p 4096 -n 64 -b 4096 -r 2"
+  timeout 90 python3 -m moestream bench $B -ub 512,2048,4096 > "$OUT/bench_gpu.md" 2>&1; cat "$OUT/bench_gpu.md"; keep bench_gpu.md
+  timeout 170 python3 -m moestream bench $B -ub 512,2048,4096 --cpu-moe --moe-cache-mib 0,8000,16000,24000 --plot "$OUT/sweep.png" > "$OUT/bench_cache.md" 2>&1; cat "$OUT/bench_cache.md"; keep bench_cache.md
+  for v in "--no-zero-copy-decode -ub 2048" "--no-zero-copy-decode --no-lookahead -ub 2048" "--no-prefetch-seed -ub 512,2048,4096" "--no-prefetch -ub 2048,4096"; do
+    echo "## --cpu-moe --moe-cache-mib 16000 $v"; timeout 75 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
+  done > "$OUT/bench_switches.md"; cat "$OUT/bench_switches.md"; keep bench_switches.md
   ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
