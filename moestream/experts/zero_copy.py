@@ -75,12 +75,12 @@ class ZeroCopyDecode:
             report_route(on_route, l, self.routed[l, :n].view(n_tokens, self.top_k))
         previous = self._take_pending()
         event = None
-        if c.device.is_cuda:
-            self.routed_host[:, :n].copy_(self.routed[:, :n], non_blocking=True)
+        if c.device.is_cuda:             # the whole buffer: contiguous, so the copy stays asynchronous
+            self.routed_host.copy_(self.routed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
-            self.routed_host[:, :n].copy_(self.routed[:, :n])
+            self.routed_host.copy_(self.routed)
         self.pending = (n_tokens, event, self.from_host.copy())
         if previous is not None:
             self._learn(*previous, after=event)

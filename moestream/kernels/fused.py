@@ -31,8 +31,8 @@ if triton is not None:
         (NEOX halves), the key into the cache at (seq, head, pos); a value head copied into the cache."""
         t = tl.program_id(0)
         h = tl.program_id(1)
-        half: tl.constexpr = HD // 2
-        i = tl.arange(0, half)
+        half = HD // 2
+        i = tl.arange(0, HD // 2)
         row = qkv_ptr + t * (NH + 2 * NKV) * HD + h * HD
         seq = tl.load(seq_ptr + t)
         pos = tl.load(pos_ptr + t)
