@@ -179,6 +179,12 @@ class Engine:
             host.end_decode_step(len(steps), on_route)
         return logits
 
+    @property
+    def reports_decode_routing(self) -> bool:
+        """Whether decode steps report their routing to model.on_route: eager forwards and steps with host experts
+        do (zero-copy steps once queued, host decode graphs between segments); a replayed all-GPU graph does not."""
+        return self.graphs is None or self.host is not None
+
     def begin_prompt(self, seq: int = 0) -> None:
         """Start the per-prompt counters (a prompt and the decode that follows it) and, with a cache, the
         context's routing statistics (this prompt's become the previous prompt's)."""

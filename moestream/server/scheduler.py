@@ -291,9 +291,9 @@ class Scheduler:
 
     def _decode(self, slots: list[Slot]) -> None:
         steps = [(s.id, s.run.ids[-1], s.run.pos) for s in slots]
-        # Under CUDA graphs a replay calls no Python, and the capture's warm-up forwards run on dummy tokens:
-        # count decode routing only in eager decodes (host experts decode eagerly, and they are what prefetch serves).
-        owner = [s.id for s in slots] if self.engine.graphs is None else None
+        # A replayed all-GPU graph calls no Python: count decode routing where the engine reports it (eager decodes
+        # and steps with host experts, which are what prefetch serves).
+        owner = [s.id for s in slots] if self.engine.reports_decode_routing else None
         logits = self.routing.counted(owner, self.engine.decode, steps)                     # (B, V)
         for s, (_, tok, _) in zip(slots, steps):
             s.cached.append(tok)
