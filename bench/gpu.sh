@@ -59,6 +59,17 @@ final)
     echo "## --cpu-moe --moe-cache-mib 16000 $v"; timeout 75 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
   done > "$OUT/bench_switches.md"; cat "$OUT/bench_switches.md"; keep bench_switches.md
   ;;
+last)
+  # All-GPU pp4096 at ubatch 512 once the reference file's writes have settled, then the server under load.
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  sync; sleep 15
+  timeout 60 python3 -m moestream bench -m $REF -p 4096 -n 64 -ub 512 -b 4096 -r 2 2>&1 | tee "$OUT/bench_gpu_512.md"
+  ms serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 > "$OUT/serve.log" 2>&1 &
+  for i in $(seq 60); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
+  timeout 120 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_load.md"
+  python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8080/metrics').text)" 2>/dev/null | grep -E "^moestream_(expert|decode|prompt)" | head -20 | tee "$OUT/serve_metrics.txt"
+  ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
   # a routing trace with lookahead guesses for `moestream replay --prefetch` (brought back as ref_trace.npz).
