@@ -1,0 +1,104 @@
+"""The Triton kernels (kernels/decode.py, kernels/fused.py) on the CPU, through Triton's interpreter
+(TRITON_INTERPRET=1, in a subprocess: the flag is read when the kernels are defined), against their plain-torch
+oracles in float32. The interpreter runs the kernels' own indexing, masks, pointer arithmetic and reductions, so a
+wrong index or mask fails here; the cuda tests check the same kernels compiled, in bfloat16, on the GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CHECKS = ["experts_one_token", "experts_shared", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_triton_kernel_in_the_interpreter(check):
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+def close(a, b, tol=1e-5):
+    err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+    assert err < tol, err
+
+
+def experts(T, k):
+    from moestream.kernels.decode import experts_by_address
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    E, H, I = 12, 64, 40                        # I not a power of two: the masks
+    g = torch.Generator().manual_seed(T)
+    rows, other = torch.randn(E, 3 * I * H, generator=g), torch.randn(E, 3 * I * H, generator=g)
+    book = AddressBook()
+    book.add(rows)
+    book.add(other)
+    other.copy_(rows)                           # the same experts at other addresses (a slot and a host row)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    step = rows.stride(0) * rows.element_size()
+    addrs = rows.data_ptr() + ids * step
+    x, w = torch.randn(T, H, generator=g), torch.softmax(torch.randn(T, k, generator=g), -1)
+    out = experts_by_address(x, addrs, w, I)
+    close(out, experts_by_address_reference(x, addrs, w, I, book))
+    elsewhere = torch.where((ids % 2 == 0), other.data_ptr() + ids * step, addrs)
+    assert torch.equal(experts_by_address(x, elsewhere, w, I), out)
+
+
+def check(name):
+    from moestream.kernels import fused
+    from moestream.models.layers import apply_rope, decode_attention, rms_norm
+    from moestream.models.moe import route
+    g = torch.Generator().manual_seed(1)
+    if name == "experts_one_token":
+        experts(1, 8)
+    elif name == "experts_shared":              # several tokens, sharing experts: each read once
+        experts(5, 4)
+        experts(3, 6)
+    elif name == "qk_rope_kv":
+        T, nh, nkv, hd, ctx, eps = 3, 8, 2, 32, 64, 1e-6
+        qkv = torch.randn(T, (nh + 2 * nkv) * hd, generator=g)
+        qw, kw = torch.rand(hd, generator=g) + 0.5, torch.rand(hd, generator=g) + 0.5
+        ang = torch.rand(T, hd // 2, generator=g) * 6
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        seq, pos = torch.tensor([2, 0, 3]), torch.tensor([5, 63, 0])
+        for norm in (True, False):
+            kc = torch.randn(4, nkv, ctx, hd, generator=g)
+            vc, kc0 = torch.randn_like(kc), kc.clone()
+            vc0 = vc.clone()
+            q = fused.qk_rope_kv(qkv, torch.cat([qw, kw]) if norm else None, eps, cos, sin, kc, vc, seq, pos, nh, nkv)
+            rq, rk, rv = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+            rq, rk, rv = rq.view(T, nh, hd), rk.view(T, nkv, hd), rv.view(T, nkv, hd)
+            if norm:
+                rq, rk = rms_norm(rq, qw, eps), rms_norm(rk, kw, eps)
+            close(q, apply_rope(rq, cos, sin))
+            close(kc[seq, :, pos], apply_rope(rk, cos, sin))
+            assert torch.equal(vc[seq, :, pos], rv)
+            kc[seq, :, pos], vc[seq, :, pos] = kc0[seq, :, pos], vc0[seq, :, pos]
+            assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    elif name == "route_topk":
+        for k, E, renorm in ((8, 128, True), (6, 60, True), (2, 8, False)):
+            x, router = torch.randn(5, 16, generator=g), torch.randn(E, 16, generator=g)
+            w, ids = fused.route_topk(torch.nn.functional.linear(x, router), k, renorm, torch.float32)
+            rw, rids = route(x, router, k, renorm)
+            assert torch.equal(ids, rids)
+            close(w, rw)
+    elif name == "add_rms_norm":
+        h, d, w = torch.randn(3, 48, generator=g), torch.randn(3, 48, generator=g), torch.rand(48, generator=g)
+        new_h, normed = fused.add_rms_norm(h, d, w, 1e-6)
+        assert torch.equal(new_h, h + d)
+        close(normed, rms_norm(h + d, w, 1e-6))
+    elif name == "decode_attention":
+        for nh, nkv, hd, n in ((8, 2, 32, 128), (4, 4, 32, 256)):
+            kc = torch.randn(3, nkv, 512, hd, generator=g)
+            vc = torch.randn_like(kc)
+            seq, pos = torch.tensor([1, 0, 2, 1]), torch.tensor([0, 63, n - 1, 100])
+            q = torch.randn(4, nh, hd, generator=g)
+            mask = torch.arange(n)[None, :] <= pos[:, None]
+            close(fused.decode_attention(q, kc, vc, seq, pos, n), decode_attention(q, kc[seq, :, :n], vc[seq, :, :n], mask))
+
+
+if __name__ == "__main__":
+    check(sys.argv[1])
