@@ -70,15 +70,6 @@ last)
   timeout 120 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_load.md"
   python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8080/metrics').text)" 2>/dev/null | grep -E "^moestream_(expert|decode|prompt)" | head -20 | tee "$OUT/serve_metrics.txt"
   ;;
-verify)
-  # The several-token decode kernel: its cuda tests, then the server under load (about three minutes).
-  timeout 45 python3 -m pytest -m cuda tests/test_cuda.py -q -x -k "decode_kernel or batched" 2>&1 | tail -3 | tee "$OUT/cuda_tests.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  ms serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 > "$OUT/serve.log" 2>&1 &
-  for i in $(seq 40); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
-  timeout 60 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_load.md"
-  ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
   # a routing trace with lookahead guesses for `moestream replay --prefetch` (brought back as ref_trace.npz).

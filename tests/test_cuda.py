@@ -184,7 +184,7 @@ def _expert_rows(E, H, I, seed):
                                      (16, 2, 64, 32)])
 def test_decode_kernel_matches_reference_and_reads_host_memory_in_place(T, k, H, I):
     """Against the float32 oracle; the same bits when any of the experts are read from pinned host memory instead
-    of the device (odd sizes and k check the masks). Several tokens share experts (12 of them): each is read once."""
+    of the device (odd sizes and k check the masks). Several tokens share some of the 12 experts."""
     from moestream.kernels.decode import experts_by_address
     from moestream.kernels.reference import AddressBook, experts_by_address_reference
     E = 12
@@ -320,8 +320,8 @@ def test_fused_add_rms_norm_matches_the_two_ops():
 
 @needs_cuda
 def test_batched_zero_copy_decode_identical_on_every_placement():
-    """Three sequences decoding in one step (experts shared between tokens are read once): the same logits all on
-    the GPU, from host memory with no cache, and behind a cache, captured and eager."""
+    """Three sequences decoding in one step: the same logits all on the GPU, from host memory with no cache, and
+    behind a cache, captured and eager."""
     def run(**kw):
         llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=64, device="cuda", n_seq=3, **kw)
         eng = llm.engine

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-CHECKS = ["experts_one_token", "experts_shared", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
+CHECKS = ["experts_one_token", "experts_several_tokens", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -54,7 +54,7 @@ def check(name):
     g = torch.Generator().manual_seed(1)
     if name == "experts_one_token":
         experts(1, 8)
-    elif name == "experts_shared":              # several tokens, sharing experts: each read once
+    elif name == "experts_several_tokens":      # several tokens, some choosing the same experts
         experts(5, 4)
         experts(3, 6)
     elif name == "qk_rope_kv":
