@@ -103,8 +103,8 @@ class ZeroCopyDecode:
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, after) -> None:
         """The policy and counters see one step's routing (L, T k); its misses are uploaded, in one batch on the
         copy stream, behind `after` (the step now queued, which may read their victims), or at once when nothing
-        is queued. A pool smaller than one step's routed experts of every host layer uploads nothing: each upload
-        would evict an expert the next step reads (the misses are read in place all the same)."""
+        is queued. A pool smaller than one step's routed experts of every host layer does not upload its misses
+        (each would evict an expert the next step reads): it keeps each layer's hottest experts instead."""
         t0 = time.perf_counter()
         c = self.cache
         res, E = c.residency, c.n_experts
@@ -138,11 +138,7 @@ class ZeroCopyDecode:
             for e, slot in plan.misses:
                 (now if slot in empty else behind).append((slot, c.pool[slot], src[e]))
             c.stats.record(l, host_reads=reads, host_read_bytes=reads * self.row_bytes)
-        for batch, wait in ((now, None), (behind, after)):
-            if batch:
-                seq = c.queue.submit([(d, s) for _, d, s in batch], len(batch) * self.row_bytes, speculative=False,
-                                     after=wait)
-                c.ready[np.array([slot for slot, _, _ in batch], dtype=np.int64)] = seq
+        self._submit(now, behind, after)
         if upload:
             self._keep_reserve()
         else:
@@ -201,6 +197,11 @@ class ZeroCopyDecode:
             slot = int(res.slot_of[l, e])
             (now if slot in empty_before else behind).append((slot, c.pool[slot], c.store.rows[l][e]))
             c.stats.record(l, uploaded_bytes=self.row_bytes, copies=1)
+        self._submit(now, behind, after)
+
+    def _submit(self, now: list, behind: list, after) -> None:
+        """Copy (slot, dst, src) into slots no queued step reads at once, the others behind `after`."""
+        c = self.cache
         for batch, wait in ((now, None), (behind, after)):
             if batch:
                 seq = c.queue.submit([(d, s) for _, d, s in batch], len(batch) * self.row_bytes, speculative=False,

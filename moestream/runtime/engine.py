@@ -5,7 +5,8 @@
     logits = eng.decode([(0, token, pos)])                        # (B, V): one token per sequence
 
 Attention, norms, routers, embeddings and the KV cache live on the device; routed experts live on the device or,
-for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an expert provider.
+for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an expert provider. On CUDA a decode step
+reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and runs as one CUDA graph.
 """
 from __future__ import annotations
 
