@@ -140,7 +140,9 @@ def print_stats(st: dict, per_layer: bool) -> None:
         print(f"{name}: hits {t['hits']}, misses {t['misses']}, hit rate {t['hit_rate']:.3f}, evictions "
               f"{t['evictions']}, uploaded {t['uploaded_bytes'] / 1e9:.3f} GB in {t['copies']} copies; prefetched "
               f"{t['prefetched']} ({t['prefetch_used']} used, {t['prefetch_wasted']} wasted); waits "
-              f"{t['wait_s'] * 1e3:.1f} ms", file=sys.stderr)
+              f"{t['wait_s'] * 1e3:.1f} ms" + (f"; decode read {t['host_read_bytes'] / 1e9:.3f} GB in place "
+                                               f"({t['host_reads']} experts)" if t["host_reads"] else ""),
+              file=sys.stderr)
     for layer, t in (st["per_layer"].items() if per_layer else ()):
         print(f"  layer {layer:3d}: hit rate {t['hit_rate']:.3f}, uploaded {t['uploaded_bytes'] / 1e6:.1f} MB",
               file=sys.stderr)

@@ -27,6 +27,8 @@ ENGINE_COUNTERS = {
     "copies": ("moestream_expert_copies", "Expert copies host to GPU"),
     "uploaded_experts": ("moestream_expert_uploaded_experts", "Experts copied host to GPU"),
     "wait_s": ("moestream_expert_wait_seconds", "Time the compute stream waited for expert copies"),
+    "host_read_bytes": ("moestream_expert_host_read_bytes",
+                        "Bytes of expert weights decode kernels read in place from host memory (zero-copy decode)"),
 }
 
 
