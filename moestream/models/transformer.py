@@ -35,10 +35,11 @@ class Batch:
     positions: torch.Tensor        # (T,) int64: each token's position
     out_rows: torch.Tensor         # (R,) int64: the rows whose logits are wanted
     kv_len: int | None = None      # decode: keys attended, masked past each token's position (None: the context)
+    decode_step: bool = False      # a decode step (not a one-token prompt): its experts may be read by address
 
     @staticmethod
     def make(segments: list[Segment], tokens: list[int], device, all_logits: bool = False,
-             kv_len: int | None = None) -> "Batch":
+             kv_len: int | None = None, decode_step: bool = False) -> "Batch":
         seq_ids, pos, last = [], [], []
         for s in segments:
             seq_ids += [s.seq] * s.n
@@ -50,7 +51,7 @@ class Batch:
             host = host.pin_memory()
         flat = host.to(device, non_blocking=True)
         T = len(tokens)
-        return Batch(flat[:T], segments, flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:], kv_len)
+        return Batch(flat[:T], segments, flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:], kv_len, decode_step)
 
     @property
     def is_decode(self) -> bool:
@@ -95,7 +96,9 @@ class MoETransformer:
         (layer, ids, guess), so a caller can do host work (the expert cache's decisions) between device segments;
         the logits are its return value. Each segment between pauses can then be a captured CUDA graph."""
         cfg = self.cfg
-        small = batch.is_decode and len(batch.segments) <= self.decode_max_tokens
+        # Zero-copy expert reads only in decode steps: the engine writes the providers' address tables around
+        # those (a one-token prompt chunk has the shape of a decode step but not its tables).
+        small = batch.decode_step and batch.is_decode and len(batch.segments) <= self.decode_max_tokens
         by_address = self.decode_kernel if small else None
         fused = self.fused if small else None
         h = self.w["token_embd.weight"][batch.tokens]                        # (T, H)

@@ -31,7 +31,7 @@ def static_decode_batch(eng, B: int, span: int) -> tuple[torch.Tensor, Batch]:
     inputs[1] = torch.arange(B) % eng.kv.n_seq
     inputs[2] = ctx - 1                          # warm-up writes land in the last KV slot: rewritten before read
     batch = Batch(tokens=inputs[0], segments=[Segment(0, ctx - 1, 1)] * B, seq_ids=inputs[1],
-                  positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=span)
+                  positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=span, decode_step=True)
     return inputs, batch
 
 
