@@ -54,7 +54,7 @@ for T in (1, 4, 8):
     ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)])
     w = torch.softmax(torch.randn(T, K, device=dev), -1).to(torch.bfloat16)
     out = experts_by_address(x, addrs_for(ids, 0), w, I)
-    ref = experts_by_address_reference(x.cpu(), addrs_for(ids, 0).cpu(), w.cpu(), I, book).to(dev)
+    ref = experts_by_address_reference(x.cpu(), addrs_for(ids, 0).cpu(), w.cpu(), I, book=book).to(dev)
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     same = {n: torch.equal(out, experts_by_address(x, addrs_for(ids, n), w, I)) for n in (1, 2, K)}
     print(f"T={T}: rel err vs reference {rel:.2e}; same bits with n experts from host: {same}", flush=True)

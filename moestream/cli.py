@@ -54,6 +54,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-zero-copy-decode", dest="zero_copy_decode", action="store_const", const=False, default=None,
                    help="decode steps fetch their experts through the cache (a host step per layer) instead of "
                         "reading each expert where it lies, a cache slot or pinned host memory")
+    p.add_argument("--read-through", action="store_true",
+                   help="zero-copy decode of one token also writes each expert it reads from host memory into a "
+                        "free cache slot, so the next token reads it there (not yet measured on a GPU)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
 
@@ -66,7 +69,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 prefetch_seed=not a.no_prefetch_seed, prefetch_first_all=a.prefetch_first_all,
                 lookahead=not a.no_lookahead, prompt_lookahead=not a.no_prompt_lookahead,
                 prefetch_min_use=a.prefetch_min_use,
-                host_decode_graphs=not a.no_host_decode_graphs, zero_copy_decode=a.zero_copy_decode)
+                host_decode_graphs=not a.no_host_decode_graphs, zero_copy_decode=a.zero_copy_decode,
+                read_through=a.read_through)
 
 
 def parse_prompt(text: str, has_tokenizer: bool):

@@ -201,7 +201,7 @@ def test_decode_kernel_matches_reference_and_reads_host_memory_in_place(T, k, H,
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     w = torch.softmax(torch.randn(T, k, device="cuda"), -1).to(torch.bfloat16)
     out = experts_by_address(x, dev_addr, w, I)
-    ref = experts_by_address_reference(x.cpu(), dev_addr.cpu(), w.cpu(), I, book).cuda()
+    ref = experts_by_address_reference(x.cpu(), dev_addr.cpu(), w.cpu(), I, book=book).cuda()
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert torch.isfinite(out).all() and rel < 1e-2, rel
     on_host = torch.rand(E, device="cuda") < 0.5          # as a cache has it: each expert in one place

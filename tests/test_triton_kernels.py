@@ -42,7 +42,7 @@ def experts(T, k):
     addrs = rows.data_ptr() + ids * step
     x, w = torch.randn(T, H, generator=g), torch.softmax(torch.randn(T, k, generator=g), -1)
     out = experts_by_address(x, addrs, w, I)
-    close(out, experts_by_address_reference(x, addrs, w, I, book))
+    close(out, experts_by_address_reference(x, addrs, w, I, book=book))
     elsewhere = torch.where((ids % 2 == 0), other.data_ptr() + ids * step, addrs)
     assert torch.equal(experts_by_address(x, elsewhere, w, I), out)
 

@@ -25,7 +25,7 @@ def test_address_oracle_is_the_expert_mlp_combined():
     addrs = rows.data_ptr() + ids * rows.stride(0) * rows.element_size()
     w13, w2 = rows[:, :2 * I * H].view(E, 2 * I, H), rows[:, 2 * I * H:].view(E, H, I)
     want = combine(experts_reference(x, ids, w13, w2), w)
-    assert torch.allclose(experts_by_address_reference(x, addrs, w, I, book), want, atol=1e-5)
+    assert torch.allclose(experts_by_address_reference(x, addrs, w, I, book=book), want, atol=1e-5)
     with pytest.raises(ValueError, match="no registered"):
         book.row(12345)
 
@@ -157,3 +157,49 @@ def test_a_pool_smaller_than_a_step_keeps_each_layers_hottest_experts():
         top = np.argsort(-cache.zero_copy.freq[l], kind="stable")[:share]
         assert set(held.tolist()) <= set(top.tolist())
     assert reads[-1] < reads[0]
+
+
+@pytest.mark.parametrize("mib", [0, 2, 12, 1000])
+def test_read_through_changes_no_token(reference, mib):
+    """Read-through (a one-token step writes the experts it reads from host memory into free slots): the same
+    greedy tokens, and the landed experts hold their own bytes (the table check below reads them)."""
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=mib, read_through=True)
+    assert [llm.generate(p, max_tokens=24, ignore_eos=True).sha256 for p in PROMPTS] == reference
+    _check_table(llm.engine.host)
+    llm.engine.host.residency.check()
+
+
+def test_read_through_serves_the_next_step_from_the_slot():
+    """Without read-through a miss of step t is read in place again by step t+1 (its upload is learned while
+    t+1 runs); with it, the experts step t landed are read from their slots by step t+1."""
+    def reads(read_through):
+        llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=1000, read_through=read_through)
+        eng, cache = llm.engine, llm.engine.host
+        zc, k = cache.zero_copy, llm.model_config.n_experts_used
+        eng.prefill(0, [5])                       # one token: most experts not yet resident
+        out = []
+        for _ in range(4):                        # the same token at the same position: the same routing
+            eng.decode([(0, 900, 1)])
+            p = zc.pending                        # this step: its table and routing (not learned from yet)
+            routed = zc._routed(p)
+            out.append(sum(int(p.from_host[l, routed[l, :k]].sum()) for l in cache.layers))
+        _check_table(cache)
+        cache.residency.check()
+        return out, llm.stats()["total"]["landed"]
+    plain, _ = reads(False)
+    through, landed = reads(True)
+    assert through[0] == plain[0] > 0
+    assert through[1] < plain[1] and landed > 0
+    assert through[2] == plain[2] == 0            # by the third step the uploads have landed too
+
+
+def test_one_token_prompt_chunks_do_not_take_the_decode_path():
+    """A prompt chunk of one token has a decode step's shape but not its address tables: it fetches its experts
+    like any prompt ubatch (here after decode steps left a table behind, and on a fresh engine)."""
+    base = LLM("synth:tiny", **KW, ubatch_size=16)
+    llm = LLM("synth:tiny", **KW, ubatch_size=16, cpu_moe=True, moe_cache_mib=2, read_through=True)
+    for ids in ([5], list(range(3, 20))):                 # one token; 17 tokens = 16 + a chunk of one
+        assert torch.equal(llm.logits(ids), base.logits(ids))
+    llm.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
+    base.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
+    assert torch.equal(llm.logits([7]), base.logits([7]))

@@ -103,10 +103,11 @@ class ExpertCache:
         self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
         self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
 
-    def enable_zero_copy(self, max_tokens: int) -> None:
-        """Decode steps of up to max_tokens tokens read experts where they lie (experts/zero_copy.py)."""
+    def enable_zero_copy(self, max_tokens: int, read_through: bool = False) -> None:
+        """Decode steps of up to max_tokens tokens read experts where they lie (experts/zero_copy.py); with
+        read_through, a one-token step also writes the experts it reads from host into free slots."""
         from .zero_copy import ZeroCopyDecode
-        self.zero_copy = ZeroCopyDecode(self, max_tokens, self.top_k)
+        self.zero_copy = ZeroCopyDecode(self, max_tokens, self.top_k, read_through)
         self.zero_copy_max = max_tokens
 
     @property
@@ -230,6 +231,9 @@ class ExpertCache:
     # --- zero-copy decode (experts/zero_copy.py) ---------------------------------------------------------------
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         return self.zero_copy.addresses(layer, ids)
+
+    def landing(self, layer: int, ids: torch.Tensor):
+        return self.zero_copy.landing(layer, ids)
 
     def begin_decode_step(self) -> None:
         self.zero_copy.begin_step()

@@ -101,6 +101,11 @@ class LayerRouter:
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         return self.by_layer[layer].addresses(layer, ids)
 
+    def landing(self, layer: int, ids: torch.Tensor):
+        """Read-through slots for the decode kernel (the expert cache's), or None."""
+        p = self.by_layer[layer]
+        return p.landing(layer, ids) if hasattr(p, "landing") else None
+
     def experts_launched(self, layer: int) -> None:
         p = self.by_layer[layer]
         if hasattr(p, "experts_launched"):

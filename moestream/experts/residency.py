@@ -94,6 +94,14 @@ class Residency:
         self.policy.touch(slots)
         return plan
 
+    def place(self, layer: int, expert: int, slot: int) -> None:
+        """Make an empty slot of the layer's region hold `expert` (its bytes were put there already)."""
+        a, b = self.bounds[layer]
+        assert a <= slot < b and self.owner[slot, 0] < 0 and self.slot_of[layer, expert] < 0, (layer, expert, slot)
+        self.owner[slot] = (layer, expert)
+        self.slot_of[layer, expert] = slot
+        self.policy.touch(np.array([slot]))
+
     def evict(self, slots: np.ndarray) -> list[tuple[int, int]]:
         """Empty these slots (owned, unpinned): the (layer, expert) pairs that lost their slot."""
         gone = [(int(l), int(e)) for l, e in self.owner[slots]]

@@ -27,12 +27,13 @@ from ..models.moe import report_route
 from .residency import CacheTooSmall
 
 RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
+LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write its misses into, per layer
 FREQ_DECAY = 0.98          # per step, of the routing counts a too-small pool keeps its hottest experts by
 FILL_PER_STEP = 16         # ... uploading at most this many a step
 
 
 class ZeroCopyDecode:
-    def __init__(self, cache, max_tokens: int, top_k: int):
+    def __init__(self, cache, max_tokens: int, top_k: int, read_through: bool = False):
         dev, L, E = cache.device, cache.residency.slot_of.shape[0], cache.n_experts
         self.cache, self.top_k = cache, top_k
         self.row_bytes = cache.store.expert_bytes
@@ -45,19 +46,36 @@ class ZeroCopyDecode:
         self.routed = torch.zeros(L, max_tokens * top_k, dtype=torch.int64, device=dev.torch)   # written by a step
         self.routed_host = dev.pinned_empty((L, max_tokens * top_k), torch.int64)
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
-        self.pending = None                                 # (n_tokens, event, from_host) of a step not learned yet
+        self.pending = None                                 # Pending: a step not learned from yet
         self.freq = np.zeros((L, E))                        # decayed decode routings (a pool too small to learn)
+        # Read-through: the layer's free slots a one-token step writes the experts it reads from host into.
+        self.n_land = LAND_PER_LAYER if read_through else 0
+        self.host_tab = torch.from_numpy(self.host_addr).to(dev.torch)              # (L, E) host-row addresses
+        self.land = torch.zeros(L, max(self.n_land, 1), dtype=torch.int64, device=dev.torch)     # (L, R) addresses
+        self.land_staging = dev.pinned_empty(tuple(self.land.shape), torch.int64)
+        self.land_slots = np.full(tuple(self.land.shape), -1, dtype=np.int64)     # the queued step's, as slots
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids (T, k) -> (T, k) addresses; keeps the ids for the host (graph-safe: device copies only)."""
         self.routed[layer, :ids.numel()].copy_(ids.reshape(-1))
         return self.table[layer][ids]
 
+    def landing(self, layer: int, ids: torch.Tensor):
+        """Read-through (one-token steps): (ids, host-row addresses, landing slots' addresses) of the layer, for
+        the decode kernel; None when off."""
+        if not self.n_land or ids.shape[0] != 1:
+            return None
+        return ids, self.host_tab[layer], self.land[layer]
+
     def begin_step(self) -> None:
         """Write the address table: an expert resident in a slot whose copy has landed reads from the slot,
-        every other one from its host row."""
-        if self.pending is not None and self.pending[1] is not None:
-            self.pending[1].synchronize()        # its table copy is done before the staging is rewritten
+        every other one from its host row. With read-through, first take in the experts the last step wrote into
+        its landing slots (the next step reads them there), then hand this step free slots to land in."""
+        p = self.pending
+        if p is not None and p.event is not None:
+            p.event.synchronize()                # its table copy is done before the staging is rewritten
+        if p is not None and not p.absorbed:
+            self._absorb(p)
         c = self.cache
         slot = c.residency.slot_of
         landed = slot >= 0
@@ -66,6 +84,8 @@ class ZeroCopyDecode:
         table = np.where(landed, self.pool_addr + slot * self.row_bytes, self.host_addr)
         self.staging.numpy()[:] = table
         self.table.copy_(self.staging, non_blocking=True)
+        if self.n_land:
+            self._hand_out_landing()
 
     def end_step(self, n_tokens: int, on_route=None) -> None:
         """The step is queued: report its routing (device views, in stream order), then learn from the previous
@@ -81,36 +101,80 @@ class ZeroCopyDecode:
             event.record()
         else:
             self.routed_host.copy_(self.routed)
-        self.pending = (n_tokens, event, self.from_host.copy())
+        self.pending = Pending(n_tokens, event, self.from_host.copy(),
+                               self.land_slots.copy() if n_tokens == 1 and self.n_land else None)
         if previous is not None:
-            self._learn(*previous, after=event)
+            self._learn(*previous, after=event, writing=self.pending.land_slots)
 
     def flush(self) -> None:
         """Learn from the last step now (before a prompt changes the cache, or counters are read)."""
+        p = self.pending
+        if p is not None and not p.absorbed:
+            self._absorb(p)
         previous = self._take_pending()
         if previous is not None:
-            self._learn(*previous, after=None)
+            self._learn(*previous, after=None, writing=None)
+
+    def _routed(self, p) -> np.ndarray:
+        """(L, T k) routed ids of the pending step (its read-back has completed)."""
+        if p.event is not None:
+            p.event.synchronize()                # normally long done: the caller read that step's logits
+        return self.routed_host[:, :p.n_tokens * self.top_k].numpy().copy()
 
     def _take_pending(self):
-        if self.pending is None:
-            return None
-        n_tokens, event, from_host = self.pending
-        self.pending = None
-        if event is not None:
-            event.synchronize()                  # normally long done: the caller read that step's logits
-        return self.routed_host[:, :n_tokens * self.top_k].numpy().copy(), from_host
+        p, self.pending = self.pending, None
+        return None if p is None else (self._routed(p), p.from_host)
 
-    def _learn(self, routed: np.ndarray, from_host: np.ndarray, after) -> None:
+    def _absorb(self, p) -> None:
+        """The experts a one-token step wrote into its landing slots as it read them (read-through) become
+        resident there: the step has completed, so their bytes are in place. The host replays the kernel's rule
+        (kernels.decode.landing_slots) on the step's routing and table."""
+        p.absorbed = True
+        if p.land_slots is None:
+            return
+        from ..kernels.decode import landing_slots
+        c, routed = self.cache, self._routed(p)
+        res = c.residency
+        for l in c.layers:
+            ids = routed[l, :self.top_k]
+            for j, i in landing_slots(p.from_host[l, ids], self.n_land):
+                e, s = int(ids[j]), int(p.land_slots[l, i])
+                if s >= 0 and res.slot_of[l, e] < 0:          # (one being uploaded already keeps that slot)
+                    res.place(l, e, s)
+                    c.ready[s] = 0
+                    c.stats.record(l, landed=1)
+
+    def _hand_out_landing(self) -> None:
+        """Give each host layer up to n_land empty slots of its region to land in this step (addresses; 0: none).
+        Only where the pool holds a whole step's experts: a smaller one keeps its hottest experts instead."""
+        c = self.cache
+        res = c.residency
+        self.land_slots[:] = -1
+        if c.n_slots >= len(c.layers) * self.top_k:
+            free = (res.owner[:, 0] < 0) & ~res.pinned
+            for l in c.layers:
+                a, b = res.bounds[l]
+                got = a + np.flatnonzero(free[a:b])[:self.n_land]
+                free[got] = False
+                self.land_slots[l, :len(got)] = got
+        addr = np.where(self.land_slots >= 0, self.pool_addr + self.land_slots * self.row_bytes, 0)
+        self.land_staging.numpy()[:] = addr
+        self.land.copy_(self.land_staging, non_blocking=True)
+
+    def _learn(self, routed: np.ndarray, from_host: np.ndarray, after, writing) -> None:
         """The policy and counters see one step's routing (L, T k); its misses are uploaded, in one batch on the
         copy stream, behind `after` (the step now queued, which may read their victims), or at once when nothing
-        is queued. A pool smaller than one step's routed experts of every host layer does not upload its misses
-        (each would evict an expert the next step reads): it keeps each layer's hottest experts instead."""
+        is queued (`writing`: the landing slots that step writes, not to be touched). A pool smaller than one step's
+        routed experts of every host layer does not upload its misses (each would evict an expert the next step
+        reads): it keeps each layer's hottest experts instead."""
         t0 = time.perf_counter()
         c = self.cache
         res, E = c.residency, c.n_experts
         upload = c.n_slots >= len(c.layers) * routed.shape[1]
         c._mark_reads()                          # slots a prompt handed out are free once its compute has run
         c._update_pins()
+        if writing is not None:
+            res.pinned[writing[writing >= 0]] = True
         empty = set(np.flatnonzero(res.owner[:, 0] < 0).tolist()) if upload else set()
         now, behind = [], []                     # copies into empty slots (unread), into evicted ones (read)
         for l in c.layers:
@@ -154,7 +218,8 @@ class ZeroCopyDecode:
         c = self.cache
         res = c.residency
         for a, b in sorted({res.bounds[l] for l in c.layers}):
-            keep = min(RESERVE, (b - a) // 8)
+            n_layers = sum(1 for l in c.layers if res.bounds[l] == (a, b))
+            keep = min(RESERVE + self.n_land * n_layers, (b - a) // 8)
             owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
             need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
             if need > 0 and len(owned) > need:
@@ -207,3 +272,11 @@ class ZeroCopyDecode:
                 seq = c.queue.submit([(d, s) for _, d, s in batch], len(batch) * self.row_bytes, speculative=False,
                                      after=wait)
                 c.ready[np.array([slot for slot, _, _ in batch], dtype=np.int64)] = seq
+
+
+class Pending:
+    """A queued step the host has not learned from yet."""
+
+    def __init__(self, n_tokens: int, event, from_host: np.ndarray, land_slots: np.ndarray | None):
+        self.n_tokens, self.event, self.from_host, self.land_slots = n_tokens, event, from_host, land_slots
+        self.absorbed = False           # its landed experts (read-through) are in the residency map

@@ -32,14 +32,34 @@ def decode_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 if triton is not None:
     @triton.jit
+    def _landing(addr_ptr, ids_ptr, host_ptr, land_ptr, t, R, K: tl.constexpr, KP: tl.constexpr):
+        """(KP,) int64: where token t's choices land (read-through), 0 for none. A choice read from host memory
+        (its address is its expert's host row) takes the next of the layer's R landing slots, in choice order."""
+        js = tl.arange(0, KP)
+        jmask = js < K
+        a = tl.load(addr_ptr + t * K + js, mask=jmask, other=0)
+        e = tl.load(ids_ptr + t * K + js, mask=jmask, other=0)
+        on_host = jmask & (a == tl.load(host_ptr + e, mask=jmask, other=1))
+        rank = tl.cumsum(on_host.to(tl.int32), axis=0) - 1
+        lands = on_host & (rank < R)
+        return tl.load(land_ptr + rank, mask=lands, other=0)
+
+    @triton.jit
     def _gate_up(x_ptr, addr_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
-                 BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Program (t k + j, block of I): rows of choice j's gate and up against x[t], then silu(g) * u."""
+                 BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LAND: tl.constexpr, ids_ptr, host_ptr, land_ptr, R,
+                 KP: tl.constexpr):
+        """Program (t k + j, block of I): rows of choice j's gate and up against x[t], then silu(g) * u.
+        LAND: a choice read from host memory also writes the rows it read to its landing slot."""
         pair = tl.program_id(0)
         t = pair // K
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         cols = tl.arange(0, BLOCK_H)
         base = tl.load(addr_ptr + pair).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        if LAND:
+            js = tl.arange(0, KP)
+            dests = _landing(addr_ptr, ids_ptr, host_ptr, land_ptr, t, R, K, KP)
+            dest = tl.sum(tl.where(js == pair % K, dests, 0), axis=0)
+            to = dest.to(tl.pointer_type(x_ptr.dtype.element_ty))
         g = tl.zeros([BLOCK_I], dtype=tl.float32)
         u = tl.zeros([BLOCK_I], dtype=tl.float32)
         rmask = rows < I
@@ -48,8 +68,13 @@ if triton is not None:
             xv = tl.load(x_ptr + t * H + h0 + cols, mask=cmask, other=0.0).to(tl.float32)
             m = rmask[:, None] & cmask[None, :]
             off = rows[:, None] * H + h0 + cols[None, :]
-            wg = tl.load(base + off, mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(base + I * H + off, mask=m, other=0.0).to(tl.float32)
+            wg_raw = tl.load(base + off, mask=m, other=0.0)
+            wu_raw = tl.load(base + I * H + off, mask=m, other=0.0)
+            if LAND:
+                tl.store(to + off, wg_raw, mask=m & (dest != 0))
+                tl.store(to + I * H + off, wu_raw, mask=m & (dest != 0))
+            wg = wg_raw.to(tl.float32)
+            wu = wu_raw.to(tl.float32)
             g += tl.sum(wg * xv[None, :], axis=1)
             u += tl.sum(wu * xv[None, :], axis=1)
         h = g * tl.sigmoid(g) * u
@@ -57,8 +82,10 @@ if triton is not None:
 
     @triton.jit
     def _down(h_ptr, addr_ptr, w_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
-              KP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
-        """Program (t, block of H): rows of every choice's down projection at once, weighted, summed over j."""
+              KP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, LAND: tl.constexpr, ids_ptr, host_ptr,
+              land_ptr, R):
+        """Program (t, block of H): rows of every choice's down projection at once, weighted, summed over j.
+        LAND: choices read from host memory also write the rows they read to their landing slots."""
         t = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         cols = tl.arange(0, BLOCK_I)
@@ -67,6 +94,9 @@ if triton is not None:
         rmask = rows < H
         base = tl.load(addr_ptr + t * K + js, mask=jmask, other=0).to(tl.pointer_type(out_ptr.dtype.element_ty))
         base += 2 * I * H
+        if LAND:
+            dests = _landing(addr_ptr, ids_ptr, host_ptr, land_ptr, t, R, K, KP)
+            to = dests.to(tl.pointer_type(out_ptr.dtype.element_ty)) + 2 * I * H
         wj = tl.load(w_ptr + t * K + js, mask=jmask, other=0.0).to(tl.float32)
         acc = tl.zeros([KP, BLOCK_O], dtype=tl.float32)
         for i0 in range(0, I, BLOCK_I):
@@ -74,9 +104,11 @@ if triton is not None:
             hv = tl.load(h_ptr + (t * K + js[:, None]) * I + i0 + cols[None, :],
                          mask=jmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)        # (KP, BLOCK_I)
             m = jmask[:, None, None] & rmask[None, :, None] & cmask[None, None, :]
-            wd = tl.load(base[:, None, None] + rows[None, :, None] * I + i0 + cols[None, None, :],
-                         mask=m, other=0.0).to(tl.float32)                                     # (KP, BLOCK_O, BLOCK_I)
-            acc += tl.sum(wd * hv[:, None, :], axis=2)
+            off = rows[None, :, None] * I + i0 + cols[None, None, :]
+            wd_raw = tl.load(base[:, None, None] + off, mask=m, other=0.0)                     # (KP, BLOCK_O, BLOCK_I)
+            if LAND:
+                tl.store(to[:, None, None] + off, wd_raw, mask=m & (dests != 0)[:, None, None])
+            acc += tl.sum(wd_raw.to(tl.float32) * hv[:, None, :], axis=2)
         out = tl.sum(acc * wj[:, None], axis=0)
         tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -91,22 +123,37 @@ def _block(n: int, want: int) -> int:
 
 
 def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
-                       config: tuple = (GATE_UP, DOWN)) -> torch.Tensor:
+                       landing=None, config: tuple = (GATE_UP, DOWN)) -> torch.Tensor:
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
 
     Each choice reads its expert: an expert several tokens of a batch chose is read once per token (so a miss
-    crosses the link once per token that chose it)."""
+    crosses the link once per token that chose it).
+
+    `landing` (one token only; read-through): (ids (1, k), host (E,), land (R,)): the layer's routed ids, each
+    expert's host-row address and R free slots. The choices read from host memory (address == host[id]), in
+    choice order, write the bytes they read into the slots (see `landing_slots`), at no extra cost on the link."""
     T, H = x.shape
     k = addrs.shape[1]
     (bi, bh, wa), (bo, bi2, wb) = config
     x = x.contiguous()
     addrs = addrs.contiguous()
     weights = weights.contiguous()
+    kp = triton.next_power_of_2(k)
+    land = landing is not None and T == 1
+    ids, host, slots = landing if land else (addrs, addrs, addrs)
+    R = slots.numel() if land else 0
     h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     bi, bh = _block(inter, bi), _block(H, bh)
-    _gate_up[(T * k, triton.cdiv(inter, bi))](x, addrs, h, H, inter, k, bi, bh, num_warps=wa)
+    _gate_up[(T * k, triton.cdiv(inter, bi))](x, addrs, h, H, inter, k, bi, bh, land, ids, host, slots, R, kp,
+                                              num_warps=wa)
     out = torch.empty_like(x)
     bo, bi2 = _block(H, bo), _block(inter, bi2)
-    _down[(T, triton.cdiv(H, bo))](h, addrs, weights, out, H, inter, k, triton.next_power_of_2(k), bo, bi2,
+    _down[(T, triton.cdiv(H, bo))](h, addrs, weights, out, H, inter, k, kp, bo, bi2, land, ids, host, slots, R,
                                    num_warps=wb)
     return out
+
+
+def landing_slots(on_host, n_slots: int) -> list[tuple[int, int]]:
+    """The kernel's read-through rule, on the host: [(choice j, landing slot i)] for one token's k choices
+    (on_host[j]: choice j was read from host memory), in choice order, the first n_slots of them."""
+    return [(j, i) for i, j in enumerate([j for j, h in enumerate(on_host) if h][:n_slots])]

@@ -62,13 +62,21 @@ class AddressBook:
 
 
 def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
-                                 book: AddressBook) -> torch.Tensor:
+                                 landing=None, *, book: AddressBook) -> torch.Tensor:
     """Plain torch, the oracle of kernels.decode.experts_by_address: x (T, H), addrs and weights (T, k) -> (T, H).
 
     Float32 throughout, the activation rounded to x's dtype between the two projections, the k outputs weighted
-    and summed in float32 and rounded once, as the kernel does."""
+    and summed in float32 and rounded once, as the kernel does. `landing`: the read-through copies, as the kernel
+    makes them (kernels.decode.landing_slots)."""
+    from .decode import landing_slots
     T, H = x.shape
     k = addrs.shape[1]
+    if landing is not None and T == 1:
+        ids, host, slots = (v.reshape(-1).tolist() for v in landing)
+        on_host = [a == host[e] for a, e in zip(addrs[0].tolist(), ids)]
+        for j, i in landing_slots(on_host, len(slots)):
+            if slots[i]:                          # 0: no slot to land in
+                book.row(slots[i]).copy_(book.row(addrs[0, j].item()))
     rows = torch.stack([book.row(a) for a in addrs.reshape(-1).tolist()]).to(x.device)     # (T k, numel)
     w13 = rows[:, :2 * inter * H].view(T * k, 2 * inter, H).float()
     w2 = rows[:, 2 * inter * H:].view(T * k, H, inter).float()

@@ -69,7 +69,8 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
     """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert.
     `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies."""
     if by_address is not None:
-        out = by_address(x, provider.addresses(layer, ids), weights, cfg.moe_intermediate_size)
+        land = provider.landing(layer, ids) if hasattr(provider, "landing") else None
+        out = by_address(x, provider.addresses(layer, ids), weights, cfg.moe_intermediate_size, land)
         return _shared(x, lw, cfg, out)
     w = provider.fetch(layer, ids, guess)
     if hasattr(w, "slots"):

@@ -117,11 +117,11 @@ class Engine:
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False,
-                is_prompt: bool = False, kv_len: int | None = None) -> torch.Tensor:
+                is_prompt: bool = False, kv_len: int | None = None, decode_step: bool = False) -> torch.Tensor:
         for hook in (self.host, self.model.on_route):      # the cache, and a routing trace being recorded
             if hasattr(hook, "begin_ubatch"):
                 hook.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
-        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len)
+        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, decode_step)
         return self.model.forward(batch, self.kv, self.experts, self.kernel)
 
     def check_context(self, n_tokens: int) -> None:
@@ -173,7 +173,8 @@ class Engine:
             if self.graphs is not None:
                 logits = self.graphs.run(steps, span)
             else:
-                logits = self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span)
+                logits = self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
+                                      decode_step=True)
         finally:
             self.model.on_route = on_route
         if host is not None:
@@ -239,7 +240,7 @@ class Engine:
         if isinstance(self.host, ExpertCache):
             self.book.add(self.host.pool)
             if self.model.decode_kernel is not None:
-                self.host.enable_zero_copy(MAX_TOKENS)
+                self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.read_through)
         self.graphs = self.host_graphs = None
         if self.ecfg.cuda_graphs and self.device.is_cuda and self.kernel is not experts_reference:
             from .graphs import DecodeGraphs
