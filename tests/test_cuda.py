@@ -337,3 +337,15 @@ def test_batched_zero_copy_decode_identical_on_every_placement():
     for kw in ({"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 12}, {"cpu_moe": True, "moe_cache_mib": 12,
                                                                           "cuda_graphs": False}):
         assert all(torch.equal(a, b) for a, b in zip(run(**kw), base)), kw
+
+
+@needs_cuda
+def test_read_through_keeps_the_hash_and_lands_experts():
+    """--read-through (added after the last GPU run): the greedy tokens of every placement, and experts landed
+    by the decode kernel as it read them."""
+    spec, prompt = "synth:tiny:dtype=bfloat16", list(range(3, 60, 2))
+    want = LLM(spec, ctx_size=256, device="cuda").generate(prompt, max_tokens=32, ignore_eos=True).sha256
+    for kw in ({"moe_cache_mib": 3}, {"moe_cache_mib": 100}, {"moe_cache_mib": 100, "cuda_graphs": False}):
+        llm = LLM(spec, ctx_size=256, device="cuda", cpu_moe=True, read_through=True, **kw)
+        assert llm.generate(prompt, max_tokens=32, ignore_eos=True).sha256 == want, kw
+        assert llm.stats()["total"]["landed"] > 0, kw

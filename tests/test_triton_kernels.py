@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-CHECKS = ["experts_one_token", "experts_several_tokens", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
+CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -47,6 +47,37 @@ def experts(T, k):
     assert torch.equal(experts_by_address(x, elsewhere, w, I), out)
 
 
+def read_through():
+    """A one-token step with landing slots: the choices read from host (address == the expert's host row) write
+    their rows into the slots in choice order, the first R of them; the output is unchanged; the oracle agrees."""
+    from moestream.kernels.decode import experts_by_address, landing_slots
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    E, H, I, k = 12, 64, 40, 8
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(E, 3 * I * H, generator=g)         # "device" copies
+    host = rows.clone()                                   # host rows: the same bytes elsewhere
+    pool = torch.zeros(3, 3 * I * H)                      # landing slots
+    book = AddressBook()
+    for t in (rows, host, pool):
+        book.add(t)
+    step = rows.stride(0) * rows.element_size()
+    ids = torch.randperm(E, generator=g)[:k][None]                                        # (1, k)
+    on_host = torch.tensor([True, False, True, True, False, True, False, False])
+    addrs = torch.where(on_host, host.data_ptr() + ids * step, rows.data_ptr() + ids * step)
+    host_tab = host.data_ptr() + torch.arange(E) * step
+    land = pool.data_ptr() + torch.arange(2) * step                                     # R = 2 of the 3 slots
+    x, w = torch.randn(1, H, generator=g), torch.softmax(torch.randn(1, k, generator=g), -1)
+    plain = experts_by_address(x, addrs, w, I)
+    out = experts_by_address(x, addrs, w, I, (ids, host_tab, land))
+    assert torch.equal(out, plain)
+    assert landing_slots(on_host.tolist(), 2) == [(0, 0), (2, 1)]
+    assert torch.equal(pool[0], rows[ids[0, 0]]) and torch.equal(pool[1], rows[ids[0, 2]])
+    assert not pool[2].any()                              # the third host choice had no slot
+    pool.zero_()
+    close(experts_by_address_reference(x, addrs, w, I, (ids, host_tab, land), book=book), out)
+    assert torch.equal(pool[0], rows[ids[0, 0]]) and torch.equal(pool[1], rows[ids[0, 2]])
+
+
 def check(name):
     from moestream.kernels import fused
     from moestream.models.layers import apply_rope, decode_attention, rms_norm
@@ -54,6 +85,8 @@ def check(name):
     g = torch.Generator().manual_seed(1)
     if name == "experts_one_token":
         experts(1, 8)
+    elif name == "experts_read_through":
+        read_through()
     elif name == "experts_several_tokens":      # several tokens, some choosing the same experts
         experts(5, 4)
         experts(3, 6)

@@ -71,8 +71,9 @@ if triton is not None:
             wg_raw = tl.load(base + off, mask=m, other=0.0)
             wu_raw = tl.load(base + I * H + off, mask=m, other=0.0)
             if LAND:
-                tl.store(to + off, wg_raw, mask=m & (dest != 0))
-                tl.store(to + I * H + off, wu_raw, mask=m & (dest != 0))
+                keep = m & ((off * 0 + dest) != 0)        # (the scalar broadcast first: the interpreter needs it)
+                tl.store(to + off, wg_raw, mask=keep)
+                tl.store(to + I * H + off, wu_raw, mask=keep)
             wg = wg_raw.to(tl.float32)
             wu = wu_raw.to(tl.float32)
             g += tl.sum(wg * xv[None, :], axis=1)
