@@ -11,6 +11,7 @@
 #   bash bench/gpu.sh probe      cuda tests; bench/probe.py: determinism across processes and cache settings, host
 #                                time per layer, prompt lookahead, host decode graphs, a routing trace, a profile
 #   bash bench/gpu.sh zc         zero-copy decode: cuda tests, the decode profile, decode on the reference model
+#   bash bench/gpu.sh next       the cuda tests added after the last GPU run; --read-through against the defaults
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
 set -uo pipefail
@@ -69,6 +70,17 @@ last)
   for i in $(seq 60); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
   timeout 120 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_load.md"
   python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8080/metrics').text)" 2>/dev/null | grep -E "^moestream_(expert|decode|prompt)" | head -20 | tee "$OUT/serve_metrics.txt"
+  ;;
+next)
+  # What the last session could not run on the GPU: the cuda tests it added (read-through, batched zero-copy
+  # decode), then tg64 at 8000 / 16000 / 24000 MiB with --read-through against the defaults (the hash must match).
+  python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  sync; sleep 15
+  B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe --moe-cache-mib 8000,16000,24000"
+  timeout 120 python3 -m moestream bench $B --read-through 2>&1 | tee "$OUT/bench_read_through.md"
+  timeout 120 python3 -m moestream bench $B 2>&1 | tee "$OUT/bench_default.md"
   ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
