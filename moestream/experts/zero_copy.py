@@ -15,6 +15,12 @@ whose copy has completed. The misses of step t are learned while step t+1 runs (
 was read back). A copy into a slot that step t+1's table may point at waits for step t+1; a copy into one of the
 empty slots kept in reserve (emptied before step t+1's table was written) starts at once and lands, normally,
 before step t+2, whose table then points at it. So a miss is read in place by at most two steps, not three.
+
+Read-through (off by default until measured on a GPU): a one-token step is also handed a few empty slots per
+layer, and its kernel writes the first experts it reads from host memory into them as it reads them. Before the
+next step's table is written the host replays the kernel's rule on the step's routing and takes those experts in,
+so the next step reads them from their slots: a miss crosses the link once. The slots a step writes are pinned
+while it runs, so no copy targets them.
 """
 from __future__ import annotations
 
@@ -151,6 +157,7 @@ class ZeroCopyDecode:
         res = c.residency
         self.land_slots[:] = -1
         if c.n_slots >= len(c.layers) * self.top_k:
+            c._update_pins()                     # the last step's landing slots are free again (it has run)
             free = (res.owner[:, 0] < 0) & ~res.pinned
             for l in c.layers:
                 a, b = res.bounds[l]
