@@ -203,3 +203,15 @@ def test_one_token_prompt_chunks_do_not_take_the_decode_path():
     llm.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
     base.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
     assert torch.equal(llm.logits([7]), base.logits([7]))
+
+
+def test_a_new_cache_takes_over_the_decode_and_frees_the_old_pool(reference):
+    """reconfigure_cache (bench's cache sweeps): the new pool's tables serve the decode, and nothing keeps the old
+    pool alive."""
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=2)
+    spans = len(llm.engine.book.spans)
+    for mib in (12, 0, 1000):
+        old = llm.engine.host.pool
+        llm.engine.reconfigure_cache(moe_cache_mib=mib)
+        assert len(llm.engine.book.spans) == spans and all(s[2] is not old for s in llm.engine.book.spans)
+        assert [llm.generate(p, max_tokens=24, ignore_eos=True).sha256 for p in PROMPTS] == reference

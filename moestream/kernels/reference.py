@@ -51,6 +51,10 @@ class AddressBook:
         start = rows.data_ptr()
         self.spans.append((start, start + rows.numel() * rows.element_size(), rows))
 
+    def discard(self, rows: torch.Tensor) -> None:
+        """Forget a tensor (a cache pool being replaced), so the book does not keep its memory alive."""
+        self.spans = [s for s in self.spans if s[2] is not rows]
+
     def row(self, addr: int) -> torch.Tensor:
         for start, end, rows in self.spans:
             if start <= addr < end:

@@ -219,6 +219,8 @@ class Engine:
             raise UserError("no expert is in host memory: use --cpu-moe or --n-cpu-moe for a cache")
         ecfg = dataclasses.replace(self.ecfg, **changes)
         store = self.host.store
+        if isinstance(self.host, ExpertCache):
+            self.book.discard(self.host.pool)
         self.host = None
         self.experts.by_layer = {l: p for l, p in self.experts.by_layer.items() if l not in store.rows}
         if self.device.is_cuda:
