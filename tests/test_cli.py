@@ -42,6 +42,11 @@ def test_generate_hash_and_trace_then_replay(capsys, tmp_path):
     assert len(sha) == 1 and "(6 tokens)" in sha[0]
     code, out, _ = run(capsys, "replay", str(trace), "--slots", "8,64", "--policy", "lru")
     assert code == 0 and "| lru | 8 |" in out and "| lru | 64 |" in out
+    code, out, _ = run(capsys, "replay", str(trace), "--slots", "16", "--policy", "lfru", "--zero-copy",
+                       "--read-through")
+    assert code == 0 and "read in place GB" in out and "| lfru | 16 |" in out
+    code, _, err = run(capsys, "replay", str(trace), "--slots", "16", "--read-through")
+    assert code != 0 and "add --zero-copy" in err
 
 
 def test_same_hash_for_every_placement(capsys):

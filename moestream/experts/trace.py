@@ -95,10 +95,14 @@ def load_trace(path: str) -> Trace:
     return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses)
 
 
-def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None) -> dict:
-    """Counts the live cache would have had on this routing: totals and per layer."""
-    if prefetch is not None:
-        return _replay_with_prefetch(trace, n_slots, policy, prefetch)
+def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None,
+           zero_copy: bool = False, read_through: bool = False) -> dict:
+    """Counts the live cache would have had on this routing: totals and per layer. `zero_copy`: decode steps as
+    zero-copy decode runs them (the default on CUDA: the cache learns one step late), with or without
+    read-through; this replays the live cache itself, like `prefetch` (an empty PrefetchConfig if none given)."""
+    if prefetch is not None or zero_copy:
+        return _replay_live(trace, n_slots, policy, prefetch or PrefetchConfig(enabled=False), zero_copy,
+                            read_through)
     planner = CachePlanner(n_slots, trace.n_layers, trace.n_experts, policy, trace.expert_bytes,
                            sorted(set(trace.layers.tolist())))
     for layer, ids in zip(trace.layers.tolist(), trace.ids):
@@ -107,7 +111,8 @@ def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchC
     return _report(planner.stats)
 
 
-def _replay_with_prefetch(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConfig) -> dict:
+def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConfig, zero_copy: bool,
+                 read_through: bool) -> dict:
     if trace.ubatches is None or trace.ubatch_of is None:
         raise UserError("this trace has no ubatch boundaries (an older recording): record it again to replay prefetch")
     from ..device import Device
@@ -120,14 +125,26 @@ def _replay_with_prefetch(trace: Trace, n_slots: int, policy: str, prefetch: Pre
     cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy, prefetch, layers,
                         int(trace.ubatches[:, 0].max()) + 1 if len(trace.ubatches) else 1,
                         trace.ids[0].shape[1] if trace.ids else 8)
-    current = -1
+    if zero_copy:
+        from ..kernels.decode import MAX_TOKENS
+        cache.enable_zero_copy(MAX_TOKENS, read_through)
+    zc = cache.zero_copy
+    current, step = -1, None                 # step: the tokens of the zero-copy decode step being replayed
     for layer, ids, guess, ub in zip(trace.layers.tolist(), trace.ids, guesses, trace.ubatch_of.tolist()):
         if ub != current:
+            if step is not None:
+                zc.end_step(step)
             seq, n, is_prompt, new_prompt = trace.ubatches[ub].tolist()
             if new_prompt:
                 cache.begin_prompt(seq)
             cache.begin_ubatch(seq, n, bool(is_prompt))
             current = ub
+            step = n if zc is not None and not is_prompt and n <= zc.routed.shape[1] // zc.top_k else None
+            if step is not None:
+                zc.begin_step()
+        if step is not None:                 # the step's kernel reads where the table says: no fetch
+            zc.routed[layer, :ids.size] = torch.from_numpy(ids.astype(np.int64).reshape(-1))
+            continue
         if guess is not None and cache.wants_lookahead(layer, len(ids)):     # as the live forward would have asked
             guess = torch.from_numpy(guess.astype(np.int64))
         else:
@@ -137,9 +154,12 @@ def _replay_with_prefetch(trace: Trace, n_slots: int, policy: str, prefetch: Pre
             for _ in w:                      # waves load as they are iterated
                 pass
         cache.experts_launched(layer)
+    if step is not None:
+        zc.end_step(step)
+    cache.collect_waits()                    # learns from the last zero-copy step, as reading live counters does
     out = _report(cache.stats)
     for d in (out["total"], *out["per_layer"].values()):
-        for key in ("uploaded_bytes", "prefetched_bytes"):
+        for key in ("uploaded_bytes", "prefetched_bytes", "host_read_bytes"):
             d[key] = d[key] // store.expert_bytes * trace.expert_bytes
     return out
 
