@@ -171,6 +171,8 @@ class Engine:
                 on_route.begin_ubatch(steps[0][0], len(steps), False)
         try:
             if self.graphs is not None:
+                if hasattr(host, "begin_ubatch"):   # as the eager forward tells it (the cache's clock and state)
+                    host.begin_ubatch(steps[0][0], len(steps), False)
                 logits = self.graphs.run(steps, span)
             else:
                 logits = self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
