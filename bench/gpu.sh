@@ -11,7 +11,8 @@
 #   bash bench/gpu.sh probe      cuda tests; bench/probe.py: determinism across processes and cache settings, host
 #                                time per layer, prompt lookahead, host decode graphs, a routing trace, a profile
 #   bash bench/gpu.sh zc         zero-copy decode: cuda tests, the decode profile, decode on the reference model
-#   bash bench/gpu.sh next       the cuda tests added after the last GPU run; --read-through against the defaults
+#   bash bench/gpu.sh next       the cuda tests added after the last GPU run; --read-through and --shared-reads
+#                                against the defaults (bench tg64, the server)
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
 set -uo pipefail
@@ -72,8 +73,9 @@ last)
   python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8080/metrics').text)" 2>/dev/null | grep -E "^moestream_(expert|decode|prompt)" | head -20 | tee "$OUT/serve_metrics.txt"
   ;;
 next)
-  # What the last session could not run on the GPU: the cuda tests it added (read-through, batched zero-copy
-  # decode), then tg64 at 8000 / 16000 / 24000 MiB with --read-through against the defaults (the hash must match).
+  # What the last session could not run on the GPU: the cuda tests it added (read-through, shared reads, batched
+  # zero-copy decode); tg64 at 8000 / 16000 / 24000 MiB with --read-through against the defaults (the hash must
+  # match); the server with --shared-reads --read-through against the defaults.
   python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
   REF=/tmp/ref.gguf
   [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
@@ -81,6 +83,13 @@ next)
   B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe --moe-cache-mib 8000,16000,24000"
   timeout 120 python3 -m moestream bench $B --read-through 2>&1 | tee "$OUT/bench_read_through.md"
   timeout 120 python3 -m moestream bench $B 2>&1 | tee "$OUT/bench_default.md"
+  for v in "" "--shared-reads --read-through"; do                # the server with and without the two options
+    ms serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 $v > "$OUT/serve.log" 2>&1 &
+    SP=$!
+    for i in $(seq 40); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
+    echo "## serve $v"; timeout 60 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1
+    kill $SP; wait $SP
+  done | tee "$OUT/serve_options.md"
   ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and

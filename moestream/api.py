@@ -26,6 +26,7 @@ class LLM:
                  prefetch_min_batch: int = 256, prefetch_seed: bool = True, prefetch_first_all: bool = False,
                  lookahead: bool = True, prompt_lookahead: bool = True, prefetch_min_use: float = 0.0,
                  host_decode_graphs: bool = True, zero_copy_decode: bool | None = None, read_through: bool = False,
+                 shared_reads: bool = False,
                  progress: bool = False):
         self.source = open_source(model, progress=progress)
         self.config = EngineConfig(device=device or "auto", dtype=dtype, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
@@ -36,7 +37,8 @@ class LLM:
                                    prefetch_first_all=prefetch_first_all, lookahead=lookahead,
                                    prompt_lookahead=prompt_lookahead,
                                    prefetch_min_use=prefetch_min_use, host_decode_graphs=host_decode_graphs,
-                                   zero_copy_decode=zero_copy_decode, read_through=read_through)
+                                   zero_copy_decode=zero_copy_decode, read_through=read_through,
+                                   shared_reads=shared_reads)
         self.engine = Engine.load(self.source, self.config, progress=progress)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config

@@ -57,6 +57,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-through", action="store_true",
                    help="zero-copy decode of one token also writes each expert it reads from host memory into a "
                         "free cache slot, so the next token reads it there (not yet measured on a GPU)")
+    p.add_argument("--shared-reads", action="store_true",
+                   help="a zero-copy decode step of several tokens reads an expert several of them chose once, not "
+                        "once per token (not yet measured on a GPU)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
 
@@ -70,7 +73,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 lookahead=not a.no_lookahead, prompt_lookahead=not a.no_prompt_lookahead,
                 prefetch_min_use=a.prefetch_min_use,
                 host_decode_graphs=not a.no_host_decode_graphs, zero_copy_decode=a.zero_copy_decode,
-                read_through=a.read_through)
+                read_through=a.read_through, shared_reads=a.shared_reads)
 
 
 def parse_prompt(text: str, has_tokenizer: bool):

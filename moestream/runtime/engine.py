@@ -46,7 +46,8 @@ class Engine:
         self.book = book or AddressBook()
         # Zero-copy decode: decode steps of up to MAX_TOKENS tokens read each expert where it lies, on every
         # placement alike (so a cached decode gives the all-GPU bits).
-        model.decode_kernel = pick_decode_kernel(ecfg.zero_copy_decode, device.torch, self.dtype, self.book)
+        model.decode_kernel = pick_decode_kernel(ecfg.zero_copy_decode, device.torch, self.dtype, self.book,
+                                                 ecfg.shared_reads)
         model.decode_max_tokens = MAX_TOKENS
         from ..kernels import fused
         if fused.fused_available(device.torch, self.dtype, cfg.head_dim):
