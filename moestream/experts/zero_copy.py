@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..models.moe import report_route
+from .provider import row_addresses
 from .residency import CacheTooSmall
 
 RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
@@ -45,7 +46,9 @@ class ZeroCopyDecode:
         self.row_bytes = cache.store.expert_bytes
         self.host_addr = np.zeros((L, E), dtype=np.int64)
         for l, rows in cache.store.rows.items():
-            self.host_addr[l] = rows.data_ptr() + np.arange(E, dtype=np.int64) * self.row_bytes
+            self.host_addr[l] = row_addresses(rows, "cpu").numpy()
+        bounds = [cache.residency.bounds[l] for l in cache.layers]
+        self.layers_in_region = {b: bounds.count(b) for b in bounds}     # host layers sharing each region
         self.pool_addr = cache.pool.data_ptr()
         self.table = torch.zeros(L, E, dtype=torch.int64, device=dev.torch)      # read by the captured steps
         self.staging = dev.pinned_empty((L, E), torch.int64)
@@ -156,7 +159,7 @@ class ZeroCopyDecode:
         c = self.cache
         res = c.residency
         self.land_slots[:] = -1
-        if c.n_slots >= len(c.layers) * self.top_k:
+        if self._holds_a_step(self.top_k):
             c._update_pins()                     # the last step's landing slots are free again (it has run)
             free = (res.owner[:, 0] < 0) & ~res.pinned
             for l in c.layers:
@@ -177,12 +180,12 @@ class ZeroCopyDecode:
         t0 = time.perf_counter()
         c = self.cache
         res, E = c.residency, c.n_experts
-        upload = c.n_slots >= len(c.layers) * routed.shape[1]
+        upload = self._holds_a_step(routed.shape[1])
         c._mark_reads()                          # slots a prompt handed out are free once its compute has run
         c._update_pins()
         if writing is not None:
             res.pinned[writing[writing >= 0]] = True
-        empty = set(np.flatnonzero(res.owner[:, 0] < 0).tolist()) if upload else set()
+        empty = set(np.flatnonzero(res.owner[:, 0] < 0).tolist())     # no step in flight reads these
         now, behind = [], []                     # copies into empty slots (unread), into evicted ones (read)
         for l in c.layers:
             counts = np.bincount(routed[l], minlength=E)
@@ -213,7 +216,7 @@ class ZeroCopyDecode:
         if upload:
             self._keep_reserve()
         else:
-            self._keep_hottest(empty_before=set(np.flatnonzero(res.owner[:, 0] < 0).tolist()), after=after)
+            self._keep_hottest(empty, after)     # (the loop above moved nothing: `empty` still holds)
         per_layer = (time.perf_counter() - t0) / len(c.layers)
         for l in c.layers:
             c.stats.record(l, host_s=per_layer)
@@ -224,8 +227,7 @@ class ZeroCopyDecode:
         before the step after it, instead of queuing behind the step in flight."""
         c = self.cache
         res = c.residency
-        for a, b in sorted({res.bounds[l] for l in c.layers}):
-            n_layers = sum(1 for l in c.layers if res.bounds[l] == (a, b))
+        for (a, b), n_layers in sorted(self.layers_in_region.items()):
             keep = min(RESERVE + self.n_land * n_layers, (b - a) // 8)
             owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
             need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
@@ -241,10 +243,9 @@ class ZeroCopyDecode:
         c = self.cache
         res = c.residency
         desired = np.zeros(self.freq.shape, dtype=bool)
-        share = {}
         for l in c.layers:
-            share[l] = res.region_size(l) // sum(1 for m in c.layers if res.bounds[m] == res.bounds[l])
-            top = np.argsort(-self.freq[l], kind="stable")[:share[l]]
+            share = res.region_size(l) // self.layers_in_region[res.bounds[l]]
+            top = np.argsort(-self.freq[l], kind="stable")[:share]
             desired[l, top[self.freq[l, top] >= 1.0]] = True
         want = [(self.freq[l, e], l, e) for l in c.layers for e in np.flatnonzero(desired[l] & (res.slot_of[l] < 0))]
         want.sort(key=lambda w: -w[0])
@@ -270,6 +271,11 @@ class ZeroCopyDecode:
             (now if slot in empty_before else behind).append((slot, c.pool[slot], c.store.rows[l][e]))
             c.stats.record(l, uploaded_bytes=self.row_bytes, copies=1)
         self._submit(now, behind, after)
+
+    def _holds_a_step(self, n_choices: int) -> bool:
+        """Whether the pool holds a step's routed experts (n_choices per host layer): only then are misses worth
+        uploading (in a smaller pool each upload evicts an expert the next step reads)."""
+        return self.cache.n_slots >= len(self.cache.layers) * n_choices
 
     def _submit(self, now: list, behind: list, after) -> None:
         """Copy (slot, dst, src) into slots no queued step reads at once, the others behind `after`."""

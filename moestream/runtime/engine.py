@@ -162,11 +162,9 @@ class Engine:
     def _zero_copy_decode(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
         """A decode step that reads experts where they lie: one graph (or eager forward), no host step inside; the
         host provider writes its address table before and learns from the routing after (experts/zero_copy.py)."""
-        host = self.host
+        host, on_route = self.host, self.model.on_route
         if host is not None:
             host.begin_decode_step()
-        on_route = self.model.on_route
-        if host is not None:
             self.model.on_route = None       # the provider reports the step's routing once it is queued
             if hasattr(on_route, "begin_ubatch"):
                 on_route.begin_ubatch(steps[0][0], len(steps), False)
