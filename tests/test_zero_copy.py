@@ -240,3 +240,38 @@ def test_trace_replay_predicts_zero_copy_decode(tmp_path, mib, prefetch, read_th
     drop = ("sync_s", "host_s", "wait_s")
     assert {k: v for k, v in got["total"].items() if k not in drop} == \
         {k: v for k, v in live["total"].items() if k not in drop}
+
+
+def test_which_families_take_the_fused_decode_attention(checkpoint):
+    """Per-head QK-norm or none, no clipping: every family but OLMoE (whole-projection norm, clip_qkv)."""
+    family, path, _ = checkpoint
+    model = LLM(path, ctx_size=64, device="cpu").engine.model
+    assert model._fuses_attention(object()) == (family != "olmoe")
+    assert not model._fuses_attention(None)
+
+
+def test_a_family_the_fused_attention_does_not_take_still_decodes(tmp_path):
+    """OLMoE keeps eager attention in a fused decode step, and gets its mask. The fused kernels are Triton (CUDA):
+    here stand-ins with the eager ops' math take the place of the ones OLMoE uses."""
+    import types
+    from conftest import write_checkpoint
+    from moestream.models.layers import rms_norm
+    write_checkpoint("olmoe", str(tmp_path))
+
+    def add_rms_norm(h, delta, w, eps):
+        h = h + delta
+        return h, rms_norm(h, w, eps)
+
+    def route_topk(logits, k, renorm, dtype):
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if renorm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(dtype), ids
+
+    def run(fused):
+        llm = LLM(str(tmp_path), ctx_size=64, device="cpu", zero_copy_decode=True)
+        if fused:
+            llm.engine.model.fused = types.SimpleNamespace(add_rms_norm=add_rms_norm, route_topk=route_topk)
+        return llm.generate(list(range(3, 15)), max_tokens=8, ignore_eos=True).token_ids
+    assert run(True) == run(False)

@@ -105,7 +105,7 @@ class MoETransformer:
         cos = self.cos[batch.positions].to(h.dtype)                          # (T, hd)
         sin = self.sin[batch.positions].to(h.dtype)
         mask = None
-        if batch.is_decode and fused is None:       # the keys each token attends: one mask for every layer
+        if batch.is_decode and not self._fuses_attention(fused):    # the keys each token attends, for every layer
             n = batch.kv_len or kv.ctx
             mask = torch.arange(n, device=h.device)[None, :] <= batch.positions[:, None]      # (B, n)
         delta = None                    # the last block's output, not yet added to the residual stream h
@@ -133,11 +133,16 @@ class MoETransformer:
         h = h + delta
         return h, rms_norm(h, w, self.cfg.rms_norm_eps)
 
+    def _fuses_attention(self, fused) -> bool:
+        """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, and
+        no clipping (OLMoE's whole-projection norm and clip_qkv run as eager ops, with the mask)."""
+        return fused is not None and self.cfg.qk_norm in ("none", "head") and not self.cfg.clip_qkv
+
     def attention(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
         qkv = F.linear(x, lw["attn_qkv.weight"], lw.get("attn_qkv.bias"))   # (T, (nh + 2 nkv) hd)
-        if fused is not None and cfg.qk_norm in (None, "head") and not cfg.clip_qkv:
+        if self._fuses_attention(fused):
             q = fused.qk_rope_kv(qkv, lw.get("attn_qk_norm.weight"), cfg.rms_norm_eps, cos, sin, kv.k[layer],
                                  kv.v[layer], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads)
             n = batch.kv_len or kv.ctx
