@@ -150,8 +150,9 @@ if triton is not None:
 
 
 def fused_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
+    """Where the decode kernels run (Triton, CUDA, 16-bit weights), for a power-of-two head size of at least 32."""
+    from .decode import decode_available
+    return decode_available(device, dtype) and head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
 def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
