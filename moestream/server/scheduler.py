@@ -291,8 +291,7 @@ class Scheduler:
 
     def _decode(self, slots: list[Slot]) -> None:
         steps = [(s.id, s.run.ids[-1], s.run.pos) for s in slots]
-        # A replayed all-GPU graph calls no Python: count decode routing where the engine reports it (eager decodes
-        # and steps with host experts, which are what prefetch serves).
+        # decode routing is counted where the engine reports it (host experts, what prefetch serves)
         owner = [s.id for s in slots] if self.engine.reports_decode_routing else None
         logits = self.routing.counted(owner, self.engine.decode, steps)                     # (B, V)
         for s, (_, tok, _) in zip(slots, steps):
