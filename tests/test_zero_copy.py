@@ -250,28 +250,63 @@ def test_which_families_take_the_fused_decode_attention(checkpoint):
     assert not model._fuses_attention(None)
 
 
-def test_a_family_the_fused_attention_does_not_take_still_decodes(tmp_path):
-    """OLMoE keeps eager attention in a fused decode step, and gets its mask. The fused kernels are Triton (CUDA):
-    here stand-ins with the eager ops' math take the place of the ones OLMoE uses."""
+def _stand_in_fused(calls: list):
+    """The fused kernels OLMoE uses (add + RMSNorm, softmax + top-k) as plain torch with the eager ops' math: the
+    Triton ones run only on CUDA. Each call is counted in `calls`."""
     import types
-    from conftest import write_checkpoint
     from moestream.models.layers import rms_norm
-    write_checkpoint("olmoe", str(tmp_path))
 
     def add_rms_norm(h, delta, w, eps):
+        calls.append("add_rms_norm")
         h = h + delta
         return h, rms_norm(h, w, eps)
 
     def route_topk(logits, k, renorm, dtype):
+        calls.append("route_topk")
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, k, dim=-1)
         if renorm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(dtype), ids
+    return types.SimpleNamespace(add_rms_norm=add_rms_norm, route_topk=route_topk)
+
+
+def test_a_family_the_fused_attention_does_not_take_still_decodes(tmp_path):
+    """OLMoE keeps eager attention in a fused decode step, and gets its mask. The fused kernels are Triton (CUDA):
+    here stand-ins with the eager ops' math take the place of the ones OLMoE uses."""
+    from conftest import write_checkpoint
+    write_checkpoint("olmoe", str(tmp_path))
 
     def run(fused):
         llm = LLM(str(tmp_path), ctx_size=64, device="cpu", zero_copy_decode=True)
         if fused:
-            llm.engine.model.fused = types.SimpleNamespace(add_rms_norm=add_rms_norm, route_topk=route_topk)
+            llm.engine.model.fused = _stand_in_fused([])
         return llm.generate(list(range(3, 15)), max_tokens=8, ignore_eos=True).token_ids
     assert run(True) == run(False)
+
+
+def test_every_decode_path_takes_the_fused_kernels(tmp_path):
+    """The eager decode step (no zero-copy decode) and the host decode graphs' segments both run the fused
+    kernels, so they give the same bits (on CUDA the fused ones differ from the unfused ones in the last bits)."""
+    from conftest import write_checkpoint
+    from moestream.runtime.graphs import HostDecodeGraphs
+    write_checkpoint("olmoe", str(tmp_path))
+
+    def run(segmented):
+        llm = LLM(str(tmp_path), ctx_size=64, device="cpu", cpu_moe=True, moe_cache_mib=1, zero_copy_decode=False)
+        eng, calls = llm.engine, []
+        eng.model.fused = _stand_in_fused(calls)
+        step = eng.decode
+        if segmented:
+            graphs = HostDecodeGraphs(eng, capture=False)
+            step = lambda toks: graphs.run(toks, eng.kv.span(max(p for _, _, p in toks) + 1))   # noqa: E731
+        tok, outs = int(eng.prefill(0, list(range(3, 15)))[-1].argmax()), []
+        calls.clear()
+        for pos in range(12, 18):
+            lg = step([(0, tok, pos)])
+            outs.append(lg.clone())
+            tok = int(lg[0].argmax())
+        return outs, len(calls)
+    (eager, n_eager), (seg, n_seg) = run(False), run(True)
+    assert n_eager == n_seg > 0
+    assert all(torch.equal(a, b) for a, b in zip(eager, seg))

@@ -156,7 +156,8 @@ class Engine:
                 return self.graphs.run(steps, span)
         if self.host_graphs is not None and len(steps) * self.cfg.n_experts_used <= self.host.min_region:
             return self.host_graphs.run(steps, span)
-        return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span)
+        return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
+                            decode_step=True)     # the fused kernels, as the graphs of every placement run them
 
     @torch.inference_mode()
     def _zero_copy_decode(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
