@@ -17,7 +17,8 @@ empty slots kept in reserve (emptied before step t+1's table was written) starts
 before step t+2, whose table then points at it. So a miss is read in place by at most two steps, not three.
 
 Read-through (off by default until measured on a GPU): a one-token step is also handed a few empty slots per
-layer, and its kernel writes the first experts it reads from host memory into them as it reads them. Before the
+layer (none a copy is still writing), and its kernel writes the first experts it reads from host memory into them
+as it reads them. Before the
 next step's table is written the host replays the kernel's rule on the step's routing and takes those experts in,
 so the next step reads them from their slots: a miss crosses the link once. The slots a step writes are pinned
 while it runs, so no copy targets them.
@@ -161,7 +162,9 @@ class ZeroCopyDecode:
         self.land_slots[:] = -1
         if self._holds_a_step(self.top_k):
             c._update_pins()                     # the last step's landing slots are free again (it has run)
-            free = (res.owner[:, 0] < 0) & ~res.pinned
+            # Empty, unread, and no copy still writing it: a slot emptied while its upload is in flight would get
+            # that upload's bytes after the step landed its own.
+            free = (res.owner[:, 0] < 0) & ~res.pinned & (c.ready <= c.queue.poll())
             for l in c.layers:
                 a, b = res.bounds[l]
                 got = a + np.flatnonzero(free[a:b])[:self.n_land]
