@@ -13,6 +13,7 @@
 #   bash bench/gpu.sh zc         zero-copy decode: cuda tests, the decode profile, decode on the reference model
 #   bash bench/gpu.sh next       the cuda tests added after the last GPU run; --read-through and --shared-reads
 #                                against the defaults (bench tg64, the server)
+#   bash bench/gpu.sh steps      where a decode step's time goes (host vs GPU), and --read-through's hash
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
 set -uo pipefail
@@ -90,6 +91,19 @@ next)
     echo "## serve $v"; timeout 60 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1
     kill $SP; wait $SP
   done | tee "$OUT/serve_options.md"
+  ;;
+steps)
+  # Where a decode step's time goes (bench/decode_steps.py): all on the GPU, and at 16000 / 24000 MiB with and
+  # without --read-through; then bench tg64 with --read-through against the defaults (the hash must match).
+  python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  sync; sleep 10
+  timeout 100 python3 bench/decode_steps.py $REF 2>&1 | tee "$OUT/steps_gpu.md"
+  timeout 120 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,24000 2>&1 | tee "$OUT/steps_cache.md"
+  timeout 120 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,24000 --read-through 2>&1 | tee "$OUT/steps_rt.md"
+  B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe --moe-cache-mib 8000,16000"
+  timeout 100 python3 -m moestream bench $B --read-through 2>&1 | tee "$OUT/bench_read_through.md"
   ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
