@@ -22,6 +22,7 @@ ap.add_argument("--moe-cache-mib", default="16000")
 ap.add_argument("--read-through", action="store_true")
 ap.add_argument("-n", type=int, default=64)
 ap.add_argument("-p", type=int, default=4096)
+ap.add_argument("--from-zero", action="store_true", help="decode from position 0 after the prompt, as bench tg does")
 ns = ap.parse_args()
 
 TIMES: dict[str, list[float]] = {}
@@ -67,33 +68,43 @@ def run(llm, label):
     for rep in range(2):
         eng.begin_prompt(0)
         tok = int(eng.prefill(0, prompt, 0)[-1].argmax())
+        before = llm.stats()["total"]
         TIMES.clear()
         EVENTS.clear()
         walls = []
+        start = 0 if ns.from_zero else ns.p
+        if ns.from_zero:
+            tok = prompt[0]
         eng.synchronize()
         t_all = time.perf_counter()
-        for pos in range(ns.p, ns.p + ns.n):
+        for pos in range(start, start + ns.n):
             t = time.perf_counter()
             lg = eng.decode([(0, tok, pos)])
             tok = int(lg[0].argmax())
             walls.append(time.perf_counter() - t)
+        eng.synchronize()
         total = time.perf_counter() - t_all
+        after = llm.stats()["total"]
+        reads = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in ("host_reads", "copies", "landed")}
         gpus = [a.elapsed_time(b) / 1e3 for a, b in EVENTS]
         ms = lambda xs: 1e3 * statistics.median(xs) if xs else 0.0      # noqa: E731
         parts = " ".join(f"{k} {ms(v):.3f}" for k, v in sorted(TIMES.items()))
         print(f"| {label} | {rep} | {ns.n / total:.1f} | {ms(walls):.3f} | {ms(gpus):.3f} | "
-              f"{ms(walls) - ms(gpus):.3f} | {parts} |", flush=True)
+              f"{ms(walls) - ms(gpus):.3f} | {parts} | {reads} |", flush=True)
+        if rep:
+            print("  per step wall ms:", " ".join(f"{1e3 * w:.2f}" for w in walls))
+            print("  per step GPU ms: ", " ".join(f"{g * 1e3:.2f}" for g in gpus))
 
 
-print("| config | rep | tok/s | wall ms/step (median) | GPU ms/step (events) | gap ms | host parts ms (median) |")
-print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+print("| config | rep | tok/s | wall ms/step (median) | GPU ms/step (events) | gap ms | host parts ms (median) | counts |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
 if not ns.cpu_moe:
     run(LLM(ns.model, ctx_size=ns.p + ns.n, ubatch_size=2048, batch_size=4096, zero_copy_decode=True), "all-GPU")
 else:
     sizes = [int(s) for s in ns.moe_cache_mib.split(",")]
-    llm = LLM(ns.model, ctx_size=ns.p + ns.n, ubatch_size=2048, batch_size=4096, cpu_moe=True, moe_cache_mib=sizes[0], zero_copy_decode=True,
-              read_through=ns.read_through)
+    llm = LLM(ns.model, ctx_size=ns.p + ns.n, ubatch_size=2048, batch_size=4096, cpu_moe=True, moe_cache_mib=sizes[0],
+              zero_copy_decode=True, read_through=ns.read_through)
     for i, mib in enumerate(sizes):
         if i:
             llm.engine.reconfigure_cache(moe_cache_mib=mib, read_through=ns.read_through)
-        run(llm, f"{mib} MiB{' read-through' if ns.read_through else ''}")
+        run(llm, f"{mib} MiB{' read-through' if ns.read_through else ''}{' from 0' if ns.from_zero else ''}")

@@ -105,6 +105,16 @@ steps)
   B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe --moe-cache-mib 8000,16000"
   timeout 100 python3 -m moestream bench $B --read-through 2>&1 | tee "$OUT/bench_read_through.md"
   ;;
+steps2)
+  # The decode kernel with 0-8 of a token's experts read from host; decode steps from position 0 after a prompt,
+  # as bench tg runs them, step by step (wall, GPU, host reads).
+  timeout 120 python3 bench/decode_kernel.py 2>&1 | tee "$OUT/decode_kernel.log"
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  sync; sleep 5
+  timeout 130 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,24000 --from-zero 2>&1 | tee "$OUT/steps_zero.md"
+  timeout 130 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,8000 --from-zero --read-through 2>&1 | tee "$OUT/steps_zero_rt.md"
+  ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
   # a routing trace with lookahead guesses for `moestream replay --prefetch` (brought back as ref_trace.npz).
