@@ -71,9 +71,9 @@ if triton is not None:
             wg_raw = tl.load(base + off, mask=m, other=0.0)
             wu_raw = tl.load(base + I * H + off, mask=m, other=0.0)
             if LAND:
-                keep = m & ((off * 0 + dest) != 0)        # (the scalar broadcast first: the interpreter needs it)
-                tl.store(to + off, wg_raw, mask=keep)
-                tl.store(to + I * H + off, wu_raw, mask=keep)
+                if dest != 0:                             # only a landing choice's programs store
+                    tl.store(to + off, wg_raw, mask=m)
+                    tl.store(to + I * H + off, wu_raw, mask=m)
             wg = wg_raw.to(tl.float32)
             wu = wu_raw.to(tl.float32)
             g += tl.sum(wg * xv[None, :], axis=1)
@@ -108,7 +108,8 @@ if triton is not None:
             off = rows[None, :, None] * I + i0 + cols[None, None, :]
             wd_raw = tl.load(base[:, None, None] + off, mask=m, other=0.0)                     # (KP, BLOCK_O, BLOCK_I)
             if LAND:
-                tl.store(to[:, None, None] + off, wd_raw, mask=m & (dests != 0)[:, None, None])
+                if tl.max(dests, axis=0) != 0:            # only a token with a landing choice stores
+                    tl.store(to[:, None, None] + off, wd_raw, mask=m & (dests != 0)[:, None, None])
             acc += tl.sum(wd_raw.to(tl.float32) * hv[:, None, :], axis=2)
         out = tl.sum(acc * wj[:, None], axis=0)
         tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
