@@ -115,6 +115,11 @@ steps2)
   timeout 130 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,24000 --from-zero 2>&1 | tee "$OUT/steps_zero.md"
   timeout 130 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,8000 --from-zero --read-through 2>&1 | tee "$OUT/steps_zero_rt.md"
   ;;
+host)
+  # The host's share of a zero-copy decode step, by function, with and without --read-through (synth model).
+  timeout 150 python3 bench/profile_host.py synth:qwen3-30b-a3b:layers=8 3000 2>&1 | tee "$OUT/profile_host.txt"
+  timeout 150 python3 bench/profile_host.py synth:qwen3-30b-a3b:layers=8 --read-through 3000 2>&1 | tee "$OUT/profile_host_rt.txt"
+  ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
   # a routing trace with lookahead guesses for `moestream replay --prefetch` (brought back as ref_trace.npz).
