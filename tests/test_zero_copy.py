@@ -313,53 +313,72 @@ def test_every_decode_path_takes_the_fused_kernels(tmp_path):
 
 
 class LaggingQueue:
-    """A copy queue whose newest batch is still in flight: its copies land when the next batch is submitted or
-    a reader waits for it, as on the GPU, where a copy learned while a step runs lands later."""
+    """A copy queue whose newest batch is still in flight: its copies land when the next batch is submitted, or
+    (polls=N) at the N-th poll after its submission, as on the GPU, where a copy learned while a step runs lands
+    later."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, polls=None):
         self.seq = self.done = inner.poll()
-        self.held = []                                   # (seq, [(dst, src)]) not landed yet
+        self.polls = polls
+        self.held = []                                   # [seq, [(dst, src)], polls left] not landed yet
 
     def submit(self, pairs, nbytes, speculative, after=None):
         self.land(self.seq)
         self.seq += 1
-        self.held.append((self.seq, list(pairs)))
+        self.held.append([self.seq, list(pairs), self.polls])
         return self.seq
 
     def land(self, seq):
         while self.held and self.held[0][0] <= seq:
-            n, pairs = self.held.pop(0)
+            n, pairs, _ = self.held.pop(0)
             for dst, src in pairs:
                 dst.copy_(src)
             self.done = n
 
     def poll(self):
+        if self.polls is not None and self.held:
+            for h in self.held:
+                h[2] -= 1
+            self.land(max([h[0] for h in self.held if h[2] <= 0], default=0))
         return self.done
 
     def speculative_inflight(self):
         return 0
 
 
-@pytest.mark.parametrize("mib", [8, 12, 16])
-def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib):
+@pytest.mark.parametrize("mib,polls", [(8, None), (12, None), (16, None), (12, 2), (16, 2)])
+def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib, polls):
     """A slot emptied while its upload is in flight is not handed to a step to land in: the late copy would
     overwrite the landed expert (on the H200 the greedy hash changed). Decode steps with a lagging copy queue give
-    the logits of every expert on the device."""
+    the logits of every expert on the device. With polls=2 copies in flight when a table is prepared (while the
+    step before runs) land before the step: begin_step patches them in."""
     ids = list(range(5, 40))
+    handed, waiting = [], []
 
     def run(**kw):
         llm = LLM("synth:tiny", **KW, **kw)
         eng, cache = llm.engine, llm.engine.host
         tok, outs = int(eng.prefill(0, ids)[-1].argmax()), []
         if cache is not None:
-            cache.queue = LaggingQueue(cache.queue)
-            zc, hand_out = cache.zero_copy, cache.zero_copy._hand_out_landing
+            cache.queue = LaggingQueue(cache.queue, polls)
+            zc, begin, prepare = cache.zero_copy, cache.zero_copy.begin_step, cache.zero_copy._prepare
+
+            def prepared(*a, **kw):
+                p = prepare(*a, **kw)
+                waiting.append(len(p.waiting))
+                return p
+            zc._prepare = prepared
 
             def checked():
-                hand_out()
+                begin()
                 given = zc.land_slots[zc.land_slots >= 0]
-                assert (cache.ready[given] <= cache.queue.poll()).all(), "a landing slot has a copy in flight"
-            zc._hand_out_landing = checked
+                handed.append(len(given))
+                assert (cache.ready[given] <= cache.queue.done).all(), "a landing slot has a copy in flight"
+                slot = cache.residency.slot_of
+                landed = slot >= 0
+                landed[landed] = cache.ready[slot[landed]] <= cache.queue.done
+                assert not (zc.from_host & landed).any(), "the table reads a landed expert from host memory"
+            zc.begin_step = checked
         for pos in range(len(ids), len(ids) + 40):
             lg = eng.decode([(0, tok, pos)])
             outs.append(lg.clone())
@@ -367,3 +386,4 @@ def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib):
         return outs
     ref, got = run(), run(cpu_moe=True, moe_cache_mib=mib, read_through=True)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert sum(handed) > 0 and sum(waiting) > 0

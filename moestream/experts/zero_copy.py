@@ -16,12 +16,15 @@ was read back). A copy into a slot that step t+1's table may point at waits for 
 empty slots kept in reserve (emptied before step t+1's table was written) starts at once and lands, normally,
 before step t+2, whose table then points at it. So a miss is read in place by at most two steps, not three.
 
+The table leaves the critical path between steps: it is prepared from the residency map while the step before
+it runs (after learning), and begin_step only patches in the copies that have landed since and, with read-through,
+the last step's landed experts, then copies it over (one small copy).
+
 Read-through (off by default until measured on a GPU): a one-token step is also handed a few empty slots per
 layer (none a copy is still writing), and its kernel writes the first experts it reads from host memory into them
-as it reads them. Before the
-next step's table is written the host replays the kernel's rule on the step's routing and takes those experts in,
-so the next step reads them from their slots: a miss crosses the link once. The slots a step writes are pinned
-while it runs, so no copy targets them.
+as it reads them. Before the next step's table goes to the device the host replays the kernel's rule on the step's
+routing and takes those experts in, so the next step reads them from their slots: a miss crosses the link once.
+The slots a step writes are pinned while it runs, so no copy targets them.
 """
 from __future__ import annotations
 
@@ -52,7 +55,6 @@ class ZeroCopyDecode:
         self.layers_in_region = {b: bounds.count(b) for b in bounds}     # host layers sharing each region
         self.pool_addr = cache.pool.data_ptr()
         self.table = torch.zeros(L, E, dtype=torch.int64, device=dev.torch)      # read by the captured steps
-        self.staging = dev.pinned_empty((L, E), torch.int64)
         self.routed = torch.zeros(L, max_tokens * top_k, dtype=torch.int64, device=dev.torch)   # written by a step
         self.routed_host = dev.pinned_empty((L, max_tokens * top_k), torch.int64)
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
@@ -62,8 +64,13 @@ class ZeroCopyDecode:
         self.n_land = LAND_PER_LAYER if read_through else 0
         self.host_tab = torch.from_numpy(self.host_addr).to(dev.torch)              # (L, E) host-row addresses
         self.land = torch.zeros(L, max(self.n_land, 1), dtype=torch.int64, device=dev.torch)     # (L, R) addresses
-        self.land_staging = dev.pinned_empty(tuple(self.land.shape), torch.int64)
         self.land_slots = np.full(tuple(self.land.shape), -1, dtype=np.int64)     # the queued step's, as slots
+        # The next step's table is prepared while the step before it runs (end_step), in the staging buffer that
+        # step's own table copy does not read; begin_step patches in what landed since, and copies it over.
+        self.stagings = [(dev.pinned_empty((L, E), torch.int64), dev.pinned_empty(tuple(self.land.shape), torch.int64))
+                         for _ in range(2)]
+        self.current = 0                                    # the staging buffer of the queued step's table
+        self.next = None                                    # Prepared: the next step's table, or None
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids (T, k) -> (T, k) addresses; keeps the ids for the host (graph-safe: device copies only)."""
@@ -78,24 +85,51 @@ class ZeroCopyDecode:
         return ids, self.host_tab[layer], self.land[layer]
 
     def begin_step(self) -> None:
-        """Write the address table: an expert resident in a slot whose copy has landed reads from the slot,
-        every other one from its host row. With read-through, first take in the experts the last step wrote into
-        its landing slots (the next step reads them there), then hand this step free slots to land in."""
+        """Put the step's address table on the device: an expert resident in a slot whose copy has landed reads
+        from the slot, every other one from its host row. The table was prepared while the last step ran (or is
+        prepared now, after a prompt); here it only takes in what changed since: with read-through, the experts the
+        last step wrote into its landing slots (the next step reads them there), and copies that have landed."""
         p = self.pending
         if p is not None and p.event is not None:
-            p.event.synchronize()                # its table copy is done before the staging is rewritten
-        if p is not None and not p.absorbed:
-            self._absorb(p)
+            p.event.synchronize()                # that step has run: its table copy is done, its landings are in
+        nxt, self.next = self.next, None
+        absorbed = self._absorb(p) if p is not None and not p.absorbed else []
+        if nxt is None:
+            nxt = self._prepare(1 - self.current, writing=None)
+        else:
+            table = nxt.staging.numpy()
+            for l, e, slot in absorbed:
+                table[l, e] = self.pool_addr + slot * self.row_bytes
+                nxt.from_host[l, e] = False
+            if len(nxt.waiting):                 # copies in flight when it was prepared: in, if they have landed
+                c = self.cache
+                slot_of = c.residency.slot_of.ravel()
+                flat = nxt.waiting[(c.ready[nxt.waiting_slots] <= c.queue.poll())
+                                   & (slot_of[nxt.waiting] == nxt.waiting_slots)]
+                table.ravel()[flat] = self.pool_addr + slot_of[flat] * self.row_bytes
+                nxt.from_host.ravel()[flat] = False
+        self.from_host[:] = nxt.from_host
+        self.land_slots[:] = nxt.land_slots
+        self.current = nxt.buffer
+        self.table.copy_(nxt.staging, non_blocking=True)
+        if self.n_land:
+            self.land.copy_(nxt.land_staging, non_blocking=True)
+
+    def _prepare(self, buffer: int, writing) -> "Prepared":
+        """The next step's table (and, with read-through, its landing slots) from the residency map now, into
+        staging buffer `buffer`, which no queued copy reads. `writing`: the landing slots of the step in flight."""
         c = self.cache
         slot = c.residency.slot_of
-        landed = slot >= 0
-        landed[landed] = c.ready[slot[landed]] <= c.queue.poll()
-        np.logical_not(landed, out=self.from_host)
-        table = np.where(landed, self.pool_addr + slot * self.row_bytes, self.host_addr)
-        self.staging.numpy()[:] = table
-        self.table.copy_(self.staging, non_blocking=True)
+        held = slot >= 0
+        landed = held.copy()
+        landed[held] = c.ready[slot[held]] <= c.queue.poll()
+        staging, land_staging = self.stagings[buffer]
+        staging.numpy()[:] = np.where(landed, self.pool_addr + slot * self.row_bytes, self.host_addr)
+        waiting = np.flatnonzero((held & ~landed).ravel())
+        land_slots = self._landing_slots(writing)
         if self.n_land:
-            self._hand_out_landing()
+            land_staging.numpy()[:] = np.where(land_slots >= 0, self.pool_addr + land_slots * self.row_bytes, 0)
+        return Prepared(buffer, staging, land_staging, ~landed, land_slots, waiting, slot.ravel()[waiting])
 
     def end_step(self, n_tokens: int, on_route=None) -> None:
         """The step is queued: report its routing (device views, in stream order), then learn from the previous
@@ -115,12 +149,14 @@ class ZeroCopyDecode:
                                self.land_slots.copy() if n_tokens == 1 and self.n_land else None)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
+        self.next = self._prepare(1 - self.current, writing=self.pending.land_slots)
 
     def flush(self) -> None:
         """Learn from the last step now (before a prompt changes the cache, or counters are read)."""
         p = self.pending
         if p is not None and not p.absorbed:
             self._absorb(p)
+        self.next = None                         # the cache changes now (and a prompt may follow)
         previous = self._take_pending()
         if previous is not None:
             self._learn(*previous, after=None, writing=None)
@@ -135,44 +171,50 @@ class ZeroCopyDecode:
         p, self.pending = self.pending, None
         return None if p is None else (self._routed(p), p.from_host)
 
-    def _absorb(self, p) -> None:
+    def _absorb(self, p) -> list[tuple[int, int, int]]:
         """The experts a one-token step wrote into its landing slots as it read them (read-through) become
         resident there: the step has completed, so their bytes are in place. The host replays the kernel's rule
-        (kernels.decode.landing_slots) on the step's routing and table."""
+        (kernels.decode.landing_slots) on the step's routing and table. Returns the (layer, expert, slot) placed."""
         p.absorbed = True
         if p.land_slots is None:
-            return
+            return []
         from ..kernels.decode import landing_slots
         c, routed = self.cache, self._routed(p)
         res = c.residency
-        for l in c.layers:
-            ids = routed[l, :self.top_k]
-            for j, i in landing_slots(p.from_host[l, ids], self.n_land):
-                e, s = int(ids[j]), int(p.land_slots[l, i])
+        layers = np.asarray(c.layers)
+        ids = routed[layers, :self.top_k]
+        on_host = p.from_host[layers[:, None], ids]                  # (host layers, k): read from host memory
+        placed = []
+        for i in np.flatnonzero(on_host.any(axis=1)):
+            l = int(layers[i])
+            for j, r in landing_slots(on_host[i], self.n_land):
+                e, s = int(ids[i, j]), int(p.land_slots[l, r])
                 if s >= 0 and res.slot_of[l, e] < 0:          # (one being uploaded already keeps that slot)
                     res.place(l, e, s)
                     c.ready[s] = 0
                     c.stats.record(l, landed=1)
+                    placed.append((l, e, s))
+        return placed
 
-    def _hand_out_landing(self) -> None:
-        """Give each host layer up to n_land empty slots of its region to land in this step (addresses; 0: none).
-        Only where the pool holds a whole step's experts: a smaller one keeps its hottest experts instead."""
+    def _landing_slots(self, writing) -> np.ndarray:
+        """(L, R) slots for each host layer to land up to R experts in during the next step, -1 for none: empty,
+        unread, not written by the step in flight (`writing`), and no copy still writing them (a slot emptied
+        while its upload is in flight would get that upload's bytes after the step landed its own). Only with
+        read-through, and where the pool holds a whole step's experts: a smaller one keeps its hottest experts."""
         c = self.cache
         res = c.residency
-        self.land_slots[:] = -1
-        if self._holds_a_step(self.top_k):
-            c._update_pins()                     # the last step's landing slots are free again (it has run)
-            # Empty, unread, and no copy still writing it: a slot emptied while its upload is in flight would get
-            # that upload's bytes after the step landed its own.
+        out = np.full(self.land_slots.shape, -1, dtype=np.int64)
+        if self.n_land and self._holds_a_step(self.top_k):
+            c._update_pins()
             free = (res.owner[:, 0] < 0) & ~res.pinned & (c.ready <= c.queue.poll())
+            if writing is not None:
+                free[writing[writing >= 0]] = False
             for l in c.layers:
                 a, b = res.bounds[l]
                 got = a + np.flatnonzero(free[a:b])[:self.n_land]
                 free[got] = False
-                self.land_slots[l, :len(got)] = got
-        addr = np.where(self.land_slots >= 0, self.pool_addr + self.land_slots * self.row_bytes, 0)
-        self.land_staging.numpy()[:] = addr
-        self.land.copy_(self.land_staging, non_blocking=True)
+                out[l, :len(got)] = got
+        return out
 
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, after, writing) -> None:
         """The policy and counters see one step's routing (L, T k); its misses are uploaded, in one batch on the
@@ -296,3 +338,14 @@ class Pending:
     def __init__(self, n_tokens: int, event, from_host: np.ndarray, land_slots: np.ndarray | None):
         self.n_tokens, self.event, self.from_host, self.land_slots = n_tokens, event, from_host, land_slots
         self.absorbed = False           # its landed experts (read-through) are in the residency map
+
+
+class Prepared:
+    """The next step's table, prepared while the step before it runs: its staging buffers (addresses, landing
+    slots' addresses), which experts it reads from host, its landing slots, and the (flat) entries whose copies
+    were still in flight, with their slots."""
+
+    def __init__(self, buffer, staging, land_staging, from_host, land_slots, waiting, waiting_slots):
+        self.buffer, self.staging, self.land_staging = buffer, staging, land_staging
+        self.from_host, self.land_slots = from_host, land_slots
+        self.waiting, self.waiting_slots = waiting, waiting_slots
