@@ -14,6 +14,7 @@
 #   bash bench/gpu.sh next       the cuda tests added after the last GPU run; --read-through and --shared-reads
 #                                against the defaults (bench tg64, the server)
 #   bash bench/gpu.sh steps      where a decode step's time goes (host vs GPU), and --read-through's hash
+#   bash bench/gpu.sh decode     cuda tests; bench pp4096/tg64 over the caches, defaults and --read-through; server
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
 set -uo pipefail
@@ -119,6 +120,22 @@ host)
   # The host's share of a zero-copy decode step, by function, with and without --read-through (synth model).
   timeout 150 python3 bench/profile_host.py synth:qwen3-30b-a3b:layers=8 3000 2>&1 | tee "$OUT/profile_host.txt"
   timeout 150 python3 bench/profile_host.py synth:qwen3-30b-a3b:layers=8 --read-through 3000 2>&1 | tee "$OUT/profile_host_rt.txt"
+  ;;
+decode)
+  # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,
+  # the defaults against --read-through (the hash must match); the server's one-stream decode with it.
+  python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  sync; sleep 5
+  B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe"
+  timeout 150 python3 -m moestream bench $B --moe-cache-mib 0,8000,16000,24000 2>&1 | tee "$OUT/bench_default.md"
+  timeout 120 python3 -m moestream bench $B --moe-cache-mib 8000,16000,24000 --read-through 2>&1 | tee "$OUT/bench_read_through.md"
+  ms serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 --read-through > "$OUT/serve.log" 2>&1 &
+  SP=$!
+  for i in $(seq 40); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
+  timeout 50 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_rt.md"
+  kill $SP; wait $SP
   ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
