@@ -137,6 +137,14 @@ decode)
   timeout 50 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_rt.md"
   kill $SP; wait $SP
   ;;
+confirm)
+  # The defaults after turning read-through on: cuda tests; bench at 0 and 16000 MiB (the hash must match).
+  python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+  REF=/tmp/ref.gguf
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  sync; sleep 5
+  timeout 100 python3 -m moestream bench -m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe --moe-cache-mib 0,16000 2>&1 | tee "$OUT/bench_defaults.md"
+  ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
   # a routing trace with lookahead guesses for `moestream replay --prefetch` (brought back as ref_trace.npz).

@@ -25,7 +25,7 @@ class LLM:
                  moe_cache_mib: int | None = None, cache_policy: str = "lfru", prefetch: bool = True,
                  prefetch_min_batch: int = 256, prefetch_seed: bool = True, prefetch_first_all: bool = False,
                  lookahead: bool = True, prompt_lookahead: bool = True, prefetch_min_use: float = 0.0,
-                 host_decode_graphs: bool = True, zero_copy_decode: bool | None = None, read_through: bool = False,
+                 host_decode_graphs: bool = True, zero_copy_decode: bool | None = None, read_through: bool = True,
                  shared_reads: bool = False,
                  progress: bool = False):
         self.source = open_source(model, progress=progress)

@@ -54,9 +54,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-zero-copy-decode", dest="zero_copy_decode", action="store_const", const=False, default=None,
                    help="decode steps fetch their experts through the cache (a host step per layer) instead of "
                         "reading each expert where it lies, a cache slot or pinned host memory")
-    p.add_argument("--read-through", action="store_true",
+    p.add_argument("--read-through", action=argparse.BooleanOptionalAction, default=True,
                    help="zero-copy decode of one token also writes each expert it reads from host memory into a "
-                        "free cache slot, so the next token reads it there (not yet measured on a GPU)")
+                        "free cache slot, so the next token reads it there (default: on)")
     p.add_argument("--shared-reads", action="store_true",
                    help="a zero-copy decode step of several tokens reads an expert several of them chose once, not "
                         "once per token (not yet measured on a GPU)")

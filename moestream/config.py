@@ -161,7 +161,7 @@ class EngineConfig:
     cuda_graphs: bool = True         # decode through CUDA graphs where every expert is on the GPU
     host_decode_graphs: bool = True  # with a cache: decode as captured segments between host layers' routers
     zero_copy_decode: bool | None = None  # decode kernels read host experts in place (None: where Triton runs)
-    read_through: bool = False       # ... and write what they read into free cache slots (not yet measured on a GPU)
+    read_through: bool = True        # ... and write what they read from host into free cache slots
     shared_reads: bool = False       # ... and read an expert several tokens chose once (not yet measured on a GPU)
     moe_cache_mib: int | None = None # GPU expert cache for host layers (None: no cache, upload per ubatch; 0: smallest)
     cache_policy: str = "lfru"       # lfru (decayed frequency, scan-resistant) | lru
