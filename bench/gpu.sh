@@ -23,12 +23,18 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
 ms() { python3 -m moestream "$@"; }
+REF=/tmp/ref.gguf
+cuda_tests() { python3 -m pytest -m cuda tests/test_cuda.py -q "$@" 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"; }
+reference() {        # the reference GGUF (once per machine), then a pause while the host writes it back: $1 s
+  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  sync; sleep "${1:-0}"
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])" | tee -a "$OUT/gpu.txt"
 
 case "${1:-smoke}" in
 smoke)
-  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -25 | tee "$OUT/cuda_tests.log"
+  cuda_tests -x
   M=synth:qwen3-30b-a3b:layers=4
   ms bench -m $M -p 4096 -n 64 -ub 512,4096 -b 4096 -r 2 -c 4096 2>&1 | tee "$OUT/smoke_gpu.md"
   ms bench -m $M -p 4096 -n 32 -ub 512,4096 -b 4096 -r 2 -c 4096 --cpu-moe 2>&1 | tee "$OUT/smoke_host.md"
@@ -36,14 +42,12 @@ smoke)
   ;;
 ref)
   python3 bench/profile_decode.py synth:qwen3-30b-a3b:layers=4 2>&1 | grep "per decode step" | tee "$OUT/decode_steps.txt"
-  REF=/tmp/ref.gguf
   [ -f $REF ] || { /usr/bin/time -v python3 .carry/make_reference_gguf.py $REF 24 2>&1 | grep -E "wrote|Elapsed|Maximum resident"; } | tee "$OUT/make_ref.log"
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v 2>&1 | tee "$OUT/ref_gpu.md"
   ms bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 -v --cpu-moe 2>&1 | tee "$OUT/ref_host.md"
   ;;
 serve)
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  reference
   ms serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 > "$OUT/serve.log" 2>&1 &
   for i in $(seq 120); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
   python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 | tee "$OUT/serve_load.md"
@@ -53,9 +57,8 @@ final)
   # 0 / 8000 / 16000 / 24000 MiB (the hash column: one greedy decode per row, the same prompt in every process),
   # then the prefetch and decode switches at 16000 MiB. Each log goes into final.tar as soon as it is written.
   keep() { (cd "$OUT" && tar rf final.tar "$@" && rm -f "$@"); }
-  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"; keep cuda_tests.log
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  cuda_tests -x; keep cuda_tests.log
+  reference
   B="-m $REF -p 4096 -n 64 -b 4096 -r 2"
   timeout 90 python3 -m moestream bench $B -ub 512,2048,4096 > "$OUT/bench_gpu.md" 2>&1; cat "$OUT/bench_gpu.md"; keep bench_gpu.md
   timeout 170 python3 -m moestream bench $B -ub 512,2048,4096 --cpu-moe --moe-cache-mib 0,8000,16000,24000 --plot "$OUT/sweep.png" > "$OUT/bench_cache.md" 2>&1; cat "$OUT/bench_cache.md"; keep bench_cache.md
@@ -65,9 +68,7 @@ final)
   ;;
 last)
   # All-GPU pp4096 at ubatch 512 once the reference file's writes have settled, then the server under load.
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  sync; sleep 15
+  reference 15
   timeout 60 python3 -m moestream bench -m $REF -p 4096 -n 64 -ub 512 -b 4096 -r 2 2>&1 | tee "$OUT/bench_gpu_512.md"
   ms serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 > "$OUT/serve.log" 2>&1 &
   for i in $(seq 60); do python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8080/health').status_code != 200)" 2>/dev/null && break; sleep 2; done
@@ -78,10 +79,8 @@ next)
   # What the last session could not run on the GPU: the cuda tests it added (read-through, shared reads, batched
   # zero-copy decode); tg64 at 8000 / 16000 / 24000 MiB with --read-through against the defaults (the hash must
   # match); the server with --shared-reads --read-through against the defaults.
-  python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  sync; sleep 15
+  cuda_tests
+  reference 15
   B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe --moe-cache-mib 8000,16000,24000"
   timeout 120 python3 -m moestream bench $B --read-through 2>&1 | tee "$OUT/bench_read_through.md"
   timeout 120 python3 -m moestream bench $B 2>&1 | tee "$OUT/bench_default.md"
@@ -96,10 +95,8 @@ next)
 steps)
   # Where a decode step's time goes (bench/decode_steps.py): all on the GPU, and at 16000 / 24000 MiB with and
   # without --read-through; then bench tg64 with --read-through against the defaults (the hash must match).
-  python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  sync; sleep 10
+  cuda_tests
+  reference 10
   timeout 100 python3 bench/decode_steps.py $REF 2>&1 | tee "$OUT/steps_gpu.md"
   timeout 120 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,24000 2>&1 | tee "$OUT/steps_cache.md"
   timeout 120 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,24000 --read-through 2>&1 | tee "$OUT/steps_rt.md"
@@ -110,9 +107,7 @@ steps2)
   # The decode kernel with 0-8 of a token's experts read from host; decode steps from position 0 after a prompt,
   # as bench tg runs them, step by step (wall, GPU, host reads).
   timeout 120 python3 bench/decode_kernel.py 2>&1 | tee "$OUT/decode_kernel.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  sync; sleep 5
+  reference 5
   timeout 130 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,24000 --from-zero 2>&1 | tee "$OUT/steps_zero.md"
   timeout 130 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,8000 --from-zero --read-through 2>&1 | tee "$OUT/steps_zero_rt.md"
   ;;
@@ -124,10 +119,8 @@ host)
 decode)
   # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,
   # the defaults against --read-through (the hash must match); the server's one-stream decode with it.
-  python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  sync; sleep 5
+  cuda_tests
+  reference 5
   B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe"
   timeout 150 python3 -m moestream bench $B --moe-cache-mib 0,8000,16000,24000 2>&1 | tee "$OUT/bench_default.md"
   timeout 120 python3 -m moestream bench $B --moe-cache-mib 8000,16000,24000 --read-through 2>&1 | tee "$OUT/bench_read_through.md"
@@ -139,17 +132,14 @@ decode)
   ;;
 confirm)
   # The defaults after turning read-through on: cuda tests; bench at 0 and 16000 MiB (the hash must match).
-  python3 -m pytest -m cuda tests/test_cuda.py -q 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
-  sync; sleep 5
+  cuda_tests
+  reference 5
   timeout 100 python3 -m moestream bench -m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe --moe-cache-mib 0,16000 2>&1 | tee "$OUT/bench_defaults.md"
   ;;
 rest)
   # What the final run left out: prefetch without seeding, no lookahead, the first chunk copying every expert, and
   # a routing trace with lookahead guesses for `moestream replay --prefetch` (brought back as ref_trace.npz).
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  reference
   B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2"
   for v in "--no-prefetch-seed" "--no-lookahead" "--prefetch-first-all"; do
     echo "## --cpu-moe --moe-cache-mib 16000 $v"; timeout 90 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 $v 2>&1
@@ -158,26 +148,24 @@ rest)
   ;;
 kernel)
   # The decode expert kernel (bench/decode_kernel.py), the cuda tests, and where an all-GPU decode step's time goes.
-  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+  cuda_tests -x
   timeout 200 python3 bench/decode_kernel.py --sweep 2>&1 | tee "$OUT/decode_kernel.log"
   timeout 120 python3 bench/profile_decode.py synth:qwen3-30b-a3b:layers=4 > "$OUT/profile_decode.log" 2>&1; head -40 "$OUT/profile_decode.log"
   ;;
 zc)
   # Zero-copy decode: cuda tests, the kernel's block shapes, decode on the reference model all-GPU and cached.
-  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+  cuda_tests -x
   [ -n "${SWEEP:-}" ] && { timeout 150 python3 bench/decode_kernel.py --sweep > "$OUT/decode_kernel.log" 2>&1; head -6 "$OUT/decode_kernel.log"; sort -t: -k2 -n "$OUT/decode_kernel.log" | grep gate_up | head -5; }
   timeout 120 python3 bench/profile_decode.py synth:qwen3-30b-a3b:layers=4 > "$OUT/profile_decode.log" 2>&1; head -36 "$OUT/profile_decode.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  reference
   B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2"
   timeout 60 python3 -m moestream bench $B 2>&1 | tee "$OUT/zc_gpu.md"
   timeout 150 python3 -m moestream bench $B --cpu-moe --moe-cache-mib ${SIZES:-0,8000,16000,24000} 2>&1 | tee "$OUT/zc_cache.md"
   timeout 60 python3 -m moestream bench $B --cpu-moe --moe-cache-mib 16000 --no-zero-copy-decode 2>&1 | tee "$OUT/zc_off.md"
   ;;
 probe)
-  python3 -m pytest -m cuda tests/test_cuda.py -q -x 2>&1 | tail -15 | tee "$OUT/cuda_tests.log"
-  REF=/tmp/ref.gguf
-  [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
+  cuda_tests -x
+  reference
   timeout 200 python3 bench/probe.py $REF "$OUT" gpu > "$OUT/probe_gpu.log" 2>&1
   PROBE_TAG=_2 timeout 200 python3 bench/probe.py $REF "$OUT" gpu > "$OUT/probe_gpu_2.log" 2>&1
   python3 bench/probe.py - "$OUT" compare "$OUT/probe_gpu.json" "$OUT/probe_gpu_2.json" | tee "$OUT/compare_gpu.txt"
