@@ -162,7 +162,7 @@ class EngineConfig:
     host_decode_graphs: bool = True  # with a cache: decode as captured segments between host layers' routers
     zero_copy_decode: bool | None = None  # decode kernels read host experts in place (None: where Triton runs)
     read_through: bool = True        # ... and write what they read from host into free cache slots
-    shared_reads: bool = False       # ... and read an expert several tokens chose once (not yet measured on a GPU)
+    shared_reads: bool = False       # ... and read an expert several tokens chose once (no gain measured)
     moe_cache_mib: int | None = None # GPU expert cache for host layers (None: no cache, upload per ubatch; 0: smallest)
     cache_policy: str = "lfru"       # lfru (decayed frequency, scan-resistant) | lru
     prefetch: bool = True            # copy experts ahead of their layer on the copy stream (with a cache)

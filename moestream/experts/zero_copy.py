@@ -20,7 +20,7 @@ The table leaves the critical path between steps: it is prepared from the reside
 it runs (after learning), and begin_step only patches in the copies that have landed since and, with read-through,
 the last step's landed experts, then copies it over (one small copy).
 
-Read-through (off by default until measured on a GPU): a one-token step is also handed a few empty slots per
+Read-through (on by default; --no-read-through): a one-token step is also handed a few empty slots per
 layer (none a copy is still writing), and its kernel writes the first experts it reads from host memory into them
 as it reads them. Before the next step's table goes to the device the host replays the kernel's rule on the step's
 routing and takes those experts in, so the next step reads them from their slots: a miss crosses the link once.

@@ -200,9 +200,9 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
 
     Each choice reads its expert: an expert several tokens of a batch chose is read once per token (so a miss
-    crosses the link once per token that chose it). `shared` (not yet measured on a GPU): with several tokens, the
-    choices are sorted by address and each expert is read once for every token that chose it; a third launch sums
-    each token's k outputs.
+    crosses the link once per token that chose it). `shared` (off by default: no gain measured in the server): with
+    several tokens, the choices are sorted by address and each expert is read once for every token that chose it;
+    a third launch sums each token's k outputs.
 
     `landing` (one token only; read-through): (ids (1, k), host (E,), land (R,)): the layer's routed ids, each
     expert's host-row address and R free slots. The choices read from host memory (address == host[id]), in
