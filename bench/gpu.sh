@@ -14,6 +14,7 @@
 #   bash bench/gpu.sh next       the cuda tests added after the last GPU run; --read-through and --shared-reads
 #                                against the defaults (bench tg64, the server)
 #   bash bench/gpu.sh steps      where a decode step's time goes (host vs GPU), and --read-through's hash
+#   bash bench/gpu.sh prompt_host  cProfile of a cached prompt's host work (the gap to issue 4's bound)
 #   bash bench/gpu.sh decode     cuda tests; bench pp4096/tg64 over the caches, defaults and --read-through; server
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
@@ -113,8 +114,13 @@ steps2)
   ;;
 host)
   # The host's share of a zero-copy decode step, by function, with and without --read-through (synth model).
-  timeout 150 python3 bench/profile_host.py synth:qwen3-30b-a3b:layers=8 3000 2>&1 | tee "$OUT/profile_host.txt"
-  timeout 150 python3 bench/profile_host.py synth:qwen3-30b-a3b:layers=8 --read-through 3000 2>&1 | tee "$OUT/profile_host_rt.txt"
+  timeout 150 python3 bench/profile_host.py synth:qwen3-30b-a3b:layers=8 --mib 3000 --no-read-through 2>&1 | tee "$OUT/profile_host.txt"
+  timeout 150 python3 bench/profile_host.py synth:qwen3-30b-a3b:layers=8 --mib 3000 2>&1 | tee "$OUT/profile_host_rt.txt"
+  ;;
+prompt_host)
+  # Issue 4's last gap: the host's time per layer in a prompt ubatch (GPU idle), by function, at 16000 MiB.
+  reference 5
+  timeout 200 python3 bench/profile_host.py $REF --prompt -ub 4096 --mib 16000 2>&1 | tee "$OUT/profile_prompt.txt"
   ;;
 decode)
   # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,
