@@ -156,8 +156,13 @@ class Engine:
                 return self.graphs.run(steps, span)
         if self.host_graphs is not None and len(steps) * self.cfg.n_experts_used <= self.host.min_region:
             return self.host_graphs.run(steps, span)
+        return self._eager_decode(steps, span)
+
+    def _eager_decode(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
+        """A decode step as one eager forward: a decode step's batch (the fused kernels, as the graphs of every
+        placement run them; zero-copy reads where the model has them)."""
         return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
-                            decode_step=True)     # the fused kernels, as the graphs of every placement run them
+                            decode_step=True)
 
     @torch.inference_mode()
     def _zero_copy_decode(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
@@ -175,8 +180,7 @@ class Engine:
                     host.begin_ubatch(steps[0][0], len(steps), False)
                 logits = self.graphs.run(steps, span)
             else:
-                logits = self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
-                                      decode_step=True)
+                logits = self._eager_decode(steps, span)
         finally:
             self.model.on_route = on_route
         if host is not None:
@@ -246,13 +250,12 @@ class Engine:
             if self.model.decode_kernel is not None:
                 self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.read_through)
         self.graphs = self.host_graphs = None
-        if self.ecfg.cuda_graphs and self.device.is_cuda and self.kernel is not experts_reference:
-            from .graphs import DecodeGraphs
-            if self.host is None or self.model.decode_kernel is not None:
-                self.graphs = DecodeGraphs(self)
-        if (self.ecfg.host_decode_graphs and self.ecfg.cuda_graphs and self.device.is_cuda
-                and isinstance(self.host, ExpertCache) and self.kernel is not experts_reference):
-            from .graphs import HostDecodeGraphs
+        if not (self.ecfg.cuda_graphs and self.device.is_cuda and self.kernel is not experts_reference):
+            return
+        from .graphs import DecodeGraphs, HostDecodeGraphs
+        if self.host is None or self.model.decode_kernel is not None:
+            self.graphs = DecodeGraphs(self)
+        if self.ecfg.host_decode_graphs and isinstance(self.host, ExpertCache):
             self.host_graphs = HostDecodeGraphs(self)
 
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
