@@ -76,15 +76,11 @@ class Residency:
             if len(free) < len(need):
                 raise CacheTooSmall(f"{len(need)} misses but {len(free)} unpinned slots")
             owned = self.owner[free, 0] >= 0
-            empty = free[~owned]
-            victims = empty[:len(need)]
+            victims = free[~owned][:len(need)]                  # empty slots first
             if len(victims) < len(need):
-                victims = np.concatenate([victims, self.policy.lowest(free[owned], len(need) - len(victims))])
-            for s in victims:
-                old_l, old_e = self.owner[s]
-                if old_l >= 0:
-                    self.slot_of[old_l, old_e] = -1
-                    plan.evicted.append((int(old_l), int(old_e)))
+                taken = self.policy.lowest(free[owned], len(need) - len(victims))
+                plan.evicted = self.evict(taken)
+                victims = np.concatenate([victims, taken])
             self.policy.forget(victims)
             self.owner[victims, 0] = layer
             self.owner[victims, 1] = need
