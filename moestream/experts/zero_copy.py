@@ -94,26 +94,32 @@ class ZeroCopyDecode:
             p.event.synchronize()                # that step has run: its table copy is done, its landings are in
         nxt, self.next = self.next, None
         absorbed = self._absorb(p) if p is not None and not p.absorbed else []
-        if nxt is None:
+        fresh = nxt is None
+        if fresh:                                # (after a prompt: it takes in what was just absorbed)
             nxt = self._prepare(1 - self.current, writing=None)
-        else:
-            table = nxt.staging.numpy()
-            for l, e, slot in absorbed:
-                table[l, e] = self.pool_addr + slot * self.row_bytes
-                nxt.from_host[l, e] = False
-            if len(nxt.waiting):                 # copies in flight when it was prepared: in, if they have landed
-                c = self.cache
-                slot_of = c.residency.slot_of.ravel()
-                flat = nxt.waiting[(c.ready[nxt.waiting_slots] <= c.queue.poll())
-                                   & (slot_of[nxt.waiting] == nxt.waiting_slots)]
-                table.ravel()[flat] = self.pool_addr + slot_of[flat] * self.row_bytes
-                nxt.from_host.ravel()[flat] = False
+        staging, land_staging = self.stagings[nxt.buffer]
+        if not fresh:
+            self._patch(nxt, staging.numpy(), absorbed)
         self.from_host[:] = nxt.from_host
         self.land_slots[:] = nxt.land_slots
         self.current = nxt.buffer
-        self.table.copy_(nxt.staging, non_blocking=True)
+        self.table.copy_(staging, non_blocking=True)
         if self.n_land:
-            self.land.copy_(nxt.land_staging, non_blocking=True)
+            self.land.copy_(land_staging, non_blocking=True)
+
+    def _patch(self, nxt: "Prepared", table: np.ndarray, absorbed: list[tuple[int, int, int]]) -> None:
+        """What changed since `nxt` was prepared: the experts just absorbed (read-through), and the copies in flight
+        then that have landed now, read from their slots."""
+        for l, e, slot in absorbed:
+            table[l, e] = self.pool_addr + slot * self.row_bytes
+            nxt.from_host[l, e] = False
+        if len(nxt.waiting):
+            c = self.cache
+            slot_of = c.residency.slot_of.ravel()
+            flat = nxt.waiting[(c.ready[nxt.waiting_slots] <= c.queue.poll())
+                               & (slot_of[nxt.waiting] == nxt.waiting_slots)]
+            table.ravel()[flat] = self.pool_addr + slot_of[flat] * self.row_bytes
+            nxt.from_host.ravel()[flat] = False
 
     def _prepare(self, buffer: int, writing) -> "Prepared":
         """The next step's table (and, with read-through, its landing slots) from the residency map now, into
@@ -129,7 +135,7 @@ class ZeroCopyDecode:
         land_slots = self._landing_slots(writing)
         if self.n_land:
             land_staging.numpy()[:] = np.where(land_slots >= 0, self.pool_addr + land_slots * self.row_bytes, 0)
-        return Prepared(buffer, staging, land_staging, ~landed, land_slots, waiting, slot.ravel()[waiting])
+        return Prepared(buffer, ~landed, land_slots, waiting, slot.ravel()[waiting])
 
     def end_step(self, n_tokens: int, on_route=None) -> None:
         """The step is queued: report its routing (device views, in stream order), then learn from the previous
@@ -341,11 +347,10 @@ class Pending:
 
 
 class Prepared:
-    """The next step's table, prepared while the step before it runs: its staging buffers (addresses, landing
-    slots' addresses), which experts it reads from host, its landing slots, and the (flat) entries whose copies
-    were still in flight, with their slots."""
+    """The next step's table, prepared while the step before it runs: the staging buffer it is in
+    (ZeroCopyDecode.stagings[buffer]), which experts it reads from host, its landing slots, and the (flat) entries
+    whose copies were still in flight, with their slots."""
 
-    def __init__(self, buffer, staging, land_staging, from_host, land_slots, waiting, waiting_slots):
-        self.buffer, self.staging, self.land_staging = buffer, staging, land_staging
-        self.from_host, self.land_slots = from_host, land_slots
+    def __init__(self, buffer, from_host, land_slots, waiting, waiting_slots):
+        self.buffer, self.from_host, self.land_slots = buffer, from_host, land_slots
         self.waiting, self.waiting_slots = waiting, waiting_slots
