@@ -120,10 +120,7 @@ def plot_bench(rows: list[dict], path: str) -> None:
 
     if prompt:
         ax = axes.pop(0)
-        groups: dict[tuple, list[dict]] = {}
-        for r in prompt:
-            groups.setdefault((r["test"], config(r)), []).append(r)
-        for (test, cfg), rs in groups.items():
+        for (test, cfg), rs in _by(prompt, lambda r: (r["test"], config(r))).items():
             rs = sorted(rs, key=lambda r: r["n_ubatch"])
             ax.errorbar([r["n_ubatch"] for r in rs], [r["tps_mean"] for r in rs], yerr=[r["tps_std"] for r in rs],
                         marker="o", capsize=3, label=f"{test}, {cfg}")
@@ -138,9 +135,7 @@ def plot_bench(rows: list[dict], path: str) -> None:
         finish(ax, "prompt speed against the expert cache", "--moe-cache-mib", "tokens / s")
     if gen:
         ax = axes.pop(0)
-        by: dict[str, list[dict]] = {}
-        for r in gen:
-            by.setdefault(f"{r['test']}, {config(r)}", []).append(r)
+        by = _by(gen, lambda r: f"{r['test']}, {config(r)}")
         names = list(by)
         ax.bar(range(len(names)), [sum(r["tps_mean"] for r in by[n]) / len(by[n]) for n in names],
                color=[f"C{i % 10}" for i in range(len(names))], label=None)
