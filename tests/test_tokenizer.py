@@ -1,4 +1,4 @@
-"""The tokenizer: synth vocabulary, HF and GGUF round trips, streaming decode (chat templates: test_chat_template.py)."""
+"""The tokenizer: synth vocabulary, HF and GGUF round trips, streaming decode (chat templates: their own file)."""
 from __future__ import annotations
 
 import hashlib
