@@ -15,6 +15,7 @@
 #                                against the defaults (bench tg64, the server)
 #   bash bench/gpu.sh steps      where a decode step's time goes (host vs GPU), and --read-through's hash
 #   bash bench/gpu.sh prompt_host  cProfile of a cached prompt's host work (the gap to issue 4's bound)
+#   bash bench/gpu.sh timeline   cuda tests; the copy and compute streams of a cached prompt (traces), its host calls
 #   bash bench/gpu.sh decode     cuda tests; bench pp4096/tg64 over the caches, defaults and --read-through; server
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
@@ -121,6 +122,16 @@ prompt_host)
   # Issue 4's last gap: the host's time per layer in a prompt ubatch (GPU idle), by function, at 16000 MiB.
   reference 5
   timeout 200 python3 bench/profile_host.py $REF --prompt -ub 4096 --mib 16000 2>&1 | tee "$OUT/profile_prompt.txt"
+  ;;
+timeline)
+  # Issue 4's gap to its bound: the copy and compute streams of one warm prompt (bench/prompt_timeline.py, the
+  # traces come back), at ubatch 4096 and 2048, 16000 MiB; then the host's calls in a prompt (cProfile).
+  cuda_tests
+  reference 5
+  for ub in 4096 2048 512; do
+    timeout 120 python3 bench/prompt_timeline.py $REF "$OUT" -ub $ub 2>&1 | grep -v "^USDT"
+  done | tee "$OUT/timeline.txt"
+  timeout 150 python3 bench/profile_host.py $REF --prompt -ub 4096 --mib 16000 2>&1 | tee "$OUT/profile_prompt.txt"
   ;;
 decode)
   # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,

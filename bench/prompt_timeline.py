@@ -1,0 +1,103 @@
+"""Where a cached prompt's time goes on the GPU: the copy stream and the compute stream, from a torch.profiler trace.
+
+    python bench/prompt_timeline.py MODEL OUT [--mib 16000] [-ub 4096]
+
+Three warm 4096-token prompts, then one profiled. Prints each stream's busy time, the copies' bytes and rate, and
+the copy stream's idle gaps inside the prompt (the link is the bound at 16000 MiB: every gap is time lost to it).
+The trace goes to OUT/prompt_trace_UB.json.gz for a closer look; per-layer host ranges are marked ("fetch L",
+"prefetch L").
+"""
+import argparse
+import gzip
+import json
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from moestream import LLM
+from moestream.experts import cache as cache_mod
+
+ap = argparse.ArgumentParser()
+ap.add_argument("model")
+ap.add_argument("out")
+ap.add_argument("--mib", type=int, default=16000)
+ap.add_argument("-ub", type=int, default=4096)
+ns = ap.parse_args()
+
+
+def marked(name, fn):
+    def wrapper(self, layer, *a, **kw):
+        with record_function(f"{name} {layer}"):
+            return fn(self, layer, *a, **kw)
+    return wrapper
+
+
+C = cache_mod.ExpertCache
+C.fetch, C._prefetch = marked("fetch", C.fetch), marked("prefetch", C._prefetch)
+
+llm = LLM(ns.model, ctx_size=4096 + 64, cpu_moe=True, moe_cache_mib=ns.mib, ubatch_size=ns.ub,
+          batch_size=max(ns.ub, 2048))
+eng = llm.engine
+V = llm.model_config.vocab_size
+rand = lambda n, s: torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(s)).tolist()  # noqa: E731
+for s in range(3):
+    eng.begin_prompt(0)
+    eng.prefill(0, rand(4096, s))
+eng.synchronize()
+eng.begin_prompt(0)
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    eng.prefill(0, rand(4096, 3))
+    eng.synchronize()
+path = os.path.join(ns.out, f"prompt_trace_{ns.ub}.json")
+prof.export_chrome_trace(path)
+with open(path) as f:
+    trace = json.load(f)
+with gzip.open(path + ".gz", "wt") as f:
+    json.dump(trace, f)
+os.remove(path)
+
+ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+if not gpu:
+    raise SystemExit(f"no GPU events in the trace (a CUDA machine is needed); stats {llm.stats()['prompt']}")
+t0 = min(e["ts"] for e in gpu)
+t1 = max(e["ts"] + e["dur"] for e in gpu)
+print(f"ubatch {ns.ub}, {ns.mib} MiB: GPU span {(t1 - t0) / 1e3:.2f} ms; stats {llm.stats()['prompt']}")
+
+
+def union(iv):
+    iv = sorted(iv)
+    out = []
+    for a, b in iv:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+streams = {}
+for e in gpu:
+    streams.setdefault(e["args"].get("stream"), []).append(e)
+for s, es in sorted(streams.items(), key=lambda kv: -len(kv[1])):
+    busy = union([(e["ts"], e["ts"] + e["dur"]) for e in es])
+    cats = {c: sum(1 for e in es if e["cat"] == c) for c in ("kernel", "gpu_memcpy", "gpu_memset")}
+    print(f"stream {s}: {len(es)} events {cats}, busy {sum(b - a for a, b in busy) / 1e3:.2f} ms, "
+          f"from {(busy[0][0] - t0) / 1e3:.2f} to {(busy[-1][1] - t0) / 1e3:.2f} ms")
+h2d = [e for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
+big = [e for e in h2d if e["args"].get("bytes", 0) >= 1 << 20]
+if big:
+    nbytes = sum(e["args"]["bytes"] for e in big)
+    dur = sum(e["dur"] for e in big) / 1e6
+    print(f"expert copies: {len(big)}, {nbytes / 1e9:.2f} GB in {dur * 1e3:.2f} ms of copy time "
+          f"({nbytes / dur / 1e9:.1f} GB/s while copying)")
+    busy = union([(e["ts"], e["ts"] + e["dur"]) for e in big])
+    gaps = [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)]
+    lost = sum(b - a for a, b in gaps)
+    print(f"copy-stream gaps between the first and last expert copy: {len(gaps)}, {lost / 1e3:.2f} ms; "
+          f"before the first {(busy[0][0] - t0) / 1e3:.2f} ms, after the last {(t1 - busy[-1][1]) / 1e3:.2f} ms")
+    marks = sorted((e["ts"], e["name"]) for e in ev if e.get("cat") == "user_annotation")
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:15]:
+        before = [n for t, n in marks if t <= a][-1:]
+        print(f"  gap at {(a - t0) / 1e3:7.2f} ms: {(b - a) / 1e3:.3f} ms (host last entered: {before})")
