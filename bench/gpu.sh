@@ -16,6 +16,7 @@
 #   bash bench/gpu.sh steps      where a decode step's time goes (host vs GPU), and --read-through's hash
 #   bash bench/gpu.sh prompt_host  cProfile of a cached prompt's host work (the gap to issue 4's bound)
 #   bash bench/gpu.sh timeline   cuda tests; the copy and compute streams of a cached prompt (traces), its host calls
+#   bash bench/gpu.sh fill       cuda tests; prompt timeline and bench at --lookahead-layers 1 / 2 / 3
 #   bash bench/gpu.sh decode     cuda tests; bench pp4096/tg64 over the caches, defaults and --read-through; server
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
@@ -132,6 +133,19 @@ timeline)
     timeout 120 python3 bench/prompt_timeline.py $REF "$OUT" -ub $ub 2>&1 | grep -v "^USDT"
   done | tee "$OUT/timeline.txt"
   timeout 150 python3 bench/profile_host.py $REF --prompt -ub 4096 --mib 16000 2>&1 | tee "$OUT/profile_prompt.txt"
+  ;;
+fill)
+  # Copying two or more layers ahead while the host waits (--lookahead-layers): cuda tests; the prompt timeline;
+  # bench pp4096 at ubatch 512/2048/4096, 16000 MiB, guessing 1 / 2 / 3 layers ahead (the hash must match).
+  cuda_tests
+  reference 5
+  for ub in 4096 2048; do
+    timeout 100 python3 bench/prompt_timeline.py $REF "$OUT" -ub $ub 2>&1 | grep -v "^USDT\|Warn\|warn"
+  done | tee "$OUT/timeline.txt"
+  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 --cpu-moe --moe-cache-mib 16000"
+  for n in 1 2 3; do
+    echo "## --lookahead-layers $n"; timeout 100 python3 -m moestream bench $B --lookahead-layers $n 2>&1
+  done | tee "$OUT/bench_fill.md"
   ;;
 decode)
   # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,

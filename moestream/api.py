@@ -24,7 +24,8 @@ class LLM:
                  kernel: str = "auto", n_seq: int = 1, cuda_graphs: bool = True,
                  moe_cache_mib: int | None = None, cache_policy: str = "lfru", prefetch: bool = True,
                  prefetch_min_batch: int = 256, prefetch_seed: bool = True, prefetch_first_all: bool = False,
-                 lookahead: bool = True, prompt_lookahead: bool = True, prefetch_min_use: float = 0.0,
+                 lookahead: bool = True, prompt_lookahead: bool = True, lookahead_layers: int = 2,
+                 prefetch_min_use: float = 0.0,
                  host_decode_graphs: bool = True, zero_copy_decode: bool | None = None, read_through: bool = True,
                  shared_reads: bool = False,
                  progress: bool = False):
@@ -35,7 +36,7 @@ class LLM:
                                    moe_cache_mib=moe_cache_mib, cache_policy=cache_policy, prefetch=prefetch,
                                    prefetch_min_batch=prefetch_min_batch, prefetch_seed=prefetch_seed,
                                    prefetch_first_all=prefetch_first_all, lookahead=lookahead,
-                                   prompt_lookahead=prompt_lookahead,
+                                   prompt_lookahead=prompt_lookahead, lookahead_layers=lookahead_layers,
                                    prefetch_min_use=prefetch_min_use, host_decode_graphs=host_decode_graphs,
                                    zero_copy_decode=zero_copy_decode, read_through=read_through,
                                    shared_reads=shared_reads)

@@ -49,6 +49,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lookahead", action="store_true", help="no next-layer expert prediction (decode and prompts)")
     p.add_argument("--no-prompt-lookahead", action="store_true",
                    help="prompt ubatches prefetch from routing statistics only, not through the next layer's router")
+    p.add_argument("--lookahead-layers", type=int, default=2, metavar="N",
+                   help="prompt lookahead guesses N MoE layers ahead: the next layer's experts are copied at once, "
+                        "the later layers' while the host waits for a routing and the copy stream runs dry "
+                        "(default 2; 1 to 4)")
     p.add_argument("--no-host-decode-graphs", action="store_true",
                    help="with a cache: decode eagerly instead of as CUDA-graph segments between host layers")
     p.add_argument("--no-zero-copy-decode", dest="zero_copy_decode", action="store_const", const=False, default=None,
@@ -71,6 +75,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 prefetch=not a.no_prefetch, prefetch_min_batch=a.prefetch_min_batch,
                 prefetch_seed=not a.no_prefetch_seed, prefetch_first_all=a.prefetch_first_all,
                 lookahead=not a.no_lookahead, prompt_lookahead=not a.no_prompt_lookahead,
+                lookahead_layers=a.lookahead_layers,
                 prefetch_min_use=a.prefetch_min_use,
                 host_decode_graphs=not a.no_host_decode_graphs, zero_copy_decode=a.zero_copy_decode,
                 read_through=a.read_through, shared_reads=a.shared_reads)

@@ -171,6 +171,7 @@ class EngineConfig:
     prefetch_first_all: bool = False # rule 2's option: the first big chunk copies every expert
     lookahead: bool = True           # decode: predict the next layer's experts through its router
     prompt_lookahead: bool = True    # ... and for prompt ubatches of >= prefetch_min_batch tokens
+    lookahead_layers: int = 2        # ... guessing this many MoE layers ahead (the copy stream kept fed)
     prefetch_min_use: float = 0.0    # copy ahead only experts the ubatch routes with at least this probability
 
     def __post_init__(self):
@@ -190,6 +191,8 @@ class EngineConfig:
             raise UserError(f"--cache-policy must be lfru or lru, got {self.cache_policy!r}")
         if self.prefetch_min_batch <= 0:
             raise UserError(f"--prefetch-min-batch must be positive, got {self.prefetch_min_batch}")
+        if not 1 <= self.lookahead_layers <= 4:
+            raise UserError(f"--lookahead-layers must be 1 to 4, got {self.lookahead_layers}")
         if not 0.0 <= self.prefetch_min_use <= 1.0:
             raise UserError(f"--prefetch-min-use must be within [0, 1], got {self.prefetch_min_use}")
         if self.n_seq <= 0:

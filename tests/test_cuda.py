@@ -91,13 +91,28 @@ def test_cache_sizes_policies_and_prefetch_bit_identical_on_cuda(ubatch):
     hashes = {base.generate(prompts[0], max_tokens=24, ignore_eos=True).sha256}
     for kw in ({"moe_cache_mib": 1}, {"moe_cache_mib": 0}, {"moe_cache_mib": 3, "cache_policy": "lru"},
                {"moe_cache_mib": 100}, {"moe_cache_mib": 3, "prefetch": False},
-               {"moe_cache_mib": 3, "prefetch_min_batch": 8, "prefetch_first_all": True}):
+               {"moe_cache_mib": 3, "prefetch_min_batch": 8, "prefetch_first_all": True},
+               {"moe_cache_mib": 3, "prefetch_min_batch": 8, "lookahead_layers": 4}):
         llm = LLM(spec, ctx_size=512, device="cuda", ubatch_size=ubatch, cpu_moe=True, **kw)
         for p, w in zip(prompts, want):
             assert torch.equal(llm.logits(p), w), kw
         hashes.add(llm.generate(prompts[0], max_tokens=24, ignore_eos=True).sha256)
         assert llm.stats()["total"]["misses"] > 0
     assert len(hashes) == 1
+
+
+@needs_cuda
+def test_copy_queue_counts_the_copies_not_done():
+    from moestream.device import Device
+    from moestream.experts.copy_queue import CopyQueue
+    q = CopyQueue(Device("cuda:0"))
+    src = torch.ones(4, 64 << 20, dtype=torch.uint8).pin_memory()     # 4 x 64 MiB: about 5 ms over the link
+    dst = torch.zeros_like(src, device="cuda")
+    seq = q.submit(list(zip(dst, src)), src.numel(), speculative=True)
+    assert 0 < q.pending() <= 4 and q.speculative_inflight() > 0
+    q.wait(seq, torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    assert q.pending() == 0 and q.speculative_inflight() == 0 and bool((dst == 1).all())
 
 
 @needs_cuda

@@ -26,6 +26,8 @@ from .stats import CacheStats
 from .store import ExpertStore, expert_views
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
+FILL_LOW_BYTES = 24 << 20                 # fill: copy ahead when no more than this is left on the copy stream
+FILL_POLL_S = 50e-6                       # ... looking this often while the host waits for a routing
 REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a layer's region is one launch
 
 
@@ -77,11 +79,13 @@ class Waves:
 class ExpertCache:
     def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device, policy: str = "lfru",
                  prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1,
-                 top_k: int = 8):
+                 top_k: int = 8, moe_layers: list[int] | None = None):
         any_rows = next(iter(store.rows.values()))
         self.store, self.n_experts, self.device, self.prefetch = store, n_experts, device, prefetch
         self.pool = torch.empty(n_slots, any_rows.shape[1], dtype=any_rows.dtype, device=device.torch)  # (S, numel)
         self.layers = sorted(host_layers if host_layers is not None else store.rows)
+        self.moe_layers = list(moe_layers) if moe_layers is not None else self.layers    # lookahead guesses' order
+        self.host_set = set(self.layers)
         self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes, self.layers)
         self.residency, self.stats, self.policy_name = self.planner.residency, self.planner.stats, policy
         w13, w2 = expert_views(self.pool, store.inter, store.hidden)
@@ -100,6 +104,8 @@ class ExpertCache:
         self.top_k = top_k
         self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
+        self.fill: list[tuple[int, np.ndarray]] = []           # later layers' guesses, copied while the host waits
+        self.counts_host = device.pinned_empty((1 + max(1, prefetch.lookahead_layers), n_experts), torch.int64)
         self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
         self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
 
@@ -133,34 +139,38 @@ class ExpertCache:
         self.seed = choose_seed(n_tokens, is_prompt, stats, self.prefetch)
         if is_prompt:
             stats.begin_ubatch(n_tokens)
-        if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now
-            self._prefetch(self.layers[0], self._predicted(self.layers[0]))
+        self.fill = []
+        if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now, and the next
+            self._prefetch(self.layers[0], self._predicted(self.layers[0]))      # ones while the host waits
+            self.fill = [(l, self._predicted(l)) for l in self.layers[1:self.prefetch.lookahead_layers]]
 
-    def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
-        """Guess the next host layer's experts through its router: decode-sized ubatches, and prompt ubatches big
-        enough to prefetch (their routed set; the guess is then far more specific than earlier prompts' counts)."""
+    def lookahead_layers(self, layer: int, n_tokens: int) -> int:
+        """How many MoE layers ahead to guess experts through their routers (0: none): one for decode-sized
+        ubatches, `lookahead_layers` for prompt ubatches big enough to prefetch (their routed set; the guess is then
+        far more specific than earlier prompts' counts)."""
         pf = self.prefetch
         if not (pf.enabled and pf.lookahead) or layer == self.layers[-1]:
-            return False
+            return 0
         if self.zero_copy is not None and n_tokens <= self.zero_copy_max:
-            return False                        # a zero-copy decode step has no host step to copy ahead from
+            return 0                            # a zero-copy decode step has no host step to copy ahead from
         if self.is_prompt:
-            return pf.prompt_lookahead and n_tokens >= pf.min_batch
-        return n_tokens <= 8
+            return pf.lookahead_layers if pf.prompt_lookahead and n_tokens >= pf.min_batch else 0
+        return 1 if n_tokens <= 8 else 0
 
     # --- the hot path ---------------------------------------------------------------------------------------
-    def fetch(self, layer: int, ids: torch.Tensor, lookahead: torch.Tensor | None = None):
-        """ids (T, k) routed expert ids -> ExpertWeights, or Waves when the pool cannot hold them all at once."""
+    def fetch(self, layer: int, ids: torch.Tensor, lookahead: tuple | None = None):
+        """ids (T, k) routed expert ids -> ExpertWeights, or Waves when the pool cannot hold them all at once.
+        lookahead: the guessed ids (T, k) of the next MoE layers, nearest first."""
         self._mark_reads()
         t0 = time.perf_counter()
         E = self.n_experts
-        parts = [ids] if lookahead is None else [ids, lookahead]
+        parts = [ids, *(lookahead or ())]
         counts = torch.zeros(len(parts), E, dtype=torch.int64, device=ids.device)
         for row, p in zip(counts, parts):        # routings per expert, on the device: no sort, no big read-back
             row.scatter_add_(0, p.reshape(-1), torch.ones(p.numel(), dtype=torch.int64, device=ids.device))
-        got = counts.cpu().numpy()               # the one host sync of this layer: its routing and the guess
+        got = self._read_back(counts)            # the one host sync of this layer: its routing and the guesses
         t1 = time.perf_counter()
-        table = self.prepare(layer, got[0], got[1] if lookahead is not None else None)
+        table = self.prepare(layer, got[0], got[1:] if lookahead else None)
         if isinstance(table, list):
             w = Waves(self, layer, ids, table)
         else:
@@ -168,12 +178,14 @@ class ExpertCache:
         self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
         return w
 
-    def prepare(self, layer: int, counts: np.ndarray, guess: np.ndarray | None = None):
+    def prepare(self, layer: int, counts: np.ndarray, guesses=None):
         """The host's part of one MoE layer, once its routing is on the host as counts per expert (E,): routing
         statistics, counters, uploads of the misses, the compute stream's wait, and the prefetch of what comes
-        next (`guess`: the lookahead's counts per expert of the next host layer). Returns the layer's slot table
-        (E,) (slot of each expert id within the layer's region, -1 if absent), or the groups of experts to run in
-        waves when the pool cannot hold them all at once (then nothing is loaded yet)."""
+        next (`guesses`: the lookahead's counts per expert (E,) of the next MoE layers, nearest first: the first
+        host layer among them is copied once this layer's experts are queued, the others while the host waits for
+        the next routing). Returns the layer's slot table (E,) (slot of each expert id within the layer's region,
+        -1 if absent), or the groups of experts to run in waves when the pool cannot hold them all at once (then
+        nothing is loaded yet)."""
         self.experts_launched(layer)            # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
@@ -184,14 +196,15 @@ class ExpertCache:
             return groups
         self._load_slots(layer, groups[0])
         nxt = self._next_layer(layer)
-        if nxt is not None:
-            if guess is not None:
-                g = np.flatnonzero(guess)
-                g = g[np.argsort(-guess[g], kind="stable")].astype(np.int64)        # most-routed first
-                self.predicted[nxt] = g
-                self.pending = (nxt, g)
-            elif self.seed is not None:
-                self.pending = (nxt, self._predicted(nxt))
+        if guesses is not None:
+            i = self.moe_layers.index(layer)
+            ahead = [(l, predicted(g, self.n_experts)) for l, g in zip(self.moe_layers[i + 1:], guesses)
+                     if l in self.host_set]
+            if ahead:
+                self.predicted[ahead[0][0]] = ahead[0][1]       # scored when that layer routes
+                self.pending, self.fill = ahead[0], ahead[1:]
+        elif nxt is not None and self.seed is not None:
+            self.pending = (nxt, self._predicted(nxt))
         return self.table(layer)
 
     def experts_launched(self, layer: int) -> None:
@@ -275,18 +288,57 @@ class ExpertCache:
         self.use[plan.slots] = NOT_YET
         self.handed = plan.slots
 
-    def _prefetch(self, layer: int, experts: np.ndarray) -> None:
-        """Copy ahead the experts of `layer` not resident, in the given order, within the in-flight bound."""
+    def _read_back(self, counts: torch.Tensor) -> np.ndarray:
+        """counts (n, E) on the host. While the device gets there, the copy stream is kept fed from `fill`."""
+        if not self.device.is_cuda:
+            return counts.numpy()
+        buf = self.counts_host[:counts.shape[0]]
+        buf.copy_(counts, non_blocking=True)
+        there = torch.cuda.Event()
+        there.record()
+        while not there.query():
+            if not self._fill():
+                there.synchronize()
+                break
+            time.sleep(FILL_POLL_S)
+        return buf.numpy().copy()
+
+    def _fill(self) -> bool:
+        """When the copy stream is about to run dry, copy ahead the next guessed experts of the layers after the
+        next one (`fill`, most likely first). False once there is nothing more to copy."""
+        eb = self.store.expert_bytes
+        room = FILL_LOW_BYTES - self.queue.pending() * eb
+        if room < eb:
+            return True
+        while self.fill:
+            layer, experts = self.fill[0]
+            missing = experts[self.residency.slot_of[layer, experts] < 0]
+            if not len(missing):
+                self.fill.pop(0)
+                continue
+            n = max(1, room // eb)
+            self.fill[0] = (layer, missing[n:])
+            copied = self._prefetch(layer, missing[:n])
+            if not copied:                          # no room: the in-flight bound, or every slot is pinned
+                self.fill = []
+                return False
+            self.stats.record(layer, filled=copied)
+            return True
+        return False
+
+    def _prefetch(self, layer: int, experts: np.ndarray) -> int:
+        """Copy ahead the experts of `layer` not resident, in the given order, within the in-flight bound. Returns
+        how many it copied."""
         res = self.residency
         experts = experts[res.slot_of[layer, experts] < 0]
         if not len(experts):
-            return
+            return 0
         room = self.prefetch.max_inflight_mib * (1 << 20) - self.queue.speculative_inflight()
         n = min(len(experts), max(0, room // self.store.expert_bytes))
         self._update_pins()
         n = min(n, int((~res.pinned).sum()) - 1)
         if n <= 0:
-            return
+            return 0
         experts = experts[:n]
         plan = res.ensure(layer, experts)
         victims = np.array([s for _, s in plan.misses], dtype=np.int64)
@@ -298,6 +350,7 @@ class ExpertCache:
         self.ready[victims] = seq
         self.stats.record(layer, evictions=len(plan.evicted), uploaded_bytes=nbytes, copies=len(plan.misses),
                           prefetched=len(plan.misses), prefetched_bytes=nbytes, prefetch_wasted=wasted)
+        return len(plan.misses)
 
     # --- bookkeeping ----------------------------------------------------------------------------------------
     def _predicted(self, layer: int) -> np.ndarray:

@@ -6,7 +6,8 @@
 
 One stream keeps copies in order, so waiting for batch n waits for every batch before it too. Speculative bytes in
 flight are bounded by the caller (`speculative_inflight()`), so a demand miss never queues behind more than that.
-On the CPU copies run inline and every call is a no-op.
+`pending()` counts the copies not yet done (an event after each), so a caller can keep the stream fed one copy at
+a time. On the CPU copies run inline and every call is a no-op.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class CopyQueue:
         self.seq = 0                                                     # last submitted batch
         self.done = 0                                                    # every batch <= done has completed
         self.spec = deque()                                              # (seq, nbytes) speculative in flight
+        self.marks = deque()                                             # an event after each copy not known done
 
     def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, speculative: bool,
                after=None) -> int:
@@ -39,6 +41,8 @@ class CopyQueue:
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+                self.marks.append(torch.cuda.Event())
+                self.marks[-1].record(self.stream)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.events[self.seq] = ev
@@ -57,6 +61,12 @@ class CopyQueue:
         while self.spec and self.spec[0][0] <= self.done:
             self.spec.popleft()
         return self.done
+
+    def pending(self) -> int:
+        """Copies queued and not done yet."""
+        while self.marks and self.marks[0].query():
+            self.marks.popleft()
+        return len(self.marks)
 
     def speculative_inflight(self) -> int:
         self.poll()

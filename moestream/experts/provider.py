@@ -94,9 +94,9 @@ class LayerRouter:
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         return self.by_layer[layer].fetch(layer, ids, lookahead)
 
-    def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
+    def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         p = self.by_layer[layer]
-        return hasattr(p, "wants_lookahead") and p.wants_lookahead(layer, n_tokens)
+        return p.lookahead_layers(layer, n_tokens) if hasattr(p, "lookahead_layers") else 0
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         return self.by_layer[layer].addresses(layer, ids)

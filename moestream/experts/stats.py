@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 KEYS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "prefetched", "prefetched_bytes",
         "prefetch_used", "prefetch_wasted", "waits", "wait_s", "lookahead_tp", "lookahead_fp", "lookahead_fn",
-        "sync_s", "host_s", "host_reads", "host_read_bytes", "landed")
+        "sync_s", "host_s", "host_reads", "host_read_bytes", "landed", "filled")
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Counts:
     host_reads: int = 0             # zero-copy decode: routed choices whose expert the kernel read from host memory
     host_read_bytes: int = 0        # ... and their bytes over the link
     landed: int = 0                 # read-through: experts a decode kernel wrote into a free slot as it read them
+    filled: int = 0                 # prefetched while the host waited for a routing, the copy stream running dry
 
     def add(self, other: "Counts") -> None:
         for k in KEYS:

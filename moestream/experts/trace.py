@@ -145,8 +145,8 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
         if step is not None:                 # the step's kernel reads where the table says: no fetch
             zc.routed[layer, :ids.size] = torch.from_numpy(ids.astype(np.int64).reshape(-1))
             continue
-        if guess is not None and cache.wants_lookahead(layer, len(ids)):     # as the live forward would have asked
-            guess = torch.from_numpy(guess.astype(np.int64))
+        if guess is not None and cache.lookahead_layers(layer, len(ids)):    # as the live forward would have asked
+            guess = (torch.from_numpy(guess.astype(np.int64)),)
         else:
             guess = None
         w = cache.fetch(layer, torch.from_numpy(ids.astype(np.int64)), guess)

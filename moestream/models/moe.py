@@ -41,27 +41,27 @@ def report_route(on_route, layer: int, ids, guess=None) -> None:
 
 
 def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, on_route=None,
-              next_router: torch.Tensor | None = None, fused=None):
-    """The router half of the MoE block: (T, k) weights and ids, and the decode lookahead guess (or None).
+              next_routers: tuple = (), fused=None):
+    """The router half of the MoE block: (T, k) weights and ids, and the lookahead guesses (or None).
 
-    `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats), and the lookahead guess too
-    (`on_route(layer, ids, guess)`) if it has `wants_guess`.
+    `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats), and the next layer's guess
+    too (`on_route(layer, ids, guess)`) if it has `wants_guess`.
     `fused` (kernels.fused, decode steps on CUDA): the softmax, top-k and renormalisation in one kernel.
-    Lookahead: where the provider asks (or a trace being recorded, `on_route.wants_guess`), the next MoE layer's
-    router applied to this layer's input guesses the next layer's experts, so their copies start before that
-    layer's own routing is known.
+    Lookahead: `next_routers` are the routers of the MoE layers after this one. Where the provider asks
+    (`lookahead_layers`: how many layers ahead), each applied to this layer's input guesses that layer's experts,
+    so their copies start before its own routing is known. The guesses: a tuple of (T, k) ids, nearest layer first.
     """
     if fused is not None:       # a decode step on CUDA: softmax, top-k and renormalise in one launch
         weights, ids = fused.route_topk(F.linear(x, lw["ffn_gate_inp.weight"]), cfg.n_experts_used,
                                         cfg.norm_topk_prob, x.dtype)
     else:
         weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
-    wanted = next_router is not None and provider.wants_lookahead(layer, x.shape[0])
-    guess = None
-    if wanted or (next_router is not None and getattr(on_route, "wants_guess", False)):
-        guess = torch.topk(F.linear(x, next_router), cfg.n_experts_used, dim=-1).indices      # (T, k)
-    report_route(on_route, layer, ids, guess)
-    return weights, ids, guess if wanted else None     # a guess made only for the trace is not the provider's
+    ahead = min(int(provider.lookahead_layers(layer, x.shape[0])), len(next_routers)) if next_routers else 0
+    traced = bool(next_routers) and getattr(on_route, "wants_guess", False)
+    guesses = tuple(torch.topk(F.linear(x, r), cfg.n_experts_used, dim=-1).indices
+                    for r in next_routers[:max(ahead, int(traced))])
+    report_route(on_route, layer, ids, guesses[0] if guesses else None)
+    return weights, ids, guesses[:ahead] or None       # a guess made only for the trace is not the provider's
 
 
 def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,
@@ -96,7 +96,7 @@ def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor) -> t
 
 
 def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel,
-              on_route=None, next_router: torch.Tensor | None = None) -> torch.Tensor:
+              on_route=None, next_routers: tuple = ()) -> torch.Tensor:
     """x (T, H) -> (T, H): router, then experts."""
-    weights, ids, guess = moe_route(x, lw, layer, cfg, provider, on_route, next_router)
+    weights, ids, guess = moe_route(x, lw, layer, cfg, provider, on_route, next_routers)
     return moe_experts(x, lw, layer, cfg, provider, kernel, weights, ids, guess)

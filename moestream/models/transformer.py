@@ -17,6 +17,8 @@ from ..config import ModelConfig
 from .layers import apply_rope, attention, decode_attention, rms_norm, swiglu
 from .moe import moe_experts, moe_route
 
+MAX_AHEAD = 4                   # lookahead guesses reach at most this many MoE layers ahead
+
 
 @dataclass
 class Segment:
@@ -79,8 +81,9 @@ class MoETransformer:
         if cfg.qk_norm == "head":       # the fused decode kernel takes both head norms' weights in one tensor
             for lw in self.layers:
                 lw["attn_qk_norm.weight"] = torch.cat([lw["attn_q_norm.weight"], lw["attn_k_norm.weight"]])
-        moe = cfg.moe_layers            # the next MoE layer's router, for decode lookahead
-        self.next_router = {a: self.layers[b]["ffn_gate_inp.weight"] for a, b in zip(moe, moe[1:])}
+        moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead
+        self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD])
+                             for i, a in enumerate(moe)}
 
     def forward(self, batch: Batch, kv, experts, kernel) -> torch.Tensor:
         """(R, V) float32 logits of batch.out_rows."""
@@ -116,7 +119,7 @@ class MoETransformer:
             if i in cfg.dense_layers:
                 delta = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
             else:
-                weights, ids, guess = moe_route(m, lw, i, cfg, experts, self.on_route, self.next_router.get(i), fused)
+                weights, ids, guess = moe_route(m, lw, i, cfg, experts, self.on_route, self.next_routers[i], fused)
                 if i in split:
                     yield i, ids, guess
                 delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address)

@@ -286,12 +286,12 @@ def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev
         return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used)
     pf = PrefetchConfig(enabled=ecfg.prefetch, min_batch=ecfg.prefetch_min_batch, seed_previous=ecfg.prefetch_seed,
                         first_chunk_all=ecfg.prefetch_first_all, lookahead=ecfg.lookahead,
-                        prompt_lookahead=ecfg.prompt_lookahead,
+                        prompt_lookahead=ecfg.prompt_lookahead, lookahead_layers=ecfg.lookahead_layers,
                         min_use=ecfg.prefetch_min_use)
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
              store.expert_bytes / 1e6, ecfg.cache_policy)
     return ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache_policy, pf, sorted(store.rows),
-                       ecfg.n_seq, cfg.n_experts_used)
+                       ecfg.n_seq, cfg.n_experts_used, cfg.moe_layers)
 
 
 def cache_slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:

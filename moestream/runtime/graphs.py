@@ -93,8 +93,8 @@ class _TableProvider:
             return ExpertWeights(*self.cache.layer_weights(layer), self.tables[layer][ids])
         return self.others.fetch(layer, ids, lookahead)
 
-    def wants_lookahead(self, layer: int, n_tokens: int) -> bool:
-        return self.others.wants_lookahead(layer, n_tokens)
+    def lookahead_layers(self, layer: int, n_tokens: int) -> int:
+        return min(1, self.others.lookahead_layers(layer, n_tokens))      # decode steps guess one layer ahead
 
 
 class _Step:
@@ -160,7 +160,7 @@ class HostDecodeGraphs:
                 report_route(on_route, layer, torch.from_numpy(got[:n].reshape(B, k).copy()), guess_ids)
             counts = np.bincount(got[:n], minlength=E)
             guess = np.bincount(got[n:2 * n], minlength=E) if has_guess else None
-            table = self.cache.prepare(layer, counts, guess)
+            table = self.cache.prepare(layer, counts, None if guess is None else [guess])
             if isinstance(table, list):
                 raise RuntimeError("decode routed more experts than the cache holds: use a larger cache")
             self.cache.upload_table(layer, table, st.tables[layer])
@@ -185,7 +185,7 @@ class HostDecodeGraphs:
             n = ids.numel()
             packed[j, :n].copy_(ids.reshape(-1))
             if guess is not None:
-                packed[j, n:2 * n].copy_(guess.reshape(-1))
+                packed[j, n:2 * n].copy_(guess[0].reshape(-1))
             if len(pauses) == j:
                 pauses.append((layer, n, guess is not None))
 

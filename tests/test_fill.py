@@ -1,0 +1,134 @@
+"""Copying further ahead while the host waits: the lookahead's guesses for the layers after the next one are copied
+(`fill`) whenever the copy stream is about to run dry, and doing so changes no output."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moestream import LLM
+from moestream.config import ModelConfig
+from moestream.device import Device
+from moestream.experts import cache as cache_mod
+from moestream.experts.cache import ExpertCache
+from moestream.experts.prefetch import PrefetchConfig
+from moestream.experts.store import ExpertStore
+from moestream.models.moe import moe_route
+
+
+def _cache(n_slots=12, layers=(0, 1, 2, 3), moe_layers=None, lookahead_layers=2):
+    """Four layers of 8 one-byte experts (the cache's decisions do not depend on the bytes), no device."""
+    store = ExpertStore({l: torch.arange(8, dtype=torch.uint8).repeat_interleave(3).view(8, 3) for l in layers}, 1, 1)
+    c = ExpertCache(store, n_slots, 4, 8, Device("cpu"), "lfru",
+                    PrefetchConfig(min_batch=8, lookahead_layers=lookahead_layers), list(layers), top_k=2,
+                    moe_layers=moe_layers)
+    c.begin_prompt(0)
+    c.begin_ubatch(0, 64, True)
+    return c
+
+
+def _counts(**by_expert):
+    c = np.zeros(8, dtype=np.int64)
+    for e, n in by_expert.items():
+        c[int(e[1:])] = n
+    return c
+
+
+def test_the_next_layer_s_guess_goes_at_once_and_the_one_after_it_waits_for_the_fill():
+    c = _cache()
+    c.prepare(0, _counts(e0=5, e1=3), [_counts(e2=1, e3=4), _counts(e4=2, e5=6, e6=1)])
+    assert c.pending[0] == 1 and list(c.pending[1]) == [3, 2]            # most-routed first
+    assert [(l, list(e)) for l, e in c.fill] == [(2, [5, 4, 6])]
+    assert (c.residency.slot_of[2] < 0).all()                           # nothing of layer 2 copied yet
+    assert c._fill()
+    assert (c.residency.slot_of[2, [4, 5, 6]] >= 0).all()
+    assert c.stats.prompt[2].filled == 3 and c.stats.prompt[2].prefetched == 3
+    assert not c._fill()                                                # spent
+
+
+def test_the_fill_waits_while_the_copy_stream_still_has_work():
+    c = _cache()
+    c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e4=2)])
+
+    class Busy:
+        def pending(self):
+            return cache_mod.FILL_LOW_BYTES // c.store.expert_bytes + 1
+
+    queue, c.queue = c.queue, Busy()
+    assert c._fill() and c.residency.slot_of[2, 4] < 0                  # keeps waiting, copies nothing yet
+    c.queue = queue
+    assert c._fill() and c.residency.slot_of[2, 4] >= 0
+
+
+def test_the_fill_copies_a_few_at_a_time_and_skips_what_is_resident(monkeypatch):
+    c = _cache()
+    monkeypatch.setattr(cache_mod, "FILL_LOW_BYTES", 2 * c.store.expert_bytes)     # two copies per call
+    c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e1=9, e4=8, e5=7, e6=6)])
+    c._prefetch(2, np.array([4]))                                      # already there: not copied again
+    assert c._fill() and (c.residency.slot_of[2, [1, 5]] >= 0).all() and c.residency.slot_of[2, 6] < 0
+    assert c._fill() and c.residency.slot_of[2, 6] >= 0
+    assert c.stats.prompt[2].filled == 3 and not c._fill()
+
+
+def test_guesses_for_a_layer_on_the_gpu_are_skipped():
+    c = _cache(layers=(0, 2, 3), moe_layers=[0, 1, 2, 3])                # layer 1's experts are not the cache's
+    c.prepare(0, _counts(e0=5), [_counts(e1=1), _counts(e4=2), _counts(e6=3)])
+    assert c.pending[0] == 2 and list(c.pending[1]) == [4]
+    assert [(l, list(e)) for l, e in c.fill] == [(3, [6])]
+
+
+def test_one_layer_ahead_has_no_fill():
+    c = _cache(lookahead_layers=1)
+    assert c.lookahead_layers(0, 64) == 1 and c.lookahead_layers(3, 64) == 0
+    c.prepare(0, _counts(e0=5), [_counts(e2=1)])
+    assert c.fill == [] and not c._fill()
+
+
+def test_moe_route_guesses_as_many_layers_ahead_as_the_provider_asks():
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=8, hidden_size=16, n_layers=4, n_heads=2, n_kv_heads=1,
+                      head_dim=8, n_experts=8, n_experts_used=2, moe_intermediate_size=4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=g)
+    routers = tuple(torch.randn(8, 16, generator=g) for _ in range(4))
+    lw = {"ffn_gate_inp.weight": routers[0]}
+
+    class Asks:
+        def __init__(self, n):
+            self.n = n
+
+        def lookahead_layers(self, layer, n_tokens):
+            return self.n
+
+    for n in (0, 1, 2, 3):
+        _, ids, guess = moe_route(x, lw, 0, cfg, Asks(n), next_routers=routers[1:])
+        if n == 0:
+            assert guess is None
+            continue
+        assert len(guess) == n
+        for j, gj in enumerate(guess):
+            assert torch.equal(gj, torch.topk(x @ routers[1 + j].T, 2, dim=-1).indices)
+    _, _, guess = moe_route(x, lw, 0, cfg, Asks(4), next_routers=routers[1:])
+    assert len(guess) == 3                                              # no more than the layers that follow
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("mib", [2, 12])
+def test_filling_changes_no_logits(monkeypatch, mib):
+    """The read-back stands in for a long wait on the GPU: it fills until nothing is left, every layer."""
+    def waiting(self, counts):
+        while self._fill():
+            pass
+        return counts.numpy()
+
+    kw = dict(ubatch_size=32, ctx_size=256, device="cpu", cpu_moe=True, moe_cache_mib=mib, prefetch_min_batch=8)
+    off = LLM("synth:tiny", prefetch=False, **kw)
+    monkeypatch.setattr(ExpertCache, "_read_back", waiting)
+    on = LLM("synth:tiny", lookahead_layers=3, **kw)
+    for s in range(3):
+        ids = _prompt(70, s)                            # ubatches of 32, 32 and a 6-token tail
+        assert torch.equal(on.logits(ids), off.logits(ids)), (mib, s)
+    t = on.stats()["total"]
+    assert t["filled"] > 0 and t["filled"] <= t["prefetched"]
