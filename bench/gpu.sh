@@ -17,6 +17,7 @@
 #   bash bench/gpu.sh prompt_host  cProfile of a cached prompt's host work (the gap to issue 4's bound)
 #   bash bench/gpu.sh timeline   cuda tests; the copy and compute streams of a cached prompt (traces), its host calls
 #   bash bench/gpu.sh fill       cuda tests; prompt timeline and bench at --lookahead-layers 1 / 2 / 3
+#   bash bench/gpu.sh rows       issue 4's rows: defaults, --no-prefetch-seed, --no-prefetch, --lookahead-layers 1
 #   bash bench/gpu.sh decode     cuda tests; bench pp4096/tg64 over the caches, defaults and --read-through; server
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
@@ -146,6 +147,15 @@ fill)
   for n in 1 2 3; do
     echo "## --lookahead-layers $n"; timeout 100 python3 -m moestream bench $B --lookahead-layers $n 2>&1
   done | tee "$OUT/bench_fill.md"
+  ;;
+rows)
+  # Issue 4's rows after the fill: pp4096 + tg64 at ubatch 512/2048/4096, 16000 MiB: the defaults, no seeding, no
+  # prefetch, one layer ahead (as before the fill). Three repetitions each; the hash must match in every row.
+  reference 5
+  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 3 --cpu-moe --moe-cache-mib 16000"
+  for v in "" "--no-prefetch-seed" "--no-prefetch" "--lookahead-layers 1"; do
+    echo "## $v"; timeout 110 python3 -m moestream bench $B $v 2>&1
+  done | tee "$OUT/bench_rows.md"
   ;;
 decode)
   # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,
