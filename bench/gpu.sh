@@ -18,6 +18,7 @@
 #   bash bench/gpu.sh timeline   cuda tests; the copy and compute streams of a cached prompt (traces), its host calls
 #   bash bench/gpu.sh fill       cuda tests; prompt timeline and bench at --lookahead-layers 1 / 2 / 3
 #   bash bench/gpu.sh rows       issue 4's rows: defaults, --no-prefetch-seed, --no-prefetch, --lookahead-layers 1
+#   bash bench/gpu.sh launchfill cuda tests; bench defaults against --lookahead-layers 1 (4 repetitions)
 #   bash bench/gpu.sh decode     cuda tests; bench pp4096/tg64 over the caches, defaults and --read-through; server
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
@@ -156,6 +157,16 @@ rows)
   for v in "" "--no-prefetch-seed" "--no-prefetch" "--lookahead-layers 1"; do
     echo "## $v"; timeout 110 python3 -m moestream bench $B $v 2>&1
   done | tee "$OUT/bench_rows.md"
+  ;;
+launchfill)
+  # The fill also once each layer's experts are queued: cuda tests; bench at ubatch 512/2048/4096, 16000 MiB, the
+  # defaults against one layer ahead (no fill), four repetitions.
+  cuda_tests
+  reference 5
+  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 4 --cpu-moe --moe-cache-mib 16000"
+  for v in "" "--lookahead-layers 1"; do
+    echo "## $v"; timeout 100 python3 -m moestream bench $B $v 2>&1
+  done | tee "$OUT/bench_launchfill.md"
   ;;
 decode)
   # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,

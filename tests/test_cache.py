@@ -188,9 +188,10 @@ def test_trace_replay_predicts_the_live_cache(tmp_path, policy, mib):
 @pytest.mark.parametrize("mib,lookahead", [(2, False), (12, False), (12, True), (2, True)])
 def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib, lookahead):
     """Prompts in ubatches of 32 with prefetch from 8 tokens: first chunks, own-prompt chunks, tails, waves; with
-    lookahead, the guesses the trace recorded drive the replay's copies ahead as they drove the live cache's."""
+    lookahead, the guesses the trace recorded drive the replay's copies ahead as they drove the live cache's (one
+    layer ahead: a trace keeps one guess per layer)."""
     llm = LLM("synth:tiny", ubatch_size=32, ctx_size=256, device="cpu", cpu_moe=True, moe_cache_mib=mib,
-              prefetch_min_batch=8, lookahead=lookahead)
+              prefetch_min_batch=8, lookahead=lookahead, lookahead_layers=1)
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
     llm.engine.model.on_route = rec

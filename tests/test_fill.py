@@ -60,6 +60,20 @@ def test_the_fill_waits_while_the_copy_stream_still_has_work():
     assert c._fill() and c.residency.slot_of[2, 4] >= 0
 
 
+def test_once_a_layer_is_launched_the_next_layer_goes_ahead_then_the_fill_if_the_stream_is_short_of_work():
+    c = _cache()
+    c.prepare(0, _counts(e0=5), [_counts(e2=1, e3=4), _counts(e4=2, e5=6)])
+    c.experts_launched(0)
+    assert (c.residency.slot_of[1, [2, 3]] >= 0).all() and (c.residency.slot_of[2, [4, 5]] >= 0).all()
+    assert c.stats.prompt[1].filled == 0 and c.stats.prompt[2].filled == 2
+
+    busy = _cache()
+    busy.prepare(0, _counts(e0=5), [_counts(e2=1, e3=4), _counts(e4=2, e5=6)])
+    busy.queue.pending = lambda: cache_mod.FILL_LAUNCH_BYTES // busy.store.expert_bytes
+    busy.experts_launched(0)
+    assert (busy.residency.slot_of[1, [2, 3]] >= 0).all() and (busy.residency.slot_of[2] < 0).all()
+
+
 def test_the_fill_copies_a_few_at_a_time_and_skips_what_is_resident(monkeypatch):
     c = _cache()
     monkeypatch.setattr(cache_mod, "FILL_LOW_BYTES", 2 * c.store.expert_bytes)     # two copies per call

@@ -27,6 +27,8 @@ from .store import ExpertStore, expert_views
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
 FILL_LOW_BYTES = 24 << 20                 # fill: copy ahead when no more than this is left on the copy stream
+FILL_LAUNCH_BYTES = 96 << 20              # ... and up to this much once a layer's experts are queued (the host
+                                          # looks again only at the next routing)
 FILL_POLL_S = 50e-6                       # ... looking this often while the host waits for a routing
 REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a layer's region is one launch
 
@@ -186,7 +188,7 @@ class ExpertCache:
         the next routing). Returns the layer's slot table (E,) (slot of each expert id within the layer's region,
         -1 if absent), or the groups of experts to run in waves when the pool cannot hold them all at once (then
         nothing is loaded yet)."""
-        self.experts_launched(layer)            # a copy-ahead nobody launched yet goes now (it is still useful)
+        self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
             self.routing[self.seq].record(layer, counts)
@@ -208,8 +210,13 @@ class ExpertCache:
         return self.table(layer)
 
     def experts_launched(self, layer: int) -> None:
-        """The layer's expert kernels are queued: now copy ahead what the next layer is predicted to need. Its
-        bookkeeping then runs while the GPU computes, not while it waits for this layer's table."""
+        """The layer's expert kernels are queued: now copy ahead what the next layer is predicted to need, and
+        (fill) the later layers' guesses if that leaves the copy stream short of work. The bookkeeping then runs
+        while the GPU computes, not while it waits for this layer's table."""
+        self._copy_pending()
+        self._fill(FILL_LAUNCH_BYTES)
+
+    def _copy_pending(self) -> None:
         if self.pending is not None:
             nxt, experts = self.pending
             self.pending = None
@@ -303,11 +310,12 @@ class ExpertCache:
             time.sleep(FILL_POLL_S)
         return buf.numpy().copy()
 
-    def _fill(self) -> bool:
-        """When the copy stream is about to run dry, copy ahead the next guessed experts of the layers after the
-        next one (`fill`, most likely first). False once there is nothing more to copy."""
+    def _fill(self, low: int | None = None) -> bool:
+        """When the copy stream has less than `low` bytes left to copy (FILL_LOW_BYTES), copy ahead the next guessed
+        experts of the layers after the next one (`fill`, most likely first) up to that. False once there is
+        nothing to copy."""
         eb = self.store.expert_bytes
-        room = FILL_LOW_BYTES - self.queue.pending() * eb
+        room = (FILL_LOW_BYTES if low is None else low) - self.queue.pending() * eb
         if room < eb:
             return True
         while self.fill:

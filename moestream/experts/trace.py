@@ -15,7 +15,7 @@ prefetch replay copies ahead from them as the live cache did.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -99,9 +99,11 @@ def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchC
            zero_copy: bool = False, read_through: bool = False) -> dict:
     """Counts the live cache would have had on this routing: totals and per layer. `zero_copy`: decode steps as
     zero-copy decode runs them (the default on CUDA: the cache learns one step late), with or without
-    read-through; this replays the live cache itself, like `prefetch` (an empty PrefetchConfig if none given)."""
+    read-through; this replays the live cache itself, like `prefetch` (an empty PrefetchConfig if none given).
+    A trace keeps one lookahead guess per layer, so the replay guesses one layer ahead (`lookahead_layers` 1)."""
     if prefetch is not None or zero_copy:
-        return _replay_live(trace, n_slots, policy, prefetch or PrefetchConfig(enabled=False), zero_copy,
+        prefetch = replace(prefetch or PrefetchConfig(enabled=False), lookahead_layers=1)
+        return _replay_live(trace, n_slots, policy, prefetch, zero_copy,
                             read_through)
     planner = CachePlanner(n_slots, trace.n_layers, trace.n_experts, policy, trace.expert_bytes,
                            sorted(set(trace.layers.tolist())))
