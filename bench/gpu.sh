@@ -34,6 +34,13 @@ reference() {        # the reference GGUF (once per machine), then a pause while
   [ -f $REF ] || python3 .carry/make_reference_gguf.py $REF 24 2>&1 | tail -1
   sync; sleep "${1:-0}"
 }
+cached_prompts() {   # $1 repetitions, $2 log: pp4096 + tg64 at ubatch 512/2048/4096, 16000 MiB, per variant $3...
+  local r=$1 log=$2; shift 2
+  for v in "$@"; do
+    echo "## $v"; timeout 110 python3 -m moestream bench -m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r $r \
+      --cpu-moe --moe-cache-mib 16000 $v 2>&1
+  done | tee "$OUT/$log"
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])" | tee -a "$OUT/gpu.txt"
 
@@ -144,29 +151,18 @@ fill)
   for ub in 4096 2048; do
     timeout 100 python3 bench/prompt_timeline.py $REF "$OUT" -ub $ub 2>&1 | grep -v "^USDT\|Warn\|warn"
   done | tee "$OUT/timeline.txt"
-  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 2 --cpu-moe --moe-cache-mib 16000"
-  for n in 1 2 3; do
-    echo "## --lookahead-layers $n"; timeout 100 python3 -m moestream bench $B --lookahead-layers $n 2>&1
-  done | tee "$OUT/bench_fill.md"
+  cached_prompts 2 bench_fill.md "--lookahead-layers 1" "--lookahead-layers 2" "--lookahead-layers 3"
   ;;
 rows)
-  # Issue 4's rows after the fill: pp4096 + tg64 at ubatch 512/2048/4096, 16000 MiB: the defaults, no seeding, no
-  # prefetch, one layer ahead (as before the fill). Three repetitions each; the hash must match in every row.
+  # Issue 4's rows after the fill: the defaults, no seeding, no prefetch, one layer ahead (as before the fill).
   reference 5
-  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 3 --cpu-moe --moe-cache-mib 16000"
-  for v in "" "--no-prefetch-seed" "--no-prefetch" "--lookahead-layers 1"; do
-    echo "## $v"; timeout 110 python3 -m moestream bench $B $v 2>&1
-  done | tee "$OUT/bench_rows.md"
+  cached_prompts 3 bench_rows.md "" "--no-prefetch-seed" "--no-prefetch" "--lookahead-layers 1"
   ;;
 launchfill)
-  # The fill also once each layer's experts are queued: cuda tests; bench at ubatch 512/2048/4096, 16000 MiB, the
-  # defaults against one layer ahead (no fill), four repetitions.
+  # The fill also once each layer's experts are queued: cuda tests; the defaults against one layer ahead (no fill).
   cuda_tests
   reference 5
-  B="-m $REF -p 4096 -n 64 -ub 512,2048,4096 -b 4096 -r 4 --cpu-moe --moe-cache-mib 16000"
-  for v in "" "--lookahead-layers 1"; do
-    echo "## $v"; timeout 100 python3 -m moestream bench $B $v 2>&1
-  done | tee "$OUT/bench_launchfill.md"
+  cached_prompts 4 bench_launchfill.md "" "--lookahead-layers 1"
   ;;
 decode)
   # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,

@@ -237,10 +237,10 @@ def test_split_regions_balances_layers_and_caps_slots():
 
 def test_a_pool_in_regions_changes_no_logits(monkeypatch):
     """A pool split into regions (here of at most 40 slots, as 1023 would split a big pool) gives the same bits."""
-    import moestream.experts.cache as cache_mod
+    import moestream.experts.planner as planner_mod
     ids = _prompt(70, 3)
     want = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128).logits(ids)
-    monkeypatch.setattr(cache_mod, "REGION_SLOTS", 40)
+    monkeypatch.setattr(planner_mod, "REGION_SLOTS", 40)
     llm = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128, cpu_moe=True, moe_cache_mib=60)
     assert len({b for b in llm.engine.host.residency.bounds}) > 1
     assert torch.equal(llm.logits(ids), want)

@@ -8,7 +8,8 @@
 Compute reads weights from the pool by slot index (no staging copy). Misses go on the copy stream ahead of the
 speculative copies (prefetch), whose bytes in flight are bounded. A slot that queued compute still reads is
 pinned: it is never a victim, so a copy never overwrites weights before their reader ran. When a ubatch routes more
-experts in one layer than the pool holds, `fetch` returns Waves.
+experts in one layer than the pool holds, `fetch` returns Waves. The decisions themselves, with no device, are
+planner.py's.
 """
 from __future__ import annotations
 
@@ -18,11 +19,10 @@ import numpy as np
 import torch
 
 from .copy_queue import CopyQueue
-from .policy import make_policy
+from .planner import CachePlanner
 from .prefetch import PrefetchConfig, RoutingStats, Seed, choose_seed, predicted
 from .provider import ExpertWeights
-from .residency import CacheTooSmall, Residency, split_regions
-from .stats import CacheStats
+from .residency import CacheTooSmall
 from .store import ExpertStore, expert_views
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
@@ -30,37 +30,6 @@ FILL_LOW_BYTES = 24 << 20                 # fill: copy ahead when no more than t
 FILL_LAUNCH_BYTES = 96 << 20              # ... and up to this much once a layer's experts are queued (the host
                                           # looks again only at the next routing)
 FILL_POLL_S = 50e-6                       # ... looking this often while the host waits for a routing
-REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a layer's region is one launch
-
-
-class CachePlanner:
-    """The cache's decisions with no device: the policy's clock, residency, counters and waves.
-
-    The live cache and the offline trace replay both run this, so a replay predicts the live demand counts.
-    """
-
-    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy: str, expert_bytes: int,
-                 layers: list[int] | None = None):
-        regions = split_regions(n_slots, layers if layers is not None else list(range(n_layers)), REGION_SLOTS)
-        self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots), regions)
-        self.stats = CacheStats()
-        self.policy_name, self.expert_bytes = policy, expert_bytes
-        self._last_layer = None
-
-    def groups(self, layer: int, wanted: np.ndarray) -> list[np.ndarray]:
-        """The ubatch's routed experts of `layer` (distinct): one group, or waves when they can't all fit."""
-        if self._last_layer is None or layer <= self._last_layer:
-            self.residency.policy.tick()                # a new ubatch: the policy's clock counts ubatches
-        self._last_layer = layer
-        n = self.residency.region_size(layer)
-        return [wanted] if len(wanted) <= n else [wanted[i:i + n] for i in range(0, len(wanted), n)]
-
-    def plan(self, layer: int, group: np.ndarray):
-        plan = self.residency.ensure(layer, group)
-        m = len(plan.misses)
-        self.stats.record(layer, hits=len(group) - m, misses=m, evictions=len(plan.evicted),
-                          uploaded_bytes=m * self.expert_bytes, copies=m)
-        return plan
 
 
 class Waves:

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .cache import CachePlanner, ExpertCache
+from .cache import ExpertCache
+from .planner import CachePlanner
 from .prefetch import PrefetchConfig
 
 

@@ -1,0 +1,45 @@
+"""The cache's decisions with no device: the policy's clock, residency, counters and waves.
+
+    planner = CachePlanner(n_slots=1702, n_layers=24, n_experts=128, policy="lfru", expert_bytes=9437184)
+    for group in planner.groups(layer, wanted):      # one group, or waves when they can't all fit
+        plan = planner.plan(layer, group)            # hits, the misses to copy and their slots, evictions
+
+The live cache (cache.py) and the offline trace replay (trace.py) both run this, so a replay predicts the live
+demand counts.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .policy import make_policy
+from .residency import Residency, split_regions
+from .stats import CacheStats
+
+REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a layer's region is one launch
+
+
+class CachePlanner:
+    """Residency under one policy, with its counters; `groups` splits a layer into waves where it must."""
+
+    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy: str, expert_bytes: int,
+                 layers: list[int] | None = None):
+        regions = split_regions(n_slots, layers if layers is not None else list(range(n_layers)), REGION_SLOTS)
+        self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots), regions)
+        self.stats = CacheStats()
+        self.policy_name, self.expert_bytes = policy, expert_bytes
+        self._last_layer = None
+
+    def groups(self, layer: int, wanted: np.ndarray) -> list[np.ndarray]:
+        """The ubatch's routed experts of `layer` (distinct): one group, or waves when they can't all fit."""
+        if self._last_layer is None or layer <= self._last_layer:
+            self.residency.policy.tick()                # a new ubatch: the policy's clock counts ubatches
+        self._last_layer = layer
+        n = self.residency.region_size(layer)
+        return [wanted] if len(wanted) <= n else [wanted[i:i + n] for i in range(0, len(wanted), n)]
+
+    def plan(self, layer: int, group: np.ndarray):
+        plan = self.residency.ensure(layer, group)
+        m = len(plan.misses)
+        self.stats.record(layer, hits=len(group) - m, misses=m, evictions=len(plan.evicted),
+                          uploaded_bytes=m * self.expert_bytes, copies=m)
+        return plan
