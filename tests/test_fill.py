@@ -16,12 +16,11 @@ from moestream.experts.store import ExpertStore
 from moestream.models.moe import moe_route
 
 
-def _cache(n_slots=12, layers=(0, 1, 2, 3), moe_layers=None, lookahead_layers=2):
+def _cache(n_slots=12, layers=(0, 1, 2, 3), moe_layers=None, lookahead_layers=2, max_inflight_mib=512):
     """Four layers of 8 one-byte experts (the cache's decisions do not depend on the bytes), no device."""
     store = ExpertStore({l: torch.arange(8, dtype=torch.uint8).repeat_interleave(3).view(8, 3) for l in layers}, 1, 1)
-    c = ExpertCache(store, n_slots, 4, 8, Device("cpu"), "lfru",
-                    PrefetchConfig(min_batch=8, lookahead_layers=lookahead_layers), list(layers), top_k=2,
-                    moe_layers=moe_layers)
+    pf = PrefetchConfig(min_batch=8, lookahead_layers=lookahead_layers, max_inflight_mib=max_inflight_mib)
+    c = ExpertCache(store, n_slots, 4, 8, Device("cpu"), "lfru", pf, list(layers), top_k=2, moe_layers=moe_layers)
     c.begin_prompt(0)
     c.begin_ubatch(0, 64, True)
     return c
@@ -82,6 +81,12 @@ def test_the_fill_copies_a_few_at_a_time_and_skips_what_is_resident(monkeypatch)
     assert c._fill() and (c.residency.slot_of[2, [1, 5]] >= 0).all() and c.residency.slot_of[2, 6] < 0
     assert c._fill() and c.residency.slot_of[2, 6] >= 0
     assert c.stats.prompt[2].filled == 3 and not c._fill()
+
+
+def test_no_room_in_flight_ends_the_fill():
+    c = _cache(max_inflight_mib=0)
+    c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e4=2)])
+    assert not c._fill() and c.fill == [] and (c.residency.slot_of[2] < 0).all()
 
 
 def test_guesses_for_a_layer_on_the_gpu_are_skipped():

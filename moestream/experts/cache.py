@@ -153,8 +153,8 @@ class ExpertCache:
         """The host's part of one MoE layer, once its routing is on the host as counts per expert (E,): routing
         statistics, counters, uploads of the misses, the compute stream's wait, and the prefetch of what comes
         next (`guesses`: the lookahead's counts per expert (E,) of the next MoE layers, nearest first: the first
-        host layer among them is copied once this layer's experts are queued, the others while the host waits for
-        the next routing). Returns the layer's slot table (E,) (slot of each expert id within the layer's region,
+        host layer among them is copied once this layer's experts are queued, the others whenever the copy stream
+        runs short of work: `_fill`). Returns the layer's slot table (E,) (slot of each expert id within the layer's region,
         -1 if absent), or the groups of experts to run in waves when the pool cannot hold them all at once (then
         nothing is loaded yet)."""
         self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
@@ -171,9 +171,10 @@ class ExpertCache:
             i = self.moe_layers.index(layer)
             ahead = [(l, predicted(g, self.n_experts)) for l, g in zip(self.moe_layers[i + 1:], guesses)
                      if l in self.host_set]
+            self.fill = ahead[1:]
             if ahead:
                 self.predicted[ahead[0][0]] = ahead[0][1]       # scored when that layer routes
-                self.pending, self.fill = ahead[0], ahead[1:]
+                self.pending = ahead[0]
         elif nxt is not None and self.seed is not None:
             self.pending = (nxt, self._predicted(nxt))
         return self.table(layer)
@@ -293,12 +294,11 @@ class ExpertCache:
             if not len(missing):
                 self.fill.pop(0)
                 continue
-            n = max(1, room // eb)
-            self.fill[0] = (layer, missing[n:])
-            copied = self._prefetch(layer, missing[:n])
+            copied = self._prefetch(layer, missing[:max(1, room // eb)])       # the first ones, in order
             if not copied:                          # no room: the in-flight bound, or every slot is pinned
                 self.fill = []
                 return False
+            self.fill[0] = (layer, missing[copied:])
             self.stats.record(layer, filled=copied)
             return True
         return False
