@@ -19,6 +19,7 @@
 #   bash bench/gpu.sh fill       cuda tests; prompt timeline and bench at --lookahead-layers 1 / 2 / 3
 #   bash bench/gpu.sh rows       issue 4's rows: defaults, --no-prefetch-seed, --no-prefetch, --lookahead-layers 1
 #   bash bench/gpu.sh launchfill cuda tests; bench defaults against --lookahead-layers 1 (4 repetitions)
+#   bash bench/gpu.sh final11    cuda tests; the defaults at ubatch 2048 / 4096, 16000 MiB
 #   bash bench/gpu.sh decode     cuda tests; bench pp4096/tg64 over the caches, defaults and --read-through; server
 #   bash bench/gpu.sh final      RESULTS.md's run: cuda tests, `moestream bench` all on the GPU and with caches of
 #                                0 / 8000 / 16000 / 24000 MiB (hash column), the prefetch and decode switches
@@ -163,6 +164,13 @@ launchfill)
   cuda_tests
   reference 5
   cached_prompts 4 bench_launchfill.md "" "--lookahead-layers 1"
+  ;;
+final11)
+  # Stop 11's last commit: the cuda tests; the defaults at ubatch 2048 / 4096, 16000 MiB.
+  cuda_tests
+  reference 3
+  timeout 80 python3 -m moestream bench -m $REF -p 4096 -n 64 -ub 2048,4096 -b 4096 -r 3 --cpu-moe \
+    --moe-cache-mib 16000 2>&1 | tee "$OUT/bench_final11.md"
   ;;
 decode)
   # The decode rows after this session's changes: cuda tests; tg64 (and pp4096) at ubatch 2048 over the caches,
