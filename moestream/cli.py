@@ -51,8 +51,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt ubatches prefetch from routing statistics only, not through the next layer's router")
     p.add_argument("--lookahead-layers", type=int, default=2, metavar="N",
                    help="prompt lookahead guesses N MoE layers ahead: the next layer's experts are copied at once, "
-                        "the later layers' while the host waits for a routing and the copy stream runs dry "
-                        "(default 2; 1 to 4)")
+                        "the later layers' whenever the copy stream runs short of work (default 2; 1 to 4)")
     p.add_argument("--no-host-decode-graphs", action="store_true",
                    help="with a cache: decode eagerly instead of as CUDA-graph segments between host layers")
     p.add_argument("--no-zero-copy-decode", dest="zero_copy_decode", action="store_const", const=False, default=None,

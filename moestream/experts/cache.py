@@ -75,7 +75,7 @@ class ExpertCache:
         self.top_k = top_k
         self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
-        self.fill: list[tuple[int, np.ndarray]] = []           # later layers' guesses, copied while the host waits
+        self.fill: list[tuple[int, np.ndarray]] = []           # later layers' guesses, for a copy stream short of work
         self.counts_host = device.pinned_empty((1 + max(1, prefetch.lookahead_layers), n_experts), torch.int64)
         self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
         self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
@@ -111,8 +111,8 @@ class ExpertCache:
         if is_prompt:
             stats.begin_ubatch(n_tokens)
         self.fill = []
-        if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now, and the next
-            self._prefetch(self.layers[0], self._predicted(self.layers[0]))      # ones while the host waits
+        if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now, the next
+            self._prefetch(self.layers[0], self._predicted(self.layers[0]))      # ones as fill
             self.fill = [(l, self._predicted(l)) for l in self.layers[1:self.prefetch.lookahead_layers]]
 
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
@@ -154,9 +154,9 @@ class ExpertCache:
         statistics, counters, uploads of the misses, the compute stream's wait, and the prefetch of what comes
         next (`guesses`: the lookahead's counts per expert (E,) of the next MoE layers, nearest first: the first
         host layer among them is copied once this layer's experts are queued, the others whenever the copy stream
-        runs short of work: `_fill`). Returns the layer's slot table (E,) (slot of each expert id within the layer's region,
-        -1 if absent), or the groups of experts to run in waves when the pool cannot hold them all at once (then
-        nothing is loaded yet)."""
+        runs short of work, `_fill`). Returns the layer's slot table (E,) (slot of each expert id within the
+        layer's region, -1 if absent), or the groups of experts to run in waves when the pool cannot hold them all
+        at once (then nothing is loaded yet)."""
         self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:

@@ -62,8 +62,8 @@ class PrefetchConfig:
     first_chunk_all: bool = False   # rule 2's option: copy every expert of the next layer instead
     lookahead: bool = True          # decode: the next layer's router on the current hidden state
     prompt_lookahead: bool = True   # the same for prompt ubatches of >= min_batch tokens (their routed set)
-    lookahead_layers: int = 2       # ... guessing this many layers ahead: the next at once, the rest while the host
-                                    # waits for a routing and the copy stream runs dry
+    lookahead_layers: int = 2       # ... guessing this many layers ahead: the next at once, the rest whenever the
+                                    # copy stream runs short of work (ExpertCache._fill)
     max_inflight_mib: int = 512     # speculative bytes on the copy stream at once (demand misses go first)
     min_use: float = 0.0            # copy ahead only experts the ubatch routes with at least this probability
 
