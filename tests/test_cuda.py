@@ -113,6 +113,10 @@ def test_copy_queue_counts_the_copies_not_done():
     q.wait(seq, torch.cuda.current_stream())
     torch.cuda.synchronize()
     assert q.pending() == 0 and q.speculative_inflight() == 0 and bool((dst == 1).all())
+    q.submit(list(zip(dst, src)), src.numel(), speculative=False)   # done batches' marks go with poll, not only
+    torch.cuda.synchronize()                                         # with pending (decode never asks pending)
+    q.poll()
+    assert not q.marks
 
 
 @needs_cuda

@@ -24,7 +24,7 @@ class CopyQueue:
         self.seq = 0                                                     # last submitted batch
         self.done = 0                                                    # every batch <= done has completed
         self.spec = deque()                                              # (seq, nbytes) speculative in flight
-        self.marks = deque()                                             # an event after each copy not known done
+        self.marks = deque()                                             # (seq, event after each copy) not done
 
     def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, speculative: bool,
                after=None) -> int:
@@ -41,8 +41,9 @@ class CopyQueue:
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-                self.marks.append(torch.cuda.Event())
-                self.marks[-1].record(self.stream)
+                mark = torch.cuda.Event()
+                mark.record(self.stream)
+                self.marks.append((self.seq, mark))
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.events[self.seq] = ev
@@ -58,13 +59,15 @@ class CopyQueue:
                 break
             self.events.pop(self.done + 1, None)
             self.done += 1
-        while self.spec and self.spec[0][0] <= self.done:
-            self.spec.popleft()
+        for queue in (self.spec, self.marks):       # what completed batches left behind
+            while queue and queue[0][0] <= self.done:
+                queue.popleft()
         return self.done
 
     def pending(self) -> int:
         """Copies queued and not done yet."""
-        while self.marks and self.marks[0].query():
+        self.poll()
+        while self.marks and self.marks[0][1].query():
             self.marks.popleft()
         return len(self.marks)
 
