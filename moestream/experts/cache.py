@@ -166,7 +166,6 @@ class ExpertCache:
         if len(groups) > 1:
             return groups
         self._load_slots(layer, groups[0])
-        nxt = self._next_layer(layer)
         if guesses is not None:
             i = self.moe_layers.index(layer)
             ahead = [(l, predicted(g, self.n_experts)) for l, g in zip(self.moe_layers[i + 1:], guesses)
@@ -175,7 +174,7 @@ class ExpertCache:
             if ahead:
                 self.predicted[ahead[0][0]] = ahead[0][1]       # scored when that layer routes
                 self.pending = ahead[0]
-        elif nxt is not None and self.seed is not None:
+        elif self.seed is not None and (nxt := self._next_layer(layer)) is not None:
             self.pending = (nxt, self._predicted(nxt))
         return self.table(layer)
 

@@ -29,7 +29,7 @@ class Counts:
     host_reads: int = 0             # zero-copy decode: routed choices whose expert the kernel read from host memory
     host_read_bytes: int = 0        # ... and their bytes over the link
     landed: int = 0                 # read-through: experts a decode kernel wrote into a free slot as it read them
-    filled: int = 0                 # prefetched while the host waited for a routing, the copy stream running dry
+    filled: int = 0                 # prefetched from guesses beyond the next layer, the copy stream short of work
 
     def add(self, other: "Counts") -> None:
         for k in KEYS:

@@ -56,7 +56,7 @@ def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
                                         cfg.norm_topk_prob, x.dtype)
     else:
         weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
-    ahead = min(int(provider.lookahead_layers(layer, x.shape[0])), len(next_routers)) if next_routers else 0
+    ahead = min(provider.lookahead_layers(layer, x.shape[0]), len(next_routers)) if next_routers else 0
     traced = bool(next_routers) and getattr(on_route, "wants_guess", False)
     guesses = tuple(torch.topk(F.linear(x, r), cfg.n_experts_used, dim=-1).indices
                     for r in next_routers[:max(ahead, int(traced))])
