@@ -211,14 +211,14 @@ def record_trace(llm, path):
     eng.reconfigure_cache(moe_cache_mib=16000, prefetch=False, lookahead=False, host_decode_graphs=False)
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, eng.host.store.expert_bytes)
-    eng.model.on_route = rec
+    eng.observe(rec)
     for ub in (2048, 4096):
         eng.set_batching(4096, ub)
         for i in range(4):
             eng.begin_prompt(0)
             eng.prefill(0, rand(N, 300 + i), 0)
     greedy(eng, 64)
-    eng.model.on_route = None
+    eng.unobserve(rec)
     rec.save(path)
 
 

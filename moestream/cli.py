@@ -115,7 +115,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from .experts.trace import TraceRecorder
         cfg = llm.model_config
         recorder = TraceRecorder(cfg.n_layers, cfg.n_experts, cfg.expert_numel * llm.engine.dtype.itemsize)
-        llm.engine.model.on_route = recorder
+        llm.engine.observe(recorder)
     gen = llm.stream(ids, params)
     if not a.hash_only:
         if llm.tokenizer is not None and not a.chat:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moestream import LLM, UserError
+from moestream.experts.routing import RouteCallback
 from moestream.experts.policy import make_policy
 from moestream.experts.residency import CacheTooSmall, Residency, split_regions
 from moestream.experts.trace import TraceRecorder, load_trace, replay
@@ -136,7 +137,7 @@ def test_repeated_prompt_hits_and_uploads_nothing():
 def test_only_misses_cross_the_link_and_each_once_per_ubatch():
     llm = LLM("synth:tiny", ubatch_size=8, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=0)
     routed = []
-    llm.engine.model.on_route = lambda layer, ids: routed.append(len(torch.unique(ids)))
+    llm.engine.observe(RouteCallback(lambda layer, ids: routed.append(len(torch.unique(ids)))))
     llm.logits(_prompt(32, 8))
     st_ = llm.stats()["total"]
     assert st_["hits"] + st_["misses"] == sum(routed)          # every routed expert counted once per ubatch
@@ -173,7 +174,7 @@ def test_trace_replay_predicts_the_live_cache(tmp_path, policy, mib):
               cache_policy=policy, prefetch=False)       # the replay models demand misses, not prefetch
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
-    llm.engine.model.on_route = rec
+    llm.engine.observe(rec)
     llm.generate(_prompt(40, 1), max_tokens=10, ignore_eos=True)
     llm.generate(_prompt(25, 2), max_tokens=10, ignore_eos=True)
     path = tmp_path / "run.npz"
@@ -194,7 +195,7 @@ def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib, looka
               prefetch_min_batch=8, lookahead=lookahead, lookahead_layers=1)
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
-    llm.engine.model.on_route = rec
+    llm.engine.observe(rec)
     for s in range(3):
         llm.generate(_prompt(70, s), max_tokens=6, ignore_eos=True)
     path = tmp_path / "run.npz"

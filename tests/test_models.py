@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moestream import LLM
+from moestream.experts.routing import RouteCallback
 
 ATOL = 5e-5
 
@@ -67,7 +68,7 @@ def test_cpu_moe_uploads_each_routed_expert_once_per_ubatch(checkpoint):
             ubatch_no["n"] += 1
         routed.setdefault((ubatch_no["n"], layer), set()).update(ids_.flatten().tolist())
 
-    llm.engine.model.on_route = on_route
+    llm.engine.observe(RouteCallback(on_route))
     llm.logits(ids)
     expected = sum(len(s) for s in routed.values())
     assert ubatch_no["n"] == 2                       # 30 tokens in ubatches of 10

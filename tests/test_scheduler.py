@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moestream import LLM, SamplingParams
+from moestream.experts.routing import RouteCallback
 from moestream.server.scheduler import QueueFull, Request, Scheduler
 
 CTX = 128
@@ -51,11 +52,12 @@ def reference_routing(ref, prompt, max_tokens) -> tuple[np.ndarray, list[int]]:
     def on_route(layer, ids):
         np.add.at(counts[layer], ids.reshape(-1).cpu().numpy(), 1)
 
-    ref.engine.model.on_route = on_route
+    observer = RouteCallback(on_route)
+    ref.engine.observe(observer)
     try:
         out = ref.generate(prompt, max_tokens=max_tokens)
     finally:
-        ref.engine.model.on_route = None
+        ref.engine.unobserve(observer)
     return counts, out.token_ids
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moestream import LLM
+from moestream.experts.routing import RouteCallback
 from moestream.kernels.reference import AddressBook, experts_by_address_reference, experts_reference
 from moestream.models.moe import combine
 
@@ -104,7 +105,7 @@ def test_routing_of_zero_copy_steps_reaches_the_callback():
     step is queued)."""
     llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=3)
     seen = []
-    llm.engine.model.on_route = lambda layer, ids, guess=None: seen.append((layer, tuple(ids.shape)))
+    llm.engine.observe(RouteCallback(lambda layer, ids: seen.append((layer, tuple(ids.shape)))))
     eng = llm.engine
     eng.prefill(0, list(range(5, 15)))
     n_prompt = len(seen)
@@ -231,7 +232,7 @@ def test_trace_replay_predicts_zero_copy_decode(tmp_path, mib, prefetch, read_th
               prefetch_min_batch=8, read_through=read_through)
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
-    llm.engine.model.on_route = rec
+    llm.engine.observe(rec)
     for p in PROMPTS:
         llm.generate(p, max_tokens=12, ignore_eos=True)
     path = tmp_path / "zc.npz"

@@ -1,7 +1,7 @@
 """Routing traces: record which experts every ubatch routed, and replay them against a cache offline.
 
     rec = TraceRecorder(n_layers, n_experts, expert_bytes)
-    llm.engine.model.on_route = rec          # called with (layer, ids (T, k)) for every MoE layer of every forward
+    llm.engine.observe(rec)                  # sees (layer, ids (T, k)) of every MoE layer of every forward
     ...; rec.save("run.trace.npz")
     replay(load_trace("run.trace.npz"), n_slots=1700, policy="lfru")   # {"total": {...}, "per_layer": {...}}
     replay(trace, 1700, "lfru", prefetch=PrefetchConfig())             # with the prompt-path prefetch rules too
@@ -24,6 +24,7 @@ from ..errors import UserError
 from .cache import ExpertCache
 from .planner import CachePlanner
 from .prefetch import PrefetchConfig
+from .routing import RouteObserver
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Trace:
     guesses: list[np.ndarray | None] | None = None   # R lookahead guesses (T, k) of the next layer's experts
 
 
-class TraceRecorder:
+class TraceRecorder(RouteObserver):
     wants_guess = True                  # the forward computes the lookahead guess for the trace too
 
     def __init__(self, n_layers: int, n_experts: int, expert_bytes: int):
@@ -59,7 +60,7 @@ class TraceRecorder:
         if is_prompt:
             self._new_prompt = False
 
-    def __call__(self, layer: int, ids, guess=None) -> None:
+    def on_route(self, layer: int, ids, guess=None) -> None:
         self.layers.append(layer)
         self.ids.append(ids.detach().cpu().numpy().astype(np.int16))
         self.guesses.append(None if guess is None else guess.detach().cpu().numpy().astype(np.int16))

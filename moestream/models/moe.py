@@ -31,21 +31,18 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def report_route(on_route, layer: int, ids, guess=None) -> None:
-    """Call the routing callback: with the guess where it asks for guesses (`wants_guess`), else (layer, ids)."""
-    if on_route is None:
-        return
-    if getattr(on_route, "wants_guess", False):
-        on_route(layer, ids, guess)
-    else:
-        on_route(layer, ids)
+    """Tell the route observer (experts/routing.py), if any, what a layer routed: the guess only where it asks for
+    guesses (`wants_guess`)."""
+    if on_route is not None:
+        on_route.on_route(layer, ids, guess if on_route.wants_guess else None)
 
 
 def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, on_route=None,
               next_routers: tuple = (), fused=None):
     """The router half of the MoE block: (T, k) weights and ids, and the lookahead guesses (or None).
 
-    `on_route(layer, ids)`, if given, sees each ubatch's routing (for traces and stats), and the next layer's guess
-    too (`on_route(layer, ids, guess)`) if it has `wants_guess`.
+    `on_route` (a RouteObserver), if given, sees each ubatch's routing (for traces and stats), and the next layer's
+    guess too if it has `wants_guess`.
     `fused` (kernels.fused, decode steps on CUDA): the softmax, top-k and renormalisation in one kernel.
     Lookahead: `next_routers` are the routers of the MoE layers after this one. Where the provider asks
     (`lookahead_layers`: how many layers ahead), each applied to this layer's input guesses that layer's experts,
@@ -57,7 +54,7 @@ def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
     else:
         weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
     ahead = min(provider.lookahead_layers(layer, x.shape[0]), len(next_routers)) if next_routers else 0
-    traced = bool(next_routers) and getattr(on_route, "wants_guess", False)
+    traced = bool(next_routers) and on_route is not None and on_route.wants_guess
     guesses = tuple(torch.topk(F.linear(x, r), cfg.n_experts_used, dim=-1).indices
                     for r in next_routers[:max(ahead, int(traced))])
     report_route(on_route, layer, ids, guesses[0] if guesses else None)

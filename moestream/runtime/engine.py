@@ -23,6 +23,7 @@ from ..errors import UserError
 from ..experts.cache import ExpertCache
 from ..experts.prefetch import PrefetchConfig
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
+from ..experts.routing import RouteObserver, RouteObservers
 from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, experts_reference, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
@@ -44,6 +45,8 @@ class Engine:
         self.host = host                # the provider of host layers (UploadPerUbatch or ExpertCache), or None
         self.dtype = model.lm_head.dtype
         self.book = book or AddressBook()
+        self.observers = RouteObservers()   # routing traces and per-context statistics (experts/routing.py)
+        model.on_route = self.observers
         # Zero-copy decode: decode steps of up to MAX_TOKENS tokens read each expert where it lies, on every
         # placement alike (so a cached decode gives the all-GPU bits).
         model.decode_kernel = pick_decode_kernel(ecfg.zero_copy_decode, device.torch, self.dtype, self.book,
@@ -119,9 +122,9 @@ class Engine:
     @torch.inference_mode()
     def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False,
                 is_prompt: bool = False, kv_len: int | None = None, decode_step: bool = False) -> torch.Tensor:
-        for hook in (self.host, self.model.on_route):      # the cache, and a routing trace being recorded
-            if hasattr(hook, "begin_ubatch"):
-                hook.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
+        if hasattr(self.host, "begin_ubatch"):        # the cache (an expert-provider interface replaces this)
+            self.host.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
+        self.observers.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
         batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, decode_step)
         return self.model.forward(batch, self.kv, self.experts, self.kernel)
 
@@ -172,8 +175,7 @@ class Engine:
         if host is not None:
             host.begin_decode_step()
             self.model.on_route = None       # the provider reports the step's routing once it is queued
-            if hasattr(on_route, "begin_ubatch"):
-                on_route.begin_ubatch(steps[0][0], len(steps), False)
+            on_route.begin_ubatch(steps[0][0], len(steps), False)
         try:
             if self.graphs is not None:
                 if hasattr(host, "begin_ubatch"):   # as the eager forward tells it (the cache's clock and state)
@@ -200,8 +202,14 @@ class Engine:
             self.host.begin_prompt(seq)
         elif self.host is not None:
             self.host.stats.begin_prompt()
-        if hasattr(self.model.on_route, "begin_prompt"):
-            self.model.on_route.begin_prompt(seq)
+        self.observers.begin_prompt(seq)
+
+    def observe(self, observer: RouteObserver) -> None:
+        """From now on, every forward reports its routing to `observer` (a routing trace, per-context counts)."""
+        self.observers.add(observer)
+
+    def unobserve(self, observer: RouteObserver) -> None:
+        self.observers.remove(observer)
 
     def stats(self) -> dict:
         """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative)."""

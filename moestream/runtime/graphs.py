@@ -138,8 +138,7 @@ class HostDecodeGraphs:
         st.inputs.copy_(step_inputs(steps, pinned=cuda), non_blocking=cuda)
         on_route = eng.model.on_route
         E, k = eng.cfg.n_experts, eng.cfg.n_experts_used
-        if hasattr(on_route, "begin_ubatch"):
-            on_route.begin_ubatch(steps[0][0], B, False)
+        on_route.begin_ubatch(steps[0][0], B, False)
         compute = torch.cuda.current_stream(eng.device.torch) if cuda else None
         for j, segment in enumerate(st.segments):
             segment()

@@ -1,7 +1,7 @@
 """Routing statistics per server slot: expert counts (layers x experts) of each slot's current request and of its
 previous one, to seed the prefetch of the slot's next prompt (a slot is a context, as DESIGN.md says).
 
-    routing = SlotRouting(engine, n_slots=4)           # installs itself as engine.model.on_route
+    routing = SlotRouting(engine, n_slots=4)           # observes the engine's routing (engine.observe)
     logits = routing.counted(2, engine.prefill, 2, tokens, start)      # a prompt ubatch: every row is slot 2's
     logits = routing.counted([0, 2], engine.decode, steps)             # a batched decode: row i is slot [0, 2][i]'s
     routing.begin(2)                                    # slot 2 takes a new request: current -> previous, zeroed
@@ -15,8 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..experts.routing import RouteObserver
 
-class SlotRouting:
+
+class SlotRouting(RouteObserver):
     def __init__(self, engine, n_slots: int):
         cfg = engine.cfg
         self.layers = cfg.moe_layers
@@ -27,8 +29,7 @@ class SlotRouting:
         self._owners: dict[tuple[int, ...], torch.Tensor] = {}    # device tensors, made once per key
         self._bases: dict[tuple[int, ...], torch.Tensor] = {}
         self._routed: list[tuple[int, torch.Tensor]] = []       # (layer, ids (T, k)) of the running call
-        self._chained = engine.model.on_route                   # a callback already there (a trace) is kept
-        engine.model.on_route = self._on_route
+        engine.observe(self)
 
     def counted(self, owner: int | list[int] | None, fn, *args):
         """fn(*args), one engine call, with its routing added to the owner's counts (None: not counted)."""
@@ -59,15 +60,9 @@ class SlotRouting:
         self._routed = []
         return out
 
-    def _on_route(self, layer: int, ids: torch.Tensor, guess: torch.Tensor | None = None) -> None:
+    def on_route(self, layer: int, ids: torch.Tensor, guess: torch.Tensor | None = None) -> None:
         if self._owner is not None:          # (host decode graphs report host tensors)
             self._routed.append((layer, ids.to(self.counts.device, non_blocking=True)))
-        if self._chained is not None:
-            self._chained(layer, ids, guess)
-
-    @property
-    def wants_guess(self) -> bool:
-        return getattr(self._chained, "wants_guess", False)
 
     def begin(self, slot: int) -> None:
         """A new request in `slot`: its counts so far become the previous request's; the current ones restart."""

@@ -15,7 +15,7 @@ would change a decode row's numerics (the prompt attention path, other GEMM shap
 `LLM.generate`'s.
 
 Each slot keeps the routing of its requests (routing.py: layers x experts counts of the current request and of the
-previous one, from the model's `on_route` callback), to seed its next prompt's prefetch, and the tokens whose KV
+previous one, observed from the engine's forwards), to seed its next prompt's prefetch, and the tokens whose KV
 its sequence holds: a new prompt reuses the longest common prefix (llama-server's cache_prompt).
 """
 from __future__ import annotations
