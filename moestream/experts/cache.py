@@ -21,7 +21,7 @@ import torch
 from .copy_queue import CopyQueue
 from .planner import CachePlanner
 from .prefetch import PrefetchConfig, RoutingStats, Seed, choose_seed, predicted
-from .provider import ExpertWeights
+from .provider import ExpertProvider, ExpertWeights
 from .residency import CacheTooSmall
 from .store import ExpertStore, expert_views
 
@@ -47,7 +47,7 @@ class Waves:
             yield w, member.to(self.ids.device)[self.ids]          # (T, k): choices this wave computes
 
 
-class ExpertCache:
+class ExpertCache(ExpertProvider):
     def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device, policy: str = "lfru",
                  prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1,
                  top_k: int = 8, moe_layers: list[int] | None = None):

@@ -29,10 +29,57 @@ class ExpertWeights:
     slots: torch.Tensor        # (T, k) int64: the slot of each routed choice
 
 
-class ResidentExperts:
+class ExpertProvider:
+    """What the MoE block and the engine ask of whoever holds some layers' experts. Every hook but `fetch` and
+    `addresses` is a no-op by default, so a provider says only what it does.
+
+    The engine calls begin_prompt / begin_ubatch around forwards and begin_decode_step / end_decode_step around a
+    zero-copy decode step; the MoE block calls lookahead_layers, fetch (or addresses and landing in a zero-copy
+    step) and experts_launched for each of the provider's layers."""
+
+    def __init__(self):
+        self.stats = CacheStats()
+
+    def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> "ExpertWeights":
+        """ids (T, k) routed expert ids -> the weights and each choice's slot (or the cache's Waves)."""
+        raise NotImplementedError
+
+    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T, k) -> (T, k) int64 addresses of each routed expert's row, for a zero-copy decode step."""
+        raise NotImplementedError
+
+    def landing(self, layer: int, ids: torch.Tensor):
+        """Read-through: (ids, host-row addresses, landing slots' addresses) for the decode kernel, or None."""
+        return None
+
+    def lookahead_layers(self, layer: int, n_tokens: int) -> int:
+        """How many MoE layers ahead the forward should guess this layer's successors' experts (0: none)."""
+        return 0
+
+    def experts_launched(self, layer: int) -> None:
+        """The layer's expert kernels are queued (the cache copies ahead from here)."""
+
+    def begin_prompt(self, seq: int) -> None:
+        self.stats.begin_prompt()
+
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+        pass
+
+    def begin_decode_step(self) -> None:
+        pass
+
+    def end_decode_step(self, n_tokens: int, on_route=None) -> None:
+        pass
+
+    def flush_decode(self) -> None:
+        pass
+
+
+class ResidentExperts(ExpertProvider):
     """Every expert of some layers on the compute device: slot = expert id, nothing moves."""
 
     def __init__(self, rows: dict[int, torch.Tensor], inter: int, hidden: int):
+        super().__init__()
         self.rows = rows                       # layer -> (E, numel) on the device
         self.views = {l: expert_views(r, inter, hidden) for l, r in rows.items()}
         self.addr = {l: row_addresses(r, r.device) for l, r in rows.items()}
@@ -45,7 +92,7 @@ class ResidentExperts:
         return ExpertWeights(w13, w2, ids)
 
 
-class UploadPerUbatch:
+class UploadPerUbatch(ExpertProvider):
     """Host-resident layers without a cache: each ubatch uploads its routed experts, each once, synchronously.
 
     The staging buffer has one slot per expert id, so an expert lands in the slot of its own id and the kernel
@@ -55,19 +102,16 @@ class UploadPerUbatch:
     """
 
     def __init__(self, store: ExpertStore, n_experts: int, device: torch.device, top_k: int = 8):
+        super().__init__()
         any_rows = next(iter(store.rows.values()))
         self.store, self.top_k = store, top_k
         self.buf = torch.empty(n_experts, any_rows.shape[1], dtype=any_rows.dtype, device=device)   # (E, numel)
         self.w13, self.w2 = expert_views(self.buf, store.inter, store.hidden)
-        self.stats = CacheStats()
         self.addr = {l: row_addresses(r, device) for l, r in store.rows.items()}
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """Zero-copy decode with no cache: every routed expert is read from host memory, in place."""
         return self.addr[layer][ids]
-
-    def begin_decode_step(self) -> None:
-        pass
 
     def end_decode_step(self, n_tokens: int, on_route=None) -> None:
         """Every routed choice of every host layer crossed the link (counted without reading the routing back)."""
@@ -85,31 +129,27 @@ class UploadPerUbatch:
         return ExpertWeights(self.w13, self.w2, ids)
 
 
-class LayerRouter:
+class LayerRouter(ExpertProvider):
     """Sends each layer to the provider that owns it."""
 
-    def __init__(self, by_layer: dict[int, object]):
+    def __init__(self, by_layer: dict[int, ExpertProvider]):
+        super().__init__()
         self.by_layer = by_layer
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         return self.by_layer[layer].fetch(layer, ids, lookahead)
 
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
-        p = self.by_layer[layer]
-        return p.lookahead_layers(layer, n_tokens) if hasattr(p, "lookahead_layers") else 0
+        return self.by_layer[layer].lookahead_layers(layer, n_tokens)
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         return self.by_layer[layer].addresses(layer, ids)
 
     def landing(self, layer: int, ids: torch.Tensor):
-        """Read-through slots for the decode kernel (the expert cache's), or None."""
-        p = self.by_layer[layer]
-        return p.landing(layer, ids) if hasattr(p, "landing") else None
+        return self.by_layer[layer].landing(layer, ids)
 
     def experts_launched(self, layer: int) -> None:
-        p = self.by_layer[layer]
-        if hasattr(p, "experts_launched"):
-            p.experts_launched(layer)
+        self.by_layer[layer].experts_launched(layer)
 
 
 def row_addresses(rows: torch.Tensor, device) -> torch.Tensor:

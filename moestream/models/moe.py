@@ -66,7 +66,7 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
     """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert.
     `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies."""
     if by_address is not None:
-        land = provider.landing(layer, ids) if hasattr(provider, "landing") else None
+        land = provider.landing(layer, ids)
         out = by_address(x, provider.addresses(layer, ids), weights, cfg.moe_intermediate_size, land)
         return _shared(x, lw, cfg, out)
     w = provider.fetch(layer, ids, guess)
@@ -79,8 +79,7 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
         for wave, member in w:
             tok, j = member.nonzero(as_tuple=True)
             y[tok, j] = kernel(x[tok], wave.slots[tok, j].unsqueeze(1), wave.w13, wave.w2)[:, 0]
-    if hasattr(provider, "experts_launched"):
-        provider.experts_launched(layer)           # the cache copies the next layer's experts ahead from here
+    provider.experts_launched(layer)               # the cache copies the next layer's experts ahead from here
     return _shared(x, lw, cfg, combine(y, weights))
 
 

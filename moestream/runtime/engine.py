@@ -122,7 +122,7 @@ class Engine:
     @torch.inference_mode()
     def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False,
                 is_prompt: bool = False, kv_len: int | None = None, decode_step: bool = False) -> torch.Tensor:
-        if hasattr(self.host, "begin_ubatch"):        # the cache (an expert-provider interface replaces this)
+        if self.host is not None:
             self.host.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
         self.observers.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
         batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, decode_step)
@@ -178,8 +178,7 @@ class Engine:
             on_route.begin_ubatch(steps[0][0], len(steps), False)
         try:
             if self.graphs is not None:
-                if hasattr(host, "begin_ubatch"):   # as the eager forward tells it (the cache's clock and state)
-                    host.begin_ubatch(steps[0][0], len(steps), False)
+                host.begin_ubatch(steps[0][0], len(steps), False)   # as the eager forward tells it
                 logits = self.graphs.run(steps, span)
             else:
                 logits = self._eager_decode(steps, span)
@@ -198,10 +197,8 @@ class Engine:
     def begin_prompt(self, seq: int = 0) -> None:
         """Start the per-prompt counters (a prompt and the decode that follows it) and, with a cache, the
         context's routing statistics (this prompt's become the previous prompt's)."""
-        if isinstance(self.host, ExpertCache):
+        if self.host is not None:
             self.host.begin_prompt(seq)
-        elif self.host is not None:
-            self.host.stats.begin_prompt()
         self.observers.begin_prompt(seq)
 
     def observe(self, observer: RouteObserver) -> None:

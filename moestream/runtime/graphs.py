@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from ..experts.provider import ExpertWeights
+from ..experts.provider import ExpertProvider, ExpertWeights
 from ..models.moe import report_route
 from ..models.transformer import Batch, Segment
 
@@ -81,11 +81,12 @@ class DecodeGraphs:
         return graph, inputs, batch, logits
 
 
-class _TableProvider:
+class _TableProvider(ExpertProvider):
     """Host layers read their slots from a device table the host fills between graph segments; other layers go
     to their own provider. Nothing here touches the host, so the segments can be captured."""
 
     def __init__(self, cache, tables: dict[int, torch.Tensor], others):
+        super().__init__()
         self.cache, self.tables, self.others = cache, tables, others
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None):
