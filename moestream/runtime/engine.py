@@ -178,7 +178,8 @@ class Engine:
             on_route.begin_ubatch(steps[0][0], len(steps), False)
         try:
             if self.graphs is not None:
-                host.begin_ubatch(steps[0][0], len(steps), False)   # as the eager forward tells it
+                if host is not None:             # as the eager forward tells it (the cache's clock and state)
+                    host.begin_ubatch(steps[0][0], len(steps), False)
                 logits = self.graphs.run(steps, span)
             else:
                 logits = self._eager_decode(steps, span)
