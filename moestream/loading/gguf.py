@@ -160,7 +160,7 @@ class GGUFSource:
         if model in (None, "none"):
             return None                    # llama.cpp's 'none' vocabulary: prompts are token ids
         try:
-            from ..runtime.tokenizer import Tokenizer
+            from ..text.tokenizer import Tokenizer
         except ModuleNotFoundError as e:
             raise UserError(f"{str(self.path)!r} has a tokenizer but this moestream has no tokenizer module "
                             f"({e}); pass token ids or reinstall moestream") from None

@@ -108,7 +108,7 @@ class HFSource:
         if not (self.path / "tokenizer.json").exists():
             return None
         try:
-            from ..runtime.tokenizer import Tokenizer
+            from ..text.tokenizer import Tokenizer
         except ModuleNotFoundError as e:
             raise UserError(f"{str(self.path)!r} has a tokenizer.json but this moestream has no tokenizer module "
                             f"({e}); pass token ids or reinstall moestream") from None

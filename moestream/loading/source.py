@@ -30,7 +30,7 @@ from ..errors import UserError
 
 class WeightSource(Protocol):
     config: ModelConfig
-    tokenizer: object | None        # moestream.runtime.tokenizer.Tokenizer, or None: prompts are token ids
+    tokenizer: object | None        # moestream.text.tokenizer.Tokenizer, or None: prompts are token ids
 
     def has(self, name: str) -> bool: ...
     def tensor(self, name: str) -> torch.Tensor: ...

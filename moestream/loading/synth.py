@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from .source import dense_names
 
-TINY_VOCAB = 1024          # runtime.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
+TINY_VOCAB = 1024          # text.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
 
 PRESETS: dict[str, dict] = {
     # The demo and test model: small enough for a laptop CPU, shaped like Qwen3-MoE (per-head q/k norms, GQA).
@@ -90,7 +90,7 @@ class SynthSource:
                 raise UserError(f"bad synth option {opt!r} in 'synth:{spec}'; {_usage()}") from None
         tok = None
         if name in HAS_TOKENIZER:
-            from ..runtime.tokenizer import synth_tokenizer      # lazily: it trains a small BPE in memory
+            from ..text.tokenizer import synth_tokenizer      # lazily: it trains a small BPE in memory
             tok = synth_tokenizer()
             # The model stops where its tokenizer says a text ends (tokenizer.save_hf writes these ids too).
             kw.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_ids=tuple(tok.eos_ids))
