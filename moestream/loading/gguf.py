@@ -25,13 +25,11 @@ from gguf import GGUFValueType
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .source import dense_names
-from .synth import canonical_shape
+from ..models.names import EXPERT_STACKS, canonical_shape, dense_names
 
 ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
 FAMILY_ARCH = {v: k for k, v in ARCHS.items()}
 LOADABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
-EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
 ROPE_KEYS = {"rope_type": "type", "original_max_position_embeddings": "original_context_length",
              "attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}

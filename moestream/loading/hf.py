@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .source import dense_names
+from ..models.names import dense_names
 
 INDEX = "model.safetensors.index.json"
 
