@@ -24,41 +24,20 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..models.families import FAMILIES, first_own
+from ..models.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
 from ..models.names import dense_names
 
 INDEX = "model.safetensors.index.json"
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-# Canonical per-layer suffix -> HF suffix after `model.layers.N.`, the same for every family; the router's
-# spellings differ by family and come from its entry in models/families.py.
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
-
 def hf_names(name: str, family: str) -> list[str]:
     """HF spellings of a canonical name, the one transformers 5.24's save_pretrained writes first."""
-    if name in _GLOBAL:
-        return [_GLOBAL[name]]
+    if name in HF_GLOBAL:
+        return [HF_GLOBAL[name]]
     _, layer, suffix = name.split(".", 2)
     if suffix == "ffn_gate_inp.weight":
         spellings = first_own(FAMILIES[family].hf_router, [f.hf_router for f in FAMILIES.values()])
     else:
-        spellings = [_LAYER[suffix]]
+        spellings = [HF_LAYER[suffix]]
     return [f"model.layers.{layer}.{s}" for s in spellings]
 
 
