@@ -12,20 +12,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import UserError
+from .models.families import FAMILIES, family_named, option, titles
 
-# Hugging Face `architectures[0]` / `model_type` -> moestream family.
-FAMILIES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe", "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe", "qwen2_moe": "qwen2_moe", "qwen2moe": "qwen2_moe",
-    "MixtralForCausalLM": "mixtral", "mixtral": "mixtral",
-    "OlmoeForCausalLM": "olmoe", "olmoe": "olmoe",
-}
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str                      # qwen3_moe | qwen2_moe | mixtral | olmoe
+    family: str                      # a key of models/families.py's FAMILIES
     vocab_size: int
     hidden_size: int
     n_layers: int
@@ -51,8 +45,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.family not in set(FAMILIES.values()):
-            raise UserError(f"unsupported model family {self.family!r}; supported: qwen3_moe, qwen2_moe, mixtral, olmoe")
+        if self.family not in FAMILIES:
+            raise UserError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}")
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
                      "n_experts_used", "moe_intermediate_size"):
             if getattr(self, name) <= 0:
@@ -94,22 +88,21 @@ class ModelConfig:
     # --- constructors --------------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, c: dict, generation_config: dict | None = None) -> "ModelConfig":
-        """From a Hugging Face config.json dict (transformers 4 and 5 spellings both)."""
+        """From a Hugging Face config.json dict (transformers 4 and 5 spellings both), as its family's entry in
+        models/families.py maps it."""
         arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
-        family = FAMILIES.get(arch) or FAMILIES.get(c.get("model_type", ""))
-        if family is None:
+        fam = family_named(arch) or family_named(c.get("model_type", ""))
+        if fam is None:
             raise UserError(f"unsupported architecture {arch!r} (model_type {c.get('model_type')!r}); "
-                            "moestream runs Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE checkpoints")
+                            f"moestream runs {titles()} checkpoints")
         try:
             n_layers = c["num_hidden_layers"]
             hidden = c["hidden_size"]
             n_heads = c["num_attention_heads"]
             n_experts = c.get("num_experts") or c.get("num_local_experts")
-            moe_inter = c.get("moe_intermediate_size") or c["intermediate_size"]
-            if family in ("mixtral", "olmoe"):
-                moe_inter = c["intermediate_size"]
+            moe_inter = c.get(fam.moe_intermediate_key) or c["intermediate_size"]
             dense: list[int] = []
-            if family in ("qwen3_moe", "qwen2_moe"):
+            if fam.sparse_step:
                 step = c.get("decoder_sparse_step", 1) or 1
                 mlp_only = set(c.get("mlp_only_layers") or [])
                 dense = [i for i in range(n_layers) if i in mlp_only or not (n_experts and (i + 1) % step == 0)]
@@ -125,17 +118,14 @@ class ModelConfig:
                 eos = generation_config["eos_token_id"]
             eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             return cls(
-                family=family, vocab_size=c["vocab_size"], hidden_size=hidden, n_layers=n_layers,
+                family=fam.name, vocab_size=c["vocab_size"], hidden_size=hidden, n_layers=n_layers,
                 n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
                 head_dim=c.get("head_dim") or hidden // n_heads,
                 n_experts=n_experts, n_experts_used=c["num_experts_per_tok"], moe_intermediate_size=moe_inter,
                 intermediate_size=c.get("intermediate_size", 0) if dense else 0,
-                shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0,
-                dense_layers=tuple(dense),
-                norm_topk_prob=bool(c.get("norm_topk_prob", family == "mixtral")) or family == "mixtral",
-                qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
-                attn_bias=family == "qwen2_moe" or bool(c.get("attention_bias", False)) and family != "olmoe",
-                clip_qkv=c.get("clip_qkv") if family == "olmoe" else None,
+                shared_expert_intermediate_size=c.get(fam.shared_expert_key, 0) if fam.shared_expert_key else 0,
+                dense_layers=tuple(dense), norm_topk_prob=option(fam.norm_topk_prob, c), qk_norm=fam.qk_norm,
+                attn_bias=option(fam.attn_bias, c), clip_qkv=c.get(fam.clip_qkv_key) if fam.clip_qkv_key else None,
                 rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
                 rope_scaling=tuple(sorted(rope.items())),
                 max_position_embeddings=c.get("max_position_embeddings", 4096),

@@ -1,4 +1,4 @@
-"""Chat templates (runtime/chat_template.py) rendered as transformers renders them, through Tokenizer."""
+"""Chat templates (text/chat_template.py) rendered as transformers renders them, through Tokenizer."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moestream.errors import UserError
-from moestream.runtime.tokenizer import Tokenizer, synth_tokenizer
+from moestream.text.tokenizer import Tokenizer, synth_tokenizer
 from test_tokenizer import QWEN_TEMPLATE, with_template
 
 CHATS = [

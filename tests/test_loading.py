@@ -14,8 +14,9 @@ from conftest import write_checkpoint
 from moestream.errors import UserError
 from moestream.loading.gguf import GGUFSource, write_gguf
 from moestream.loading.hf import HFSource, hf_names, write_hf
-from moestream.loading.source import dense_names, open_source
+from moestream.loading.source import open_source
 from moestream.loading.synth import SynthSource
+from moestream.models.names import dense_names
 from moestream.tools.make_model import make_model
 
 

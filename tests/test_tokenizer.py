@@ -10,8 +10,8 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from moestream.errors import UserError
-from moestream.runtime import tokenizer as tokmod
-from moestream.runtime.tokenizer import Tokenizer, synth_tokenizer
+from moestream.text import tokenizer as tokmod
+from moestream.text.tokenizer import Tokenizer, synth_tokenizer
 
 TEXTS = ["Hello world, the river runs past the old mill.", "你好，世界！日本語のテキスト 🌍🚀👩‍👩‍👧 ok",
          "<|im_start|>user\nhi<|im_end|>\n", "  two spaces\n\n\ttab and 12345 and don't", "émoji ✨ mixed 中文 text"]

@@ -7,7 +7,8 @@
 GGUF names are moestream's canonical names already. Experts are stored stacked per layer, (E, I, H) in torch
 order; expert() converts only its own slice of the mapped stack, so loading never holds a layer's stack twice.
 Tensor types: F32, F16 and BF16 as they are, Q8_0 dequantized to float32 (exact: int8 times an f16 scale).
-Architectures qwen3moe, qwen2moe and olmoe, which llama.cpp stores without permuting Q and K.
+Architectures: the families' `gguf_arch` in models/families.py (qwen3moe, qwen2moe and olmoe, which llama.cpp
+stores without permuting Q and K).
 """
 from __future__ import annotations
 
@@ -25,13 +26,10 @@ from gguf import GGUFValueType
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .source import dense_names
-from .synth import canonical_shape
+from ..models.families import BY_GGUF_ARCH, FAMILIES
+from ..models.names import EXPERT_STACKS, canonical_shape, dense_names
 
-ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
-FAMILY_ARCH = {v: k for k, v in ARCHS.items()}
 LOADABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
-EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
 ROPE_KEYS = {"rope_type": "type", "original_max_position_embeddings": "original_context_length",
              "attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
@@ -78,8 +76,8 @@ class GGUFSource:
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._fields = {k: _value(f) for k, f in self._reader.fields.items() if not k.startswith("tokenizer.")}
         arch = self._fields.get("general.architecture", "?")
-        if arch not in ARCHS:
-            raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHS)}")
+        if arch not in BY_GGUF_ARCH:
+            raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(BY_GGUF_ARCH)}")
         self.arch = arch
         for t in self._reader.tensors:
             if t.tensor_type not in LOADABLE:
@@ -103,7 +101,7 @@ class GGUFSource:
         return tuple(reversed(self._tensors[name].shape.tolist()))   # GGUF lists dims innermost first
 
     def _config(self) -> ModelConfig:
-        family = ARCHS[self.arch]
+        fam = BY_GGUF_ARCH[self.arch]
         n_layers = self._key("block_count")
         if "token_embd.weight" not in self._tensors:
             raise UserError(f"GGUF {str(self.path)!r} lacks tensor token_embd.weight: is the file complete?")
@@ -131,16 +129,14 @@ class GGUFSource:
             eos = list(dict.fromkeys(i for i in ids if i is not None))
         hidden, n_heads = self._key("embedding_length"), self._key("attention.head_count")
         return ModelConfig(
-            family=family, vocab_size=self._shape("token_embd.weight")[0], hidden_size=hidden, n_layers=n_layers,
+            family=fam.name, vocab_size=self._shape("token_embd.weight")[0], hidden_size=hidden, n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=self._key("attention.head_count_kv", n_heads),
             head_dim=self._key("attention.key_length", hidden // n_heads),
             n_experts=self._key("expert_count", E), n_experts_used=self._key("expert_used_count"),
             moe_intermediate_size=self._key("expert_feed_forward_length", inter) or self._key("feed_forward_length"),
             intermediate_size=self._key("feed_forward_length") if dense else 0,
             shared_expert_intermediate_size=shexp, dense_layers=dense,
-            # llama.cpp normalizes qwen3moe's top-k weights (Qwen3-30B-A3B ships norm_topk_prob=true).
-            norm_topk_prob=bool(self._key("expert_weights_norm", family == "qwen3_moe")),
-            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
+            norm_topk_prob=bool(self._key("expert_weights_norm", fam.gguf_norm_topk)), qk_norm=fam.qk_norm,
             attn_bias=self.has(f"blk.{moe}.attn_q.bias"),
             clip_qkv=self._key("attention.clamp_kqv", None),
             rms_norm_eps=self._key("attention.layer_norm_rms_epsilon", 1e-6),
@@ -160,7 +156,7 @@ class GGUFSource:
         if model in (None, "none"):
             return None                    # llama.cpp's 'none' vocabulary: prompts are token ids
         try:
-            from ..runtime.tokenizer import Tokenizer
+            from ..text.tokenizer import Tokenizer
         except ModuleNotFoundError as e:
             raise UserError(f"{str(self.path)!r} has a tokenizer but this moestream has no tokenizer module "
                             f"({e}); pass token ids or reinstall moestream") from None
@@ -295,7 +291,8 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
     big models). 1-D tensors (norms, biases) are always F32, as llama.cpp's converters write them.
     """
     cfg = source.config
-    if cfg.family not in FAMILY_ARCH:
+    arch = FAMILIES[cfg.family].gguf_arch
+    if arch is None:
         raise UserError(f"GGUF export of {cfg.family} is not supported yet; export a Hugging Face directory")
     if dtype == "auto":       # the dtype of a small 2-D tensor every family has (token_embd is big to make)
         probe = source.tensor("blk.0.attn_q.weight").dtype
@@ -306,7 +303,7 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")      # renamed when complete: no half-written model at `path`
-    w = gguf.GGUFWriter(partial, FAMILY_ARCH[cfg.family])
+    w = gguf.GGUFWriter(partial, arch)
     try:
         _write(w, source, cfg, qtype, torch_dtype, progress)
     except BaseException:

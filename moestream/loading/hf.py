@@ -8,7 +8,7 @@
 Experts may be stored one tensor per expert and projection (qwen*_moe/olmoe `mlp.experts.E.gate_proj`, mixtral
 `block_sparse_moe.experts.E.w1/w3/w2`) or fused per layer as transformers 5 holds them in memory
 (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)); a fused expert is sliced out of its
-stack without reading the rest.
+stack without reading the rest. Each family's spellings and config.json keys are its entry in models/families.py.
 """
 from __future__ import annotations
 
@@ -24,48 +24,25 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .source import dense_names
+from ..models.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
+from ..models.names import dense_names
 
 INDEX = "model.safetensors.index.json"
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-# Canonical per-layer suffix -> HF suffix after `model.layers.N.`; the first spelling is the one write_hf uses.
-_LAYER = {
-    "attn_norm.weight": ["input_layernorm.weight"],
-    "attn_q.weight": ["self_attn.q_proj.weight"], "attn_k.weight": ["self_attn.k_proj.weight"],
-    "attn_v.weight": ["self_attn.v_proj.weight"], "attn_output.weight": ["self_attn.o_proj.weight"],
-    "attn_q.bias": ["self_attn.q_proj.bias"], "attn_k.bias": ["self_attn.k_proj.bias"],
-    "attn_v.bias": ["self_attn.v_proj.bias"],
-    "attn_q_norm.weight": ["self_attn.q_norm.weight"], "attn_k_norm.weight": ["self_attn.k_norm.weight"],
-    "ffn_norm.weight": ["post_attention_layernorm.weight"],
-    "ffn_gate_inp.weight": ["mlp.gate.weight", "block_sparse_moe.gate.weight"],
-    "ffn_gate_shexp.weight": ["mlp.shared_expert.gate_proj.weight"],
-    "ffn_up_shexp.weight": ["mlp.shared_expert.up_proj.weight"],
-    "ffn_down_shexp.weight": ["mlp.shared_expert.down_proj.weight"],
-    "ffn_gate_inp_shexp.weight": ["mlp.shared_expert_gate.weight"],
-    "ffn_gate.weight": ["mlp.gate_proj.weight"], "ffn_up.weight": ["mlp.up_proj.weight"],
-    "ffn_down.weight": ["mlp.down_proj.weight"],
-}
-# Per-expert spellings, (module, gate, up, down); the first one that the checkpoint has wins.
-_EXPERTS = [("mlp.experts", "gate_proj", "up_proj", "down_proj"), ("block_sparse_moe.experts", "w1", "w3", "w2"),
-            ("mlp.experts", "w1", "w3", "w2")]
-_FUSED = ["mlp.experts", "block_sparse_moe.experts"]
-
-
 def hf_names(name: str, family: str) -> list[str]:
     """HF spellings of a canonical name, the one transformers 5.24's save_pretrained writes first."""
-    if name in _GLOBAL:
-        return [_GLOBAL[name]]
+    if name in HF_GLOBAL:
+        return [HF_GLOBAL[name]]
     _, layer, suffix = name.split(".", 2)
-    spellings = list(_LAYER[suffix])
-    if family == "mixtral" and suffix == "ffn_gate_inp.weight":
-        spellings.reverse()
+    if suffix == "ffn_gate_inp.weight":
+        spellings = first_own(FAMILIES[family].hf_router, [f.hf_router for f in FAMILIES.values()])
+    else:
+        spellings = [HF_LAYER[suffix]]
     return [f"model.layers.{layer}.{s}" for s in spellings]
 
 
 def _expert_names(family: str, layer: int, e: int) -> list[str]:
-    mod, g, u, d = _EXPERTS[1] if family == "mixtral" else _EXPERTS[0]
+    mod, g, u, d = FAMILIES[family].hf_experts[0]
     return [f"model.layers.{layer}.{mod}.{e}.{p}.weight" for p in (g, u, d)]
 
 
@@ -108,7 +85,7 @@ class HFSource:
         if not (self.path / "tokenizer.json").exists():
             return None
         try:
-            from ..runtime.tokenizer import Tokenizer
+            from ..text.tokenizer import Tokenizer
         except ModuleNotFoundError as e:
             raise UserError(f"{str(self.path)!r} has a tokenizer.json but this moestream has no tokenizer module "
                             f"({e}); pass token ids or reinstall moestream") from None
@@ -126,12 +103,13 @@ class HFSource:
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = f"model.layers.{layer}."
-        for mod, g, u, d in _EXPERTS:
+        fam, every = FAMILIES[self.config.family], FAMILIES.values()
+        for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
             names = [f"{p}{mod}.{e}.{proj}.weight" for proj in (g, u, d)]
             if names[0] in self._where:
                 gate, up, down = (self._read(n) for n in names)
                 return gate, up, down
-        for mod in _FUSED:
+        for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
             gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
             if gate_up in self._where and down in self._where:
                 return self._fused_expert(gate_up, down, e)
@@ -176,18 +154,17 @@ def _read_json(path: Path, required_as: str | None) -> dict | None:
 
 
 # --- writing -------------------------------------------------------------------------------------------------
-_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-         "olmoe": "OlmoeForCausalLM"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """A config.json dict that transformers loads and ModelConfig.from_hf reads back into `cfg`."""
-    if cfg.dense_layers and cfg.family in ("mixtral", "olmoe"):
+    fam = FAMILIES[cfg.family]
+    if cfg.dense_layers and not fam.sparse_step:
         raise UserError(f"a {cfg.family} config.json cannot express dense layers {cfg.dense_layers}")
     eos = list(cfg.eos_token_ids)
     d = {
-        "architectures": [_ARCH[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
+        "architectures": [fam.hf_architecture], "model_type": fam.hf_model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "num_experts_per_tok": cfg.n_experts_used, "norm_topk_prob": cfg.norm_topk_prob,
@@ -197,20 +174,21 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope or None,
         "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "dtype": _DTYPE_NAMES[dtype],
+        fam.experts_key: cfg.n_experts,
     }
-    if cfg.family in ("qwen3_moe", "qwen2_moe"):
-        d.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+    if fam.sparse_step:
+        d.update(moe_intermediate_size=cfg.moe_intermediate_size,
                  intermediate_size=cfg.intermediate_size or cfg.moe_intermediate_size,
-                 decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False)
-    if cfg.family == "qwen3_moe":
-        d["attention_bias"] = cfg.attn_bias
-    elif cfg.family == "qwen2_moe":
-        d.update(shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, qkv_bias=cfg.attn_bias)
-    elif cfg.family == "mixtral":
-        d.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.moe_intermediate_size, sliding_window=None)
+                 decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers))
     else:
-        d.update(num_experts=cfg.n_experts, intermediate_size=cfg.moe_intermediate_size, clip_qkv=cfg.clip_qkv,
-                 attention_bias=False)
+        d["intermediate_size"] = cfg.moe_intermediate_size
+    d.update(fam.hf_extra)
+    if fam.shared_expert_key:
+        d[fam.shared_expert_key] = cfg.shared_expert_intermediate_size
+    if fam.clip_qkv_key:
+        d[fam.clip_qkv_key] = cfg.clip_qkv
+    if fam.hf_bias_key:      # a family without biases says so: its transformers module has none to load
+        d[fam.hf_bias_key] = cfg.attn_bias and fam.attn_bias is not False
     return d
 
 

@@ -20,9 +20,9 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .source import dense_names
+from ..models.names import canonical_shape, dense_names
 
-TINY_VOCAB = 1024          # runtime.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
+TINY_VOCAB = 1024          # text.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
 
 PRESETS: dict[str, dict] = {
     # The demo and test model: small enough for a laptop CPU, shaped like Qwen3-MoE (per-head q/k norms, GQA).
@@ -90,7 +90,7 @@ class SynthSource:
                 raise UserError(f"bad synth option {opt!r} in 'synth:{spec}'; {_usage()}") from None
         tok = None
         if name in HAS_TOKENIZER:
-            from ..runtime.tokenizer import synth_tokenizer      # lazily: it trains a small BPE in memory
+            from ..text.tokenizer import synth_tokenizer      # lazily: it trains a small BPE in memory
             tok = synth_tokenizer()
             # The model stops where its tokenizer says a text ends (tokenizer.save_hf writes these ids too).
             kw.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_ids=tuple(tok.eos_ids))
@@ -131,23 +131,3 @@ class SynthSource:
         # torch's CPU generator keeps only 32 bits of its seed, so seed and key are hashed together into 32 bits.
         return torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{key}".encode()))
 
-
-def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
-    """The torch shape of a canonical non-expert tensor (see source.py), from the config alone."""
-    H, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
-    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-    inter, shexp = cfg.intermediate_size, cfg.shared_expert_intermediate_size
-    base = name.split(".", 2)[2] if name.startswith("blk.") else name
-    shapes = {
-        "token_embd.weight": (V, H), "output.weight": (V, H), "output_norm.weight": (H,),
-        "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
-        "attn_q.weight": (q, H), "attn_k.weight": (kv, H), "attn_v.weight": (kv, H), "attn_output.weight": (H, q),
-        "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
-        "attn_q_norm.weight": (hd,) if cfg.qk_norm == "head" else (q,),
-        "attn_k_norm.weight": (hd,) if cfg.qk_norm == "head" else (kv,),
-        "ffn_gate_inp.weight": (cfg.n_experts, H),
-        "ffn_gate_shexp.weight": (shexp, H), "ffn_up_shexp.weight": (shexp, H), "ffn_down_shexp.weight": (H, shexp),
-        "ffn_gate_inp_shexp.weight": (1, H),
-        "ffn_gate.weight": (inter, H), "ffn_up.weight": (inter, H), "ffn_down.weight": (H, inter),
-    }
-    return shapes[base]

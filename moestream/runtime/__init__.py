@@ -1,1 +1,1 @@
-"""The runtime: KV cache, the engine (load, place, forward in ubatches), generation, sampling, tokenizer."""
+"""The runtime: KV cache, the engine (load, place, forward in ubatches), generation, sampling."""

@@ -27,8 +27,8 @@ from ..experts.routing import RouteObserver, RouteObservers
 from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, experts_reference, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
-from ..loading.source import dense_names
 from ..models.layers import rope_tables
+from ..models.names import dense_names
 from ..models.transformer import Batch, MoETransformer, Segment
 from .kv_cache import KVCache
 

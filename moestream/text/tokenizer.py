@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as _Backend
 
 from ..errors import UserError
 from .chat_template import render_chat
-from .synth_text import SYNTH_TEXT
+from .synth import SYNTH_TEXT
 
 # Pre-tokenizer split regexes, by GGUF `tokenizer.ggml.pre` name; any other byte-level vocabulary gets GPT-2's.
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"

@@ -1,0 +1,141 @@
+"""The model families moestream runs, one entry each, in the spirit of llama.cpp's llama-arch.cpp.
+
+    fam = family_named("MixtralForCausalLM")      # FAMILIES["mixtral"]; None for an architecture we do not run
+    fam.gguf_arch                                 # None: mixtral has no GGUF form here yet
+    fam.hf_router                                 # HF spellings of blk.N.ffn_gate_inp.weight, the written one first
+
+An entry holds everything that differs by family: the names Hugging Face and GGUF give it, how its config.json
+maps onto ModelConfig (read by ModelConfig.from_hf, written by loading.hf.hf_config), its HF tensor spellings and
+its layer options. The readers and writers of each format are generic over this table, and the canonical tensor
+names (models/names.py) are the same for every family; a new family is an entry here, plus its layers in
+models/ where its math is new. GGUF's metadata keys (`{arch}.block_count`, `{arch}.expert_count`, ...) are
+llama.cpp's generic ones, the same under every architecture, so an entry names only its architecture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# (module, gate, up, down): one expert's three projections stored one tensor each, at
+# `model.layers.N.{module}.{e}.{proj}.weight`.
+ExpertSpelling = tuple[str, str, str, str]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                        # moestream's, ModelConfig.family
+    title: str                       # as people write it, in messages
+    # --- Hugging Face names ----------------------------------------------------------------------------------
+    hf_architecture: str             # config.json `architectures[0]`
+    hf_model_type: str               # config.json `model_type`
+    hf_aliases: tuple[str, ...]      # other names either key may hold
+    # --- config.json <-> ModelConfig -------------------------------------------------------------------------
+    experts_key: str                 # the key the expert count is written under (num_experts or num_local_experts
+                                     # are both read)
+    moe_intermediate_key: str        # one routed expert's width; reading falls back to intermediate_size
+    sparse_step: bool                # dense-MLP layers through decoder_sparse_step and mlp_only_layers
+    norm_topk_prob: bool | str       # True: always normalized; a key: read from it (default False)
+    attn_bias: bool | str            # True / False: q/k/v biases always / never; a key: read from it (default False)
+    hf_bias_key: str | None          # the key attn_bias is written under (None: not written)
+    shared_expert_key: str | None    # the shared expert's width (None: no shared expert)
+    clip_qkv_key: str | None         # the q/k/v clamp (None: never clamped)
+    hf_extra: tuple[tuple[str, object], ...]   # constants config.json carries for transformers
+    # --- layer options -----------------------------------------------------------------------------------
+    qk_norm: str                     # none | head (RMSNorm per head) | full (over the whole projection)
+    # --- GGUF --------------------------------------------------------------------------------------------
+    gguf_arch: str | None            # general.architecture; None: no GGUF form (export is refused)
+    gguf_norm_topk: bool             # expert_weights_norm where the file lacks the key (llama.cpp's default)
+    # --- HF tensor spellings, after `model.layers.N.`; the first of each is the one write_hf uses ------------
+    hf_router: tuple[str, ...]                   # blk.N.ffn_gate_inp.weight
+    hf_experts: tuple[ExpertSpelling, ...]       # experts one tensor per expert and projection
+    hf_fused: tuple[str, ...]                    # modules holding gate_up_proj (E, 2I, H) and down_proj (E, H, I),
+                                                 # as transformers 5 holds experts in memory
+
+
+# Canonical name -> HF name of the tensors outside the layers, spelled alike by every family.
+HF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+# Canonical per-layer suffix -> HF suffix after `model.layers.N.`, spelled alike by every family; the router's and
+# the experts' spellings differ by family and are in its entry.
+HF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+_QWEN_EXPERTS: tuple[ExpertSpelling, ...] = (("mlp.experts", "gate_proj", "up_proj", "down_proj"),)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    # Per-head QK-norm; dense layers where mlp_only_layers / decoder_sparse_step say.
+    Family("qwen3_moe", "Qwen3-MoE", "Qwen3MoeForCausalLM", "qwen3_moe", ("qwen3moe",),
+           experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=True,
+           norm_topk_prob="norm_topk_prob", attn_bias="attention_bias", hf_bias_key="attention_bias",
+           shared_expert_key=None, clip_qkv_key=None, hf_extra=(("use_sliding_window", False),),
+           qk_norm="head",
+           # llama.cpp normalizes qwen3moe's top-k weights (Qwen3-30B-A3B ships norm_topk_prob=true).
+           gguf_arch="qwen3moe", gguf_norm_topk=True,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",)),
+    # q/k/v biases always, and a shared expert behind a sigmoid gate.
+    Family("qwen2_moe", "Qwen2-MoE", "Qwen2MoeForCausalLM", "qwen2_moe", ("qwen2moe",),
+           experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=True,
+           norm_topk_prob="norm_topk_prob", attn_bias=True, hf_bias_key="qkv_bias",
+           shared_expert_key="shared_expert_intermediate_size", clip_qkv_key=None,
+           hf_extra=(("use_sliding_window", False),),
+           qk_norm="none",
+           gguf_arch="qwen2moe", gguf_norm_topk=False,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",)),
+    # None of the options: top-k weights always normalized. Checkpoints keep the original block_sparse_moe names.
+    Family("mixtral", "Mixtral", "MixtralForCausalLM", "mixtral", (),
+           experts_key="num_local_experts", moe_intermediate_key="intermediate_size", sparse_step=False,
+           norm_topk_prob=True, attn_bias="attention_bias", hf_bias_key=None,
+           shared_expert_key=None, clip_qkv_key=None, hf_extra=(("sliding_window", None),),
+           qk_norm="none",
+           gguf_arch=None, gguf_norm_topk=False,
+           hf_router=("block_sparse_moe.gate.weight", "mlp.gate.weight"),
+           hf_experts=(("block_sparse_moe.experts", "w1", "w3", "w2"), ("mlp.experts", "w1", "w3", "w2")),
+           hf_fused=("mlp.experts", "block_sparse_moe.experts")),
+    # QK-norm over the whole projection, and optional clipping of q/k/v.
+    Family("olmoe", "OLMoE", "OlmoeForCausalLM", "olmoe", (),
+           experts_key="num_experts", moe_intermediate_key="intermediate_size", sparse_step=False,
+           norm_topk_prob="norm_topk_prob", attn_bias=False, hf_bias_key="attention_bias",
+           shared_expert_key=None, clip_qkv_key="clip_qkv", hf_extra=(),
+           qk_norm="full",
+           gguf_arch="olmoe", gguf_norm_topk=False,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",)),
+)}
+
+# config.json's `architectures[0]` or `model_type` -> family.
+_BY_HF_NAME = {n: f for f in FAMILIES.values() for n in (f.hf_architecture, f.hf_model_type, *f.hf_aliases)}
+# GGUF general.architecture -> family, for the families that have a GGUF form.
+BY_GGUF_ARCH = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch}
+
+
+def family_named(hf_name: str) -> Family | None:
+    """The family an HF architecture or model_type names; None for one moestream does not run."""
+    return _BY_HF_NAME.get(hf_name)
+
+
+def titles() -> str:
+    """The families as people write them, for messages: "Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE"."""
+    t = [f.title for f in FAMILIES.values()]
+    return ", ".join(t[:-1]) + " and " + t[-1] if len(t) > 1 else t[0]
+
+
+def option(spec: bool | str, hf: dict) -> bool:
+    """A yes/no option of a family: fixed (a bool), or read from config.json's key `spec` (default no)."""
+    return spec if isinstance(spec, bool) else bool(hf.get(spec, False))
+
+
+def first_own(own: tuple, every: list[tuple]) -> list:
+    """A family's spellings first, then every other family's, each once: a checkpoint may spell a tensor as
+    another family does, and its own spelling wins where both are present."""
+    return list(dict.fromkeys([*own, *(s for spellings in every for s in spellings)]))

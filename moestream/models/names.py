@@ -1,0 +1,70 @@
+"""The canonical tensor names, GGUF's, which every loader reads by and the model is built from.
+
+    dense_names(cfg)                        # ["token_embd.weight", "output_norm.weight", "output.weight", ...]
+    canonical_shape(cfg, "blk.0.attn_q.weight")   # (nh*hd, H)
+
+Names (prefix `blk.{i}.` for layer i), shapes in torch order (out_features, in_features):
+    token_embd.weight (V, H)   output_norm.weight (H,)   output.weight (V, H)  [absent when tied]
+    attn_norm.weight (H,)      attn_q.weight (nh*hd, H)  attn_k.weight / attn_v.weight (nkv*hd, H)
+    attn_output.weight (H, nh*hd)
+    attn_q.bias / attn_k.bias / attn_v.bias             [qwen2_moe]
+    attn_q_norm.weight / attn_k_norm.weight (hd,)       [qwen3_moe: per head]  (nh*hd,) / (nkv*hd,) [olmoe]
+    ffn_norm.weight (H,)
+    MoE layers:   ffn_gate_inp.weight (E, H)   experts through a source's expert(), stacked in GGUF as
+                  ffn_gate_exps / ffn_up_exps (E, I, H) and ffn_down_exps (E, H, I)
+                  ffn_gate_shexp.weight / ffn_up_shexp.weight (Is, H), ffn_down_shexp.weight (H, Is),
+                  ffn_gate_inp_shexp.weight (1, H)     [qwen2_moe shared expert and its sigmoid gate]
+    dense layers: ffn_gate.weight / ffn_up.weight (I, H), ffn_down.weight (H, I)
+
+The names are family-independent: a family's options (moestream.models.families) say which of them it has.
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+# A MoE layer's experts stacked (E, ., .): gate, up, down, in the order an expert's buffer holds them.
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def dense_names(cfg: ModelConfig) -> list[str]:
+    """Every non-expert tensor a model of this config has, in canonical names."""
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("output.weight")
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        names += [p + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                  "attn_output.weight", "ffn_norm.weight")]
+        if cfg.attn_bias:
+            names += [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+        if cfg.qk_norm != "none":
+            names += [p + "attn_q_norm.weight", p + "attn_k_norm.weight"]
+        if i in cfg.dense_layers:
+            names += [p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight"]
+        else:
+            names.append(p + "ffn_gate_inp.weight")
+            if cfg.shared_expert_intermediate_size:
+                names += [p + n for n in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+                                          "ffn_gate_inp_shexp.weight")]
+    return names
+
+
+def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The torch shape of a canonical non-expert tensor, from the config alone."""
+    H, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    inter, shexp = cfg.intermediate_size, cfg.shared_expert_intermediate_size
+    base = name.split(".", 2)[2] if name.startswith("blk.") else name
+    shapes = {
+        "token_embd.weight": (V, H), "output.weight": (V, H), "output_norm.weight": (H,),
+        "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
+        "attn_q.weight": (q, H), "attn_k.weight": (kv, H), "attn_v.weight": (kv, H), "attn_output.weight": (H, q),
+        "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+        "attn_q_norm.weight": (hd,) if cfg.qk_norm == "head" else (q,),
+        "attn_k_norm.weight": (hd,) if cfg.qk_norm == "head" else (kv,),
+        "ffn_gate_inp.weight": (cfg.n_experts, H),
+        "ffn_gate_shexp.weight": (shexp, H), "ffn_up_shexp.weight": (shexp, H), "ffn_down_shexp.weight": (H, shexp),
+        "ffn_gate_inp_shexp.weight": (1, H),
+        "ffn_gate.weight": (inter, H), "ffn_up.weight": (inter, H), "ffn_down.weight": (H, inter),
+    }
+    return shapes[base]
