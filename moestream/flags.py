@@ -18,13 +18,11 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 
-# How a row becomes a flag: "value" takes an argument; "on" is a switch that sets True; "off" a --no-... switch
-# that sets False (from a default of True, or of None: "auto"); "both" is --X / --no-X.
-KINDS = ("value", "on", "off", "both")
-
-
 @dataclass(frozen=True)
 class Option:
+    """One engine option. Its kind says how it is a flag: "value" takes an argument; "on" is a switch that sets
+    True; "off" a --no-... switch that sets False (from a default of True, or of None: "auto"); "both" is --X and
+    --no-X. Its default is the config field's."""
     name: str                       # flat name: the argparse dest, LLM(name=...), reconfigure_cache(name=...)
     path: str                       # where it lives: "cache.prefetch.min_batch"
     flags: tuple[str, ...]          # argparse spellings, the long one last; () for none (n_seq: serve's -np)
