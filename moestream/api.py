@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import flags
 from .config import EngineConfig
 from .errors import UserError
 from .loading.source import open_source
@@ -19,27 +20,17 @@ from .runtime.sampling import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, *, cpu_moe: bool = False, n_cpu_moe: int = 0, ubatch_size: int = 512,
-                 batch_size: int = 2048, ctx_size: int = 4096, device: str | None = None, dtype: str = "auto",
-                 kernel: str = "auto", n_seq: int = 1, cuda_graphs: bool = True,
-                 moe_cache_mib: int | None = None, cache_policy: str = "lfru", prefetch: bool = True,
-                 prefetch_min_batch: int = 256, prefetch_seed: bool = True, prefetch_first_all: bool = False,
-                 lookahead: bool = True, prompt_lookahead: bool = True, lookahead_layers: int = 2,
-                 prefetch_min_use: float = 0.0,
-                 host_decode_graphs: bool = True, zero_copy_decode: bool | None = None, read_through: bool = True,
-                 shared_reads: bool = False,
-                 progress: bool = False):
+    """A model loaded for generation. Engine options come as a config, as flat keywords, or both:
+
+        LLM("model.gguf", cpu_moe=True, moe_cache_mib=16000)           # the names of flags.py, which the flags set
+        LLM("model.gguf", flags.to_config(args), n_seq=4)                # a config from the command line, one change
+    """
+
+    def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = False, **overrides):
+        config = flags.apply(config or EngineConfig(), **overrides)     # validated before anything loads
         self.source = open_source(model, progress=progress)
-        self.config = EngineConfig(device=device or "auto", dtype=dtype, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
-                                   ctx_size=ctx_size, n_seq=n_seq, batch_size=batch_size, ubatch_size=ubatch_size,
-                                   kernel=kernel, cuda_graphs=cuda_graphs,
-                                   moe_cache_mib=moe_cache_mib, cache_policy=cache_policy, prefetch=prefetch,
-                                   prefetch_min_batch=prefetch_min_batch, prefetch_seed=prefetch_seed,
-                                   prefetch_first_all=prefetch_first_all, lookahead=lookahead,
-                                   prompt_lookahead=prompt_lookahead, lookahead_layers=lookahead_layers,
-                                   prefetch_min_use=prefetch_min_use, host_decode_graphs=host_decode_graphs,
-                                   zero_copy_decode=zero_copy_decode, read_through=read_through,
-                                   shared_reads=shared_reads)
+        # "auto" decided for this machine and this checkpoint's dtype, once (Engine.load takes it resolved)
+        self.config = config.resolve(self.source.tensor("token_embd.weight").dtype)
         self.engine = Engine.load(self.source, self.config, progress=progress)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config

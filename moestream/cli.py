@@ -15,69 +15,20 @@ import logging
 import re
 import sys
 
+from . import flags
 from .errors import UserError
 
-# Modules that add a subcommand each: `add_parser(subparsers)` registers it, with `func` as its entry point.
-SUBCOMMANDS = ("moestream.tools.make_model", "moestream.tools.bench", "moestream.tools.replay",
-               "moestream.tools.perplexity", "moestream.server.cli")
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The flags every engine-running command shares (placement, batching, device)."""
-    p.add_argument("-m", "--model", required=True, help="Hugging Face directory, .gguf file, or synth:NAME")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="KV cache length (default 4096)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
-    p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep every MoE layer's experts in host memory")
-    p.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0, metavar="N",
-                   help="keep the experts of the first N MoE layers in host memory")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    p.add_argument("--kernel", default="auto", help="expert kernel: auto, reference, grouped")
-    p.add_argument("--moe-cache-mib", type=int, default=None, metavar="MIB",
-                   help="GPU cache for host-resident experts, in MiB (0: the smallest that works)")
-    p.add_argument("--cache-policy", default="lfru", help="expert cache eviction: lfru (default) or lru")
-    p.add_argument("--no-prefetch", action="store_true", help="with a cache: upload on demand only")
-    p.add_argument("--prefetch-min-batch", type=int, default=256, metavar="N",
-                   help="ubatches of at least N tokens copy experts ahead (default 256)")
-    p.add_argument("--no-prefetch-seed", action="store_true",
-                   help="the first big chunk of a prompt does not seed from the previous prompt's routing")
-    p.add_argument("--prefetch-first-all", action="store_true",
-                   help="the first big chunk of a prompt copies every expert ahead")
-    p.add_argument("--prefetch-min-use", type=float, default=0.0, metavar="P",
-                   help="copy ahead only experts the ubatch routes with probability >= P (default 0: all seen)")
-    p.add_argument("--no-lookahead", action="store_true", help="no next-layer expert prediction (decode and prompts)")
-    p.add_argument("--no-prompt-lookahead", action="store_true",
-                   help="prompt ubatches prefetch from routing statistics only, not through the next layer's router")
-    p.add_argument("--lookahead-layers", type=int, default=2, metavar="N",
-                   help="prompt lookahead guesses N MoE layers ahead: the next layer's experts are copied at once, "
-                        "the later layers' whenever the copy stream runs short of work (default 2; 1 to 4)")
-    p.add_argument("--no-host-decode-graphs", action="store_true",
-                   help="with a cache: decode eagerly instead of as CUDA-graph segments between host layers")
-    p.add_argument("--no-zero-copy-decode", dest="zero_copy_decode", action="store_const", const=False, default=None,
-                   help="decode steps fetch their experts through the cache (a host step per layer) instead of "
-                        "reading each expert where it lies, a cache slot or pinned host memory")
-    p.add_argument("--read-through", action=argparse.BooleanOptionalAction, default=True,
-                   help="zero-copy decode of one token also writes each expert it reads from host memory into a "
-                        "free cache slot, so the next token reads it there (default: on)")
-    p.add_argument("--shared-reads", action="store_true",
-                   help="a zero-copy decode step of several tokens reads an expert several of them chose once, not "
-                        "once per token (measured in the server: no gain at 4 or 8 streams)")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
-    p.add_argument("-v", "--verbose", action="store_true", help="log loading and placement; print statistics")
-
-
-def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe, ubatch_size=a.ubatch_size, batch_size=a.batch_size,
-                ctx_size=a.ctx_size, device=a.device, dtype=a.dtype, kernel=a.kernel,
-                cuda_graphs=not a.no_cuda_graphs, moe_cache_mib=a.moe_cache_mib, cache_policy=a.cache_policy,
-                prefetch=not a.no_prefetch, prefetch_min_batch=a.prefetch_min_batch,
-                prefetch_seed=not a.no_prefetch_seed, prefetch_first_all=a.prefetch_first_all,
-                lookahead=not a.no_lookahead, prompt_lookahead=not a.no_prompt_lookahead,
-                lookahead_layers=a.lookahead_layers,
-                prefetch_min_use=a.prefetch_min_use,
-                host_decode_graphs=not a.no_host_decode_graphs, zero_copy_decode=a.zero_copy_decode,
-                read_through=a.read_through, shared_reads=a.shared_reads)
+# The subcommands besides generate: name -> (module, one-line help). A module is imported only when its command is
+# the one being run (or asked for --help), so that `moestream --help` and `moestream generate ...` import none of
+# them; `add_arguments(parser)` adds its flags and sets `func`, its entry point.
+SUBCOMMANDS = {
+    "make-model": ("moestream.tools.make_model",
+                   "write a synth preset (or convert a model) as an HF directory or GGUF"),
+    "bench": ("moestream.tools.bench", "measure prompt (pp) and generation (tg) speed, like llama-bench"),
+    "replay": ("moestream.tools.replay", "replay a routing trace against cache sizes and policies (offline)"),
+    "perplexity": ("moestream.tools.perplexity", "perplexity and KL divergence over a text, like llama-perplexity"),
+    "serve": ("moestream.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
+}
 
 
 def parse_prompt(text: str, has_tokenizer: bool):
@@ -100,7 +51,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             raise UserError(f"cannot read prompt file {a.file!r}: {e.strerror}") from None
     if a.prompt is None:
         raise UserError("no prompt: give -p PROMPT or -f FILE")
-    llm = LLM(a.model, progress=True, **engine_kwargs(a))
+    llm = LLM(a.model, flags.to_config(a), progress=True)
     params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
                             min_p=a.min_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
     prompt = parse_prompt(a.prompt, llm.tokenizer is not None)
@@ -159,12 +110,9 @@ def print_stats(st: dict, per_layer: bool) -> None:
               file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moestream", description="Run MoE language models bigger than the GPU.")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate text from a prompt")
-    add_engine_flags(g)
+def add_arguments(g: argparse.ArgumentParser) -> None:
+    """generate's flags: the engine's (flags.py), the prompt's and the sampler's."""
+    flags.add_engine_arguments(g)
     g.add_argument("-p", "--prompt", help="prompt text, or comma-separated token ids")
     g.add_argument("-f", "--file", help="read the prompt from a file")
     g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
@@ -182,13 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timings", action="store_true", help="print prompt and generation speed")
     g.set_defaults(func=cmd_generate)
 
-    for name in SUBCOMMANDS:
-        importlib.import_module(name).add_parser(sub)
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. Every subcommand is listed; only `command`'s flags are added (its module
+    imported), so parsing one command never imports another's module."""
+    ap = argparse.ArgumentParser(prog="moestream", description="Run MoE language models bigger than the GPU.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    if command == "generate":
+        add_arguments(g)
+    for name, (module, help) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help)
+        if command == name:
+            importlib.import_module(module).add_arguments(p)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(name)s: %(message)s")
     try:

@@ -1,7 +1,9 @@
 """Configs: one frozen dataclass per concern, validated where it is made.
 
     cfg = ModelConfig.from_hf(json.load(open("config.json")))
-    eng = EngineConfig(cpu_moe=True, ubatch_size=512)
+    eng = EngineConfig(placement=Placement(cpu_moe=True), batching=Batching(ubatch_size=512))
+    eng = flags.apply(EngineConfig(), cpu_moe=True, ubatch_size=512)       # the same, by flat names (flags.py)
+    eng = eng.resolve(torch.bfloat16)     # "auto" decided for this machine and checkpoint (LLM does this)
 
 Tensor names inside moestream are GGUF's (`blk.3.attn_q.weight`, `blk.3.ffn_gate_exps.weight`, ...), whatever
 the file they came from: the names are family-independent, and a GGUF file then needs no renaming at all.
@@ -9,9 +11,10 @@ the file they came from: the names are family-independent, and a GGUF file then 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import UserError
+from .experts.prefetch import PrefetchConfig
 from .models.families import FAMILIES, family_named, option, titles
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
@@ -136,57 +139,26 @@ class ModelConfig:
             raise UserError(f"config.json lacks {e.args[0]!r}: is it a complete {arch} config?") from None
 
 
+# --- the engine: one frozen dataclass per concern ----------------------------------------------------------------
+# Each field is documented once, here; flags.py maps every command-line flag (and LLM's flat keyword) to one of
+# them. "auto" values are decided by EngineConfig.resolve, before Engine.load, which takes resolved configs only.
 @dataclass(frozen=True)
-class EngineConfig:
-    """Where things live and how work is cut. Built from flags in one place (the CLI) or from LLM(...)."""
-    device: str = "cpu"              # resolved: "cpu" or "cuda[:N]"
-    dtype: str = "auto"              # auto (the checkpoint's), float32, bfloat16, float16
+class Placement:
+    """Where the weights live."""
+    device: str = "auto"             # auto (cuda:0 where CUDA is, else cpu) | cpu | cuda | cuda:N
+    dtype: str = "auto"              # auto (the checkpoint's, bfloat16 for other types) | float32 | bfloat16 | float16
     cpu_moe: bool = False            # every MoE layer's experts in pinned host memory
     n_cpu_moe: int = 0               # the first N MoE layers' experts in host memory
-    ctx_size: int = 4096             # KV cache length per sequence
-    n_seq: int = 1                   # sequences with a KV cache each (server slots)
-    batch_size: int = 2048           # logical batch: tokens submitted per decode call
-    ubatch_size: int = 512           # physical batch: tokens per forward
-    kernel: str = "auto"             # auto | reference | grouped
-    cuda_graphs: bool = True         # decode through CUDA graphs where every expert is on the GPU
-    host_decode_graphs: bool = True  # with a cache: decode as captured segments between host layers' routers
-    zero_copy_decode: bool | None = None  # decode kernels read host experts in place (None: where Triton runs)
-    read_through: bool = True        # ... and write what they read from host into free cache slots
-    shared_reads: bool = False       # ... and read an expert several tokens chose once (no gain measured)
-    moe_cache_mib: int | None = None # GPU expert cache for host layers (None: no cache, upload per ubatch; 0: smallest)
-    cache_policy: str = "lfru"       # lfru (decayed frequency, scan-resistant) | lru
-    prefetch: bool = True            # copy experts ahead of their layer on the copy stream (with a cache)
-    prefetch_min_batch: int = 256    # rule 1: ubatches at least this long prefetch
-    prefetch_seed: bool = True       # rule 2: the first big chunk of a prompt seeds from the previous prompt
-    prefetch_first_all: bool = False # rule 2's option: the first big chunk copies every expert
-    lookahead: bool = True           # decode: predict the next layer's experts through its router
-    prompt_lookahead: bool = True    # ... and for prompt ubatches of >= prefetch_min_batch tokens
-    lookahead_layers: int = 2        # ... guessing this many MoE layers ahead (the copy stream kept fed)
-    prefetch_min_use: float = 0.0    # copy ahead only experts the ubatch routes with at least this probability
 
     def __post_init__(self):
-        if self.ctx_size <= 0:
-            raise UserError(f"--ctx-size must be positive, got {self.ctx_size}")
-        if self.ubatch_size <= 0 or self.batch_size <= 0:
-            raise UserError(f"-b and -ub must be positive, got {self.batch_size} and {self.ubatch_size}")
+        if self.device is None:                       # LLM(device=None), as before: auto
+            object.__setattr__(self, "device", "auto")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise UserError(f"unknown device {self.device!r}; use --device cpu, cuda or cuda:N")
+        if self.dtype not in ("auto", *DTYPE_NAMES):
+            raise UserError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.n_cpu_moe < 0:
             raise UserError(f"--n-cpu-moe must be >= 0, got {self.n_cpu_moe}")
-        if self.kernel not in ("auto", "reference", "grouped"):
-            raise UserError(f"--kernel must be auto, reference or grouped, got {self.kernel!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise UserError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.moe_cache_mib is not None and self.moe_cache_mib < 0:
-            raise UserError(f"--moe-cache-mib must be >= 0, got {self.moe_cache_mib}")
-        if self.cache_policy not in ("lfru", "lru"):
-            raise UserError(f"--cache-policy must be lfru or lru, got {self.cache_policy!r}")
-        if self.prefetch_min_batch <= 0:
-            raise UserError(f"--prefetch-min-batch must be positive, got {self.prefetch_min_batch}")
-        if not 1 <= self.lookahead_layers <= 4:
-            raise UserError(f"--lookahead-layers must be 1 to 4, got {self.lookahead_layers}")
-        if not 0.0 <= self.prefetch_min_use <= 1.0:
-            raise UserError(f"--prefetch-min-use must be within [0, 1], got {self.prefetch_min_use}")
-        if self.n_seq <= 0:
-            raise UserError(f"the number of sequences must be positive, got {self.n_seq}")
 
     def host_layers(self, cfg: ModelConfig) -> set[int]:
         """Layers whose experts live in pinned host memory."""
@@ -198,6 +170,132 @@ class EngineConfig:
                             f"use --n-cpu-moe {len(moe)} or --cpu-moe")
         return set(moe[: self.n_cpu_moe])
 
+
+@dataclass(frozen=True)
+class Batching:
+    """How work is cut: sequences, their context, and the tokens of one forward."""
+    ctx_size: int = 4096             # KV cache length per sequence
+    n_seq: int = 1                   # sequences with a KV cache each (the server's slots, -np)
+    batch_size: int = 2048           # logical batch: tokens submitted per call
+    ubatch_size: int = 512           # physical batch: tokens per forward
+
+    def __post_init__(self):
+        if self.ctx_size <= 0:
+            raise UserError(f"--ctx-size must be positive, got {self.ctx_size}")
+        if self.ubatch_size <= 0 or self.batch_size <= 0:
+            raise UserError(f"-b and -ub must be positive, got {self.batch_size} and {self.ubatch_size}")
+        if self.n_seq <= 0:
+            raise UserError(f"the number of sequences (-np) must be positive, got {self.n_seq}")
+
     @property
     def ubatch(self) -> int:
+        """Tokens per forward: -ub, never more than -b."""
         return min(self.ubatch_size, self.batch_size)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The GPU expert cache over host layers, and what it copies ahead (experts/prefetch.py documents those)."""
+    mib: int | None = None           # None: no cache, each ubatch uploads its experts; 0: the smallest pool that
+                                     # works (one layer's experts); N: N MiB (experts/budget.py turns it into slots)
+    policy: str = "lfru"             # lfru (decayed frequency, scan-resistant) | lru
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+
+    def __post_init__(self):
+        if self.mib is not None and self.mib < 0:
+            raise UserError(f"--moe-cache-mib must be >= 0, got {self.mib}")
+        if self.policy not in ("lfru", "lru"):
+            raise UserError(f"--cache-policy must be lfru or lru, got {self.policy!r}")
+        pf = self.prefetch
+        if pf.min_batch <= 0:
+            raise UserError(f"--prefetch-min-batch must be positive, got {pf.min_batch}")
+        if not 1 <= pf.lookahead_layers <= 4:
+            raise UserError(f"--lookahead-layers must be 1 to 4, got {pf.lookahead_layers}")
+        if not 0.0 <= pf.min_use <= 1.0:
+            raise UserError(f"--prefetch-min-use must be within [0, 1], got {pf.min_use}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How decode steps run."""
+    zero_copy: bool | None = None    # decode kernels read each expert where it lies, a slot or pinned host memory
+                                     # (None: where the Triton kernel runs, CUDA with 16-bit weights)
+    read_through: bool = True        # ... and a one-token step writes what it read from host into free cache slots
+    cuda_graphs: bool = True         # decode steps replay CUDA graphs (on CUDA, with a kernel other than reference)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is told: built from flags (flags.py) or LLM(..., **overrides), resolved, then loaded.
+
+        ecfg = EngineConfig(cache=CacheConfig(mib=16000)).resolve(torch.bfloat16)
+        ecfg.placement.host_layers(model_cfg), ecfg.batching.ubatch, ecfg.cache.prefetch.min_batch
+    """
+    placement: Placement = field(default_factory=Placement)
+    batching: Batching = field(default_factory=Batching)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    kernel: str = "auto"             # the expert GEMM of every forward: auto (grouped where it runs) | reference
+                                     # | grouped
+
+    def __post_init__(self):
+        if self.kernel not in ("auto", "reference", "grouped"):
+            raise UserError(f"--kernel must be auto, reference or grouped, got {self.kernel!r}")
+
+    def get(self, path: str):
+        """The value at a dotted path: get("cache.prefetch.min_batch")."""
+        obj = self
+        for name in path.split("."):
+            obj = getattr(obj, name)
+        return obj
+
+    def updated(self, changes: dict[str, object]) -> "EngineConfig":
+        """A copy with {dotted path: value} changed; each concern touched is validated again."""
+        return _replace_paths(self, changes)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every "auto" is decided (what Engine.load takes)."""
+        return (self.placement.device != "auto" and self.placement.dtype != "auto" and self.kernel != "auto"
+                and self.decode.zero_copy is not None)
+
+    def resolve(self, file_dtype) -> "EngineConfig":
+        """This config with every "auto" decided for this machine and a checkpoint whose weights are the torch
+        dtype `file_dtype`: the device, the dtype, the expert kernel, zero-copy decode. The one place they are
+        decided; raises UserError for a device or kernel this machine does not have."""
+        import torch
+
+        from .device import Device
+        from .kernels import experts_reference, pick_kernel
+        from .kernels.decode import decode_available
+
+        dev = Device.resolve(self.placement.device)
+        dtype_name = self.placement.dtype
+        if dtype_name == "auto":
+            dtype_name = {torch.float32: "float32", torch.float16: "float16"}.get(file_dtype, "bfloat16")
+        dtype = getattr(torch, dtype_name)
+        kernel = "reference" if pick_kernel(self.kernel, dev.torch, dtype) is experts_reference else "grouped"
+        zero_copy = self.decode.zero_copy
+        if zero_copy is None:
+            zero_copy = decode_available(dev.torch, dtype)
+        return self.updated({"placement.device": dev.name, "placement.dtype": dtype_name, "kernel": kernel,
+                             "decode.zero_copy": zero_copy})
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _replace_paths(obj, changes: dict[str, object]):
+    """dataclasses.replace through nested frozen dataclasses: {"cache.prefetch.min_batch": 8} rebuilds the
+    PrefetchConfig, then the CacheConfig holding it, then obj."""
+    direct: dict[str, object] = {}
+    nested: dict[str, dict[str, object]] = {}
+    for path, value in changes.items():
+        head, _, rest = path.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            direct[head] = value
+    for head, sub in nested.items():
+        direct[head] = _replace_paths(getattr(obj, head), sub)
+    return dataclasses.replace(obj, **direct) if direct else obj

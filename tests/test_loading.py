@@ -241,8 +241,8 @@ def test_make_model(tmp_path):
 
     from moestream.tools import make_model as mm
     parser = argparse.ArgumentParser()
-    mm.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["make-model", "tiny", str(tmp_path / "t.gguf")])
+    mm.add_arguments(parser)
+    args = parser.parse_args(["tiny", str(tmp_path / "t.gguf")])
     assert args.func(args) == 0
     assert GGUFSource(tmp_path / "t.gguf").config == SynthSource.from_spec("tiny").config
     make_model("synth:tiny:layers=2", tmp_path / "hf", progress=False)

@@ -1,6 +1,8 @@
 """The engine: load a WeightSource, place its weights, and run forwards in ubatches.
 
-    eng = Engine.load(open_source("synth:tiny"), EngineConfig(cpu_moe=True))
+    src = open_source("synth:tiny")
+    ecfg = flags.apply(EngineConfig(), cpu_moe=True).resolve(src.tensor("token_embd.weight").dtype)   # as LLM does
+    eng = Engine.load(src, ecfg)
     logits = eng.prefill(seq=0, tokens=[1, 2, 3], start=0)        # (1, V): the last token's logits
     logits = eng.decode([(0, token, pos)])                        # (B, V): one token per sequence
 
@@ -10,18 +12,18 @@ reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and run
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
 import torch
 from tqdm import tqdm
 
+from .. import flags
 from ..config import EngineConfig, ModelConfig
 from ..device import Device
 from ..errors import UserError
+from ..experts.budget import cache_slots, check_cache_fits, check_placement_fits
 from ..experts.cache import ExpertCache
-from ..experts.prefetch import PrefetchConfig
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.routing import RouteObserver, RouteObservers
 from ..experts.store import ExpertStore, fill_layer
@@ -49,8 +51,8 @@ class Engine:
         model.on_route = self.observers
         # Zero-copy decode: decode steps of up to MAX_TOKENS tokens read each expert where it lies, on every
         # placement alike (so a cached decode gives the all-GPU bits).
-        model.decode_kernel = pick_decode_kernel(ecfg.zero_copy_decode, device.torch, self.dtype, self.book,
-                                                 ecfg.shared_reads)
+        model.decode_kernel = pick_decode_kernel(ecfg.decode.zero_copy, device.torch, self.dtype, self.book,
+                                                 False)   # TODO(decode paths): shared reads are gone
         model.decode_max_tokens = MAX_TOKENS
         from ..kernels import fused
         if fused.fused_available(device.torch, self.dtype, cfg.head_dim):
@@ -61,15 +63,18 @@ class Engine:
     # --- loading -------------------------------------------------------------------------------------------
     @staticmethod
     def load(source, ecfg: EngineConfig, progress: bool = True) -> "Engine":
+        """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says."""
+        if not ecfg.resolved:
+            raise ValueError("Engine.load takes a resolved EngineConfig: ecfg.resolve(file_dtype) first")
         cfg: ModelConfig = source.config
-        dev = Device.resolve(ecfg.device)
-        dtype = _resolve_dtype(ecfg.dtype, source.tensor("token_embd.weight").dtype, dev)
-        host = ecfg.host_layers(cfg)
-        ctx = ecfg.ctx_size
+        dev = Device.resolve(ecfg.placement.device)
+        dtype = DTYPES[ecfg.placement.dtype]
+        host = ecfg.placement.host_layers(cfg)
+        ctx = ecfg.batching.ctx_size
         if ctx > cfg.max_position_embeddings:
             log.warning("context %d is longer than the model's trained %d positions", ctx, cfg.max_position_embeddings)
         size = torch.empty((), dtype=dtype).element_size()
-        n_slots = cache_slots(cfg, ecfg, len(host), cfg.expert_numel * size)
+        n_slots = _slots(cfg, ecfg, len(host), cfg.expert_numel * size)
         _check_fits(cfg, ecfg, dev, dtype, host, n_slots)
 
         names = dense_names(cfg)
@@ -111,7 +116,7 @@ class Engine:
             log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                      len(host_rows), store.nbytes / MiB, len(dev_rows))
         model = MoETransformer(cfg, weights, rope_tables(cfg, ctx, dev.torch))
-        kv = KVCache(cfg.n_layers, ecfg.n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, dev.torch)
+        kv = KVCache(cfg.n_layers, ecfg.batching.n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, dev.torch)
         kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
         book = AddressBook()
         for rows in (*dev_rows.values(), *host_rows.values()):
@@ -138,7 +143,7 @@ class Engine:
         self.check_context(start + len(tokens))
         if not tokens:
             raise UserError("empty prompt: give at least one token")
-        ub = self.ecfg.ubatch
+        ub = self.ecfg.batching.ubatch
         outs = []
         for i in range(0, len(tokens), ub):
             chunk = tokens[i:i + ub]
@@ -226,10 +231,11 @@ class Engine:
 
     def reconfigure_cache(self, **changes) -> None:
         """A new expert cache (size, policy, prefetch switches) over the same pinned store, without reloading:
-        e.g. reconfigure_cache(moe_cache_mib=16000, prefetch=False). Counters and routing statistics restart."""
+        e.g. reconfigure_cache(moe_cache_mib=16000, prefetch=False), by the flat names LLM takes (flags.py).
+        Counters and routing statistics restart."""
         if self.host is None:
             raise UserError("no expert is in host memory: use --cpu-moe or --n-cpu-moe for a cache")
-        ecfg = dataclasses.replace(self.ecfg, **changes)
+        ecfg = flags.apply(self.ecfg, **changes)
         store = self.host.store
         if isinstance(self.host, ExpertCache):
             self.book.discard(self.host.pool)
@@ -238,10 +244,10 @@ class Engine:
         if self.device.is_cuda:
             torch.cuda.empty_cache()
         size = torch.empty((), dtype=self.dtype).element_size()
-        n_slots = cache_slots(self.cfg, ecfg, len(store.rows), self.cfg.expert_numel * size)
-        if n_slots is not None and n_slots * store.expert_bytes > self.device.free_memory():
-            raise UserError(f"--moe-cache-mib {ecfg.moe_cache_mib} does not fit: {self.device.free_memory() / MiB:.0f} "
-                            f"MiB are free on {self.device.name}")
+        n_slots = _slots(self.cfg, ecfg, len(store.rows), self.cfg.expert_numel * size)
+        if n_slots is not None:          # the rest of the model is in place: the new pool needs the free memory
+            check_cache_fits(ecfg.cache.mib, n_slots * store.expert_bytes, 0, self.device.free_memory(),
+                             self.device.name)
         self.host = _host_provider(self.cfg, ecfg, store, self.device, n_slots)
         self.experts.by_layer.update({l: self.host for l in store.rows})
         self.ecfg = ecfg
@@ -254,19 +260,19 @@ class Engine:
         if isinstance(self.host, ExpertCache):
             self.book.add(self.host.pool)
             if self.model.decode_kernel is not None:
-                self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.read_through)
+                self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.read_through)
         self.graphs = self.host_graphs = None
-        if not (self.ecfg.cuda_graphs and self.device.is_cuda and self.kernel is not experts_reference):
+        if not (self.ecfg.decode.cuda_graphs and self.device.is_cuda and self.kernel is not experts_reference):
             return
         from .graphs import DecodeGraphs, HostDecodeGraphs
         if self.host is None or self.model.decode_kernel is not None:
             self.graphs = DecodeGraphs(self)
-        if self.ecfg.host_decode_graphs and isinstance(self.host, ExpertCache):
+        if isinstance(self.host, ExpertCache):      # TODO(decode paths): always, --no-host-decode-graphs is gone
             self.host_graphs = HostDecodeGraphs(self)
 
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
         """Change -b/-ub without reloading (they change how prompts are cut, not where weights live)."""
-        self.ecfg = dataclasses.replace(self.ecfg, batch_size=batch_size, ubatch_size=ubatch_size)
+        self.ecfg = flags.apply(self.ecfg, batch_size=batch_size, ubatch_size=ubatch_size)
 
     def synchronize(self) -> None:
         self.device.synchronize()
@@ -280,43 +286,20 @@ class Engine:
         return out, time.perf_counter() - t0
 
 
-def _resolve_dtype(spec: str, file_dtype: torch.dtype, dev: Device) -> torch.dtype:
-    if spec != "auto":
-        return DTYPES[spec]
-    return file_dtype if file_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
-
-
 def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None):
     """Uploads per ubatch (no cache), or the expert cache with its copy stream and prefetcher."""
     if n_slots is None:
         return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used)
-    pf = PrefetchConfig(enabled=ecfg.prefetch, min_batch=ecfg.prefetch_min_batch, seed_previous=ecfg.prefetch_seed,
-                        first_chunk_all=ecfg.prefetch_first_all, lookahead=ecfg.lookahead,
-                        prompt_lookahead=ecfg.prompt_lookahead, lookahead_layers=ecfg.lookahead_layers,
-                        min_use=ecfg.prefetch_min_use)
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
-             store.expert_bytes / 1e6, ecfg.cache_policy)
-    return ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache_policy, pf, sorted(store.rows),
-                       ecfg.n_seq, cfg.n_experts_used, cfg.moe_layers)
+             store.expert_bytes / 1e6, ecfg.cache.policy)
+    return ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch,
+                       sorted(store.rows), ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers)
 
 
-def cache_slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
-    """Slots of the expert cache for --moe-cache-mib (None: no cache). 0 MiB: one layer's experts, the smallest
-    pool that never needs waves. Never more slots than host experts."""
-    if ecfg.moe_cache_mib is None or not n_host_layers:
-        return None
-    if ecfg.moe_cache_mib == 0:
-        n = cfg.n_experts
-    else:
-        n = ecfg.moe_cache_mib * MiB // expert_bytes
-        if n < 1:
-            raise UserError(f"--moe-cache-mib {ecfg.moe_cache_mib} holds no expert (one is "
-                            f"{expert_bytes / MiB:.1f} MiB); use at least {-(-expert_bytes // MiB)} or 0 for the smallest pool")
-    n = min(n, n_host_layers * cfg.n_experts)
-    if n < min(cfg.n_experts, ecfg.ubatch * cfg.n_experts_used):
-        log.warning("moe cache of %d slots is smaller than one layer's %d experts: ubatches that route more than %d "
-                    "experts in one layer run in waves (correct, but slower)", n, cfg.n_experts, n)
-    return n
+def _slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
+    """The expert cache's slots for this model and config (experts/budget.py), None for no cache."""
+    return cache_slots(ecfg.cache.mib, expert_bytes, cfg.n_experts, n_host_layers,
+                       ecfg.batching.ubatch * cfg.n_experts_used)
 
 
 def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, host: set[int],
@@ -327,23 +310,16 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
     size = torch.empty((), dtype=dtype).element_size()
     expert_bytes = cfg.expert_numel * size
     n_dev = len(cfg.moe_layers) - len(host)
-    need = n_dev * cfg.n_experts * expert_bytes
+    rest = n_dev * cfg.n_experts * expert_bytes                  # the device layers' experts
+    rest += KVCache.nbytes_for(cfg.n_layers, ecfg.batching.n_seq, ecfg.batching.ctx_size, cfg.n_kv_heads,
+                               cfg.head_dim, dtype)
+    dense = (2 * cfg.vocab_size * cfg.hidden_size + cfg.n_layers * (
+        2 * cfg.n_heads * cfg.head_dim * cfg.hidden_size + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.hidden_size))
+    rest += dense * size
     pool = 0
     if host:
         pool = (n_slots if n_slots is not None else cfg.n_experts) * expert_bytes   # the cache or upload buffer
-    need += KVCache.nbytes_for(cfg.n_layers, ecfg.n_seq, ecfg.ctx_size, cfg.n_kv_heads, cfg.head_dim, dtype)
-    dense = (2 * cfg.vocab_size * cfg.hidden_size + cfg.n_layers * (
-        2 * cfg.n_heads * cfg.head_dim * cfg.hidden_size + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.hidden_size))
-    need += dense * size
     free = dev.free_memory()
-    need += pool
-    if n_slots is not None and need > free:
-        room = free - (need - pool) - 256 * MiB
-        raise UserError(f"--moe-cache-mib {ecfg.moe_cache_mib} does not fit: {free / MiB:.0f} MiB are free on {dev.name} "
-                        f"and the rest of the model takes {(need - pool) / MiB:.0f} MiB; use --moe-cache-mib "
-                        f"{max(0, int(room // MiB))} or less")
-    if need > free:
-        per_layer = cfg.n_experts * expert_bytes
-        fit = max(0, int((free - (need - n_dev * per_layer)) // per_layer))
-        raise UserError(f"the model needs about {need / MiB:.0f} MiB on {dev.name} but {free / MiB:.0f} MiB are free; "
-                        f"keep experts in host memory with --cpu-moe or --n-cpu-moe {len(cfg.moe_layers) - fit}")
+    if n_slots is not None:
+        check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)
+    check_placement_fits(rest + pool, free, dev.name, cfg.n_experts * expert_bytes, len(cfg.moe_layers), n_dev)

@@ -13,15 +13,14 @@ import logging
 import os
 import sys
 
+from .. import flags
 from ..errors import UserError
 
 log = logging.getLogger("moestream.server")
 
 
-def add_parser(sub) -> None:
-    from ..cli import add_engine_flags
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    add_engine_flags(p)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    flags.add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests served at once (default 1)")
@@ -42,7 +41,6 @@ def main(a: argparse.Namespace) -> int:
         raise UserError("the server needs fastapi, uvicorn and prometheus-client: "
                         "pip install fastapi uvicorn prometheus-client") from None
     from ..api import LLM
-    from ..cli import engine_kwargs
     from .app import create_app
 
     if a.parallel < 1:
@@ -63,7 +61,8 @@ def main(a: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(loader=lambda: LLM(a.model, n_seq=a.parallel, progress=False, **engine_kwargs(a)),
+    ecfg = flags.to_config(a)                 # bad engine flags fail here, before the server listens
+    app = create_app(loader=lambda: LLM(a.model, ecfg, n_seq=a.parallel, progress=False),
                      n_slots=a.parallel, max_queue=a.max_queue, api_key=key, model_name=name,
                      cache_prompt=not a.no_cache_prompt, max_body=int(a.max_body_mib * (1 << 20)),
                      on_load_error=on_load_error)

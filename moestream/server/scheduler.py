@@ -279,7 +279,7 @@ class Scheduler:
     def _prefill(self, slot: Slot) -> None:
         run = slot.run
         prompt = run.req.prompt
-        chunk = prompt[run.done:run.done + self.engine.ecfg.ubatch]
+        chunk = prompt[run.done:run.done + self.engine.ecfg.batching.ubatch]
         logits = self.routing.counted(slot.id, self.engine.prefill, slot.id, chunk, run.done)   # (1, V)
         run.done += len(chunk)
         slot.cached = prompt[:run.done]

@@ -37,6 +37,7 @@ import sys
 
 import torch
 
+from .. import flags
 from ..errors import UserError
 from ..runtime.generate import token_hash
 from . import report
@@ -60,14 +61,10 @@ def _pair(s: str) -> tuple[int, int]:
     return v[0], v[1]
 
 
-def add_parser(sub) -> None:
-    from ..cli import add_engine_flags
-    p = sub.add_parser("bench", help="measure prompt (pp) and generation (tg) speed, like llama-bench",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_flags(p)
-    for a in p._actions:                         # sweepable engine flags take comma lists here
-        if a.dest in SWEPT:
-            a.type, a.default = _ints, [a.default]
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
+    # the sweepable engine flags take comma lists here
+    flags.add_engine_arguments(p, **{k: dict(type=_ints, default=[flags.BY_NAME[k].default]) for k in SWEPT})
     p.add_argument("-p", "--n-prompt", type=_ints, default=[512], help="prompt lengths, comma list (0 skips)")
     p.add_argument("-n", "--n-gen", type=_ints, default=[128], help="generation lengths, comma list (0 skips)")
     p.add_argument("-pg", dest="pg", type=_pair, action="append", default=[], metavar="PP,TG",
@@ -229,10 +226,7 @@ def placement(ns: argparse.Namespace) -> str:
 
 def load(ns: argparse.Namespace, ctx: int):
     from ..api import LLM
-    from ..cli import engine_kwargs
-    ns = copy.copy(ns)
-    ns.ctx_size = max(ns.ctx_size, ctx)
-    return LLM(ns.model, progress=ns.verbose, **engine_kwargs(ns))
+    return LLM(ns.model, flags.to_config(ns), ctx_size=max(ns.ctx_size, ctx), progress=ns.verbose)
 
 
 def release_memory() -> None:
@@ -319,13 +313,12 @@ class _Raising(argparse.ArgumentParser):
 
 def compare_config(a: argparse.Namespace, spec: str) -> argparse.Namespace:
     """The bench's engine flags with `spec` (e.g. "--cpu-moe --moe-cache-mib 8000") on top; -m may change too."""
-    from ..cli import add_engine_flags
     p = _Raising(prog="moestream bench --compare", add_help=False)
-    add_engine_flags(p)
+    flags.add_engine_arguments(p)
     base = scalar(a)
-    p.set_defaults(**{act.dest: getattr(base, act.dest) for act in p._actions if hasattr(base, act.dest)})
+    p.set_defaults(verbose=base.verbose)
     ns = copy.copy(base)
-    vars(ns).update(vars(p.parse_args(["-m", a.model, *shlex.split(spec)])))
+    vars(ns).update(vars(p.parse_args(["-m", a.model, *flags.to_argv(flags.to_config(base)), *shlex.split(spec)])))
     return ns
 
 
@@ -349,15 +342,14 @@ def _pair_row(test: BenchTest, pair, ra: dict, rb: dict) -> dict:
 
 
 def _bench_flags_after_compare(a: argparse.Namespace) -> None:
-    """--compare A B takes the rest of the line (see add_parser): parse what follows A and B as bench flags."""
+    """--compare A B takes the rest of the line (see add_arguments): parse what follows A and B as bench flags."""
     if len(a.compare) < 2:
         raise UserError("--compare takes two quoted sets of engine flags, e.g. "
                         f"--compare \"--cpu-moe\" \"--cpu-moe --moe-cache-mib 8000\"; got {a.compare}")
     a.compare, rest = a.compare[:2], a.compare[2:]
     if rest:
-        sub = argparse.ArgumentParser(prog="moestream").add_subparsers()
-        add_parser(sub)
-        p = sub.choices["bench"]
+        p = argparse.ArgumentParser(prog="moestream bench")
+        add_arguments(p)
         for act in p._actions:
             act.required = False
         p.parse_args(rest, namespace=a)            # sets only the flags given: the namespace keeps the others

@@ -49,11 +49,9 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
     return write_hf(source, out, dtype=dtype, progress=progress)
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("make-model", help="write a synth preset (or convert a model) as an HF directory or GGUF",
-                       description="Write a synth:PRESET model, or convert a model moestream reads, to a Hugging "
-                                   "Face directory or a GGUF file. Presets: tiny, qwen3-30b-a3b; options "
-                                   "like qwen3-30b-a3b:layers=4:seed=1:dtype=float32.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Write a synth:PRESET model, or convert a model moestream reads, to a Hugging Face directory or "
+                     "a GGUF file. Presets: tiny, qwen3-30b-a3b; options like qwen3-30b-a3b:layers=4:seed=1:dtype=float32.")
     p.add_argument("preset", metavar="PRESET", help="synth preset (tiny, qwen3-30b-a3b[:layers=N]) or a model path")
     p.add_argument("out", metavar="OUT", help="output directory (hf) or .gguf file")
     p.add_argument("--format", choices=FORMATS, default=None, help="hf or gguf (default: gguf for a .gguf OUT)")

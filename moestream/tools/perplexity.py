@@ -32,20 +32,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import flags
 from ..errors import UserError
 from .ppl_stats import KLStats, Summary, kl_per_token, log_probs, ppl_estimate
 
 BASE_FORMAT = "moestream-kld-base"
 
 
-def add_parser(sub) -> None:
-    from ..cli import add_engine_flags
-    p = sub.add_parser("perplexity", help="perplexity and KL divergence over a text, like llama-perplexity",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_flags(p)
-    for a in p._actions:
-        if a.dest == "ctx_size":
-            a.default, a.help = 512, "chunk size: tokens per evaluated chunk (default 512)"
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
+    flags.add_engine_arguments(p, ctx_size=dict(default=512, help="chunk size: tokens per evaluated chunk (default 512)"))
     p.add_argument("-f", "--file", help="the text to score (or token ids, see --token-ids)")
     p.add_argument("--chunks", type=int, default=-1, help="score at most N chunks (default: all)")
     p.add_argument("--token-ids", action="store_true",
@@ -164,9 +160,8 @@ def load_base(path: str) -> dict:
 # --- the command ---------------------------------------------------------------------------------------------
 def _load(a: argparse.Namespace, n_ctx: int):
     from ..api import LLM
-    from ..cli import engine_kwargs
     a.ctx_size = n_ctx
-    return LLM(a.model, progress=a.verbose, **engine_kwargs(a))
+    return LLM(a.model, flags.to_config(a), progress=a.verbose)
 
 
 def _timed_logits(llm):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import flags
 from ..errors import UserError
 
 
@@ -18,20 +19,14 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("replay", help="replay a routing trace against cache sizes and policies (offline)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a trace written by generate --trace")
     p.add_argument("--moe-cache-mib", type=_ints, default=None, help="cache sizes in MiB, comma list")
     p.add_argument("--slots", type=_ints, default=None, help="cache sizes in expert slots, comma list")
     p.add_argument("--policy", default="lfru,lru", help="policies, comma list (default lfru,lru)")
     p.add_argument("--prefetch", action="store_true",
                    help="also run the prefetch: the prompt-path rules, and lookahead from the guesses the trace holds")
-    p.add_argument("--prefetch-min-batch", type=int, default=256)
-    p.add_argument("--no-prefetch-seed", action="store_true")
-    p.add_argument("--prefetch-first-all", action="store_true")
-    p.add_argument("--prefetch-min-use", type=float, default=0.0)
-    p.add_argument("--no-lookahead", action="store_true", help="with --prefetch: no lookahead (decode and prompts)")
-    p.add_argument("--no-prompt-lookahead", action="store_true", help="with --prefetch: no lookahead for prompts")
+    flags.add_engine_arguments(p, flags.PREFETCH_RULES)        # the rules' flags, as the engine takes them
     p.add_argument("--zero-copy", action="store_true", help="decode steps as zero-copy decode runs them")
     p.add_argument("--read-through", action=argparse.BooleanOptionalAction, default=None,
                    help="with --zero-copy: read-through, as live decode runs it (default: on)")
@@ -39,14 +34,9 @@ def add_parser(sub) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    from ..experts.prefetch import PrefetchConfig
     from ..experts.trace import load_trace, replay
     tr = load_trace(a.trace)
-    pf = None
-    if a.prefetch:
-        pf = PrefetchConfig(min_batch=a.prefetch_min_batch, seed_previous=not a.no_prefetch_seed,
-                            first_chunk_all=a.prefetch_first_all, lookahead=not a.no_lookahead,
-                            prompt_lookahead=not a.no_prompt_lookahead, min_use=a.prefetch_min_use)
+    pf = flags.prefetch_config(a) if a.prefetch else None
     sizes = list(a.slots or [])
     sizes += [m * (1 << 20) // tr.expert_bytes for m in (a.moe_cache_mib or [])]
     if not sizes:
