@@ -20,9 +20,10 @@ import torch
 
 from .copy_queue import CopyQueue
 from .planner import CachePlanner
-from .prefetch import PrefetchConfig, RoutingStats, Seed, choose_seed, predicted
+from .prefetch import PrefetchConfig, Seed, choose_seed, predicted
 from .provider import ExpertProvider, ExpertWeights
 from .residency import CacheTooSmall
+from .routing import RoutingStore
 from .store import ExpertStore, expert_views
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
@@ -50,7 +51,7 @@ class Waves:
 class ExpertCache(ExpertProvider):
     def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device, policy: str = "lfru",
                  prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1,
-                 top_k: int = 8, moe_layers: list[int] | None = None):
+                 top_k: int = 8, moe_layers: list[int] | None = None, routing: RoutingStore | None = None):
         any_rows = next(iter(store.rows.values()))
         self.store, self.n_experts, self.device, self.prefetch = store, n_experts, device, prefetch
         self.pool = torch.empty(n_slots, any_rows.shape[1], dtype=any_rows.dtype, device=device.torch)  # (S, numel)
@@ -63,7 +64,8 @@ class ExpertCache(ExpertProvider):
         self.views = {l: (w13[a:b], w2[a:b], a) for l, (a, b) in enumerate(self.residency.bounds)}
         self.lut_host = device.pinned_empty((n_layers, n_experts), torch.int64)    # staging of slot tables
         self.queue = CopyQueue(device)
-        self.routing = [RoutingStats(n_layers, n_experts) for _ in range(n_seq)]      # per context
+        # Per context, the prompts' routing that seeds prefetch (routing.prompts[seq]): the engine's store, or its own.
+        self.routing = routing if routing is not None else RoutingStore(n_layers, n_experts, n_seq)
         self.ready = np.zeros(n_slots, dtype=np.int64)          # copy batch that filled each slot
         self.use = np.full(n_slots, -1, dtype=np.int64)         # compute event after each slot's last read
         self.use_events: dict[int, object] = {}
@@ -100,13 +102,13 @@ class ExpertCache(ExpertProvider):
     def begin_prompt(self, seq: int = 0) -> None:
         self.flush_decode()
         self.stats.begin_prompt()
-        self.routing[seq].begin_prompt()
+        self.routing.prompts[seq].begin_prompt()
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
         if is_prompt or self.zero_copy is None or n_tokens > self.zero_copy_max:
             self.flush_decode()                 # this ubatch decides on the host: the last zero-copy step first
         self.seq, self.is_prompt, self.n_tokens = seq, is_prompt, n_tokens
-        stats = self.routing[seq]
+        stats = self.routing.prompts[seq]
         self.seed = choose_seed(n_tokens, is_prompt, stats, self.prefetch)
         if is_prompt:
             stats.begin_ubatch(n_tokens)
@@ -160,7 +162,7 @@ class ExpertCache(ExpertProvider):
         self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
-            self.routing[self.seq].record(layer, counts)
+            self.routing.prompts[self.seq].record(layer, counts)
         self._score_lookahead(layer, counts, len(wanted))
         groups = self.planner.groups(layer, wanted)
         if len(groups) > 1:

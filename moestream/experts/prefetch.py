@@ -1,6 +1,6 @@
 """Routing statistics and the prompt-path prefetch rules (DESIGN.md, "The prompt-path rules").
 
-    stats = RoutingStats(n_layers, n_experts)          # one per context (a server slot is a context)
+    stats = RoutingStats(n_layers, n_experts)          # one per context: RoutingStore.prompts (routing.py)
     stats.begin_prompt()                               # the current prompt becomes the previous one
     rule = choose_seed(n_tokens=4096, stats, cfg)      # which statistics predict this ubatch, or None
     experts = predicted(rule.counts[layer])            # the next layer's experts, most-routed first

@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..experts.budget import cache_slots, check_cache_fits, check_placement_fits
 from ..experts.cache import ExpertCache
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
-from ..experts.routing import RouteObserver, RouteObservers
+from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
 from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, experts_reference, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
@@ -41,13 +41,17 @@ MiB = 1 << 20
 
 class Engine:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, model: MoETransformer, experts, kv: KVCache,
-                 kernel, device: Device, host=None, book: AddressBook | None = None):
+                 kernel, device: Device, host=None, book: AddressBook | None = None,
+                 routing: RoutingStore | None = None):
         self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
         self.kernel, self.device = kernel, device
         self.host = host                # the provider of host layers (UploadPerUbatch or ExpertCache), or None
         self.dtype = model.lm_head.dtype
         self.book = book or AddressBook()
-        self.observers = RouteObservers()   # routing traces and per-context statistics (experts/routing.py)
+        # Per-context routing counts (/slots, and the cache's prefetch seeds when there is a cache: the same store).
+        self.routing = routing if routing is not None else RoutingStore(cfg.n_layers, cfg.n_experts, kv.n_seq,
+                                                                         device.torch)
+        self.observers = RouteObservers([self.routing])   # routing traces and statistics (experts/routing.py)
         model.on_route = self.observers
         # Zero-copy decode: decode steps of up to MAX_TOKENS tokens read each expert where it lies, on every
         # placement alike (so a cached decode gives the all-GPU bits).
@@ -109,9 +113,10 @@ class Engine:
         if dev_rows:
             resident = ResidentExperts(dev_rows, inter, hidden)
             providers.update({l: resident for l in dev_rows})
+        routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's and the engine's
         if host_rows:
             store = ExpertStore(host_rows, inter, hidden)
-            host_provider = _host_provider(cfg, ecfg, store, dev, n_slots)
+            host_provider = _host_provider(cfg, ecfg, store, dev, n_slots, routing)
             providers.update({l: host_provider for l in host_rows})
             log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                      len(host_rows), store.nbytes / MiB, len(dev_rows))
@@ -121,7 +126,7 @@ class Engine:
         book = AddressBook()
         for rows in (*dev_rows.values(), *host_rows.values()):
             book.add(rows)
-        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, host_provider, book)
+        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, host_provider, book, routing)
 
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -201,8 +206,9 @@ class Engine:
         return self.graphs is None or self.host is not None
 
     def begin_prompt(self, seq: int = 0) -> None:
-        """Start the per-prompt counters (a prompt and the decode that follows it) and, with a cache, the
-        context's routing statistics (this prompt's become the previous prompt's)."""
+        """Start the per-prompt counters (a prompt and the decode that follows it) and the context's routing
+        counts in self.routing (this prompt's become the previous prompt's: the cache's prompt counts, through the
+        cache, and the request counts /slots shows, through the observers)."""
         if self.host is not None:
             self.host.begin_prompt(seq)
         self.observers.begin_prompt(seq)
@@ -248,7 +254,8 @@ class Engine:
         if n_slots is not None:          # the rest of the model is in place: the new pool needs the free memory
             check_cache_fits(ecfg.cache.mib, n_slots * store.expert_bytes, 0, self.device.free_memory(),
                              self.device.name)
-        self.host = _host_provider(self.cfg, ecfg, store, self.device, n_slots)
+        self.routing.clear_prompts()         # the new cache learns the prompts' routing from scratch
+        self.host = _host_provider(self.cfg, ecfg, store, self.device, n_slots, self.routing)
         self.experts.by_layer.update({l: self.host for l in store.rows})
         self.ecfg = ecfg
         self._setup_host_graphs()
@@ -286,14 +293,15 @@ class Engine:
         return out, time.perf_counter() - t0
 
 
-def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None):
+def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None,
+                   routing: RoutingStore):
     """Uploads per ubatch (no cache), or the expert cache with its copy stream and prefetcher."""
     if n_slots is None:
         return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used)
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
              store.expert_bytes / 1e6, ecfg.cache.policy)
     return ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch,
-                       sorted(store.rows), ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers)
+                       sorted(store.rows), ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
 
 
 def _slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:

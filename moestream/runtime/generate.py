@@ -5,7 +5,8 @@
     gen.result                                                       # Completion
 
 Stops: max_tokens, an end-of-sequence token (unless ignore_eos), a stop token id, a stop string (not included in
-the text, as in OpenAI's API), or the end of the context (finish_reason "length").
+the text, as in OpenAI's API), or the end of the context (finish_reason "length"): sequence.py's rules, which the
+server's scheduler follows too.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import Sampler, SamplingParams, StopChecker
+from .sampling import Sampler, SamplingParams
+from .sequence import SequenceState
 
 
 def token_hash(ids) -> str:
@@ -52,51 +54,31 @@ class Generation:
         eng, p, tok = self.engine, self.params, self.tokenizer
         gen = torch.Generator(device=eng.device.torch)
         gen.manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eng.cfg.eos_token_ids))
-        if tok is not None and not p.ignore_eos:
-            stop_ids |= set(tok.eos_ids)
-        detok = tok.stream_decoder() if tok is not None else None
-        stops = StopChecker(list(p.stop)) if p.stop and tok is not None else None
+        seq = SequenceState(p, tok, eng.cfg.eos_token_ids, len(self.prompt), eng.kv.ctx)
         sampler = Sampler()
-        ids, text, reason = [], [], "length"
 
         eng.begin_prompt(self.seq)
         t0 = time.perf_counter()
         logits = eng.prefill(self.seq, self.prompt, 0)
         eng.synchronize()
         t1 = time.perf_counter()
-        pos = len(self.prompt)
-        while len(ids) < p.max_tokens:
+        done = p.max_tokens == 0
+        while not done:
             token = int(sampler.sample(logits[-1:], [p], [gen])[0])
-            if token in stop_ids:
-                reason = "stop"
-                break
-            ids.append(token)
-            piece = detok.push(token) if detok is not None else f"{token} "
-            if stops is not None:
-                piece, stopped = stops.push(piece)
-                if stopped:
-                    text.append(piece)
-                    yield piece
-                    reason = "stop"
-                    break
-            if piece:
-                text.append(piece)
+            piece, done = seq.push(token)
+            if piece or isinstance(seq.stop_reason, str):   # a stop string's piece comes even when it is empty
                 yield piece
-            if len(ids) >= p.max_tokens or pos >= eng.kv.ctx:
-                break
-            logits = eng.decode([(self.seq, token, pos)])
-            pos += 1
-        if detok is not None and not (stops is not None and stops.stopped):
-            rest = detok.flush()
-            if stops is not None:
-                rest = stops.push(rest)[0] + stops.flush()
-            if rest:
-                text.append(rest)
-                yield rest
+            if not done:
+                logits = eng.decode([(self.seq, token, seq.pos)])
+        # Generation's reason is the one the tokens gave: a stop string that only the final flush completes cuts
+        # the text but leaves "length" here (the server's Result says "stop").
+        reason = seq.finish_reason or "length"
+        rest = seq.finish()
+        if rest:
+            yield rest
         eng.synchronize()
         t2 = time.perf_counter()
-        self.result = Completion(ids, "".join(text) if tok is not None else None, reason, len(self.prompt),
+        self.result = Completion(seq.ids, seq.text if tok is not None else None, reason, len(self.prompt),
                                  prompt_s=t1 - t0, decode_s=t2 - t1)
 
     def run(self) -> Completion:

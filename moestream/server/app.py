@@ -203,11 +203,11 @@ def _check_ids(llm, ids, param) -> None:
 
 
 def _params(llm, body, n_prompt: int, default_max: int | None, i: int) -> SamplingParams:
-    ctx = llm.engine.kv.ctx
+    ctx, chat = llm.engine.kv.ctx, isinstance(body, ChatRequest)
     if n_prompt >= ctx:
         raise ApiError(400, f"the prompt has {n_prompt} tokens but the context is {ctx} (-c): shorten it",
-                       param="prompt" if hasattr(body, "prompt") else "messages", code="context_length_exceeded")
-    asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    asked = (body.max_completion_tokens if chat else None) or body.max_tokens
     if asked is not None and n_prompt + asked > ctx:
         raise ApiError(400, f"this model's context is {ctx} tokens, but you asked for {n_prompt + asked} "
                             f"({n_prompt} in the prompt, {asked} to generate)", param="max_tokens",

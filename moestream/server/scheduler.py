@@ -14,9 +14,11 @@ other requests' next token by at most one ubatch forward. Prompt and decode forw
 would change a decode row's numerics (the prompt attention path, other GEMM shapes) and greedy outputs must equal
 `LLM.generate`'s.
 
-Each slot keeps the routing of its requests (routing.py: layers x experts counts of the current request and of the
-previous one, observed from the engine's forwards), to seed its next prompt's prefetch, and the tokens whose KV
-its sequence holds: a new prompt reuses the longest common prefix (llama-server's cache_prompt).
+Each request's stop and detokenize rules are runtime/sequence.py's, as `LLM.generate`'s are. Each slot is a context
+of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
+previous one, which /slots shows; the expert cache keeps its prompts' counts there to seed their prefetch), and
+keeps the tokens whose KV its sequence holds: a new prompt reuses the longest common prefix (llama-server's
+cache_prompt).
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
-from ..runtime.sampling import Sampler, SamplingParams, StopChecker, make_generator
-from .routing import SlotRouting
+from ..runtime.sampling import Sampler, SamplingParams, make_generator
+from ..runtime.sequence import SequenceState
+from .routing import slot_routing
 
 log = logging.getLogger("moestream.server")
 _ids = itertools.count(1)
@@ -71,28 +74,16 @@ class Result:
 
 
 class _Run:
-    """A request in a slot: its prompt progress and decode state (the loop of runtime.generate.Generation)."""
+    """A request in a slot: its prompt progress, its random stream and its sequence state (runtime/sequence.py:
+    the stop and detokenize rules of runtime.generate.Generation)."""
 
     def __init__(self, req: Request, engine, tokenizer, n_cached: int):
-        p = req.params
         self.req, self.n_cached, self.done = req, n_cached, n_cached     # done: prompt tokens in the KV cache
-        self.gen = make_generator(p, engine.device.torch)
-        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.cfg.eos_token_ids))
-        if tokenizer is not None and not p.ignore_eos:
-            self.stop_ids |= set(tokenizer.eos_ids)
-        self.detok = tokenizer.stream_decoder() if tokenizer is not None else None
-        self.stops = StopChecker(list(p.stop)) if p.stop and tokenizer is not None else None
-        self.ids: list[int] = []
-        self.text: list[str] = []
+        self.gen = make_generator(req.params, engine.device.torch)
+        self.seq = SequenceState(req.params, tokenizer, engine.cfg.eos_token_ids, len(req.prompt), engine.kv.ctx)
         self.lps: list = []                   # logprob entries not yet sent with a piece
         self.all_lps: list = []
-        self.stop_reason = None
         self.t_first = self.t_last = 0.0
-
-    @property
-    def pos(self) -> int:
-        """The position of the next token to feed: the last sampled one."""
-        return len(self.req.prompt) + len(self.ids) - 1
 
 
 class Slot:
@@ -134,7 +125,8 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._sampler = Sampler()
-        self.routing = SlotRouting(eng, n_slots)   # per-slot expert counts, for the prefetch of the next prompt
+        self.routing = eng.routing           # per-slot expert counts (/slots), of the engine's routing store
+        self.routing.clear_requests()        # a new server's slots start from zero
 
     # --- the HTTP side (any thread) ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -268,9 +260,7 @@ class Scheduler:
                 # Keep at least one prompt token to run, so that there are logits to sample the first token from.
                 n = min(common_prefix(slot.cached, req.prompt), len(req.prompt) - 1) if use else 0
                 slot.run = _Run(req, self.engine, self.tokenizer, n)
-            self.routing.begin(slot.id)
-            if hasattr(self.engine, "begin_prompt"):   # the engine's own per-context statistics (prefetch seeding)
-                self.engine.begin_prompt(slot.id)
+            self.engine.begin_prompt(slot.id)   # the slot's routing: this request's counts start, the last one's
             slot.cached = slot.cached[:n]
             slot.prompt_tokens, slot.generated, slot.n_cached, slot.task = len(req.prompt), 0, n, req.id
             if self.metrics is not None:
@@ -280,20 +270,22 @@ class Scheduler:
         run = slot.run
         prompt = run.req.prompt
         chunk = prompt[run.done:run.done + self.engine.ecfg.batching.ubatch]
-        logits = self.routing.counted(slot.id, self.engine.prefill, slot.id, chunk, run.done)   # (1, V)
+        with self.routing.counting(slot.id):
+            logits = self.engine.prefill(slot.id, chunk, run.done)                          # (1, V)
         run.done += len(chunk)
         slot.cached = prompt[:run.done]
         if run.done == len(prompt) and run.req.params.max_tokens == 0:
-            self._finish(slot, "length")
+            self._finish(slot)               # "length", before any token
         elif run.done == len(prompt):
             token = int(self._sampler.sample(logits[-1:], [run.req.params], [run.gen])[0])
             self._accept(slot, token, logits[-1])
 
     def _decode(self, slots: list[Slot]) -> None:
-        steps = [(s.id, s.run.ids[-1], s.run.pos) for s in slots]
+        steps = [(s.id, s.run.seq.ids[-1], s.run.seq.pos) for s in slots]
         # decode routing is counted where the engine reports it (host experts, what prefetch serves)
         owner = [s.id for s in slots] if self.engine.reports_decode_routing else None
-        logits = self.routing.counted(owner, self.engine.decode, steps)                     # (B, V)
+        with self.routing.counting(owner):
+            logits = self.engine.decode(steps)                                              # (B, V)
         for s, (_, tok, _) in zip(slots, steps):
             s.cached.append(tok)
         tokens = self._sampler.sample(logits, [s.run.req.params for s in slots], [s.run.gen for s in slots]).tolist()
@@ -303,8 +295,8 @@ class Scheduler:
             self._accept(s, token, logits[i])
 
     def _accept(self, slot: Slot, token: int, row: torch.Tensor) -> None:
-        """One sampled token of a slot's request: stop, or append it and emit its text (Generation's rules)."""
-        run, p = slot.run, slot.run.req.params
+        """One sampled token of a slot's request: its logprobs, its text, and the request's end if it ends it."""
+        run = slot.run
         now = time.perf_counter()
         if not run.t_first:
             run.t_first = now
@@ -313,50 +305,33 @@ class Scheduler:
         elif self.metrics is not None:
             self.metrics.on_token_gap(now - run.t_last)
         run.t_last = now
-        if token in run.stop_ids:
-            run.stop_reason = token
-            return self._finish(slot, "stop")
-        run.ids.append(token)
-        slot.generated = len(run.ids)
-        if run.req.logprobs is not None:
+        seq = run.seq
+        if run.req.logprobs is not None and token not in seq.stop_ids:     # a stop token is not in the output
             run.lps.append(_logprobs(row, token, run.req.logprobs))
             run.all_lps.append(run.lps[-1])
-        piece = run.detok.push(token) if run.detok is not None else f"{token} "
-        if run.stops is not None:
-            piece, stopped = run.stops.push(piece)
-            if stopped:
-                run.stop_reason = run.stops.matched
-                self._piece(run, piece)
-                return self._finish(slot, "stop")
+        piece, done = seq.push(token)
+        slot.generated = len(seq.ids)
         self._piece(run, piece)
-        if len(run.ids) >= p.max_tokens or run.pos >= self.engine.kv.ctx:
-            self._finish(slot, "length")
+        if done:
+            self._finish(slot)
 
     def _piece(self, run: _Run, piece: str) -> None:
         if piece:
-            run.text.append(piece)
             if run.req.stream:
                 self._emit(run.req, ("token", run.req.index, piece, run.lps))
             run.lps = []
 
-    def _finish(self, slot: Slot, reason: str) -> None:
-        run = slot.run
-        if run.detok is not None and not (run.stops is not None and run.stops.stopped):
-            rest = run.detok.flush()
-            if run.stops is not None:
-                rest, stopped = run.stops.push(rest)
-                rest += run.stops.flush()
-                if stopped:
-                    reason, run.stop_reason = "stop", run.stops.matched
-            self._piece(run, rest)
+    def _finish(self, slot: Slot) -> None:
+        run, seq = slot.run, slot.run.seq
+        self._piece(run, seq.finish())        # the held-back text; the reason: push's, else "length"
         if run.lps and run.req.stream:       # logprobs of tokens whose text was held back, then cut
             self._emit(run.req, ("token", run.req.index, "", run.lps))
         now = time.perf_counter()
-        res = Result(run.ids, "".join(run.text), reason, run.stop_reason, len(run.req.prompt), run.n_cached,
+        res = Result(seq.ids, seq.text, seq.finish_reason, seq.stop_reason, len(run.req.prompt), run.n_cached,
                      ttft_s=max(run.t_first - run.req.t_submit, 0.0), duration_s=now - run.req.t_submit,
                      logprobs=run.all_lps)
         self._emit(run.req, ("done", run.req.index, res))
-        self._free(slot, outcome=reason, result=res)
+        self._free(slot, outcome=seq.finish_reason, result=res)
 
     def _free(self, slot: Slot, outcome: str, result: Result | None = None, valid: int | None = None) -> None:
         """Release a slot; its cached tokens stay reusable (`valid` cuts them, e.g. 0 after a failed forward)."""
@@ -385,10 +360,11 @@ class Scheduler:
     # --- snapshots (run through call()) ----------------------------------------------------------------------------
     def slots_info(self, top: int = 4) -> list[dict]:
         """/slots: per slot its state, prompt and generated tokens, KV reuse, and its routing's top experts."""
+        routing = slot_routing(self.routing, self.engine.cfg.moe_layers, len(self.slots), top)
         return [{"id": s.id, "state": s.state, "id_task": s.task, "n_ctx": self.engine.kv.ctx,
                  "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated,
                  "n_past": len(s.cached), "n_cached": s.n_cached, "routing": r}
-                for s, r in zip(self.slots, self.routing.summary(top))]
+                for s, r in zip(self.slots, routing)]
 
 
 def _logprobs(row: torch.Tensor, token: int, n: int) -> tuple:
