@@ -154,7 +154,7 @@ class ZeroCopyDecode:
             report_route(on_route, l, self.routed[l, :n].view(n_tokens, self.top_k))
         previous = self._take_pending()
         event = None
-        if self.device.is_cuda:             # the whole buffer: contiguous, so the copy stays asynchronous
+        if self.device.is_cuda:          # the whole buffer: contiguous, so the copy stays asynchronous
             self.routed_host.copy_(self.routed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
