@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from moestream import LLM
-from moestream.experts import cache as cache_mod
+from moestream.experts.prompt import PromptPath
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
@@ -33,8 +33,8 @@ def marked(name, fn):
     return wrapper
 
 
-C = cache_mod.ExpertCache
-C.fetch, C._prefetch = marked("fetch", C.fetch), marked("prefetch", C._prefetch)
+P = PromptPath
+P.fetch, P._prefetch = marked("fetch", P.fetch), marked("prefetch", P._prefetch)
 
 llm = LLM(ns.model, ctx_size=4096 + 64, cpu_moe=True, moe_cache_mib=ns.mib, ubatch_size=ns.ub,
           batch_size=max(ns.ub, 2048))

@@ -9,8 +9,9 @@ import torch
 from moestream import LLM
 from moestream.config import ModelConfig
 from moestream.device import Device
-from moestream.experts import cache as cache_mod
+from moestream.experts import prompt as prompt_mod
 from moestream.experts.cache import ExpertCache
+from moestream.experts.prompt import PromptPath
 from moestream.experts.prefetch import PrefetchConfig
 from moestream.experts.store import ExpertStore
 from moestream.models.moe import moe_route
@@ -36,13 +37,13 @@ def _counts(**by_expert):
 def test_the_next_layer_s_guess_goes_at_once_and_the_one_after_it_waits_for_the_fill():
     c = _cache()
     c.prepare(0, _counts(e0=5, e1=3), [_counts(e2=1, e3=4), _counts(e4=2, e5=6, e6=1)])
-    assert c.pending[0] == 1 and list(c.pending[1]) == [3, 2]            # most-routed first
-    assert [(l, list(e)) for l, e in c.fill] == [(2, [5, 4, 6])]
+    assert c.prompt.pending[0] == 1 and list(c.prompt.pending[1]) == [3, 2]  # most-routed first
+    assert [(l, list(e)) for l, e in c.prompt.fill] == [(2, [5, 4, 6])]
     assert (c.residency.slot_of[2] < 0).all()                           # nothing of layer 2 copied yet
-    assert c._fill()
+    assert c.prompt._fill()
     assert (c.residency.slot_of[2, [4, 5, 6]] >= 0).all()
     assert c.stats.prompt[2].filled == 3 and c.stats.prompt[2].prefetched == 3
-    assert not c._fill()                                                # spent
+    assert not c.prompt._fill()                                         # spent
 
 
 def test_the_fill_waits_while_the_copy_stream_still_has_work():
@@ -51,12 +52,12 @@ def test_the_fill_waits_while_the_copy_stream_still_has_work():
 
     class Busy:
         def pending(self):
-            return cache_mod.FILL_LOW_BYTES // c.store.expert_bytes + 1
+            return prompt_mod.FILL_LOW_BYTES // c.store.expert_bytes + 1
 
-    queue, c.queue = c.queue, Busy()
-    assert c._fill() and c.residency.slot_of[2, 4] < 0                  # keeps waiting, copies nothing yet
-    c.queue = queue
-    assert c._fill() and c.residency.slot_of[2, 4] >= 0
+    queue, c.slots.queue = c.slots.queue, Busy()
+    assert c.prompt._fill() and c.residency.slot_of[2, 4] < 0           # keeps waiting, copies nothing yet
+    c.slots.queue = queue
+    assert c.prompt._fill() and c.residency.slot_of[2, 4] >= 0
 
 
 def test_once_a_layer_is_launched_the_next_layer_goes_ahead_then_the_fill_if_the_stream_is_short_of_work():
@@ -68,39 +69,39 @@ def test_once_a_layer_is_launched_the_next_layer_goes_ahead_then_the_fill_if_the
 
     busy = _cache()
     busy.prepare(0, _counts(e0=5), [_counts(e2=1, e3=4), _counts(e4=2, e5=6)])
-    busy.queue.pending = lambda: cache_mod.FILL_LAUNCH_BYTES // busy.store.expert_bytes
+    busy.slots.queue.pending = lambda: prompt_mod.FILL_LAUNCH_BYTES // busy.store.expert_bytes
     busy.experts_launched(0)
     assert (busy.residency.slot_of[1, [2, 3]] >= 0).all() and (busy.residency.slot_of[2] < 0).all()
 
 
 def test_the_fill_copies_a_few_at_a_time_and_skips_what_is_resident(monkeypatch):
     c = _cache()
-    monkeypatch.setattr(cache_mod, "FILL_LOW_BYTES", 2 * c.store.expert_bytes)     # two copies per call
+    monkeypatch.setattr(prompt_mod, "FILL_LOW_BYTES", 2 * c.store.expert_bytes)  # two copies per call
     c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e1=9, e4=8, e5=7, e6=6)])
-    c._prefetch(2, np.array([4]))                                      # already there: not copied again
-    assert c._fill() and (c.residency.slot_of[2, [1, 5]] >= 0).all() and c.residency.slot_of[2, 6] < 0
-    assert c._fill() and c.residency.slot_of[2, 6] >= 0
-    assert c.stats.prompt[2].filled == 3 and not c._fill()
+    c.prompt._prefetch(2, np.array([4]))                                # already there: not copied again
+    assert c.prompt._fill() and (c.residency.slot_of[2, [1, 5]] >= 0).all() and c.residency.slot_of[2, 6] < 0
+    assert c.prompt._fill() and c.residency.slot_of[2, 6] >= 0
+    assert c.stats.prompt[2].filled == 3 and not c.prompt._fill()
 
 
 def test_no_room_in_flight_ends_the_fill():
     c = _cache(max_inflight_mib=0)
     c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e4=2)])
-    assert not c._fill() and c.fill == [] and (c.residency.slot_of[2] < 0).all()
+    assert not c.prompt._fill() and c.prompt.fill == [] and (c.residency.slot_of[2] < 0).all()
 
 
 def test_guesses_for_a_layer_on_the_gpu_are_skipped():
     c = _cache(layers=(0, 2, 3), moe_layers=[0, 1, 2, 3])                # layer 1's experts are not the cache's
     c.prepare(0, _counts(e0=5), [_counts(e1=1), _counts(e4=2), _counts(e6=3)])
-    assert c.pending[0] == 2 and list(c.pending[1]) == [4]
-    assert [(l, list(e)) for l, e in c.fill] == [(3, [6])]
+    assert c.prompt.pending[0] == 2 and list(c.prompt.pending[1]) == [4]
+    assert [(l, list(e)) for l, e in c.prompt.fill] == [(3, [6])]
 
 
 def test_one_layer_ahead_has_no_fill():
     c = _cache(lookahead_layers=1)
     assert c.lookahead_layers(0, 64) == 1 and c.lookahead_layers(3, 64) == 0
     c.prepare(0, _counts(e0=5), [_counts(e2=1)])
-    assert c.fill == [] and not c._fill()
+    assert c.prompt.fill == [] and not c.prompt._fill()
 
 
 def test_moe_route_guesses_as_many_layers_ahead_as_the_provider_asks():
@@ -144,7 +145,7 @@ def test_filling_changes_no_logits(monkeypatch, mib):
 
     kw = dict(ubatch_size=32, ctx_size=256, device="cpu", cpu_moe=True, moe_cache_mib=mib, prefetch_min_batch=8)
     off = LLM("synth:tiny", prefetch=False, **kw)
-    monkeypatch.setattr(ExpertCache, "_read_back", waiting)
+    monkeypatch.setattr(PromptPath, "_read_back", waiting)
     on = LLM("synth:tiny", lookahead_layers=3, **kw)
     for s in range(3):
         ids = _prompt(70, s)                            # ubatches of 32, 32 and a 6-token tail

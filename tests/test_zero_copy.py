@@ -364,7 +364,7 @@ def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib, polls):
         eng, cache = llm.engine, llm.engine.host
         tok, outs = int(eng.prefill(0, ids)[-1].argmax()), []
         if cache is not None:
-            cache.queue = LaggingQueue(cache.queue, polls)
+            cache.slots.queue = LaggingQueue(cache.slots.queue, polls)
             zc, begin, prepare = cache.zero_copy, cache.zero_copy.begin_step, cache.zero_copy._prepare
 
             def prepared(*a, **kw):
@@ -377,10 +377,10 @@ def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib, polls):
                 begin()
                 given = zc.land_slots[zc.land_slots >= 0]
                 handed.append(len(given))
-                assert (cache.ready[given] <= cache.queue.done).all(), "a landing slot has a copy in flight"
+                assert (cache.slots.ready[given] <= cache.slots.queue.done).all(), "a landing slot has a copy in flight"
                 slot = cache.residency.slot_of
                 landed = slot >= 0
-                landed[landed] = cache.ready[slot[landed]] <= cache.queue.done
+                landed[landed] = cache.slots.ready[slot[landed]] <= cache.slots.queue.done
                 assert not (zc.from_host & landed).any(), "the table reads a landed expert from host memory"
             zc.begin_step = checked
         for pos in range(len(ids), len(ids) + 40):

@@ -63,7 +63,7 @@ class PrefetchConfig:
     lookahead: bool = True          # decode: the next layer's router on the current hidden state
     prompt_lookahead: bool = True   # the same for prompt ubatches of >= min_batch tokens (their routed set)
     lookahead_layers: int = 2       # ... guessing this many layers ahead: the next at once, the rest whenever the
-                                    # copy stream runs short of work (ExpertCache._fill)
+                                    # copy stream runs short of work (PromptPath._fill)
     max_inflight_mib: int = 512     # speculative bytes on the copy stream at once (demand misses go first)
     min_use: float = 0.0            # copy ahead only experts the ubatch routes with at least this probability
 

@@ -143,11 +143,11 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
                 cache.begin_prompt(seq)
             cache.begin_ubatch(seq, n, bool(is_prompt))
             current = ub
-            step = n if zc is not None and not is_prompt and n <= zc.routed.shape[1] // zc.top_k else None
+            step = n if zc is not None and not is_prompt and n <= zc.max_tokens else None
             if step is not None:
                 zc.begin_step()
         if step is not None:                 # the step's kernel reads where the table says: no fetch
-            zc.routed[layer, :ids.size] = torch.from_numpy(ids.astype(np.int64).reshape(-1))
+            zc.replay_route(layer, ids)
             continue
         if guess is not None and cache.lookahead_layers(layer, len(ids)):    # as the live forward would have asked
             guess = (torch.from_numpy(guess.astype(np.int64)),)

@@ -1,6 +1,6 @@
 """Zero-copy decode: a decode step reads each routed expert where it lies, a cache slot or pinned host memory.
 
-    zc = ZeroCopyDecode(cache, max_tokens=16)
+    zc = ZeroCopyDecode(slots, planner, store, layers, max_tokens=16, top_k=8)      # over the cache's pool
     zc.begin_step()                      # the address table (layer, expert) -> slot or host row, onto the device
     addrs = zc.addresses(layer, ids)     # inside the (captured) step: (T, k) addresses; the ids are kept
     zc.end_step(n_tokens)                # after the step is queued: learn from the previous step's routing
@@ -9,6 +9,7 @@ A decode step then needs no host decision: the whole step is one CUDA graph, and
 link once, read in place by the kernel (kernels/decode.py), as an upload would. The cache still learns: after each
 step is queued, the host reads the previous step's routing back and runs the policy on it, uploading its misses on
 the copy stream behind the step in flight; an expert's address moves to its slot once its copy has landed.
+It works through the slot pool (slots.py) and the planner, as the prompt path (prompt.py) does: they are peers.
 
 Why this is safe without pins: a table is written on the compute stream before its step and points only at slots
 whose copy has completed. The misses of step t are learned while step t+1 runs (step t has completed: its routing
@@ -34,8 +35,11 @@ import numpy as np
 import torch
 
 from ..models.moe import report_route
+from .planner import CachePlanner
 from .provider import row_addresses
 from .residency import CacheTooSmall
+from .slots import SlotPool
+from .store import ExpertStore
 
 RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
 LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write its misses into, per layer
@@ -44,16 +48,19 @@ FILL_PER_STEP = 16         # ... uploading at most this many a step
 
 
 class ZeroCopyDecode:
-    def __init__(self, cache, max_tokens: int, top_k: int, read_through: bool = False):
-        dev, L, E = cache.device, cache.residency.slot_of.shape[0], cache.n_experts
-        self.cache, self.top_k = cache, top_k
-        self.row_bytes = cache.store.expert_bytes
+    def __init__(self, slots: SlotPool, planner: CachePlanner, store: ExpertStore, layers: list[int],
+                 max_tokens: int, top_k: int, read_through: bool = False):
+        dev, (L, E) = slots.device, planner.residency.slot_of.shape
+        self.slots, self.planner, self.store, self.layers = slots, planner, store, layers
+        self.residency, self.stats, self.device, self.n_experts = planner.residency, planner.stats, dev, E
+        self.max_tokens, self.top_k = max_tokens, top_k
+        self.row_bytes = store.expert_bytes
         self.host_addr = np.zeros((L, E), dtype=np.int64)
-        for l, rows in cache.store.rows.items():
+        for l, rows in store.rows.items():
             self.host_addr[l] = row_addresses(rows, "cpu").numpy()
-        bounds = [cache.residency.bounds[l] for l in cache.layers]
+        bounds = [self.residency.bounds[l] for l in layers]
         self.layers_in_region = {b: bounds.count(b) for b in bounds}     # host layers sharing each region
-        self.pool_addr = cache.pool.data_ptr()
+        self.pool_addr = slots.pool.data_ptr()
         self.table = torch.zeros(L, E, dtype=torch.int64, device=dev.torch)      # read by the captured steps
         self.routed = torch.zeros(L, max_tokens * top_k, dtype=torch.int64, device=dev.torch)   # written by a step
         self.routed_host = dev.pinned_empty((L, max_tokens * top_k), torch.int64)
@@ -76,6 +83,11 @@ class ZeroCopyDecode:
         """ids (T, k) -> (T, k) addresses; keeps the ids for the host (graph-safe: device copies only)."""
         self.routed[layer, :ids.numel()].copy_(ids.reshape(-1))
         return self.table[layer][ids]
+
+    def replay_route(self, layer: int, ids: np.ndarray) -> None:
+        """ids (T, k): the layer's routing of the current step, kept as `addresses` keeps it (a trace replay,
+        where no kernel runs)."""
+        self.routed[layer, :ids.size] = torch.from_numpy(ids.astype(np.int64).reshape(-1))
 
     def landing(self, layer: int, ids: torch.Tensor):
         """Read-through (one-token steps): (ids, host-row addresses, landing slots' addresses) of the layer, for
@@ -114,21 +126,18 @@ class ZeroCopyDecode:
             table[l, e] = self.pool_addr + slot * self.row_bytes
             nxt.from_host[l, e] = False
         if len(nxt.waiting):
-            c = self.cache
-            slot_of = c.residency.slot_of.ravel()
-            flat = nxt.waiting[(c.ready[nxt.waiting_slots] <= c.queue.poll())
-                               & (slot_of[nxt.waiting] == nxt.waiting_slots)]
+            slot_of = self.residency.slot_of.ravel()
+            flat = nxt.waiting[self.slots.landed(nxt.waiting_slots) & (slot_of[nxt.waiting] == nxt.waiting_slots)]
             table.ravel()[flat] = self.pool_addr + slot_of[flat] * self.row_bytes
             nxt.from_host.ravel()[flat] = False
 
     def _prepare(self, buffer: int, writing) -> "Prepared":
         """The next step's table (and, with read-through, its landing slots) from the residency map now, into
         staging buffer `buffer`, which no queued copy reads. `writing`: the landing slots of the step in flight."""
-        c = self.cache
-        slot = c.residency.slot_of
+        slot = self.residency.slot_of
         held = slot >= 0
         landed = held.copy()
-        landed[held] = c.ready[slot[held]] <= c.queue.poll()
+        landed[held] = self.slots.landed(slot[held])
         staging, land_staging = self.stagings[buffer]
         staging.numpy()[:] = np.where(landed, self.pool_addr + slot * self.row_bytes, self.host_addr)
         waiting = np.flatnonzero((held & ~landed).ravel())
@@ -140,12 +149,12 @@ class ZeroCopyDecode:
     def end_step(self, n_tokens: int, on_route=None) -> None:
         """The step is queued: report its routing (device views, in stream order), then learn from the previous
         step's while this one runs."""
-        c, n = self.cache, n_tokens * self.top_k
-        for l in c.layers:
+        n = n_tokens * self.top_k
+        for l in self.layers:
             report_route(on_route, l, self.routed[l, :n].view(n_tokens, self.top_k))
         previous = self._take_pending()
         event = None
-        if c.device.is_cuda:             # the whole buffer: contiguous, so the copy stays asynchronous
+        if self.device.is_cuda:          # the whole buffer: contiguous, so the copy stays asynchronous
             self.routed_host.copy_(self.routed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -185,9 +194,8 @@ class ZeroCopyDecode:
         if p.land_slots is None:
             return []
         from ..kernels.decode import landing_slots
-        c, routed = self.cache, self._routed(p)
-        res = c.residency
-        layers = np.asarray(c.layers)
+        routed, res = self._routed(p), self.residency
+        layers = np.asarray(self.layers)
         ids = routed[layers, :self.top_k]
         on_host = p.from_host[layers[:, None], ids]                  # (host layers, k): read from host memory
         placed = []
@@ -197,8 +205,8 @@ class ZeroCopyDecode:
                 e, s = int(ids[i, j]), int(p.land_slots[l, r])
                 if s >= 0 and res.slot_of[l, e] < 0:          # (one being uploaded already keeps that slot)
                     res.place(l, e, s)
-                    c.ready[s] = 0
-                    c.stats.record(l, landed=1)
+                    self.slots.written(s)
+                    self.stats.record(l, landed=1)
                     placed.append((l, e, s))
         return placed
 
@@ -207,15 +215,14 @@ class ZeroCopyDecode:
         unread, not written by the step in flight (`writing`), and no copy still writing them (a slot emptied
         while its upload is in flight would get that upload's bytes after the step landed its own). Only with
         read-through, and where the pool holds a whole step's experts: a smaller one keeps its hottest experts."""
-        c = self.cache
-        res = c.residency
+        res = self.residency
         out = np.full(self.land_slots.shape, -1, dtype=np.int64)
         if self.n_land and self._holds_a_step(self.top_k):
-            c._update_pins()
-            free = (res.owner[:, 0] < 0) & ~res.pinned & (c.ready <= c.queue.poll())
+            self.slots.refresh_pins()
+            free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
             if writing is not None:
                 free[writing[writing >= 0]] = False
-            for l in c.layers:
+            for l in self.layers:
                 a, b = res.bounds[l]
                 got = a + np.flatnonzero(free[a:b])[:self.n_land]
                 free[got] = False
@@ -229,76 +236,74 @@ class ZeroCopyDecode:
         routed experts of every host layer does not upload its misses (each would evict an expert the next step
         reads): it keeps each layer's hottest experts instead."""
         t0 = time.perf_counter()
-        c = self.cache
-        res, E = c.residency, c.n_experts
+        res, E, stats = self.residency, self.n_experts, self.stats
         upload = self._holds_a_step(routed.shape[1])
-        c._mark_reads()                          # slots a prompt handed out are free once its compute has run
-        c._update_pins()
+        self.slots.mark_reads()                  # slots a prompt handed out are free once its compute has run
+        self.slots.refresh_pins()
         if writing is not None:
-            res.pinned[writing[writing >= 0]] = True
+            self.slots.pin(writing[writing >= 0])
         empty = set(np.flatnonzero(res.owner[:, 0] < 0).tolist())     # no step in flight reads these
         now, behind = [], []                     # copies into empty slots (unread), into evicted ones (read)
-        for l in c.layers:
+        for l in self.layers:
             counts = np.bincount(routed[l], minlength=E)
             reads = int(counts[from_host[l]].sum())
             wanted = np.flatnonzero(counts).astype(np.int64)
-            if len(c.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
+            if len(self.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
             if not upload:
                 self.freq[l] = self.freq[l] * FREQ_DECAY + counts
                 slots = res.slot_of[l, wanted]
                 hit = slots >= 0
                 res.policy.touch(slots[hit])
-                c.stats.record(l, hits=int(hit.sum()), misses=int((~hit).sum()), host_reads=reads,
-                               host_read_bytes=reads * self.row_bytes)
+                stats.record(l, hits=int(hit.sum()), misses=int((~hit).sum()), host_reads=reads,
+                             host_read_bytes=reads * self.row_bytes)
                 continue
             try:
-                plan = c.planner.plan(l, wanted)
+                plan = self.planner.plan(l, wanted)
             except CacheTooSmall:                # a prompt's compute still reads its slots: let it finish
-                c.device.synchronize()
-                c._update_pins()
-                plan = c.planner.plan(l, wanted)
-            c.spec_flag[plan.slots] = False
-            src = c.store.rows[l]
+                self.device.synchronize()
+                self.slots.refresh_pins()
+                plan = self.planner.plan(l, wanted)
+            self.slots.claim(plan.slots)         # read or refilled by decode: no prefetch into them is pending
+            src = self.store.rows[l]
             for e, slot in plan.misses:
-                (now if slot in empty else behind).append((slot, c.pool[slot], src[e]))
-            c.stats.record(l, host_reads=reads, host_read_bytes=reads * self.row_bytes)
+                (now if slot in empty else behind).append((slot, src[e]))
+            stats.record(l, host_reads=reads, host_read_bytes=reads * self.row_bytes)
         self._submit(now, behind, after)
         if upload:
             self._keep_reserve()
         else:
             self._keep_hottest(empty, after)     # (the loop above moved nothing: `empty` still holds)
-        per_layer = (time.perf_counter() - t0) / len(c.layers)
-        for l in c.layers:
-            c.stats.record(l, host_s=per_layer)
+        per_layer = (time.perf_counter() - t0) / len(self.layers)
+        for l in self.layers:
+            stats.record(l, host_s=per_layer)
 
     def _keep_reserve(self) -> None:
         """Empty the least valued slots of each region until RESERVE are empty. The next step's table will not
         point at them, so the misses learned while that step runs can be copied into them at once, and land
         before the step after it, instead of queuing behind the step in flight."""
-        c = self.cache
-        res = c.residency
+        res = self.residency
         for (a, b), n_layers in sorted(self.layers_in_region.items()):
             keep = min(RESERVE + self.n_land * n_layers, (b - a) // 8)
             owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
             need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
             if need > 0 and len(owned) > need:
                 for l, _ in res.evict(res.policy.lowest(owned, need)):
-                    c.stats.record(l, evictions=1)
+                    self.stats.record(l, evictions=1)
 
     def _keep_hottest(self, empty_before: set, after) -> None:
         """A pool smaller than one step's routed experts: give each layer an equal share of its region and keep
         there its most routed experts of recent steps (decayed counts), uploading at most FILL_PER_STEP a step.
         On a skewed routing a few experts per layer take a large part of the routings (REFERENCE.md: the top 10%
         take 81%), so a pool of one layer's size still saves much of the link."""
-        c = self.cache
-        res = c.residency
+        res = self.residency
         desired = np.zeros(self.freq.shape, dtype=bool)
-        for l in c.layers:
+        for l in self.layers:
             share = res.region_size(l) // self.layers_in_region[res.bounds[l]]
             top = np.argsort(-self.freq[l], kind="stable")[:share]
             desired[l, top[self.freq[l, top] >= 1.0]] = True
-        want = [(self.freq[l, e], l, e) for l in c.layers for e in np.flatnonzero(desired[l] & (res.slot_of[l] < 0))]
+        want = [(self.freq[l, e], l, e) for l in self.layers
+                for e in np.flatnonzero(desired[l] & (res.slot_of[l] < 0))]
         want.sort(key=lambda w: -w[0])
         now, behind = [], []
         for _, l, e in want[:FILL_PER_STEP]:
@@ -313,29 +318,26 @@ class ZeroCopyDecode:
             slot = int(free[0])
             if res.owner[slot, 0] >= 0:
                 for old_l, _ in res.evict(np.array([slot])):
-                    c.stats.record(old_l, evictions=1)
+                    self.stats.record(old_l, evictions=1)
             try:
                 res.ensure(l, np.array([e]))         # takes the lowest empty slot of the region: `slot` or one
             except CacheTooSmall:                    # emptied earlier
                 continue
             slot = int(res.slot_of[l, e])
-            (now if slot in empty_before else behind).append((slot, c.pool[slot], c.store.rows[l][e]))
-            c.stats.record(l, uploaded_bytes=self.row_bytes, copies=1)
+            (now if slot in empty_before else behind).append((slot, self.store.rows[l][e]))
+            self.stats.record(l, uploaded_bytes=self.row_bytes, copies=1)
         self._submit(now, behind, after)
 
     def _holds_a_step(self, n_choices: int) -> bool:
         """Whether the pool holds a step's routed experts (n_choices per host layer): only then are misses worth
         uploading (in a smaller pool each upload evicts an expert the next step reads)."""
-        return self.cache.n_slots >= len(self.cache.layers) * n_choices
+        return self.residency.n_slots >= len(self.layers) * n_choices
 
     def _submit(self, now: list, behind: list, after) -> None:
-        """Copy (slot, dst, src) into slots no queued step reads at once, the others behind `after`."""
-        c = self.cache
+        """Copy (slot, host row) into slots no queued step reads at once, the others behind `after`."""
         for batch, wait in ((now, None), (behind, after)):
             if batch:
-                seq = c.queue.submit([(d, s) for _, d, s in batch], len(batch) * self.row_bytes, speculative=False,
-                                     after=wait)
-                c.ready[np.array([slot for slot, _, _ in batch], dtype=np.int64)] = seq
+                self.slots.submit(batch, len(batch) * self.row_bytes, speculative=False, after=wait)
 
 
 class Pending:

@@ -148,7 +148,7 @@ class HostDecodeGraphs:
             if j == len(st.pauses):
                 break
             layer, n, has_guess = st.pauses[j]
-            self.cache._mark_reads()
+            self.cache.slots.mark_reads()
             t0 = time.perf_counter()
             st.host[j].copy_(st.packed[j], non_blocking=cuda)
             if cuda:

@@ -1,0 +1,161 @@
+"""The slot pool: the GPU tier of expert slots, the copies that fill them and the compute that reads them.
+
+    slots = SlotPool(store, planner.residency, device)
+    seq = slots.submit([(slot, store.rows[layer][e])], store.expert_bytes, speculative=False)   # one copy batch
+    slots.hand_out(layer, plan.slots)    # compute waits for their copies; they stay pinned until it has read them
+    lut = slots.upload_table(layer, slots.table(layer))      # (E,) each expert's slot in the layer's region
+    y = kernel(x, lut[ids], *slots.layer_weights(layer))
+    slots.mark_reads()                   # after the reading compute is queued: an event frees its slots later
+
+Which expert sits in which slot is the residency map's (residency.py); the pool holds the bytes and the timing:
+which copy batch last filled each slot (`ready`), which compute reads each slot (`use`, pins), and the compute
+stream's waits for copies. The prompt path (prompt.py) and zero-copy decode (zero_copy.py) both work through it.
+
+Invariants (tests/test_slots.py checks them without a model):
+- A pinned slot is never a victim. A slot handed out to compute is pinned from `hand_out` until the compute event
+  recorded by the next `mark_reads` has completed; `refresh_pins` writes the pins into `residency.pinned`, whose
+  slots `Residency.ensure` never evicts. (On the CPU compute has run by then: `mark_reads` frees at once.)
+- A table points only at slots whose copy has landed: `hand_out` makes the compute stream wait for the last copy
+  batch into every slot it hands out before the compute that reads through the table, and a zero-copy decode
+  table points at a slot only where `landed` says its copy is done (elsewhere it reads the host row).
+- `ready[s]` is the copy batch that last filled slot s (0: none in flight since the start). Batches run in order
+  on one copy stream, so a slot has landed once the queue has completed its batch.
+- `prefetched[s]`: slot s was filled by a speculative copy and nobody has claimed it since (the prompt path
+  counts a claim of a hit as a prefetch used, of a victim as a prefetch wasted).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .copy_queue import CopyQueue
+from .residency import Residency
+from .store import ExpertStore, expert_views
+
+NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
+
+
+class SlotPool:
+    def __init__(self, store: ExpertStore, residency: Residency, device):
+        any_rows = next(iter(store.rows.values()))
+        n_slots, (n_layers, n_experts) = residency.n_slots, residency.slot_of.shape
+        self.residency, self.device, self.n_experts = residency, device, n_experts
+        self.pool = torch.empty(n_slots, any_rows.shape[1], dtype=any_rows.dtype, device=device.torch)  # (S, numel)
+        w13, w2 = expert_views(self.pool, store.inter, store.hidden)
+        self.views = {l: (w13[a:b], w2[a:b], a) for l, (a, b) in enumerate(residency.bounds)}   # layer's region
+        self.lut_host = device.pinned_empty((n_layers, n_experts), torch.int64)    # (L, E) staging of slot tables
+        self.queue = CopyQueue(device)
+        self.ready = np.zeros(n_slots, dtype=np.int64)          # copy batch that filled each slot
+        self.prefetched = np.zeros(n_slots, dtype=bool)         # filled by a speculative copy, not claimed yet
+        self.use = np.full(n_slots, -1, dtype=np.int64)         # compute event after each slot's last read
+        self.use_events: dict[int, object] = {}
+        self.use_seq, self.use_done = 0, 0
+        self.handed: np.ndarray = np.zeros(0, dtype=np.int64)   # slots the last hand_out gave to compute
+        self.waits: list[tuple[int, object, object]] = []      # (layer, before, after) compute-stream events
+
+    @property
+    def n_slots(self) -> int:
+        return self.residency.n_slots
+
+    # --- copies -----------------------------------------------------------------------------------------------
+    def submit(self, copies: list[tuple[int, torch.Tensor]], nbytes: int, speculative: bool, after=None) -> int:
+        """Copy each (slot, host row) into its slot on the copy stream, as one batch behind the compute event
+        `after` (the slots' last readers), if given. A speculative batch (a prefetch) counts against the queue's
+        in-flight bound and marks its slots `prefetched`. Returns the batch's sequence number."""
+        slots = np.array([s for s, _ in copies], dtype=np.int64)
+        seq = self.queue.submit([(self.pool[s], src) for s, src in copies], nbytes, speculative=speculative,
+                                after=after)
+        self.ready[slots] = seq
+        if speculative:
+            self.prefetched[slots] = True
+        return seq
+
+    def landed(self, slots: np.ndarray | None = None) -> np.ndarray:
+        """(n,) bool: whether the last copy into each slot (every slot, by default) has completed (one poll of the
+        queue)."""
+        return (self.ready if slots is None else self.ready[slots]) <= self.queue.poll()
+
+    def written(self, slot: int) -> None:
+        """Completed compute wrote the slot's bytes (read-through): no copy to wait for."""
+        self.ready[slot] = 0
+
+    def claim(self, slots: np.ndarray) -> int:
+        """The slots are read or refilled now: how many held a prefetch nobody had claimed (now none does)."""
+        n = int(self.prefetched[slots].sum())
+        self.prefetched[slots] = False
+        return n
+
+    # --- readers and pins -------------------------------------------------------------------------------------
+    def hand_out(self, layer: int, slots: np.ndarray) -> None:
+        """Compute of `layer` is about to read these slots: the compute stream waits for their copies, and they
+        are pinned until the event of the next `mark_reads` completes (call it once that compute is queued, before
+        the next hand_out)."""
+        self.wait_for(layer, int(self.ready[slots].max()))
+        self.use[slots] = NOT_YET
+        self.handed = slots
+
+    def mark_reads(self) -> None:
+        """An event after everything queued so far, which includes the compute that read the last hand_out's
+        slots. On the CPU that compute has already run: the slots are free at once."""
+        if not self.device.is_cuda:
+            self.use[self.handed] = 0
+            return
+        self.use_seq += 1
+        ev = torch.cuda.Event()
+        ev.record()
+        self.use_events[self.use_seq] = ev
+        self.use[self.handed] = self.use_seq
+        self.handed = np.zeros(0, dtype=np.int64)
+
+    def refresh_pins(self) -> None:
+        """Pin (in the residency map) exactly the slots whose reading compute has not completed."""
+        while self.use_done < self.use_seq and self.use_events[self.use_done + 1].query():
+            del self.use_events[self.use_done + 1]
+            self.use_done += 1
+        self.residency.pinned = self.use > self.use_done
+
+    def pin(self, slots: np.ndarray) -> None:
+        """Pin these slots too until the next refresh_pins (a decode step in flight writes them)."""
+        self.residency.pinned[slots] = True
+
+    # --- the compute stream's waits ---------------------------------------------------------------------------
+    def wait_for(self, layer: int, seq: int) -> None:
+        """The compute stream waits for copy batch `seq` (if still running), timed with a pair of events."""
+        if not self.device.is_cuda or seq <= self.queue.poll():
+            return
+        compute = torch.cuda.current_stream(self.device.torch)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        self.queue.wait(seq, compute)
+        after.record(compute)
+        self.waits.append((layer, before, after))
+
+    def collect_waits(self, stats) -> None:
+        """Turn recorded event pairs into per-layer wait counts in `stats` (synchronises)."""
+        if self.waits:
+            self.device.synchronize()
+            for layer, before, after in self.waits:
+                stats.record(layer, waits=1, wait_s=before.elapsed_time(after) / 1e3)
+            self.waits = []
+
+    # --- slot tables ------------------------------------------------------------------------------------------
+    def table(self, layer: int) -> np.ndarray:
+        """The layer's slot table (E,): each expert's slot within the layer's region (its weights' views), -1 if
+        absent."""
+        t = self.residency.slot_of[layer].copy()
+        t[t >= 0] -= self.views[layer][2]
+        return t
+
+    def upload_table(self, layer: int, table: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's slot table (E,) on the device (into `out`, or a new tensor), through pinned staging: a copy
+        from pageable memory would wait for the compute stream. Call after this layer's host sync: the staging's
+        last copy was queued before it, so it is free again."""
+        self.lut_host[layer].numpy()[:] = table
+        if out is None:
+            out = torch.empty(self.n_experts, dtype=torch.int64, device=self.device.torch)
+        return out.copy_(self.lut_host[layer], non_blocking=True)
+
+    def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (S_region, 2I, H) and (S_region, H, I) views of the layer's region, which its table indexes."""
+        w13, w2, _ = self.views[layer]
+        return w13, w2
