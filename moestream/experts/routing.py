@@ -63,3 +63,10 @@ class RouteCallback(RouteObserver):
 
     def on_route(self, layer: int, ids, guess=None) -> None:
         self.fn(layer, ids)
+
+
+def report_route(observer: RouteObserver | None, layer: int, ids, guess=None) -> None:
+    """Tell `observer`, if any, what a layer routed: ids (T, k), and the guess (T, k) only where it asks for
+    guesses (`wants_guess`). The forward calls this for each MoE layer, zero-copy decode once a step is queued."""
+    if observer is not None:
+        observer.on_route(layer, ids, guess if observer.wants_guess else None)

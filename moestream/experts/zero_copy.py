@@ -33,9 +33,9 @@ import time
 import numpy as np
 import torch
 
-from ..models.moe import report_route
 from .provider import row_addresses
 from .residency import CacheTooSmall
+from .routing import report_route
 
 RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
 LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write its misses into, per layer
@@ -137,12 +137,12 @@ class ZeroCopyDecode:
             land_staging.numpy()[:] = np.where(land_slots >= 0, self.pool_addr + land_slots * self.row_bytes, 0)
         return Prepared(buffer, ~landed, land_slots, waiting, slot.ravel()[waiting])
 
-    def end_step(self, n_tokens: int, on_route=None) -> None:
-        """The step is queued: report its routing (device views, in stream order), then learn from the previous
-        step's while this one runs."""
+    def end_step(self, n_tokens: int, observer=None) -> None:
+        """The step is queued: report its routing (device views, in stream order) to `observer` (a RouteObserver),
+        then learn from the previous step's while this one runs."""
         c, n = self.cache, n_tokens * self.top_k
         for l in c.layers:
-            report_route(on_route, l, self.routed[l, :n].view(n_tokens, self.top_k))
+            report_route(observer, l, self.routed[l, :n].view(n_tokens, self.top_k))
         previous = self._take_pending()
         event = None
         if c.device.is_cuda:             # the whole buffer: contiguous, so the copy stays asynchronous
