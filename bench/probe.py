@@ -89,11 +89,10 @@ def digests(llm, graphs_too=True) -> dict:
         LOG = None
         return token_hash(toks)[:16], logs
 
-    saved = eng.graphs, eng.host_graphs
-    eng.graphs = eng.host_graphs = None
+    saved, eng.decoder = eng.decoder, eng.eager
     out["decode_eager"], out["decode_layers"] = decode(record=True)
-    eng.graphs, eng.host_graphs = saved
-    if graphs_too and (eng.graphs is not None or eng.host_graphs is not None):
+    eng.decoder = saved
+    if graphs_too and eng.decoder.captures:
         out["decode_graphs"] = decode(record=False)[0]
     return out
 

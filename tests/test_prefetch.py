@@ -146,33 +146,3 @@ def test_min_use_keeps_only_experts_the_ubatch_is_likely_to_route():
     assert list(predicted(counts, 5, n_routings=64, min_use=0.5)) == [0, 4]
     assert list(predicted(counts, 5, n_routings=64, min_use=0.3)) == [0, 4, 1]
     assert list(predicted(counts, 5, n_routings=100000, min_use=0.9)) == [0, 4, 1, 2]
-
-
-def _decode_run(make_step, **kw):
-    llm = LLM("synth:tiny", ctx_size=64, device=kw.pop("device", "cpu"), cpu_moe=True, n_seq=2, **kw)
-    eng = llm.engine
-    eng.prefill(0, list(range(5, 30)))
-    eng.prefill(1, list(range(40, 52)))
-    step = make_step(eng)
-    outs, toks = [], [(0, 7, 25), (1, 9, 12)]
-    for _ in range(6):
-        lg = step(toks)
-        outs.append(lg.clone())
-        toks = [(s, int(lg[i].argmax()), p + 1) for i, (s, _, p) in enumerate(toks)]
-    return outs, llm.stats()["total"]
-
-
-@pytest.mark.parametrize("mib", [12, 100])
-def test_segmented_decode_matches_the_plain_forward_bit_for_bit(mib):
-    """The per-layer segments (what host decode graphs capture), run eagerly: same logits, same counters."""
-    from moestream.runtime.graphs import HostDecodeGraphs
-    plain, plain_stats = _decode_run(lambda eng: eng.decode, moe_cache_mib=mib)
-
-    def segmented(eng):
-        graphs = HostDecodeGraphs(eng, capture=False)
-        return lambda toks: graphs.run(toks, eng.kv.span(max(p for _, _, p in toks) + 1))
-    seg, seg_stats = _decode_run(segmented, moe_cache_mib=mib)
-    assert all(torch.equal(a, b) for a, b in zip(plain, seg))
-    timings = ("sync_s", "host_s", "wait_s")
-    assert ({k: v for k, v in plain_stats.items() if k not in timings}
-            == {k: v for k, v in seg_stats.items() if k not in timings}) and seg_stats["lookahead_tp"] > 0

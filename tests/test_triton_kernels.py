@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-CHECKS = ["experts_one_token", "experts_several_tokens", "experts_shared", "experts_read_through", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
+CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -27,7 +27,7 @@ def close(a, b, tol=1e-5):
     assert err < tol, err
 
 
-def experts(T, k, shared=False):
+def experts(T, k):
     from moestream.kernels.decode import experts_by_address
     from moestream.kernels.reference import AddressBook, experts_by_address_reference
     E, H, I = 12, 64, 40                        # I not a power of two: the masks
@@ -41,10 +41,10 @@ def experts(T, k, shared=False):
     step = rows.stride(0) * rows.element_size()
     addrs = rows.data_ptr() + ids * step
     x, w = torch.randn(T, H, generator=g), torch.softmax(torch.randn(T, k, generator=g), -1)
-    out = experts_by_address(x, addrs, w, I, shared=shared)
+    out = experts_by_address(x, addrs, w, I)
     close(out, experts_by_address_reference(x, addrs, w, I, book=book))
     elsewhere = torch.where((ids % 2 == 0), other.data_ptr() + ids * step, addrs)     # as a cache places them
-    assert torch.equal(experts_by_address(x, elsewhere, w, I, shared=shared), out)
+    assert torch.equal(experts_by_address(x, elsewhere, w, I), out)
 
 
 def read_through():
@@ -87,10 +87,6 @@ def check(name):
         experts(1, 8)
     elif name == "experts_read_through":
         read_through()
-    elif name == "experts_shared":              # ... each expert read once for all the tokens that chose it
-        experts(5, 4, shared=True)
-        experts(3, 6, shared=True)
-        experts(16, 2, shared=True)
     elif name == "experts_several_tokens":      # several tokens, some choosing the same experts
         experts(5, 4)
         experts(3, 6)

@@ -149,7 +149,7 @@ class RoutingStore(RouteObserver):
         self.counts.view(-1).index_add_(0, idx, torch.ones_like(idx))
 
     def on_route(self, layer: int, ids, guess=None) -> None:
-        if self._owner is not None:          # (host decode graphs report host tensors)
+        if self._owner is not None:
             self._routed.append((layer, ids.to(self.device, non_blocking=True)))
 
     def begin_prompt(self, seq: int) -> None:
@@ -175,3 +175,10 @@ class RoutingStore(RouteObserver):
     def clear_prompts(self) -> None:
         """Every context's prompt counts back to zero (a new cache learns from scratch: reconfigure_cache)."""
         self.prompts = [RoutingStats(self.n_layers, self.n_experts) for _ in range(self.n_seq)]
+
+
+def report_route(observer: RouteObserver | None, layer: int, ids, guess=None) -> None:
+    """Tell `observer`, if any, what a layer routed: ids (T, k), and the guess (T, k) only where it asks for
+    guesses (`wants_guess`). The forward calls this for each MoE layer, zero-copy decode once a step is queued."""
+    if observer is not None:
+        observer.on_route(layer, ids, guess if observer.wants_guess else None)

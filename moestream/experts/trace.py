@@ -24,6 +24,7 @@ from ..errors import UserError
 from .cache import ExpertCache
 from .planner import CachePlanner
 from .prefetch import PrefetchConfig
+from .provider import ExpertWeights
 from .routing import RouteObserver
 
 
@@ -154,8 +155,8 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
         else:
             guess = None
         w = cache.fetch(layer, torch.from_numpy(ids.astype(np.int64)), guess)
-        if not hasattr(w, "slots"):
-            for _ in w:                      # waves load as they are iterated
+        if not isinstance(w, ExpertWeights):
+            for _ in w:                      # Waves: they load as they are iterated
                 pass
         cache.experts_launched(layer)
     if step is not None:

@@ -34,10 +34,10 @@ import time
 import numpy as np
 import torch
 
-from ..models.moe import report_route
 from .planner import CachePlanner
 from .provider import row_addresses
 from .residency import CacheTooSmall
+from .routing import report_route
 from .slots import SlotPool
 from .store import ExpertStore
 
@@ -146,12 +146,12 @@ class ZeroCopyDecode:
             land_staging.numpy()[:] = np.where(land_slots >= 0, self.pool_addr + land_slots * self.row_bytes, 0)
         return Prepared(buffer, ~landed, land_slots, waiting, slot.ravel()[waiting])
 
-    def end_step(self, n_tokens: int, on_route=None) -> None:
-        """The step is queued: report its routing (device views, in stream order), then learn from the previous
-        step's while this one runs."""
+    def end_step(self, n_tokens: int, observer=None) -> None:
+        """The step is queued: report its routing (device views, in stream order) to `observer` (a RouteObserver),
+        then learn from the previous step's while this one runs."""
         n = n_tokens * self.top_k
         for l in self.layers:
-            report_route(on_route, l, self.routed[l, :n].view(n_tokens, self.top_k))
+            report_route(observer, l, self.routed[l, :n].view(n_tokens, self.top_k))
         previous = self._take_pending()
         event = None
         if self.device.is_cuda:          # the whole buffer: contiguous, so the copy stays asynchronous

@@ -31,15 +31,13 @@ def pick_kernel(name: str, device: torch.device, dtype: torch.dtype):
     return experts_reference
 
 
-def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dtype, book: AddressBook,
-                       shared: bool = False):
+def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dtype, book: AddressBook):
     """The kernel of zero-copy decode steps, `fn(x, addrs, weights, inter) -> (T, H)`, or None (decode fetches).
     want None: on where the Triton kernel runs (CUDA, 16-bit weights). On the CPU it can be asked for (the tests
-    do): the plain-torch oracle then reads experts by address through `book`. `shared`: several-token steps read
-    an expert once for every token that chose it (the Triton kernel's option; the oracle computes the same)."""
+    do): the plain-torch oracle then reads experts by address through `book`."""
     from .decode import decode_available, experts_by_address
     if decode_available(device, dtype) and want in (None, True):
-        return functools.partial(experts_by_address, shared=True) if shared else experts_by_address
+        return experts_by_address
     if want and device.type == "cpu":
         return functools.partial(experts_by_address_reference, book=book)
     if want:

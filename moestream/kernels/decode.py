@@ -115,77 +115,6 @@ if triton is not None:
         tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
-    @triton.jit
-    def _gate_up_shared(x_ptr, saddr_ptr, order_ptr, h_ptr, N, H: tl.constexpr, I: tl.constexpr,
-                        K: tl.constexpr, M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Program (p, block of I) over the routed choices sorted by address: the first choice of each expert
-        reads the expert's rows once and computes every choice routed to it (at most M: one per token)."""
-        p = tl.program_id(0)
-        a = tl.load(saddr_ptr + p)
-        lead = (p == 0) | (tl.load(saddr_ptr + p - 1, mask=p > 0, other=0) != a)
-        if lead:
-            mp = p + tl.arange(0, M)
-            mine = (mp < N) & (tl.load(saddr_ptr + mp, mask=mp < N, other=0) == a)       # (M,) this expert's
-            pair = tl.load(order_ptr + mp, mask=mine, other=0)
-            t = pair // K
-            base = a.to(tl.pointer_type(x_ptr.dtype.element_ty))
-            rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-            cols = tl.arange(0, BLOCK_H)
-            rmask = rows < I
-            g = tl.zeros([M, BLOCK_I], dtype=tl.float32)
-            u = tl.zeros([M, BLOCK_I], dtype=tl.float32)
-            for h0 in range(0, H, BLOCK_H):
-                cmask = h0 + cols < H
-                xv = tl.load(x_ptr + t[:, None] * H + h0 + cols[None, :], mask=mine[:, None] & cmask[None, :],
-                             other=0.0).to(tl.float32)                                       # (M, BLOCK_H)
-                m = rmask[:, None] & cmask[None, :]
-                off = rows[:, None] * H + h0 + cols[None, :]
-                wg = tl.load(base + off, mask=m, other=0.0).to(tl.float32)                    # (BLOCK_I, BLOCK_H)
-                wu = tl.load(base + I * H + off, mask=m, other=0.0).to(tl.float32)
-                g += tl.sum(wg[None, :, :] * xv[:, None, :], axis=2)
-                u += tl.sum(wu[None, :, :] * xv[:, None, :], axis=2)
-            hv = g * tl.sigmoid(g) * u
-            tl.store(h_ptr + pair[:, None] * I + rows[None, :], hv.to(h_ptr.dtype.element_ty),
-                     mask=mine[:, None] & rmask[None, :])
-
-    @triton.jit
-    def _down_shared(h_ptr, saddr_ptr, order_ptr, y_ptr, N, H: tl.constexpr, I: tl.constexpr, M: tl.constexpr,
-                     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
-        """Program (p, block of H): the first choice of each expert reads its down rows once and projects every
-        choice routed to it, unweighted, in float32, into y (N, H)."""
-        p = tl.program_id(0)
-        a = tl.load(saddr_ptr + p)
-        lead = (p == 0) | (tl.load(saddr_ptr + p - 1, mask=p > 0, other=0) != a)
-        if lead:
-            mp = p + tl.arange(0, M)
-            mine = (mp < N) & (tl.load(saddr_ptr + mp, mask=mp < N, other=0) == a)
-            pair = tl.load(order_ptr + mp, mask=mine, other=0)
-            base = a.to(tl.pointer_type(h_ptr.dtype.element_ty)) + 2 * I * H
-            rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-            cols = tl.arange(0, BLOCK_I)
-            rmask = rows < H
-            acc = tl.zeros([M, BLOCK_O], dtype=tl.float32)
-            for i0 in range(0, I, BLOCK_I):
-                cmask = i0 + cols < I
-                hv = tl.load(h_ptr + pair[:, None] * I + i0 + cols[None, :], mask=mine[:, None] & cmask[None, :],
-                             other=0.0).to(tl.float32)                                       # (M, BLOCK_I)
-                wd = tl.load(base + rows[:, None] * I + i0 + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                             other=0.0).to(tl.float32)                                       # (BLOCK_O, BLOCK_I)
-                acc += tl.sum(wd[None, :, :] * hv[:, None, :], axis=2)
-            tl.store(y_ptr + pair[:, None] * H + rows[None, :], acc, mask=mine[:, None] & rmask[None, :])
-
-    @triton.jit
-    def _combine(y_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (t, block of H): sum over j of weights[t, j] * y[t k + j], in float32, rounded once."""
-        t = tl.program_id(0)
-        j = tl.arange(0, KP)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = (j < K)[:, None] & (cols < H)[None, :]
-        y = tl.load(y_ptr + (t * K + j)[:, None] * H + cols[None, :], mask=m, other=0.0)
-        w = tl.load(w_ptr + t * K + j, mask=j < K, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * H + cols, tl.sum(y * w[:, None], axis=0).to(out_ptr.dtype.element_ty), mask=cols < H)
-
-
 # Block shapes, fixed: (BLOCK_I, BLOCK_H, warps) of the gate/up launch, (BLOCK_O, BLOCK_I, warps) of the down launch.
 GATE_UP = (2, 2048, 4)          # the fastest of 42 shapes on the H200 (bench/decode_kernel.py --sweep)
 DOWN = (4, 256, 4)
@@ -196,21 +125,17 @@ def _block(n: int, want: int) -> int:
 
 
 def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
-                       landing=None, shared: bool = False, config: tuple = (GATE_UP, DOWN)) -> torch.Tensor:
+                       landing=None, config: tuple = (GATE_UP, DOWN)) -> torch.Tensor:
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
 
     Each choice reads its expert: an expert several tokens of a batch chose is read once per token (so a miss
-    crosses the link once per token that chose it). `shared` (off by default: no gain measured in the server): with
-    several tokens, the choices are sorted by address and each expert is read once for every token that chose it;
-    a third launch sums each token's k outputs.
+    crosses the link once per token that chose it; reading it once for all of them measured no gain).
 
     `landing` (one token only; read-through): (ids (1, k), host (E,), land (R,)): the layer's routed ids, each
     expert's host-row address and R free slots. The choices read from host memory (address == host[id]), in
     choice order, write the bytes they read into the slots (see `landing_slots`), at no extra cost on the link."""
     T, H = x.shape
     k = addrs.shape[1]
-    if shared and T > 1:
-        return _shared(x.contiguous(), addrs, weights.contiguous(), inter)
     (bi, bh, wa), (bo, bi2, wb) = config
     x = x.contiguous()
     addrs = addrs.contiguous()
@@ -234,25 +159,3 @@ def landing_slots(on_host, n_slots: int) -> list[tuple[int, int]]:
     """The kernel's read-through rule, on the host: [(choice j, landing slot i)] for one token's k choices
     (on_host[j]: choice j was read from host memory), in choice order, the first n_slots of them."""
     return [(j, i) for i, j in enumerate([j for j, h in enumerate(on_host) if h][:n_slots])]
-
-
-SHARED = ((2, 256, 4), (4, 128, 4))   # block shapes of the several-token launches (gate/up, down)
-
-
-def _shared(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int) -> torch.Tensor:
-    """Several tokens: the choices sorted by address (stable), each expert's first choice computing all of its."""
-    T, H = x.shape
-    k = addrs.shape[1]
-    N = T * k
-    saddr, order = torch.sort(addrs.reshape(-1), stable=True)
-    M = triton.next_power_of_2(T)
-    (bi, bh, wa), (bo, bi2, wb) = SHARED
-    bi, bh, bo, bi2 = _block(inter, bi), _block(H, bh), _block(H, bo), _block(inter, bi2)
-    h = torch.empty(N, inter, dtype=x.dtype, device=x.device)
-    _gate_up_shared[(N, triton.cdiv(inter, bi))](x, saddr, order, h, N, H, inter, k, M, bi, bh, num_warps=wa)
-    y = torch.empty(N, H, dtype=torch.float32, device=x.device)
-    _down_shared[(N, triton.cdiv(H, bo))](h, saddr, order, y, N, H, inter, M, bo, bi2, num_warps=wb)
-    out = torch.empty_like(x)
-    blk = _block(H, 512)
-    _combine[(T, triton.cdiv(H, blk))](y, weights, out, H, k, triton.next_power_of_2(k), blk, num_warps=4)
-    return out

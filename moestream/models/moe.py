@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..experts.provider import ExpertWeights
+from ..experts.routing import report_route
 from .layers import swiglu
 
 
@@ -30,19 +32,12 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (y * weights.unsqueeze(-1)).sum(dim=1)
 
 
-def report_route(on_route, layer: int, ids, guess=None) -> None:
-    """Tell the route observer (experts/routing.py), if any, what a layer routed: the guess only where it asks for
-    guesses (`wants_guess`)."""
-    if on_route is not None:
-        on_route.on_route(layer, ids, guess if on_route.wants_guess else None)
-
-
-def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, on_route=None,
+def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, observer=None,
               next_routers: tuple = (), fused=None):
     """The router half of the MoE block: (T, k) weights and ids, and the lookahead guesses (or None).
 
-    `on_route` (a RouteObserver), if given, sees each ubatch's routing (for traces and stats), and the next layer's
-    guess too if it has `wants_guess`.
+    `observer` (a RouteObserver, experts/routing.py), if given, sees each ubatch's routing (for traces and stats),
+    and the next layer's guess too if it has `wants_guess`.
     `fused` (kernels.fused, decode steps on CUDA): the softmax, top-k and renormalisation in one kernel.
     Lookahead: `next_routers` are the routers of the MoE layers after this one. Where the provider asks
     (`lookahead_layers`: how many layers ahead), each applied to this layer's input guesses that layer's experts,
@@ -54,10 +49,10 @@ def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
     else:
         weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
     ahead = min(provider.lookahead_layers(layer, x.shape[0]), len(next_routers)) if next_routers else 0
-    traced = bool(next_routers) and on_route is not None and on_route.wants_guess
+    traced = bool(next_routers) and observer is not None and observer.wants_guess
     guesses = tuple(torch.topk(F.linear(x, r), cfg.n_experts_used, dim=-1).indices
                     for r in next_routers[:max(ahead, int(traced))])
-    report_route(on_route, layer, ids, guesses[0] if guesses else None)
+    report_route(observer, layer, ids, guesses[0] if guesses else None)
     return weights, ids, guesses[:ahead] or None       # a guess made only for the trace is not the provider's
 
 
@@ -70,7 +65,7 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
         out = by_address(x, provider.addresses(layer, ids), weights, cfg.moe_intermediate_size, land)
         return _shared(x, lw, cfg, out)
     w = provider.fetch(layer, ids, guess)
-    if hasattr(w, "slots"):
+    if isinstance(w, ExpertWeights):
         y = kernel(x, w.slots, w.w13, w.w2)                              # (T, k, H)
     else:
         # Waves (a pool smaller than this ubatch's routed set): each wave computes its experts' rows, in the
@@ -92,7 +87,7 @@ def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor) -> t
 
 
 def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel,
-              on_route=None, next_routers: tuple = ()) -> torch.Tensor:
+              observer=None, next_routers: tuple = ()) -> torch.Tensor:
     """x (T, H) -> (T, H): router, then experts."""
-    weights, ids, guess = moe_route(x, lw, layer, cfg, provider, on_route, next_routers)
+    weights, ids, guess = moe_route(x, lw, layer, cfg, provider, observer, next_routers)
     return moe_experts(x, lw, layer, cfg, provider, kernel, weights, ids, guess)

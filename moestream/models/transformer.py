@@ -1,6 +1,7 @@
 """The decoder of every supported family, as math: the families differ only in ModelConfig's flags.
 
     model = MoETransformer(cfg, weights, rope=(cos, sin))       # weights: canonical name -> tensor, on device
+    batch = Batch.make(segments, tokens, device, observer=observers)     # what changes per forward travels here
     logits = model.forward(batch, kv, experts, kernel)          # (R, V) float32 for batch.out_rows
 
 Qwen3-MoE: per-head QK-norm. Qwen2-MoE: q/k/v biases and a sigmoid-gated shared expert. OLMoE: QK-norm over the
@@ -37,11 +38,14 @@ class Batch:
     positions: torch.Tensor        # (T,) int64: each token's position
     out_rows: torch.Tensor         # (R,) int64: the rows whose logits are wanted
     kv_len: int | None = None      # decode: keys attended, masked past each token's position (None: the context)
-    decode_step: bool = False      # a decode step (not a one-token prompt): its experts may be read by address
+    # What the caller decides per forward (runtime/decode.py for decode steps); the model reads, never keeps them.
+    by_address: object = None      # zero-copy decode step: fn(x, addrs, weights, inter, landing) -> (T, H)
+    fused: object = None           # kernels.fused for a decode step on CUDA: norms, rotary, cache writes, top-k
+    observer: object = None        # a RouteObserver (experts/routing.py) told each MoE layer's routing, or None
 
     @staticmethod
     def make(segments: list[Segment], tokens: list[int], device, all_logits: bool = False,
-             kv_len: int | None = None, decode_step: bool = False) -> "Batch":
+             kv_len: int | None = None, by_address=None, fused=None, observer=None) -> "Batch":
         seq_ids, pos, last = [], [], []
         for s in segments:
             seq_ids += [s.seq] * s.n
@@ -53,7 +57,8 @@ class Batch:
             host = host.pin_memory()
         flat = host.to(device, non_blocking=True)
         T = len(tokens)
-        return Batch(flat[:T], segments, flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:], kv_len, decode_step)
+        return Batch(flat[:T], segments, flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:], kv_len, by_address, fused,
+                     observer)
 
     @property
     def is_decode(self) -> bool:
@@ -74,10 +79,6 @@ class MoETransformer:
                     lw[f"attn_qkv.{kind}"] = torch.cat(parts)
         self.cos, self.sin = rope                                            # (P, hd) float32 each
         self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
-        self.on_route = None            # callback(layer, ids, guess) for routing traces and statistics
-        self.decode_kernel = None       # zero-copy decode: fn(x, addrs, weights, inter) for decode steps
-        self.decode_max_tokens = 0      # ... of at most this many tokens
-        self.fused = None               # kernels.fused, for decode steps of at most decode_max_tokens (CUDA)
         if cfg.qk_norm == "head":       # the fused decode kernel takes both head norms' weights in one tensor
             for lw in self.layers:
                 lw["attn_qk_norm.weight"] = torch.cat([lw["attn_q_norm.weight"], lw["attn_k_norm.weight"]])
@@ -86,24 +87,11 @@ class MoETransformer:
                              for i, a in enumerate(moe)}
 
     def forward(self, batch: Batch, kv, experts, kernel) -> torch.Tensor:
-        """(R, V) float32 logits of batch.out_rows."""
-        steps = self.forward_steps(batch, kv, experts, kernel)
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-        raise AssertionError("a forward with no split layers does not pause")
-
-    def forward_steps(self, batch: Batch, kv, experts, kernel, split=frozenset()):
-        """The forward as a generator that pauses after the router of each MoE layer in `split`, yielding
-        (layer, ids, guess), so a caller can do host work (the expert cache's decisions) between device segments;
-        the logits are its return value. Each segment between pauses can then be a captured CUDA graph."""
+        """(R, V) float32 logits of batch.out_rows. The batch says how its experts are read (fetched through
+        `experts` and run by `kernel`, or, a zero-copy decode step, `batch.by_address`), whether the fused decode
+        ops run (`batch.fused`) and who sees the routing (`batch.observer`)."""
         cfg = self.cfg
-        # Zero-copy expert reads only in decode steps: the engine writes the providers' address tables around
-        # those (a one-token prompt chunk has the shape of a decode step but not its tables).
-        small = batch.decode_step and batch.is_decode and len(batch.segments) <= self.decode_max_tokens
-        by_address = self.decode_kernel if small else None
-        fused = self.fused if small else None
+        by_address, fused = batch.by_address, batch.fused
         h = self.w["token_embd.weight"][batch.tokens]                        # (T, H)
         cos = self.cos[batch.positions].to(h.dtype)                          # (T, hd)
         sin = self.sin[batch.positions].to(h.dtype)
@@ -119,9 +107,7 @@ class MoETransformer:
             if i in cfg.dense_layers:
                 delta = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
             else:
-                weights, ids, guess = moe_route(m, lw, i, cfg, experts, self.on_route, self.next_routers[i], fused)
-                if i in split:
-                    yield i, ids, guess
+                weights, ids, guess = moe_route(m, lw, i, cfg, experts, batch.observer, self.next_routers[i], fused)
                 delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address)
         h = h + delta
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)

@@ -8,7 +8,8 @@
 
 Attention, norms, routers, embeddings and the KV cache live on the device; routed experts live on the device or,
 for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an expert provider. On CUDA a decode step
-reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and runs as one CUDA graph.
+reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and runs as one CUDA graph; the decode
+path is chosen once, at setup (runtime/decode.py).
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ from ..experts.cache import ExpertCache
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
 from ..experts.store import ExpertStore, fill_layer
-from ..kernels import AddressBook, experts_reference, pick_decode_kernel, pick_kernel
+from ..kernels import AddressBook, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
 from ..models.layers import rope_tables
 from ..models.names import dense_names
 from ..models.transformer import Batch, MoETransformer, Segment
+from .decode import EagerDecode, choose_decode
 from .kv_cache import KVCache
 
 log = logging.getLogger("moestream")
@@ -52,17 +54,15 @@ class Engine:
         self.routing = routing if routing is not None else RoutingStore(cfg.n_layers, cfg.n_experts, kv.n_seq,
                                                                          device.torch)
         self.observers = RouteObservers([self.routing])   # routing traces and statistics (experts/routing.py)
-        model.on_route = self.observers
-        # Zero-copy decode: decode steps of up to MAX_TOKENS tokens read each expert where it lies, on every
-        # placement alike (so a cached decode gives the all-GPU bits).
-        model.decode_kernel = pick_decode_kernel(ecfg.decode.zero_copy, device.torch, self.dtype, self.book,
-                                                 False)   # TODO(decode paths): shared reads are gone
-        model.decode_max_tokens = MAX_TOKENS
+        # The kernels of decode steps of up to MAX_TOKENS tokens, which the decode path puts on each step's batch
+        # (the model is not changed after load). Zero-copy decode reads each expert where it lies, on every
+        # placement alike (so a cached decode gives the all-GPU bits); None: decode steps fetch their experts.
+        self.decode_kernel = pick_decode_kernel(ecfg.decode.zero_copy, device.torch, self.dtype, self.book)
         from ..kernels import fused
-        if fused.fused_available(device.torch, self.dtype, cfg.head_dim):
-            model.fused = fused             # decode steps: norms, rotary, cache writes and top-k fused
-        self.graphs = self.host_graphs = None
-        self._setup_host_graphs()
+        # Norms, rotary, cache writes and top-k fused (CUDA), in every decode path alike: the same bits.
+        self.fused = fused if fused.fused_available(device.torch, self.dtype, cfg.head_dim) else None
+        self.eager = EagerDecode(self)      # the plain path; also every step the chosen path does not take
+        self._setup_decode()
 
     # --- loading -------------------------------------------------------------------------------------------
     @staticmethod
@@ -131,11 +131,17 @@ class Engine:
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False,
-                is_prompt: bool = False, kv_len: int | None = None, decode_step: bool = False) -> torch.Tensor:
+                is_prompt: bool = False, kv_len: int | None = None, by_address=None, fused=None,
+                observed: bool = True) -> torch.Tensor:
+        """One eager forward. by_address, fused: a decode step's kernels (runtime/decode.py). observed: the route
+        observers see its routing (in a zero-copy step with host experts the provider reports it instead)."""
+        seq, n = segments[0].seq, len(tokens)
         if self.host is not None:
-            self.host.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
-        self.observers.begin_ubatch(segments[0].seq, len(tokens), is_prompt)
-        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, decode_step)
+            self.host.begin_ubatch(seq, n, is_prompt)
+        observer = self.observers if observed else None
+        if observer is not None:
+            observer.begin_ubatch(seq, n, is_prompt)
+        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer)
         return self.model.forward(batch, self.kv, self.experts, self.kernel)
 
     def check_context(self, n_tokens: int) -> None:
@@ -162,48 +168,14 @@ class Engine:
         for _, _, pos in steps:
             self.check_context(pos + 1)
         span = self.kv.span(max(p for _, _, p in steps) + 1)
-        if self.model.decode_kernel is not None and len(steps) <= MAX_TOKENS:
-            return self._zero_copy_decode(steps, span)
-        if self.graphs is not None and self.host is None:
-            with torch.inference_mode():
-                return self.graphs.run(steps, span)
-        if self.host_graphs is not None and len(steps) * self.cfg.n_experts_used <= self.host.min_region:
-            return self.host_graphs.run(steps, span)
-        return self._eager_decode(steps, span)
-
-    def _eager_decode(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
-        """A decode step as one eager forward: a decode step's batch (the fused kernels, as the graphs of every
-        placement run them; zero-copy reads where the model has them)."""
-        return self.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
-                            decode_step=True)
-
-    @torch.inference_mode()
-    def _zero_copy_decode(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
-        """A decode step that reads experts where they lie: one graph (or eager forward), no host step inside; the
-        host provider writes its address table before and learns from the routing after (experts/zero_copy.py)."""
-        host, on_route = self.host, self.model.on_route
-        if host is not None:
-            host.begin_decode_step()
-            self.model.on_route = None       # the provider reports the step's routing once it is queued
-            on_route.begin_ubatch(steps[0][0], len(steps), False)
-        try:
-            if self.graphs is not None:
-                if host is not None:             # as the eager forward tells it (the cache's clock and state)
-                    host.begin_ubatch(steps[0][0], len(steps), False)
-                logits = self.graphs.run(steps, span)
-            else:
-                logits = self._eager_decode(steps, span)
-        finally:
-            self.model.on_route = on_route
-        if host is not None:
-            host.end_decode_step(len(steps), on_route)
-        return logits
+        path = self.decoder if self.decoder.takes(len(steps)) else self.eager
+        return path.run(steps, span)
 
     @property
     def reports_decode_routing(self) -> bool:
-        """Whether decode steps report their routing to model.on_route: eager forwards and steps with host experts
-        do (zero-copy steps once queued, host decode graphs between segments); a replayed all-GPU graph does not."""
-        return self.graphs is None or self.host is not None
+        """Whether decode steps report their routing to the route observers: eager forwards and steps with host
+        experts do (zero-copy steps once queued); a replayed all-GPU graph does not."""
+        return self.decoder.reports_routing
 
     def begin_prompt(self, seq: int = 0) -> None:
         """Start the per-prompt counters (a prompt and the decode that follows it) and the context's routing
@@ -258,24 +230,16 @@ class Engine:
         self.host = _host_provider(self.cfg, ecfg, store, self.device, n_slots, self.routing)
         self.experts.by_layer.update({l: self.host for l in store.rows})
         self.ecfg = ecfg
-        self._setup_host_graphs()
+        self._setup_decode()
 
-    def _setup_host_graphs(self) -> None:
-        """Decode graphs: one per step (every expert on the GPU, or zero-copy decode) or, with a cache on CUDA and
-        no zero-copy decode (or batches larger than it takes), captured per-layer segments (unless
-        --no-host-decode-graphs). A new cache gets new graphs: they read its tables."""
+    def _setup_decode(self) -> None:
+        """Choose the decode path (runtime/decode.py), with a cache's zero-copy decode under it. A new cache gets a
+        new path: its graphs read the new cache's tables."""
         if isinstance(self.host, ExpertCache):
             self.book.add(self.host.pool)
-            if self.model.decode_kernel is not None:
+            if self.decode_kernel is not None:
                 self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.read_through)
-        self.graphs = self.host_graphs = None
-        if not (self.ecfg.decode.cuda_graphs and self.device.is_cuda and self.kernel is not experts_reference):
-            return
-        from .graphs import DecodeGraphs, HostDecodeGraphs
-        if self.host is None or self.model.decode_kernel is not None:
-            self.graphs = DecodeGraphs(self)
-        if isinstance(self.host, ExpertCache):      # TODO(decode paths): always, --no-host-decode-graphs is gone
-            self.host_graphs = HostDecodeGraphs(self)
+        self.decoder = choose_decode(self)
 
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
         """Change -b/-ub without reloading (they change how prompts are cut, not where weights live)."""

@@ -208,7 +208,7 @@ class Scheduler:
     def _warm_up(self) -> None:
         """Capture the CUDA graphs of every decode batch size and span now rather than in the middle of serving (a
         capture stalls every running request). The steps write positions no request has yet."""
-        if self.engine.graphs is None and self.engine.host_graphs is None:
+        if not self.engine.decoder.captures:
             return
         try:
             for span in self.engine.kv.spans():             # each decode span, written at its last position
