@@ -110,7 +110,7 @@ server() {
 
 profile() {
   reference 5
-  timeout 160 python3 bench/prompt_timeline.py $REF "$OUT" -ub 4096,2048 --cprofile 2>&1 | grep -v "^USDT\|[Ww]arn" \
+  timeout 160 python3 bench/prompt_timeline.py $REF "$OUT" -ub 4096,2048 --cprofile 2>&1 | grep -v "^USDT\|UserWarning" \
     | tee "$OUT/timeline.txt"
   timeout 100 python3 bench/decode_steps.py $REF 2>&1 | tee "$OUT/decode_steps.md"
   timeout 130 python3 bench/decode_steps.py $REF --cpu-moe --moe-cache-mib 16000,24000 --cprofile 2>&1 \
