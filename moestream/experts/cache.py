@@ -113,8 +113,8 @@ class ExpertCache(ExpertProvider):
     def begin_decode_step(self) -> None:
         self.zero_copy.begin_step()
 
-    def end_decode_step(self, n_tokens: int, on_route=None) -> None:
-        self.zero_copy.end_step(n_tokens, on_route)
+    def end_decode_step(self, n_tokens: int, observer=None) -> None:
+        self.zero_copy.end_step(n_tokens, observer)
 
     def flush_decode(self) -> None:
         if self.zero_copy is not None:

@@ -68,7 +68,7 @@ class ExpertProvider:
     def begin_decode_step(self) -> None:
         pass
 
-    def end_decode_step(self, n_tokens: int, on_route=None) -> None:
+    def end_decode_step(self, n_tokens: int, observer=None) -> None:
         pass
 
     def flush_decode(self) -> None:
@@ -113,7 +113,7 @@ class UploadPerUbatch(ExpertProvider):
         """Zero-copy decode with no cache: every routed expert is read from host memory, in place."""
         return self.addr[layer][ids]
 
-    def end_decode_step(self, n_tokens: int, on_route=None) -> None:
+    def end_decode_step(self, n_tokens: int, observer=None) -> None:
         """Every routed choice of every host layer crossed the link (counted without reading the routing back)."""
         reads = n_tokens * self.top_k
         for l in self.store.rows:
