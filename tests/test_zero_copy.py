@@ -404,8 +404,9 @@ def test_the_decode_path_is_chosen_once_from_the_placement():
     from moestream.runtime.decode import EagerDecode, GraphDecode, choose_decode
 
     def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object()):
-        eng = types.SimpleNamespace(ecfg=types.SimpleNamespace(cuda_graphs=graphs), device=types.SimpleNamespace(
-            is_cuda=cuda), kernel=kernel, host=host, decode_kernel=object() if zero_copy else None)
+        ecfg = types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=graphs))
+        eng = types.SimpleNamespace(ecfg=ecfg, device=types.SimpleNamespace(is_cuda=cuda), kernel=kernel, host=host,
+                                    decode_kernel=object() if zero_copy else None)
         return choose_decode(eng)
     for p in (path(), path(zero_copy=False)):                  # every expert on the GPU: every step is a graph
         assert isinstance(p, GraphDecode) and p.captures and p.takes(MAX_TOKENS + 1) and not p.reports_routing
