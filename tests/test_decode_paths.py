@@ -1,0 +1,125 @@
+"""The decode paths (runtime/decode.py): which one a placement gets, what each step's batch carries (the fused
+kernels, the zero-copy expert kernel), and what they report to the route observers."""
+from __future__ import annotations
+
+import torch
+
+from moestream import LLM
+from moestream.kernels.reference import experts_reference
+
+KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True)
+PROMPTS = ["Once upon a time", "The capital of France is"]
+
+
+def test_which_families_take_the_fused_decode_attention(checkpoint):
+    """Per-head QK-norm or none, no clipping: every family but OLMoE (whole-projection norm, clip_qkv)."""
+    family, path, _ = checkpoint
+    model = LLM(path, ctx_size=64, device="cpu").engine.model
+    assert model._fuses_attention(object()) == (family != "olmoe")
+    assert not model._fuses_attention(None)
+
+
+def _stand_in_fused(calls: list):
+    """The fused kernels OLMoE uses (add + RMSNorm, softmax + top-k) as plain torch with the eager ops' math: the
+    Triton ones run only on CUDA. Each call is counted in `calls`."""
+    import types
+    from moestream.models.layers import rms_norm
+
+    def add_rms_norm(h, delta, w, eps):
+        calls.append("add_rms_norm")
+        h = h + delta
+        return h, rms_norm(h, w, eps)
+
+    def route_topk(logits, k, renorm, dtype):
+        calls.append("route_topk")
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if renorm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(dtype), ids
+    return types.SimpleNamespace(add_rms_norm=add_rms_norm, route_topk=route_topk)
+
+
+def test_a_family_the_fused_attention_does_not_take_still_decodes(tmp_path):
+    """OLMoE keeps eager attention in a fused decode step, and gets its mask. The fused kernels are Triton (CUDA):
+    here stand-ins with the eager ops' math take the place of the ones OLMoE uses."""
+    from conftest import write_checkpoint
+    write_checkpoint("olmoe", str(tmp_path))
+
+    def run(fused):
+        llm = LLM(str(tmp_path), ctx_size=64, device="cpu", zero_copy_decode=True)
+        if fused:
+            llm.engine.fused = _stand_in_fused([])
+        return llm.generate(list(range(3, 15)), max_tokens=8, ignore_eos=True).token_ids
+    assert run(True) == run(False)
+
+
+def test_every_decode_path_takes_the_fused_kernels(tmp_path):
+    """Decode steps of up to MAX_TOKENS tokens run the fused kernels on every path: the eager step that fetches its
+    experts (through the cache, or all on the device) and the zero-copy step (eager here, a graph on CUDA), so the
+    placements give the same bits (on CUDA the fused ones differ from the unfused ones in the last bits). Prompt
+    ubatches and longer steps run none."""
+    from conftest import write_checkpoint
+    from moestream.kernels.decode import MAX_TOKENS
+    write_checkpoint("olmoe", str(tmp_path))
+
+    def run(**kw):
+        llm = LLM(str(tmp_path), ctx_size=64, device="cpu", n_seq=MAX_TOKENS + 1, **kw)
+        eng, calls = llm.engine, []
+        eng.fused = _stand_in_fused(calls)
+        tok, outs = int(eng.prefill(0, list(range(3, 15)))[-1].argmax()), []
+        assert not calls                            # a prompt ubatch runs no fused kernel
+        for pos in range(12, 18):
+            lg = eng.decode([(0, tok, pos)])
+            outs.append(lg.clone())
+            tok = int(lg[0].argmax())
+        n = len(calls)
+        eng.decode([(s, tok, 18) for s in range(MAX_TOKENS + 1)])
+        assert len(calls) == n                      # a step longer than MAX_TOKENS tokens runs none either
+        return outs, n
+    (cached, n_cached), (dev, n_dev) = run(cpu_moe=True, moe_cache_mib=1, zero_copy_decode=False), run()
+    _, n_zero_copy = run(cpu_moe=True, moe_cache_mib=1, zero_copy_decode=True)
+    assert n_cached == n_dev == n_zero_copy > 0
+    assert all(torch.equal(a, b) for a, b in zip(cached, dev))
+
+
+def test_the_decode_path_is_chosen_once_from_the_placement():
+    """GraphDecode where a step holds no host step (every expert on the GPU, or zero-copy decode), on CUDA with
+    graphs on and a kernel with no host sync; EagerDecode otherwise. With host experts the graphs take zero-copy
+    steps only (the engine's eager path runs longer ones) and report their routing through the provider."""
+    import types
+    from moestream.kernels.decode import MAX_TOKENS
+    from moestream.runtime.decode import EagerDecode, GraphDecode, choose_decode
+
+    def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object()):
+        ecfg = types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=graphs))
+        eng = types.SimpleNamespace(ecfg=ecfg, device=types.SimpleNamespace(is_cuda=cuda), kernel=kernel, host=host,
+                                    decode_kernel=object() if zero_copy else None)
+        return choose_decode(eng)
+    for p in (path(), path(zero_copy=False)):                  # every expert on the GPU: every step is a graph
+        assert isinstance(p, GraphDecode) and p.captures and p.takes(MAX_TOKENS + 1) and not p.reports_routing
+    p = path(host=object())
+    assert isinstance(p, GraphDecode) and p.takes(MAX_TOKENS) and not p.takes(MAX_TOKENS + 1) and p.reports_routing
+    for p in (path(host=object(), zero_copy=False), path(cuda=False), path(graphs=False),
+              path(kernel=experts_reference)):
+        assert isinstance(p, EagerDecode) and not p.captures and p.takes(MAX_TOKENS + 1) and p.reports_routing
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=2)
+    llm.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)
+    assert isinstance(llm.engine.decoder, EagerDecode) and llm.engine.reports_decode_routing
+    kept = set(vars(llm.engine.model))                        # decoding changes nothing on the model
+    llm.generate(PROMPTS[1], max_tokens=4, ignore_eos=True)
+    assert set(vars(llm.engine.model)) == kept and not kept & {"on_route", "decode_kernel", "fused"}
+
+
+def test_a_zero_copy_step_is_one_ubatch_of_the_trace():
+    """The route observers hear of each zero-copy decode step once (begin_ubatch), then its routing once queued."""
+    from moestream.experts.trace import TraceRecorder
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=3)
+    cfg, eng = llm.model_config, llm.engine
+    rec = TraceRecorder(cfg.n_layers, cfg.n_experts, eng.host.store.expert_bytes)
+    eng.observe(rec)
+    eng.prefill(0, list(range(5, 15)))
+    for pos in range(10, 13):
+        eng.decode([(0, 3, pos)])
+    assert [u[:3] for u in rec.ubatches] == [[0, 10, 1]] + [[0, 1, 0]] * 3
+    assert rec.ubatch_of[-len(cfg.moe_layers):] == [3] * len(cfg.moe_layers)
