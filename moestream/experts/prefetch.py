@@ -1,4 +1,4 @@
-"""Routing statistics and the prompt-path prefetch rules (DESIGN.md, "The prompt-path rules").
+"""Routing statistics and the prompt-path prefetch rules (docs/ARCHITECTURE.md, "The prompt path").
 
     stats = RoutingStats(n_layers, n_experts)          # one per context: RoutingStore.prompts (routing.py)
     stats.begin_prompt()                               # the current prompt becomes the previous one

@@ -9,7 +9,7 @@ Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float3
 Every tensor comes from its own generator seeded with crc32 of (seed, its canonical name), and every expert with
 crc32 of (seed, layer, expert), so a tensor does not depend on which others were made before it: a loader may read them
 in any order, or only some of them, and still get the same model. Weights are normal(0, fan_in**-0.5) drawn in
-float32 and then cast, as in bench/make_reference_gguf.py; norm weights are 1 + 0.1 * normal, so that a model
+float32 and then cast; norm weights are 1 + 0.1 * normal, so that a model
 which ignored its norm weights would not pass a test by luck.
 """
 from __future__ import annotations

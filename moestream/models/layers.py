@@ -81,8 +81,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # cuDNN's attention is left out: on the H200 its decode-shaped calls (one query against a masked context) gave
-# different bits from run to run (bench/probe.py: two greedy hashes alternating over identical runs, none with it
-# off), and PyTorch leaves it out of its deterministic algorithms. Flash, memory-efficient and math are.
+# different bits from run to run (bench/probe.py, since deleted, in git history at a5d4676: two greedy hashes
+# alternating over identical runs, none with it off), and PyTorch leaves it out of its deterministic algorithms.
+# Flash, memory-efficient and math are.
 DETERMINISTIC_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
