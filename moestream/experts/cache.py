@@ -59,11 +59,6 @@ class ExpertCache(ExpertProvider):
     def n_slots(self) -> int:
         return self.residency.n_slots
 
-    @property
-    def min_region(self) -> int:
-        """The fewest slots any host layer can use (a decode step's routed experts must fit without waves)."""
-        return min(self.residency.region_size(l) for l in self.layers)
-
     def _in_place(self, n_tokens: int) -> bool:
         """Whether a decode step of n_tokens reads its experts in place (zero-copy) instead of fetching them."""
         return self.zero_copy is not None and n_tokens <= self.zero_copy.max_tokens
@@ -96,9 +91,6 @@ class ExpertCache(ExpertProvider):
 
     def table(self, layer: int):
         return self.slots.table(layer)
-
-    def upload_table(self, layer: int, table, out=None):
-        return self.slots.upload_table(layer, table, out)
 
     def layer_weights(self, layer: int):
         return self.slots.layer_weights(layer)

@@ -146,13 +146,12 @@ class SlotPool:
         t[t >= 0] -= self.views[layer][2]
         return t
 
-    def upload_table(self, layer: int, table: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's slot table (E,) on the device (into `out`, or a new tensor), through pinned staging: a copy
-        from pageable memory would wait for the compute stream. Call after this layer's host sync: the staging's
-        last copy was queued before it, so it is free again."""
+    def upload_table(self, layer: int, table: np.ndarray) -> torch.Tensor:
+        """The layer's slot table (E,) on the device, through pinned staging: a copy from pageable memory would wait
+        for the compute stream. Call after this layer's host sync: the staging's last copy was queued before it, so
+        it is free again."""
         self.lut_host[layer].numpy()[:] = table
-        if out is None:
-            out = torch.empty(self.n_experts, dtype=torch.int64, device=self.device.torch)
+        out = torch.empty(self.n_experts, dtype=torch.int64, device=self.device.torch)
         return out.copy_(self.lut_host[layer], non_blocking=True)
 
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
