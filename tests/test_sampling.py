@@ -137,6 +137,7 @@ def test_large_vocabulary_and_other_dtypes():
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_greedy_and_sampling_stay_on_the_device():
     logits = torch.randn(8, 5000, generator=torch.Generator().manual_seed(6))
     cuda = logits.cuda()
