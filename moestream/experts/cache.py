@@ -89,12 +89,6 @@ class ExpertCache(ExpertProvider):
     def experts_launched(self, layer: int) -> None:
         self.prompt.experts_launched(layer)
 
-    def table(self, layer: int):
-        return self.slots.table(layer)
-
-    def layer_weights(self, layer: int):
-        return self.slots.layer_weights(layer)
-
     # --- zero-copy decode (experts/zero_copy.py) ---------------------------------------------------------------
     def addresses(self, layer: int, ids):
         return self.zero_copy.addresses(layer, ids)
