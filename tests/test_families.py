@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from moestream.config import ModelConfig
 from moestream.errors import UserError
-from moestream.loading.gguf import GGUFSource, write_gguf
+from moestream.loading.gguf import GGUFSource
+from moestream.loading.gguf_write import write_gguf
 from moestream.loading.hf import HFSource, hf_names, write_hf
 from moestream.loading.synth import SynthSource
 from moestream.models.families import FAMILIES

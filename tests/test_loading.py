@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import write_checkpoint
 from moestream.errors import UserError
-from moestream.loading.gguf import GGUFSource, write_gguf
+from moestream.loading.gguf import GGUFSource
+from moestream.loading.gguf_write import write_gguf
 from moestream.loading.hf import HFSource, hf_names, write_hf
 from moestream.loading.source import open_source
 from moestream.loading.synth import SynthSource

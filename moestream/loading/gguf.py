@@ -1,8 +1,7 @@
-"""GGUF files: read memory-mapped with gguf.GGUFReader, written tensor by tensor with gguf.GGUFWriter.
+"""GGUF files: read memory-mapped with gguf.GGUFReader, written by gguf_write.py.
 
     src = GGUFSource("Qwen3-30B-A3B-BF16.gguf")    # maps the file; reads metadata, no weights
     gate, up, down = src.expert(0, 3)               # slices expert 3 out of blk.0.ffn_{gate,up,down}_exps
-    write_gguf(SynthSource.from_spec("tiny"), "tiny.gguf", dtype="bfloat16")
 
 GGUF names are moestream's canonical names already. Experts are stored stacked per layer, (E, I, H) in torch
 order; expert() converts only its own slice of the mapped stack, so loading never holds a layer's stack twice.
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import gguf
 from gguf import GGMLQuantizationType as Q
@@ -26,8 +24,8 @@ from gguf import GGUFValueType
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..models.families import BY_GGUF_ARCH, FAMILIES
-from ..models.names import EXPERT_STACKS, canonical_shape, dense_names
+from ..models.families import BY_GGUF_ARCH
+from ..models.names import EXPERT_STACKS
 
 LOADABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
 # HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
@@ -186,175 +184,3 @@ class GGUFSource:
             out.append(_to_torch(t.data[e], t.tensor_type))   # (I, H) or (H, I) of the (E, ., .) map
         return out[0], out[1], out[2]
 
-
-# --- writing -------------------------------------------------------------------------------------------------
-# dtype name -> (the torch dtype tensors are cast to before conversion, the GGUF type written)
-GGUF_DTYPES = {"float32": (torch.float32, Q.F32), "float16": (torch.float16, Q.F16),
-               "bfloat16": (torch.bfloat16, Q.BF16), "q8_0": (torch.float32, Q.Q8_0)}
-FILE_TYPE = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
-             Q.BF16: gguf.LlamaFileType.MOSTLY_BF16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
-
-
-def _add_kv(w: gguf.GGUFWriter, key: str, v) -> None:
-    """One metadata value with the types llama.cpp expects: ids as uint32, floats as float32."""
-    if isinstance(v, bool):
-        w.add_bool(key, v)
-    elif isinstance(v, int):
-        w.add_uint32(key, v)
-    elif isinstance(v, float):
-        w.add_float32(key, v)
-    elif isinstance(v, str):
-        w.add_string(key, v)
-    elif isinstance(v, (list, tuple)) and v:
-        w.add_array(key, list(v))
-
-
-def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, qtype: Q, tokenizer) -> None:
-    w.add_block_count(cfg.n_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size or cfg.moe_intermediate_size)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.n_experts)
-    w.add_expert_used_count(cfg.n_experts_used)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_weights_norm(cfg.norm_topk_prob)
-    if cfg.shared_expert_intermediate_size:
-        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if cfg.clip_qkv is not None:
-        w.add_clamp_kqv(cfg.clip_qkv)
-    if cfg.rope:
-        if cfg.rope_type not in ("linear", "yarn"):
-            raise UserError(f"GGUF has no rope scaling type {cfg.rope_type!r} (only linear and yarn); "
-                            "export this model as a Hugging Face directory instead")
-        w.add_string(f"{w.arch}.rope.scaling.type", cfg.rope_type)
-        for k, v in cfg.rope.items():
-            if k not in ("type", "rope_type"):
-                _add_kv(w, f"{w.arch}.rope.scaling.{ROPE_KEYS.get(k, k)}", v)
-    w.add_file_type(FILE_TYPE[qtype])
-    w.add_vocab_size(cfg.vocab_size)
-    fields = {"tokenizer.ggml.model": "none"} if tokenizer is None else dict(tokenizer.gguf_fields())
-    # The config's ids win over the tokenizer's: they are what the model was configured to stop on.
-    if cfg.bos_token_id is not None:
-        fields["tokenizer.ggml.bos_token_id"] = cfg.bos_token_id
-    if cfg.eos_token_ids:
-        fields["tokenizer.ggml.eos_token_id"] = cfg.eos_token_ids[0]
-        fields[EOS_IDS_KEY] = list(cfg.eos_token_ids)
-    for k, v in fields.items():
-        _add_kv(w, k, v)
-
-
-def _plan(cfg: ModelConfig):
-    """(name, torch shape) of every GGUF tensor in file order: the globals, then each layer with its stacks."""
-    E, inter, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    names = dense_names(cfg)
-    plan = [(n, canonical_shape(cfg, n)) for n in names if not n.startswith("blk.")]
-    for i in range(cfg.n_layers):
-        plan += [(n, canonical_shape(cfg, n)) for n in names if n.startswith(f"blk.{i}.")]
-        if i in cfg.moe_layers:
-            plan += [(f"blk.{i}.ffn_gate_exps.weight", (E, inter, H)), (f"blk.{i}.ffn_up_exps.weight", (E, inter, H)),
-                     (f"blk.{i}.ffn_down_exps.weight", (E, H, inter))]
-    return plan
-
-
-def _add_tensor_info(w: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtype: Q) -> None:
-    if qtype in (Q.F32, Q.F16):
-        np_dtype = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
-        w.add_tensor_info(name, shape, np_dtype, int(np.prod(shape)) * np_dtype.itemsize)
-        return
-    # BF16 and Q8_0 have no numpy type: their bytes go in as uint8 rows, as make_reference_gguf.py writes BF16.
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if shape[-1] % block:
-        raise UserError(f"tensor {name} {shape}: rows of {shape[-1]} are not whole {qtype.name} blocks of {block}; "
-                        "write this model as float16 or bfloat16")
-    byte_shape = (*shape[:-1], shape[-1] // block * type_size)
-    w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
-
-
-def _to_numpy(t: torch.Tensor, qtype: Q) -> np.ndarray:
-    if qtype == Q.BF16:
-        return t.contiguous().view(torch.int16).numpy().view(np.uint8)
-    if qtype == Q.Q8_0:
-        return gguf.quants.quantize(t.float().numpy(), Q.Q8_0)
-    return t.contiguous().numpy()
-
-
-def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: bool = False) -> Path:
-    """Write `source` as one GGUF file, streaming tensor by tensor (a layer's expert stacks at a time).
-
-    dtype: auto (the source's), float32, float16, bfloat16 or q8_0 (numpy quantization: slow on
-    big models). 1-D tensors (norms, biases) are always F32, as llama.cpp's converters write them.
-    """
-    cfg = source.config
-    arch = FAMILIES[cfg.family].gguf_arch
-    if arch is None:
-        raise UserError(f"GGUF export of {cfg.family} is not supported yet; export a Hugging Face directory")
-    if dtype == "auto":       # the dtype of a small 2-D tensor every family has (token_embd is big to make)
-        probe = source.tensor("blk.0.attn_q.weight").dtype
-        dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(probe, "float32")
-    if dtype not in GGUF_DTYPES:
-        raise UserError(f"GGUF dtype must be auto, float32, float16, bfloat16 or q8_0, got {dtype!r}")
-    torch_dtype, qtype = GGUF_DTYPES[dtype]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")      # renamed when complete: no half-written model at `path`
-    w = gguf.GGUFWriter(partial, arch)
-    try:
-        _write(w, source, cfg, qtype, torch_dtype, progress)
-    except BaseException:
-        w.close()
-        partial.unlink(missing_ok=True)
-        raise
-    w.close()
-    partial.replace(path)
-    return path
-
-
-def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, qtype: Q, torch_dtype: torch.dtype, progress: bool):
-    _add_metadata(w, cfg, qtype, source.tokenizer)
-    plan = _plan(cfg)
-    types = {}
-    for name, shape in plan:
-        # llama.cpp stores the shared-expert gate as (H,); 1-D tensors stay F32.
-        shape = shape[1:] if name.endswith("ffn_gate_inp_shexp.weight") else shape
-        types[name] = Q.F32 if len(shape) == 1 else qtype
-        _add_tensor_info(w, name, shape, types[name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-
-    stacks: dict[str, torch.Tensor] = {}
-    for name, shape in tqdm(plan, desc="writing", unit="tensor", disable=not progress):
-        dt = torch.float32 if types[name] == Q.F32 else torch_dtype
-        layer_stack = name.split(".")[2] if name.startswith("blk.") else ""
-        if layer_stack == EXPERT_STACKS[0]:
-            stacks = _expert_stacks(source, int(name.split(".")[1]), shape, dt)
-        if layer_stack in EXPERT_STACKS:
-            t = stacks.pop(layer_stack)
-        else:
-            t = source.tensor(name).to(dt)
-            if tuple(t.shape) != shape:
-                raise UserError(f"tensor {name} has shape {tuple(t.shape)} but the config makes it {shape}: "
-                                "the checkpoint does not match its config")
-            if name.endswith("ffn_gate_inp_shexp.weight"):
-                t = t.reshape(-1)
-        w.write_tensor_data(_to_numpy(t, types[name]))
-
-
-def _expert_stacks(source, layer: int, gate_shape, dtype) -> dict[str, torch.Tensor]:
-    """The layer's three (E, ., .) stacks, filled expert by expert (one layer of experts in memory)."""
-    E, inter, H = gate_shape
-    gate, up = torch.empty((E, inter, H), dtype=dtype), torch.empty((E, inter, H), dtype=dtype)
-    down = torch.empty((E, H, inter), dtype=dtype)
-    for e in range(E):
-        g, u, d = source.expert(layer, e)
-        if g.shape != (inter, H) or u.shape != (inter, H) or d.shape != (H, inter):
-            raise UserError(f"expert {e} of layer {layer} has shapes {tuple(g.shape)}, {tuple(u.shape)}, "
-                            f"{tuple(d.shape)}; the config makes them ({inter}, {H}) and ({H}, {inter})")
-        gate[e], up[e], down[e] = g, u, d
-    return dict(zip(EXPERT_STACKS, (gate, up, down)))

@@ -43,7 +43,7 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
         raise UserError(f"{str(out)!r} already exists; remove it or choose another output path")
     source = open_source(resolve_spec(preset_spec))
     if fmt == "gguf":
-        from ..loading.gguf import write_gguf
+        from ..loading.gguf_write import write_gguf
         return write_gguf(source, out, dtype=dtype, progress=progress)
     from ..loading.hf import write_hf
     return write_hf(source, out, dtype=dtype, progress=progress)
