@@ -1,0 +1,74 @@
+"""One layer's expert row: gate (I, H) | up (I, H) | down (H, I), in the file's types, contiguous.
+
+    lay = ExpertLayout(inter=768, hidden=2048, types=(Q.Q4_K, Q.Q4_K, Q.Q6_K))
+    lay.nbytes                          # 3_060_... bytes of one expert: what a slot holds and an upload moves
+    w13, w2 = lay.dequantize(rows)      # rows (n, >= nbytes) uint8 -> (n, 2I, H), (n, H, I) float32
+
+A float layout (`types=None`) is the typed rows the engine has always had: rows (n, 3*I*H) of the model's dtype,
+read as views (`views`). A quantized layout holds each matrix's GGUF blocks as they are in the file, row after row
+(ggml's layout: a row of H values is H / block_size blocks); F16, BF16 and F32 matrices inside a quantized layout
+are their raw bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from .types import row_bytes
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    inter: int
+    hidden: int
+    types: tuple[Q, Q, Q] | None = None      # (gate, up, down) GGML types; None: typed rows of the model's dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.types is not None
+
+    @property
+    def numel(self) -> int:
+        return 3 * self.inter * self.hidden
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """Bytes of gate, up and down (quantized layouts)."""
+        g, u, d = self.types
+        return (self.inter * row_bytes(g, self.hidden), self.inter * row_bytes(u, self.hidden),
+                self.hidden * row_bytes(d, self.inter))
+
+    @property
+    def offsets(self) -> tuple[int, int, int]:
+        """Byte offset of gate, up and down within a row (quantized layouts)."""
+        g, u, _ = self.sizes
+        return 0, g, g + u
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one quantized expert row (for a float layout: elements; use element_size)."""
+        return sum(self.sizes) if self.quantized else self.numel
+
+    def row_bytes_for(self, dtype: torch.dtype) -> int:
+        return self.nbytes if self.quantized else self.numel * torch.empty((), dtype=dtype).element_size()
+
+    def views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float layouts: stacked gate|up (n, 2I, H) and down (n, H, I), views into rows (n, 3*I*H)."""
+        assert not self.quantized, "a quantized layout has no float views: dequantize"
+        n, split = rows.shape[0], 2 * self.inter * self.hidden
+        return rows[:, :split].view(n, 2 * self.inter, self.hidden), rows[:, split:].view(n, self.hidden, self.inter)
+
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows (n, >= nbytes) uint8 -> w13 (n, 2I, H), w2 (n, H, I) of dtype, by the plain-torch dequantizers
+        (float32, then one rounding to dtype)."""
+        from .dequant import dequantize
+        I, H = self.inter, self.hidden
+        n = rows.shape[0]
+        (og, ou, od), (sg, su, sd) = self.offsets, self.sizes
+        g, u, d = self.types
+        gate = dequantize(rows[:, og:og + sg].reshape(n, I, -1), g).to(dtype)
+        up = dequantize(rows[:, ou:ou + su].reshape(n, I, -1), u).to(dtype)
+        w2 = dequantize(rows[:, od:od + sd].reshape(n, H, -1), d).to(dtype)
+        return torch.cat([gate, up], dim=1), w2
