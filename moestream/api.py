@@ -29,8 +29,9 @@ class LLM:
     def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = False, **overrides):
         config = flags.apply(config or EngineConfig(), **overrides)     # validated before anything loads
         self.source = open_source(model, progress=progress)
-        # "auto" decided for this machine and this checkpoint's dtype, once (Engine.load takes it resolved)
-        self.config = config.resolve(self.source.tensor("token_embd.weight").dtype)
+        # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (Engine.load takes
+        # it resolved)
+        self.config = config.resolve(self.source.dtype_of("token_embd.weight"))
         self.engine = Engine.load(self.source, self.config, progress=progress)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config

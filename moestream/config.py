@@ -261,7 +261,7 @@ class EngineConfig:
 
     def resolve(self, file_dtype) -> "EngineConfig":
         """This config with every "auto" decided for this machine and a checkpoint whose weights are the torch
-        dtype `file_dtype`: the device, the dtype, the expert kernel, zero-copy decode. The one place they are
+        dtype `file_dtype` (None: quantized): the device, the dtype, the expert kernel, zero-copy decode. The one place they are
         decided; raises UserError for a device or kernel this machine does not have."""
         import torch
 
@@ -271,7 +271,9 @@ class EngineConfig:
 
         dev = Device.resolve(self.placement.device)
         dtype_name = self.placement.dtype
-        if dtype_name == "auto":
+        if dtype_name == "auto" and file_dtype is None:      # a quantized checkpoint: bf16 kernels on CUDA
+            dtype_name = "bfloat16" if dev.is_cuda else "float32"
+        elif dtype_name == "auto":
             dtype_name = {torch.float32: "float32", torch.float16: "float16"}.get(file_dtype, "bfloat16")
         dtype = getattr(torch, dtype_name)
         kernel = "reference" if pick_kernel(self.kernel, dev.torch, dtype) is experts_reference else "grouped"

@@ -14,12 +14,13 @@ from moestream.experts.cache import ExpertCache
 from moestream.experts.prompt import PromptPath
 from moestream.experts.prefetch import PrefetchConfig
 from moestream.experts.store import ExpertStore
+from moestream.quant.layout import ExpertLayout
 from moestream.models.moe import moe_route
 
 
 def _cache(n_slots=12, layers=(0, 1, 2, 3), moe_layers=None, lookahead_layers=2, max_inflight_mib=512):
     """Four layers of 8 one-byte experts (the cache's decisions do not depend on the bytes), no device."""
-    store = ExpertStore({l: torch.arange(8, dtype=torch.uint8).repeat_interleave(3).view(8, 3) for l in layers}, 1, 1)
+    store = ExpertStore({l: torch.arange(8, dtype=torch.uint8).repeat_interleave(3).view(8, 3) for l in layers}, ExpertLayout(1, 1))
     pf = PrefetchConfig(min_batch=8, lookahead_layers=lookahead_layers, max_inflight_mib=max_inflight_mib)
     c = ExpertCache(store, n_slots, 4, 8, Device("cpu"), "lfru", pf, list(layers), top_k=2, moe_layers=moe_layers)
     c.begin_prompt(0)

@@ -322,11 +322,13 @@ def test_gguf_bad_input(tmp_path):
     with pytest.raises(UserError, match="unsupported GGUF architecture 'llama'; supported: qwen3moe"):
         GGUFSource(tmp_path / "llama.gguf")
 
-    # Q4_K: a block of 256 weights in 144 bytes; moestream loads only F32/F16/BF16/Q8_0.
-    w = gguf.GGUFWriter(tmp_path / "q4k.gguf", "qwen3moe")
-    w.add_tensor_info("token_embd.weight", (2, 144), np.dtype(np.uint8), 288, raw_dtype=Q.Q4_K)
+    # TQ1_0 (ternary) is a type moestream does not load: the error names it and lists the types that work.
+    w = gguf.GGUFWriter(tmp_path / "tq1.gguf", "qwen3moe")
+    block, size = gguf.GGML_QUANT_SIZES[Q.TQ1_0]
+    w.add_tensor_info("token_embd.weight", (2, size), np.dtype(np.uint8), 2 * size, raw_dtype=Q.TQ1_0)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_ti_data_to_file()
-    w.write_tensor_data(np.zeros((2, 144), dtype=np.uint8))
+    w.write_tensor_data(np.zeros((2, size), dtype=np.uint8))
     w.close()
-    with pytest.raises(UserError, match="token_embd.weight has type Q4_K.*F16, BF16 or Q8_0"):
-        GGUFSource(tmp_path / "q4k.gguf")
+    with pytest.raises(UserError, match="token_embd.weight has type TQ1_0.*the types that work: F32, F16, BF16, "
+                                        "Q8_0.*Q4_K.*IQ4_XS.*IQ1_M"):
+        GGUFSource(tmp_path / "tq1.gguf")

@@ -11,6 +11,7 @@ from moestream.experts.planner import CachePlanner
 from moestream.experts.residency import CacheTooSmall
 from moestream.experts.slots import NOT_YET, SlotPool
 from moestream.experts.store import ExpertStore
+from moestream.quant.layout import ExpertLayout
 
 L, E = 2, 8
 
@@ -19,7 +20,7 @@ def _pool(n_slots=4):
     """Each expert's row holds its own number (layer * E + expert) in every byte, so a slot shows whose bytes it
     holds."""
     rows = {l: (l * E + torch.arange(E, dtype=torch.uint8)).repeat_interleave(3).view(E, 3) for l in range(L)}
-    store = ExpertStore(rows, 1, 1)
+    store = ExpertStore(rows, ExpertLayout(1, 1))
     planner = CachePlanner(n_slots, L, E, "lfru", store.expert_bytes)
     return store, planner, SlotPool(store, planner.residency, Device("cpu"))
 

@@ -33,7 +33,8 @@ class ExpertCache(ExpertProvider):
         self.store, self.n_experts, self.device, self.prefetch = store, n_experts, device, prefetch
         self.layers = sorted(host_layers if host_layers is not None else store.rows)
         self.moe_layers = list(moe_layers) if moe_layers is not None else self.layers    # lookahead guesses' order
-        self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes, self.layers)
+        self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes, self.layers,
+                                    {l: store.layer_bytes(l) for l in store.rows})
         self.residency, self.stats, self.policy_name = self.planner.residency, self.planner.stats, policy
         self.slots = SlotPool(store, self.residency, device)
         # Per context, the prompts' routing that seeds prefetch (routing.prompts[seq]): the engine's store, or its own.
@@ -92,6 +93,9 @@ class ExpertCache(ExpertProvider):
     # --- zero-copy decode (experts/zero_copy.py) ---------------------------------------------------------------
     def addresses(self, layer: int, ids):
         return self.zero_copy.addresses(layer, ids)
+
+    def layout(self, layer: int):
+        return self.store.layouts[layer]
 
     def landing(self, layer: int, ids):
         return self.zero_copy.landing(layer, ids)

@@ -22,11 +22,12 @@ class CachePlanner:
     """Residency under one policy, with its counters; `groups` splits a layer into waves where it must."""
 
     def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy: str, expert_bytes: int,
-                 layers: list[int] | None = None):
+                 layers: list[int] | None = None, layer_bytes: dict[int, int] | None = None):
         regions = split_regions(n_slots, layers if layers is not None else list(range(n_layers)), REGION_SLOTS)
         self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots), regions)
         self.stats = CacheStats()
         self.policy_name, self.expert_bytes = policy, expert_bytes
+        self.layer_bytes = layer_bytes or {}            # a layer's expert bytes where they differ from expert_bytes
         self._last_layer = None
 
     def groups(self, layer: int, wanted: np.ndarray) -> list[np.ndarray]:
@@ -41,5 +42,5 @@ class CachePlanner:
         plan = self.residency.ensure(layer, group)
         m = len(plan.misses)
         self.stats.record(layer, hits=len(group) - m, misses=m, evictions=len(plan.evicted),
-                          uploaded_bytes=m * self.expert_bytes, copies=m)
+                          uploaded_bytes=m * self.layer_bytes.get(layer, self.expert_bytes), copies=m)
         return plan

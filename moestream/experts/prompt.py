@@ -101,7 +101,7 @@ class PromptPath:
         if isinstance(table, list):
             w = Waves(self, layer, ids, table)
         else:
-            w = ExpertWeights(*self.slots.layer_weights(layer), self.slots.upload_table(layer, table)[ids])
+            w = self.slots.weights(layer, self.slots.upload_table(layer, table)[ids])
         self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
         return w
 
@@ -150,7 +150,7 @@ class PromptPath:
     def _load(self, layer: int, ids: torch.Tensor, group: np.ndarray) -> ExpertWeights:
         self._load_slots(layer, group)
         lut = torch.from_numpy(self.slots.table(layer)).to(self.device.torch)     # (E,): a wave reuses no staging
-        return ExpertWeights(*self.slots.layer_weights(layer), lut[ids])
+        return self.slots.weights(layer, lut[ids])
 
     def _load_slots(self, layer: int, group: np.ndarray) -> None:
         """Make `group` resident: plan, copy the misses on the copy stream, make compute wait for its slots and
@@ -169,7 +169,7 @@ class PromptPath:
             self.stats.record(layer, prefetch_used=n_used, prefetch_wasted=wasted)
         if plan.misses:
             src = self.store.rows[layer]
-            self.slots.submit([(s, src[e]) for e, s in plan.misses], len(plan.misses) * self.store.expert_bytes,
+            self.slots.submit([(s, src[e]) for e, s in plan.misses], len(plan.misses) * self.store.layer_bytes(layer),
                               speculative=False)
         self.slots.hand_out(layer, plan.slots)
 
@@ -229,7 +229,7 @@ class PromptPath:
         victims = np.array([s for _, s in plan.misses], dtype=np.int64)
         wasted = self.slots.claim(victims)
         src = self.store.rows[layer]
-        nbytes = len(plan.misses) * self.store.expert_bytes
+        nbytes = len(plan.misses) * self.store.layer_bytes(layer)
         self.slots.submit([(s, src[e]) for e, s in plan.misses], nbytes, speculative=True)
         self.stats.record(layer, evictions=len(plan.evicted), uploaded_bytes=nbytes, copies=len(plan.misses),
                           prefetched=len(plan.misses), prefetched_bytes=nbytes, prefetch_wasted=wasted)

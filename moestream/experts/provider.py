@@ -18,15 +18,39 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..quant.layout import ExpertLayout
 from .stats import CacheStats
-from .store import ExpertStore, expert_views
+from .store import ExpertStore
 
 
 @dataclass
 class ExpertWeights:
-    w13: torch.Tensor          # (S, 2I, H)
-    w2: torch.Tensor           # (S, H, I)
+    """A layer's experts as the kernel reads them: stacked float weights indexed by slot, or (a quantized layout)
+    the raw rows, which `run` dequantizes (only the slots the ubatch reads) before the same kernel."""
+    w13: torch.Tensor | None   # (S, 2I, H), None for quantized rows
+    w2: torch.Tensor | None    # (S, H, I)
     slots: torch.Tensor        # (T, k) int64: the slot of each routed choice
+    rows: torch.Tensor | None = None            # (S, >= nbytes) uint8: a quantized layout's rows
+    layout: ExpertLayout | None = None
+
+    @staticmethod
+    def over(rows: torch.Tensor, layout: ExpertLayout, slots: torch.Tensor) -> "ExpertWeights":
+        """The weights of rows (S, row) laid out as `layout`, each routed choice at its slot."""
+        if layout.quantized:
+            return ExpertWeights(None, None, slots, rows, layout)
+        return ExpertWeights(*layout.views(rows), slots)
+
+    def run(self, kernel, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """kernel(x, slots, w13, w2) -> (T, k, H). Quantized rows: the slots read are dequantized into a scratch
+        stack, in slot order, and the kernel reads it by compact index; each expert's rows meet the same values in
+        the same order as from float weights, so its result does not depend on its slot."""
+        slots = self.slots if slots is None else slots
+        if self.layout is None:
+            return kernel(x, slots, self.w13, self.w2)
+        from ..kernels import dequantize_rows
+        used, compact = torch.unique(slots, sorted=True, return_inverse=True)
+        w13, w2 = dequantize_rows(self.rows, used, self.layout, x.dtype)
+        return kernel(x, compact, w13, w2)
 
 
 class ExpertProvider:
@@ -46,6 +70,10 @@ class ExpertProvider:
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids (T, k) -> (T, k) int64 addresses of each routed expert's row, for a zero-copy decode step."""
+        raise NotImplementedError
+
+    def layout(self, layer: int) -> ExpertLayout:
+        """How the layer's expert rows read (quant/layout.py): what a by-address kernel needs to read one."""
         raise NotImplementedError
 
     def landing(self, layer: int, ids: torch.Tensor):
@@ -78,18 +106,19 @@ class ExpertProvider:
 class ResidentExperts(ExpertProvider):
     """Every expert of some layers on the compute device: slot = expert id, nothing moves."""
 
-    def __init__(self, rows: dict[int, torch.Tensor], inter: int, hidden: int):
+    def __init__(self, rows: dict[int, torch.Tensor], layouts: dict[int, ExpertLayout]):
         super().__init__()
-        self.rows = rows                       # layer -> (E, numel) on the device
-        self.views = {l: expert_views(r, inter, hidden) for l, r in rows.items()}
+        self.rows, self.layouts = rows, layouts          # layer -> (E, row) on the device, and its layout
         self.addr = {l: row_addresses(r, r.device) for l, r in rows.items()}
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         return self.addr[layer][ids]
 
+    def layout(self, layer: int) -> ExpertLayout:
+        return self.layouts[layer]
+
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
-        w13, w2 = self.views[layer]
-        return ExpertWeights(w13, w2, ids)
+        return ExpertWeights.over(self.rows[layer], self.layouts[layer], ids)
 
 
 class UploadPerUbatch(ExpertProvider):
@@ -105,28 +134,32 @@ class UploadPerUbatch(ExpertProvider):
         super().__init__()
         any_rows = next(iter(store.rows.values()))
         self.store, self.top_k = store, top_k
-        self.buf = torch.empty(n_experts, any_rows.shape[1], dtype=any_rows.dtype, device=device)   # (E, numel)
-        self.w13, self.w2 = expert_views(self.buf, store.inter, store.hidden)
+        width = max(r.shape[1] for r in store.rows.values())                       # the widest layer's row
+        self.buf = torch.empty(n_experts, width, dtype=any_rows.dtype, device=device)   # (E, row)
         self.addr = {l: row_addresses(r, device) for l, r in store.rows.items()}
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """Zero-copy decode with no cache: every routed expert is read from host memory, in place."""
         return self.addr[layer][ids]
 
+    def layout(self, layer: int) -> ExpertLayout:
+        return self.store.layouts[layer]
+
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
         """Every routed choice of every host layer crossed the link (counted without reading the routing back)."""
         reads = n_tokens * self.top_k
         for l in self.store.rows:
-            self.stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.expert_bytes)
+            self.stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.layer_bytes(l))
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         src = self.store.rows[layer]
+        width = src.shape[1]
         wanted = torch.unique(ids).tolist()    # host sync: the copies are chosen on the host
         for e in wanted:
-            self.buf[e].copy_(src[e], non_blocking=True)
-        nb = len(wanted) * self.store.expert_bytes
+            self.buf[e, :width].copy_(src[e], non_blocking=True)
+        nb = len(wanted) * self.store.layer_bytes(layer)
         self.stats.record(layer, misses=len(wanted), uploaded_bytes=nb, copies=len(wanted))
-        return ExpertWeights(self.w13, self.w2, ids)
+        return ExpertWeights.over(self.buf[:, :width], self.store.layouts[layer], ids)
 
 
 class LayerRouter(ExpertProvider):
@@ -147,6 +180,9 @@ class LayerRouter(ExpertProvider):
 
     def landing(self, layer: int, ids: torch.Tensor):
         return self.by_layer[layer].landing(layer, ids)
+
+    def layout(self, layer: int) -> ExpertLayout:
+        return self.by_layer[layer].layout(layer)
 
     def experts_launched(self, layer: int) -> None:
         self.by_layer[layer].experts_launched(layer)

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from .copy_queue import CopyQueue
+from .provider import ExpertWeights
 from .residency import Residency
-from .store import ExpertStore, expert_views
+from .store import ExpertStore
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
 
@@ -40,9 +41,12 @@ class SlotPool:
         any_rows = next(iter(store.rows.values()))
         n_slots, (n_layers, n_experts) = residency.n_slots, residency.slot_of.shape
         self.residency, self.device, self.n_experts = residency, device, n_experts
-        self.pool = torch.empty(n_slots, any_rows.shape[1], dtype=any_rows.dtype, device=device.torch)  # (S, numel)
-        w13, w2 = expert_views(self.pool, store.inter, store.hidden)
-        self.views = {l: (w13[a:b], w2[a:b], a) for l, (a, b) in enumerate(residency.bounds)}   # layer's region
+        width = max(r.shape[1] for r in store.rows.values())            # a slot holds the widest layer's row
+        self.pool = torch.empty(n_slots, width, dtype=any_rows.dtype, device=device.torch)   # (S, row)
+        self.layouts = store.layouts
+        # Each host layer's region of the pool, as its rows (quantized layouts read only their own row's bytes).
+        self.regions = {l: (self.pool[a:b, :store.rows[l].shape[1]], a) for l, (a, b) in enumerate(residency.bounds)
+                        if l in store.rows}
         self.lut_host = device.pinned_empty((n_layers, n_experts), torch.int64)    # (L, E) staging of slot tables
         self.queue = CopyQueue(device)
         self.ready = np.zeros(n_slots, dtype=np.int64)          # copy batch that filled each slot
@@ -63,7 +67,7 @@ class SlotPool:
         `after` (the slots' last readers), if given. A speculative batch (a prefetch) counts against the queue's
         in-flight bound and marks its slots `prefetched`. Returns the batch's sequence number."""
         slots = np.array([s for s, _ in copies], dtype=np.int64)
-        seq = self.queue.submit([(self.pool[s], src) for s, src in copies], nbytes, speculative=speculative,
+        seq = self.queue.submit([(self.pool[s, :src.shape[0]], src) for s, src in copies], nbytes, speculative=speculative,
                                 after=after)
         self.ready[slots] = seq
         if speculative:
@@ -143,7 +147,7 @@ class SlotPool:
         """The layer's slot table (E,): each expert's slot within the layer's region (its weights' views), -1 if
         absent."""
         t = self.residency.slot_of[layer].copy()
-        t[t >= 0] -= self.views[layer][2]
+        t[t >= 0] -= self.regions[layer][1]
         return t
 
     def upload_table(self, layer: int, table: np.ndarray) -> torch.Tensor:
@@ -154,7 +158,12 @@ class SlotPool:
         out = torch.empty(self.n_experts, dtype=torch.int64, device=self.device.torch)
         return out.copy_(self.lut_host[layer], non_blocking=True)
 
+    def weights(self, layer: int, slots: torch.Tensor) -> ExpertWeights:
+        """The layer's region as the kernel reads it, each routed choice at `slots` (its table's entries)."""
+        rows, _ = self.regions[layer]
+        return ExpertWeights.over(rows, self.layouts[layer], slots)
+
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (S_region, 2I, H) and (S_region, H, I) views of the layer's region, which its table indexes."""
-        w13, w2, _ = self.views[layer]
-        return w13, w2
+        """Float layouts: the (S_region, 2I, H) and (S_region, H, I) views of the layer's region."""
+        rows, _ = self.regions[layer]
+        return self.layouts[layer].views(rows)

@@ -1,24 +1,28 @@
 """Expert weights as flat rows: one contiguous range per expert, gate (I, H) | up (I, H) | down (H, I).
 
-One row is one expert, so one copy moves one expert, and a (n, numel) tensor of rows reads as stacked weights:
+One row is one expert, so one copy moves one expert. A layer's ExpertLayout (quant/layout.py) says how a row reads:
+typed rows of the model's dtype read as stacked weights (views, no copy); a quantized file's rows are its GGUF
+blocks, uint8, which the kernels dequantize as they read them:
 
-    w13, w2 = expert_views(rows, inter, hidden)    # (n, 2I, H) and (n, H, I), views, no copy
+    w13, w2 = layout.views(rows)      # float rows (n, numel): (n, 2I, H) and (n, H, I)
+    store.layer_bytes(layer)          # one expert's bytes in that layer: what an upload moves
 """
 from __future__ import annotations
 
 import torch
 
-
-def expert_views(rows: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked gate|up and down weights over rows (n, 3*I*H): views into the same memory."""
-    n = rows.shape[0]
-    split = 2 * inter * hidden
-    return rows[:, :split].view(n, 2 * inter, hidden), rows[:, split:].view(n, hidden, inter)
+from ..quant.layout import ExpertLayout
 
 
-def fill_layer(rows: torch.Tensor, source, layer: int, inter: int, hidden: int) -> None:
-    """Copy every expert of `layer` from a WeightSource into rows (E, numel), casting to rows' dtype."""
-    w13, w2 = expert_views(rows, inter, hidden)
+def fill_layer(rows: torch.Tensor, source, layer: int, layout: ExpertLayout) -> None:
+    """Copy every expert of `layer` from a WeightSource into rows (E, row): float rows cast to rows' dtype, or a
+    quantized layout's raw blocks."""
+    if layout.quantized:
+        for e in range(rows.shape[0]):
+            rows[e].copy_(source.expert_bytes(layer, e))
+        return
+    w13, w2 = layout.views(rows)
+    inter = layout.inter
     for e in range(rows.shape[0]):
         gate, up, down = source.expert(layer, e)
         w13[e, :inter].copy_(gate)
@@ -27,16 +31,25 @@ def fill_layer(rows: torch.Tensor, source, layer: int, inter: int, hidden: int) 
 
 
 class ExpertStore:
-    """The host tier: per host-resident layer, an (E, numel) tensor in pinned memory, filled once at load."""
+    """The host tier: per host-resident layer, an (E, row) tensor in pinned memory, filled once at load, and the
+    layer's layout (one for every layer, or a dict per layer: a quantized file's layers may differ in types)."""
 
-    def __init__(self, rows: dict[int, torch.Tensor], inter: int, hidden: int):
-        self.rows = rows                       # layer -> (E, numel) pinned
-        self.inter, self.hidden = inter, hidden
+    def __init__(self, rows: dict[int, torch.Tensor], layouts: ExpertLayout | dict[int, ExpertLayout]):
+        self.rows = rows                       # layer -> (E, row) pinned
+        self.layouts = layouts if isinstance(layouts, dict) else dict.fromkeys(rows, layouts)
 
     @property
     def expert_bytes(self) -> int:
-        any_rows = next(iter(self.rows.values()))
-        return any_rows.shape[1] * any_rows.element_size()
+        """The bytes of the largest expert row: what a slot of the GPU cache holds."""
+        return max(r.shape[1] * r.element_size() for r in self.rows.values())
+
+    def layer_bytes(self, layer: int) -> int:
+        r = self.rows[layer]
+        return r.shape[1] * r.element_size()
+
+    @property
+    def quantized(self) -> bool:
+        return any(lay.quantized for lay in self.layouts.values())
 
     @property
     def nbytes(self) -> int:

@@ -24,6 +24,7 @@ from ..errors import UserError
 from .cache import ExpertCache
 from .planner import CachePlanner
 from .prefetch import PrefetchConfig
+from ..quant.layout import ExpertLayout
 from .provider import ExpertWeights
 from .routing import RouteObserver
 
@@ -125,7 +126,7 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
     layers = sorted(set(trace.layers.tolist()))
     # Stand-in rows of one byte per expert: the cache's decisions do not depend on the bytes, and counters in
     # bytes are rescaled to the traced expert size below.
-    store = ExpertStore({l: torch.zeros(trace.n_experts, 3, dtype=torch.uint8) for l in layers}, 1, 1)
+    store = ExpertStore({l: torch.zeros(trace.n_experts, 3, dtype=torch.uint8) for l in layers}, ExpertLayout(1, 1))
     guesses = trace.guesses or [None] * len(trace.ids)
     cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy, prefetch, layers,
                         int(trace.ubatches[:, 0].max()) + 1 if len(trace.ubatches) else 1,

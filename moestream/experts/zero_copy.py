@@ -54,7 +54,7 @@ class ZeroCopyDecode:
         self.slots, self.planner, self.store, self.layers = slots, planner, store, layers
         self.residency, self.stats, self.device, self.n_experts = planner.residency, planner.stats, dev, E
         self.max_tokens, self.top_k = max_tokens, top_k
-        self.row_bytes = store.expert_bytes
+        self.row_bytes = store.expert_bytes                # the pool's row stride: a slot's address step
         self.host_addr = np.zeros((L, E), dtype=np.int64)
         for l, rows in store.rows.items():
             self.host_addr[l] = row_addresses(rows, "cpu").numpy()
@@ -256,7 +256,7 @@ class ZeroCopyDecode:
                 hit = slots >= 0
                 res.policy.touch(slots[hit])
                 stats.record(l, hits=int(hit.sum()), misses=int((~hit).sum()), host_reads=reads,
-                             host_read_bytes=reads * self.row_bytes)
+                             host_read_bytes=reads * self.store.layer_bytes(l))
                 continue
             try:
                 plan = self.planner.plan(l, wanted)
@@ -268,7 +268,7 @@ class ZeroCopyDecode:
             src = self.store.rows[l]
             for e, slot in plan.misses:
                 (now if slot in empty else behind).append((slot, src[e]))
-            stats.record(l, host_reads=reads, host_read_bytes=reads * self.row_bytes)
+            stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.layer_bytes(l))
         self._submit(now, behind, after)
         if upload:
             self._keep_reserve()
@@ -325,7 +325,7 @@ class ZeroCopyDecode:
                 continue
             slot = int(res.slot_of[l, e])
             (now if slot in empty_before else behind).append((slot, self.store.rows[l][e]))
-            self.stats.record(l, uploaded_bytes=self.row_bytes, copies=1)
+            self.stats.record(l, uploaded_bytes=self.store.layer_bytes(l), copies=1)
         self._submit(now, behind, after)
 
     def _holds_a_step(self, n_choices: int) -> bool:
@@ -337,7 +337,8 @@ class ZeroCopyDecode:
         """Copy (slot, host row) into slots no queued step reads at once, the others behind `after`."""
         for batch, wait in ((now, None), (behind, after)):
             if batch:
-                self.slots.submit(batch, len(batch) * self.row_bytes, speculative=False, after=wait)
+                self.slots.submit(batch, sum(src.numel() * src.element_size() for _, src in batch), speculative=False,
+                                  after=wait)
 
 
 class Pending:

@@ -10,8 +10,6 @@ the k outputs in a fixed order, so an expert's result never depends on its slot 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .reference import AddressBook, experts_by_address_reference, experts_reference
@@ -31,16 +29,27 @@ def pick_kernel(name: str, device: torch.device, dtype: torch.dtype):
     return experts_reference
 
 
-def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dtype, book: AddressBook):
-    """The kernel of zero-copy decode steps, `fn(x, addrs, weights, inter) -> (T, H)`, or None (decode fetches).
-    want None: on where the Triton kernel runs (CUDA, 16-bit weights). On the CPU it can be asked for (the tests
-    do): the plain-torch oracle then reads experts by address through `book`."""
+def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dtype, book: AddressBook,
+                       quantized: bool = False):
+    """The kernel of zero-copy decode steps, `fn(x, addrs, weights, layout, landing) -> (T, H)`, or None (decode
+    fetches). want None: on where the Triton kernel runs (CUDA, 16-bit weights, float expert rows). On the CPU it
+    can be asked for (the tests do): the plain-torch oracle then reads experts by address through `book`."""
     from .decode import decode_available, experts_by_address
-    if decode_available(device, dtype) and want in (None, True):
-        return experts_by_address
-    if want and device.type == "cpu":
-        return functools.partial(experts_by_address_reference, book=book)
+    if decode_available(device, dtype) and want in (None, True) and not quantized:
+        return lambda x, addrs, weights, layout, landing=None: experts_by_address(x, addrs, weights, layout.inter,
+                                                                                  landing)
+    if want and device.type == "cpu" and not quantized:
+        return lambda x, addrs, weights, layout, landing=None: experts_by_address_reference(
+            x, addrs, weights, layout.inter, landing, book=book)
     if want:
         from ..errors import UserError
-        raise UserError("zero-copy decode needs Triton and 16-bit weights on CUDA; drop --zero-copy-decode")
+        raise UserError("zero-copy decode needs Triton, 16-bit weights on CUDA and float experts (this file's are "
+                        "quantized); drop --zero-copy-decode")
     return None
+
+
+def dequantize_rows(rows: torch.Tensor, index: torch.Tensor, layout, dtype: torch.dtype):
+    """Quantized rows (S, >= nbytes) uint8 at slots `index` (n,) -> w13 (n, 2I, H), w2 (n, H, I) of dtype: what a
+    prompt ubatch's routed experts are dequantized into before the expert kernel. Every device and type gives
+    the plain dequantizers' float32 values rounded once to dtype, so the values do not depend on the path."""
+    return layout.dequantize(rows[index], dtype)

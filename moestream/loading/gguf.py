@@ -5,7 +5,9 @@
 
 GGUF names are moestream's canonical names already. Experts are stored stacked per layer, (E, I, H) in torch
 order; expert() converts only its own slice of the mapped stack, so loading never holds a layer's stack twice.
-Tensor types: F32, F16 and BF16 as they are, Q8_0 dequantized to float32 (exact: int8 times an f16 scale).
+Tensor types: every type of quant/types.py. Dense tensors (attention, norms, embeddings, output) are returned as
+float (F32, F16 and BF16 as they are, quantized types dequantized to float32); expert stacks are also handed out
+as their raw blocks (`expert_types`, `expert_bytes`), which the engine keeps quantized from the file to the slot.
 Architectures: the families' `gguf_arch` in models/families.py (qwen3moe, qwen2moe and olmoe, which llama.cpp
 stores without permuting Q and K).
 """
@@ -26,8 +28,8 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import BY_GGUF_ARCH
 from ..models.names import EXPERT_STACKS
+from ..quant.types import FLOAT, LOADABLE, names, type_size, block_size
 
-LOADABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
 # HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
 ROPE_KEYS = {"rope_type": "type", "original_max_position_embeddings": "original_context_length",
              "attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
@@ -37,12 +39,19 @@ _REQUIRED = object()
 
 
 def _to_torch(data: np.ndarray, qtype: Q) -> torch.Tensor:
-    """A mapped tensor (or slice of one) as a CPU torch tensor of its own float dtype; copies only this slice."""
+    """A mapped tensor (or slice of one) as a CPU torch tensor: float types as they are, quantized ones dequantized
+    to float32; copies only this slice."""
     if qtype == Q.BF16:      # the reader maps BF16 as uint8 with the last dim doubled
         return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
-    if qtype == Q.Q8_0:
-        return torch.from_numpy(gguf.quants.dequantize(np.asarray(data), Q.Q8_0))
-    return torch.from_numpy(np.array(data))   # F32, F16: a writable copy (the map is read-only)
+    if qtype in FLOAT:
+        return torch.from_numpy(np.array(data))   # F32, F16: a writable copy (the map is read-only)
+    from ..quant.dequant import dequantize
+    return dequantize(torch.from_numpy(np.array(data)), qtype)
+
+
+def _raw(data: np.ndarray) -> torch.Tensor:
+    """A mapped tensor slice's bytes, flat uint8 (a copy: the map is read-only)."""
+    return torch.from_numpy(np.array(data).reshape(-1).view(np.uint8))
 
 
 def _value(field):
@@ -78,10 +87,24 @@ class GGUFSource:
             raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(BY_GGUF_ARCH)}")
         self.arch = arch
         for t in self._reader.tensors:
-            if t.tensor_type not in LOADABLE:
-                raise UserError(f"tensor {t.name} has type {t.tensor_type.name}, which moestream cannot load; "
-                                "convert the model to F16, BF16 or Q8_0 (llama-quantize --allow-requantize ... Q8_0)")
+            self._check_tensor(t)
         self.config = self._config()
+
+    def _check_tensor(self, t) -> None:
+        """One line for a tensor moestream cannot read: its type, a row that is not whole blocks, short data."""
+        if t.tensor_type not in LOADABLE:
+            raise UserError(f"tensor {t.name} has type {t.tensor_type.name}, which moestream cannot load; the types "
+                            f"that work: {names()} (requantize with llama-quantize --allow-requantize or "
+                            "moestream quantize --allow-requantize)")
+        shape = [int(d) for d in t.shape]                       # innermost first
+        block = block_size(t.tensor_type)
+        if shape and shape[0] % block:
+            raise UserError(f"tensor {t.name} has rows of {shape[0]} values, not whole {t.tensor_type.name} blocks "
+                            f"of {block}: the file is damaged")
+        need = int(np.prod(shape)) // block * type_size(t.tensor_type)
+        if int(t.n_bytes) < need or t.data.nbytes < need:
+            raise UserError(f"tensor {t.name} has {t.data.nbytes} bytes of data but its type and shape need {need}: "
+                            "the file is truncated or damaged; download or convert it again")
 
     # --- metadata --------------------------------------------------------------------------------------------
     def _key(self, key: str, default=_REQUIRED):
@@ -174,13 +197,27 @@ class GGUFSource:
             out = out.reshape(1, -1)       # llama.cpp stores the shared expert's gate as (H,)
         return out
 
+    def _stack(self, layer: int, stack: str):
+        t = self._tensors.get(f"blk.{layer}.{stack}.weight")
+        if t is None:
+            raise UserError(f"GGUF {str(self.path)!r} lacks tensor blk.{layer}.{stack}.weight: is the file complete?")
+        return t
+
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = []
-        for stack in EXPERT_STACKS:
-            t = self._tensors.get(f"blk.{layer}.{stack}.weight")
-            if t is None:
-                raise UserError(f"GGUF {str(self.path)!r} lacks tensor blk.{layer}.{stack}.weight: "
-                                "is the file complete?")
-            out.append(_to_torch(t.data[e], t.tensor_type))   # (I, H) or (H, I) of the (E, ., .) map
+        """Expert e of `layer` as float tensors (I, H), (I, H), (H, I) of the (E, ., .) maps."""
+        out = [_to_torch(t.data[e], t.tensor_type) for t in (self._stack(layer, s) for s in EXPERT_STACKS)]
         return out[0], out[1], out[2]
 
+    def expert_types(self, layer: int) -> tuple[Q, Q, Q]:
+        """The GGML types of the layer's gate, up and down stacks (where all are float, the engine converts them
+        to the model's dtype, as for any float checkpoint; else it keeps the blocks)."""
+        return tuple(self._stack(layer, s).tensor_type for s in EXPERT_STACKS)
+
+    def expert_bytes(self, layer: int, e: int) -> torch.Tensor:
+        """Expert e of `layer` as its raw blocks: gate | up | down, flat uint8 (quant/layout.py's row)."""
+        return torch.cat([_raw(self._stack(layer, s).data[e]) for s in EXPERT_STACKS])
+
+    def dtype_of(self, name: str) -> torch.dtype | None:
+        """The torch dtype of a float tensor; None for a quantized one."""
+        t = self._tensors[name].tensor_type
+        return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(t)

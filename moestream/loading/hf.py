@@ -116,6 +116,15 @@ class HFSource:
         raise UserError(f"checkpoint lacks tensor {p}mlp.experts.{e}.gate_proj.weight (expert {e} of layer "
                         f"{layer}): is the download complete?")
 
+    def expert_types(self, layer: int) -> None:
+        return None                              # safetensors experts are float: the engine converts them
+
+    def expert_bytes(self, layer: int, e: int) -> torch.Tensor:
+        raise UserError("a Hugging Face checkpoint has no quantized expert blocks")
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self._read_first(hf_names(name, self.config.family), name).dtype
+
     # --- reading ---------------------------------------------------------------------------------------------
     def _read_first(self, names: list[str], canonical: str) -> torch.Tensor:
         for n in names:

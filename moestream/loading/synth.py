@@ -126,6 +126,15 @@ class SynthSource:
         down = torch.randn((H, inter), generator=g) * inter ** -0.5    # (H, I)
         return gate.to(self.dtype), up.to(self.dtype), down.to(self.dtype)
 
+    def expert_types(self, layer: int) -> None:
+        return None
+
+    def expert_bytes(self, layer: int, e: int) -> torch.Tensor:
+        raise UserError("a synth model has no quantized expert blocks")
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self.dtype
+
     # --- helpers ---------------------------------------------------------------------------------------------
     def _generator(self, key: str) -> torch.Generator:
         # torch's CPU generator keeps only 32 bits of its seed, so seed and key are hashed together into 32 bits.

@@ -62,18 +62,18 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
     `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies."""
     if by_address is not None:
         land = provider.landing(layer, ids)
-        out = by_address(x, provider.addresses(layer, ids), weights, cfg.moe_intermediate_size, land)
+        out = by_address(x, provider.addresses(layer, ids), weights, provider.layout(layer), land)
         return _shared(x, lw, cfg, out)
     w = provider.fetch(layer, ids, guess)
     if isinstance(w, ExpertWeights):
-        y = kernel(x, w.slots, w.w13, w.w2)                              # (T, k, H)
+        y = w.run(kernel, x)                                             # (T, k, H)
     else:
         # Waves (a pool smaller than this ubatch's routed set): each wave computes its experts' rows, in the
         # same token order as one launch would, so every expert's result is the same.
         y = torch.zeros(*ids.shape, x.shape[1], dtype=x.dtype, device=x.device)
         for wave, member in w:
             tok, j = member.nonzero(as_tuple=True)
-            y[tok, j] = kernel(x[tok], wave.slots[tok, j].unsqueeze(1), wave.w13, wave.w2)[:, 0]
+            y[tok, j] = wave.run(kernel, x[tok], wave.slots[tok, j].unsqueeze(1))[:, 0]
     provider.experts_launched(layer)               # the cache copies the next layer's experts ahead from here
     return _shared(x, lw, cfg, combine(y, weights))
 

@@ -102,10 +102,12 @@ class GraphDecode(DecodePath):
 
 def choose_decode(engine) -> DecodePath:
     """GraphDecode where a step can be captured: CUDA graphs on (--no-cuda-graphs), an expert kernel with no host
-    sync (the reference kernel reads its slot counts back), and no host step inside a step (every expert on the
-    GPU, or zero-copy decode); else EagerDecode."""
+    sync (the reference kernel reads its slot counts back), and no host step inside a step (every float expert on
+    the GPU, or zero-copy decode); else EagerDecode."""
     eng = engine
     capturable = eng.ecfg.decode.cuda_graphs and eng.device.is_cuda and eng.kernel is not experts_reference
-    if capturable and (eng.host is None or eng.decode_kernel is not None):
+    # Quantized experts are dequantized per ubatch (a host sync, to size the scratch) unless decode reads in place.
+    fetch_ok = eng.host is None and not eng.quantized
+    if capturable and (fetch_ok or eng.decode_kernel is not None):
         return GraphDecode(eng)
     return EagerDecode(eng)

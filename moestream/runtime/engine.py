@@ -1,7 +1,7 @@
 """The engine: load a WeightSource, place its weights, and run forwards in ubatches.
 
     src = open_source("synth:tiny")
-    ecfg = flags.apply(EngineConfig(), cpu_moe=True).resolve(src.tensor("token_embd.weight").dtype)   # as LLM does
+    ecfg = flags.apply(EngineConfig(), cpu_moe=True).resolve(src.dtype_of("token_embd.weight"))   # as LLM does
     eng = Engine.load(src, ecfg)
     logits = eng.prefill(seq=0, tokens=[1, 2, 3], start=0)        # (1, V): the last token's logits
     logits = eng.decode([(0, token, pos)])                        # (B, V): one token per sequence
@@ -28,6 +28,8 @@ from ..experts.cache import ExpertCache
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
 from ..experts.store import ExpertStore, fill_layer
+from ..quant.layout import ExpertLayout
+from ..quant.types import FLOAT
 from ..kernels import AddressBook, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
 from ..models.layers import rope_tables
@@ -44,11 +46,12 @@ MiB = 1 << 20
 class Engine:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, model: MoETransformer, experts, kv: KVCache,
                  kernel, device: Device, host=None, book: AddressBook | None = None,
-                 routing: RoutingStore | None = None):
+                 routing: RoutingStore | None = None, quantized: bool = False):
         self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
         self.kernel, self.device = kernel, device
         self.host = host                # the provider of host layers (UploadPerUbatch or ExpertCache), or None
         self.dtype = model.lm_head.dtype
+        self.quantized = quantized      # expert rows are GGUF blocks, dequantized as kernels read them
         self.book = book or AddressBook()
         # Per-context routing counts (/slots, and the cache's prefetch seeds when there is a cache: the same store).
         self.routing = routing if routing is not None else RoutingStore(cfg.n_layers, cfg.n_experts, kv.n_seq,
@@ -57,7 +60,7 @@ class Engine:
         # The kernels of decode steps of up to MAX_TOKENS tokens, which the decode path puts on each step's batch
         # (the model is not changed after load). Zero-copy decode reads each expert where it lies, on every
         # placement alike (so a cached decode gives the all-GPU bits); None: decode steps fetch their experts.
-        self.decode_kernel = pick_decode_kernel(ecfg.decode.zero_copy, device.torch, self.dtype, self.book)
+        self.decode_kernel = pick_decode_kernel(ecfg.decode.zero_copy, device.torch, self.dtype, self.book, quantized)
         from ..kernels import fused
         # Norms, rotary, cache writes and top-k fused (CUDA), in every decode path alike: the same bits.
         self.fused = fused if fused.fused_available(device.torch, self.dtype, cfg.head_dim) else None
@@ -77,9 +80,12 @@ class Engine:
         ctx = ecfg.batching.ctx_size
         if ctx > cfg.max_position_embeddings:
             log.warning("context %d is longer than the model's trained %d positions", ctx, cfg.max_position_embeddings)
-        size = torch.empty((), dtype=dtype).element_size()
-        n_slots = _slots(cfg, ecfg, len(host), cfg.expert_numel * size)
-        _check_fits(cfg, ecfg, dev, dtype, host, n_slots)
+        layouts = expert_layouts(source, cfg)
+        quantized = any(lay.quantized for lay in layouts.values())
+        row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
+        width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
+        n_slots = _slots(cfg, ecfg, len(host), _slot_bytes(layouts, host, dtype))
+        _check_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)
 
         names = dense_names(cfg)
         moe = cfg.moe_layers
@@ -88,22 +94,21 @@ class Engine:
         for n in names:
             weights[n] = source.tensor(n).to(device=dev.torch, dtype=dtype)
             bar.update()
-        numel = cfg.expert_numel
-        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         staging = None
         host_rows, dev_rows = {}, {}
         for l in moe:
+            shape = (cfg.n_experts, width[l])
             if l in host:
-                host_rows[l] = dev.pinned_empty((cfg.n_experts, numel), dtype)       # (E, numel), pinned once
-                fill_layer(host_rows[l], source, l, inter, hidden)
+                host_rows[l] = dev.pinned_empty(shape, row_dtype)       # (E, row), pinned once
+                fill_layer(host_rows[l], source, l, layouts[l])
             elif dev.is_cuda:
-                if staging is None:
-                    staging = dev.pinned_empty((cfg.n_experts, numel), dtype)
-                fill_layer(staging, source, l, inter, hidden)
+                if staging is None or staging.shape != shape:
+                    staging = dev.pinned_empty(shape, row_dtype)
+                fill_layer(staging, source, l, layouts[l])
                 dev_rows[l] = staging.to(dev.torch, non_blocking=False)
             else:
-                dev_rows[l] = torch.empty((cfg.n_experts, numel), dtype=dtype)
-                fill_layer(dev_rows[l], source, l, inter, hidden)
+                dev_rows[l] = torch.empty(shape, dtype=row_dtype)
+                fill_layer(dev_rows[l], source, l, layouts[l])
             bar.update()
         bar.close()
         del staging
@@ -111,11 +116,11 @@ class Engine:
         providers: dict[int, object] = {}
         host_provider = None
         if dev_rows:
-            resident = ResidentExperts(dev_rows, inter, hidden)
+            resident = ResidentExperts(dev_rows, layouts)
             providers.update({l: resident for l in dev_rows})
         routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's and the engine's
         if host_rows:
-            store = ExpertStore(host_rows, inter, hidden)
+            store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
             host_provider = _host_provider(cfg, ecfg, store, dev, n_slots, routing)
             providers.update({l: host_provider for l in host_rows})
             log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
@@ -126,7 +131,8 @@ class Engine:
         book = AddressBook()
         for rows in (*dev_rows.values(), *host_rows.values()):
             book.add(rows)
-        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, host_provider, book, routing)
+        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, host_provider, book, routing,
+                      quantized)
 
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -221,8 +227,7 @@ class Engine:
         self.experts.by_layer = {l: p for l, p in self.experts.by_layer.items() if l not in store.rows}
         if self.device.is_cuda:
             torch.cuda.empty_cache()
-        size = torch.empty((), dtype=self.dtype).element_size()
-        n_slots = _slots(self.cfg, ecfg, len(store.rows), self.cfg.expert_numel * size)
+        n_slots = _slots(self.cfg, ecfg, len(store.rows), store.expert_bytes)
         if n_slots is not None:          # the rest of the model is in place: the new pool needs the free memory
             check_cache_fits(ecfg.cache.mib, n_slots * store.expert_bytes, 0, self.device.free_memory(),
                              self.device.name)
@@ -274,24 +279,39 @@ def _slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_byte
                        ecfg.batching.ubatch * cfg.n_experts_used)
 
 
+def expert_layouts(source, cfg: ModelConfig) -> dict[int, ExpertLayout]:
+    """Each MoE layer's expert row (quant/layout.py): float rows of the model's dtype, or, where any layer of a GGUF
+    has quantized expert stacks, every layer's GGUF blocks as they are in the file."""
+    types = {l: source.expert_types(l) for l in cfg.moe_layers}
+    quantized = any(t is not None and any(q not in FLOAT for q in t) for t in types.values())
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    return {l: ExpertLayout(I, H, types[l] if quantized else None) for l in cfg.moe_layers}
+
+
+def _slot_bytes(layouts: dict[int, ExpertLayout], host: set[int], dtype: torch.dtype) -> int:
+    """The bytes of one cache slot: the largest host layer's expert row."""
+    return max((layouts[l].row_bytes_for(dtype) for l in host), default=0)
+
+
 def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, host: set[int],
-                n_slots: int | None) -> None:
+                n_slots: int | None, layouts: dict[int, ExpertLayout]) -> None:
     """Refuse, before loading anything, a placement whose device part cannot fit in free device memory."""
     if not dev.is_cuda:
         return
     size = torch.empty((), dtype=dtype).element_size()
-    expert_bytes = cfg.expert_numel * size
-    n_dev = len(cfg.moe_layers) - len(host)
-    rest = n_dev * cfg.n_experts * expert_bytes                  # the device layers' experts
+    dev_layers = [l for l in cfg.moe_layers if l not in host]
+    rest = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in dev_layers)     # the device layers' experts
     rest += KVCache.nbytes_for(cfg.n_layers, ecfg.batching.n_seq, ecfg.batching.ctx_size, cfg.n_kv_heads,
                                cfg.head_dim, dtype)
     dense = (2 * cfg.vocab_size * cfg.hidden_size + cfg.n_layers * (
         2 * cfg.n_heads * cfg.head_dim * cfg.hidden_size + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.hidden_size))
     rest += dense * size
     pool = 0
+    slot = _slot_bytes(layouts, host, dtype)
     if host:
-        pool = (n_slots if n_slots is not None else cfg.n_experts) * expert_bytes   # the cache or upload buffer
+        pool = (n_slots if n_slots is not None else cfg.n_experts) * slot   # the cache or upload buffer
     free = dev.free_memory()
     if n_slots is not None:
         check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)
-    check_placement_fits(rest + pool, free, dev.name, cfg.n_experts * expert_bytes, len(cfg.moe_layers), n_dev)
+    layer = max(cfg.n_experts * lay.row_bytes_for(dtype) for lay in layouts.values()) if layouts else 0
+    check_placement_fits(rest + pool, free, dev.name, layer, len(cfg.moe_layers), len(dev_layers))

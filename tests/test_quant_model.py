@@ -1,0 +1,120 @@
+"""Quantized GGUF experts end to end on the CPU: the blocks stay quantized from the file to the store to the slot,
+the model computes what the same weights dequantized compute, and the numerics contract holds per file."""
+from __future__ import annotations
+
+import re
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType
+
+from moestream import LLM
+from moestream.loading.gguf import GGUFSource
+from moestream.loading.gguf_write import write_gguf
+from moestream.loading.synth import SynthSource
+from moestream.quant.layout import ExpertLayout
+
+EXPS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+
+
+def quantize_experts(src: str, out, types) -> None:
+    """Copy a float32 GGUF with its expert stacks quantized: types(layer, stack) -> the GGML type (gguf.quants)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    for t in r.tensors:
+        data = np.array(t.data)
+        m = EXPS.fullmatch(t.name)
+        if m and t.tensor_type == Q.F32:
+            q = types(int(m[1]), m[2])
+            w.add_tensor(t.name, gguf.quants.quantize(data, q), raw_dtype=q)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def _mixed(layer, stack):                 # like a `_M` mix: down gets more bits, and not in every layer
+    return Q.Q8_0 if stack == "down" and layer % 2 == 0 else (Q.Q5_0 if stack == "down" else Q.Q4_0)
+
+
+MIXES = {"q8_0": lambda l, s: Q.Q8_0, "q4_0": lambda l, s: Q.Q4_0, "q5_0": lambda l, s: Q.Q5_0, "mixed": _mixed}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    write_gguf(SynthSource.from_spec("tiny"), d / "f32.gguf", dtype="float32")
+    out = {}
+    for name, mix in MIXES.items():
+        quantize_experts(str(d / "f32.gguf"), d / f"{name}.gguf", mix)
+        # The same weights as float32: GGUFSource dequantizes what it hands out as floats.
+        write_gguf(GGUFSource(d / f"{name}.gguf"), d / f"{name}-deq.gguf", dtype="float32")
+        out[name] = (str(d / f"{name}.gguf"), str(d / f"{name}-deq.gguf"))
+    return out
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_experts_stay_in_their_blocks(files):
+    """The host store holds each layer's raw blocks (uint8), a slot the widest layer's row, and an upload moves a
+    layer's own bytes."""
+    path, _ = files["mixed"]
+    llm = LLM(path, ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=1)
+    store, cfg = llm.engine.host.store, llm.model_config
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    for l in cfg.moe_layers:
+        lay = store.layouts[l]
+        assert lay == ExpertLayout(I, H, (Q.Q4_0, Q.Q4_0, _mixed(l, "down")))
+        assert store.rows[l].dtype == torch.uint8 and store.rows[l].shape == (cfg.n_experts, lay.nbytes)
+        raw = GGUFSource(path).expert_bytes(l, 3)
+        assert torch.equal(store.rows[l][3], raw)
+    q4 = I * H // 32 * 18                                      # Q4_0: 32 values in 18 bytes
+    assert store.layer_bytes(0) == 2 * q4 + H * I // 32 * 34 and store.layer_bytes(1) == 2 * q4 + H * I // 32 * 22
+    assert store.expert_bytes == store.layer_bytes(0)           # a slot holds the widest row
+    llm.logits(_prompt(40, 0))
+    per = llm.stats()["per_layer"]
+    for l in cfg.moe_layers:
+        assert per[l]["uploaded_bytes"] == per[l]["misses"] * store.layer_bytes(l) > 0
+
+
+@pytest.mark.parametrize("name", list(MIXES))
+def test_logits_equal_the_dequantized_weights(files, name):
+    """A quantized file computes exactly what its weights dequantized to float32 compute (CPU, float32): the
+    offsets of gate, up and down in a row, each type's blocks, the dequantized scratch of a ubatch's experts."""
+    qpath, fpath = files[name]
+    for kw in (dict(), dict(cpu_moe=True, moe_cache_mib=1)):
+        q = LLM(qpath, ubatch_size=16, ctx_size=128, device="cpu", **kw)
+        f = LLM(fpath, ubatch_size=16, ctx_size=128, device="cpu", **kw)
+        assert q.engine.quantized and not f.engine.quantized
+        for s in range(2):
+            assert torch.equal(q.logits(_prompt(40, s)), f.logits(_prompt(40, s))), (name, kw, s)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "mixed"])
+def test_numerics_contract_per_quantized_file(files, name):
+    """Bit-identical logits whatever the placement, cache size and policy; the same greedy decode."""
+    path, _ = files[name]
+    base = LLM(path, ubatch_size=16, ctx_size=128, device="cpu")
+    want = [base.logits(_prompt(40, s)) for s in range(3)]
+    greedy = base.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256
+    for kw in (dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=0), dict(cpu_moe=True, moe_cache_mib=1),
+               dict(n_cpu_moe=2, moe_cache_mib=3, cache_policy="lru"), dict(cpu_moe=True, moe_cache_mib=1000)):
+        llm = LLM(path, ubatch_size=16, ctx_size=128, device="cpu", **kw)
+        for s, w in enumerate(want):
+            assert torch.equal(llm.logits(_prompt(40, s)), w), (kw, s)
+        assert llm.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256 == greedy, kw
+
+
+def test_a_quantized_file_runs_float32_on_the_cpu(files):
+    """dtype auto: a quantized checkpoint has no float dtype of its own; the CPU runs it in float32."""
+    llm = LLM(files["q8_0"][0], ctx_size=64, device="cpu")
+    assert llm.engine.dtype == torch.float32 and llm.config.placement.dtype == "float32"
