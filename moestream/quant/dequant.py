@@ -20,7 +20,9 @@ from gguf import GGMLQuantizationType as Q
 from ..errors import UserError
 from .types import FLOAT, LOADABLE, names
 
-CHUNK_VALUES = 1 << 24      # values dequantized at once: intermediates of a few times 64 MiB of float32
+# Values dequantized at once: bounds the float32 intermediates (16 MiB each, a handful live at a time). On the CPU
+# 4M values a chunk ran 1.3x faster than 16M.
+CHUNK_VALUES = 1 << 22
 
 
 def dequantize(data: torch.Tensor, qtype: Q) -> torch.Tensor:
@@ -85,19 +87,28 @@ _SCALE_OFFSETS = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108
 
 # --- reading blocks: little-endian fields, as ggml writes them and gguf.quants' numpy views read them ---
 
+def _view(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(..., k * itemsize) uint8 -> (..., k) of dtype: the same bytes, copied where they are not contiguous or start
+    off dtype's alignment (a field inside a block does)."""
+    flat = b.reshape(-1)
+    if flat.storage_offset() % dtype.itemsize:
+        flat = flat.clone()
+    return flat.view(dtype).reshape(*b.shape[:-1], b.shape[-1] // dtype.itemsize)
+
+
 def _halves(b: torch.Tensor) -> torch.Tensor:
     """(n, 2k) uint8 -> (n, k) float32: f16 fields, converted exactly."""
-    return b.contiguous().view(torch.float16).float()
+    return _view(b, torch.float16).float()
 
 
 def _u16(b: torch.Tensor) -> torch.Tensor:
     """(..., 2k) uint8 -> (..., k) int32: u16 fields (torch has no full uint16, so int32 holds them)."""
-    return b.contiguous().view(torch.int16).int() & 0xFFFF
+    return _view(b, torch.int16).int() & 0xFFFF
 
 
 def _u32(b: torch.Tensor) -> torch.Tensor:
     """(..., 4k) uint8 -> (..., k) int64: u32 fields."""
-    return b.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    return _view(b, torch.int32).long() & 0xFFFFFFFF
 
 
 def _fields(x: torch.Tensor, width: int, count: int) -> torch.Tensor:
@@ -119,7 +130,7 @@ def _shifts(width: int, count: int, dtype: torch.dtype, device: torch.device) ->
 # --- float types: their raw bytes, reinterpreted ---
 
 def _f32(b):
-    return b.contiguous().view(torch.float32)                                   # (n, 1)
+    return _view(b, torch.float32)                                              # (n, 1)
 
 
 def _f16(b):
@@ -127,7 +138,7 @@ def _f16(b):
 
 
 def _bf16(b):
-    return (b.contiguous().view(torch.int16).int() << 16).view(torch.float32)  # (n, 1): bf16 is f32's top half
+    return (_view(b, torch.int16).int() << 16).view(torch.float32)             # (n, 1): bf16 is f32's top half
 
 
 # --- 32-value blocks: an f16 d (and m), then the quants ---
