@@ -27,7 +27,7 @@ CHUNK_VALUES = 1 << 22
 
 def dequantize(data: torch.Tensor, qtype: Q) -> torch.Tensor:
     """data (..., nbytes) uint8 of whole blocks -> (..., nbytes // type_size * block_size) float32, on data's
-    device."""
+    device (a new tensor, also for F32). A UserError for a type with no dequantizer."""
     fn = _dequantizer(qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     if data.dtype != torch.uint8 or data.dim() == 0 or data.shape[-1] % size:
@@ -45,7 +45,7 @@ def random_blocks(qtype: Q, n_blocks: int, generator: torch.Generator | None = N
     """(n_blocks * type_size,) uint8 on the CPU: random valid blocks of qtype. Every f16 scale is finite with
     |d| in [1e-3, 1], so the values dequantize finite; the other bits (quants, sub-block scales, grid and sign
     indices) are uniform, all of them valid. Float types are normal random values."""
-    _dequantizer(qtype)
+    _dequantizer(qtype)                                                         # a UserError for any other type
     block, size = GGML_QUANT_SIZES[qtype]
     if qtype in FLOAT:
         dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
