@@ -91,13 +91,15 @@ def test_the_decode_path_is_chosen_once_from_the_placement():
     from moestream.kernels.decode import MAX_TOKENS
     from moestream.runtime.decode import EagerDecode, GraphDecode, choose_decode
 
-    def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object()):
+    def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object(), quantized=False):
         ecfg = types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=graphs))
         eng = types.SimpleNamespace(ecfg=ecfg, device=types.SimpleNamespace(is_cuda=cuda), kernel=kernel, host=host,
-                                    decode_kernel=object() if zero_copy else None)
+                                    decode_kernel=object() if zero_copy else None, quantized=quantized)
         return choose_decode(eng)
-    for p in (path(), path(zero_copy=False)):                  # every expert on the GPU: every step is a graph
+    for p in (path(), path(zero_copy=False), path(quantized=True)):   # every expert on the GPU: every step a graph
         assert isinstance(p, GraphDecode) and p.captures and p.takes(MAX_TOKENS + 1) and not p.reports_routing
+    # Quantized experts fetched (no zero-copy kernel for their types) are dequantized per ubatch: a host sync.
+    assert isinstance(path(zero_copy=False, quantized=True), EagerDecode)
     p = path(host=object())
     assert isinstance(p, GraphDecode) and p.takes(MAX_TOKENS) and not p.takes(MAX_TOKENS + 1) and p.reports_routing
     for p in (path(host=object(), zero_copy=False), path(cuda=False), path(graphs=False),
