@@ -149,6 +149,8 @@ def test_layers_match_transformers(hybrid):
     dec = _decoder(model)
     x = torch.randn(1, 100, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     pos = torch.arange(100)[None]
+    if form != "qwen3_next":            # multimodal RoPE's (3, B, T) positions: text has the same on every axis
+        pos = pos.expand(3, 1, -1)
     cos, sin = dec.rotary_emb(x, pos)
     ref = HybridReference(cfg, weights, ctx=128)
     ref_cos, ref_sin = ref.cos[:100], ref.sin[:100]                 # (100, rotary_dim)
