@@ -18,6 +18,7 @@ from .experts.prefetch import PrefetchConfig
 from .models.families import FAMILIES, family_named, option, titles
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # --- hybrid families (qwen3_next, qwen3_5_moe): Gated DeltaNet layers between gated attention layers ---------
+    layer_types: tuple[str, ...] = ()          # per layer, full_attention | linear_attention; () = all attention
+    linear_num_key_heads: int = 0              # DeltaNet q/k heads
+    linear_num_value_heads: int = 0            # DeltaNet v heads (a multiple of the q/k heads), one state each
+    linear_key_head_dim: int = 0               # dk: a state is (dk, dv) per value head
+    linear_value_head_dim: int = 0             # dv
+    linear_conv_kernel: int = 0                # the causal depthwise conv's width; a sequence keeps kernel-1 inputs
+    partial_rotary_factor: float = 1.0         # rotary on the first head_dim * factor dims of q and k
+    attn_output_gate: bool = False             # q_proj also gives a per-head sigmoid gate on the attention output
+    zero_centred_norm: bool = False            # HF's norm weights are w in x_normed * (1 + w); the canonical
+                                               # tensors hold 1 + w, as GGUF does (models/next_names.py)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -64,6 +76,23 @@ class ModelConfig:
             raise UserError(f"unsupported rope_scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
         if any(not 0 <= i < self.n_layers for i in self.dense_layers):
             raise UserError(f"model config: dense layer index out of range: {self.dense_layers}")
+        if self.layer_types:
+            if len(self.layer_types) != self.n_layers:
+                raise UserError(f"model config: {len(self.layer_types)} layer_types for {self.n_layers} layers")
+            odd = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if odd:
+                raise UserError(f"unsupported layer type {odd[0]!r}; supported: {', '.join(LAYER_TYPES)}")
+        if self.linear_layers:
+            for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel"):
+                if getattr(self, name) <= 0:
+                    raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise UserError(f"model config: {self.linear_num_value_heads} linear value heads are not a multiple "
+                                f"of {self.linear_num_key_heads} key heads")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise UserError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
+                            f"rotary width of head_dim {self.head_dim}")
 
     # --- derived -------------------------------------------------------------------------------------------
     @property
@@ -74,6 +103,22 @@ class ModelConfig:
     def rope_type(self) -> str:
         r = self.rope
         return r.get("rope_type", r.get("type", "default")) if r else "default"
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """Indices of the Gated DeltaNet layers (a conv window and a recurrent state per sequence, no KV)."""
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Indices of the layers with a KV cache: every layer, but the DeltaNet layers of a hybrid family."""
+        linear = set(self.linear_layers)
+        return [i for i in range(self.n_layers) if i not in linear]
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each q/k head that rotary embeddings turn (all of them but with partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -93,6 +138,7 @@ class ModelConfig:
     def from_hf(cls, c: dict, generation_config: dict | None = None) -> "ModelConfig":
         """From a Hugging Face config.json dict (transformers 4 and 5 spellings both), as its family's entry in
         models/families.py maps it."""
+        c = _text_config(c)
         arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
         fam = family_named(arch) or family_named(c.get("model_type", ""))
         if fam is None:
@@ -113,6 +159,9 @@ class ModelConfig:
             theta = rope.pop("rope_theta", None) or c.get("rope_theta") or 10000.0
             if c.get("rope_scaling"):
                 rope.update(c["rope_scaling"])
+            hybrid = _hybrid_options(c, rope, arch) if fam.hybrid else {}
+            for key in ("mrope_section", "mrope_interleaved"):    # text positions are alike on all three axes:
+                rope.pop(key, None)                                 # multimodal RoPE is then plain RoPE
             if rope.get("rope_type", rope.get("type", "default")) == "default":
                 rope = {}
             rope.pop("partial_rotary_factor", None)
@@ -133,10 +182,39 @@ class ModelConfig:
                 rope_scaling=tuple(sorted(rope.items())),
                 max_position_embeddings=c.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
+                bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, **hybrid,
             )
         except KeyError as e:
             raise UserError(f"config.json lacks {e.args[0]!r}: is it a complete {arch} config?") from None
+
+
+def _text_config(c: dict) -> dict:
+    """config.json with its language model's keys at the top: a multimodal checkpoint (Qwen3.5-MoE's
+    Qwen3_5MoeForConditionalGeneration) nests them under text_config, over top-level keys such as architectures."""
+    if not isinstance(c.get("text_config"), dict):
+        return c
+    return {k: v for k, v in c.items() if k not in ("text_config", "vision_config")} | c["text_config"]
+
+
+def _hybrid_options(c: dict, rope: dict, arch: str) -> dict:
+    """A hybrid family's ModelConfig fields (Gated DeltaNet and gated attention) from config.json, as transformers'
+    Qwen3NextConfig reads them; an option moestream does not run is a UserError naming it."""
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if not types:                    # what transformers derives from full_attention_interval (default 4)
+        step = c.get("full_attention_interval") or 4
+        types = ["linear_attention" if (i + 1) % step else "full_attention" for i in range(n)]
+    unsupported = [(c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')!r} (only silu)"),
+                   (bool(c.get("attention_bias")), "attention_bias=true"),
+                   (c.get("attn_output_gate", True) is False, "attn_output_gate=false")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"{arch}: {what} is not supported by moestream")
+    factor = rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 0.25
+    return dict(layer_types=tuple(types), linear_num_key_heads=c["linear_num_key_heads"],
+                linear_num_value_heads=c["linear_num_value_heads"], linear_key_head_dim=c["linear_key_head_dim"],
+                linear_value_head_dim=c["linear_value_head_dim"], linear_conv_kernel=c["linear_conv_kernel_dim"],
+                partial_rotary_factor=float(factor), attn_output_gate=True, zero_centred_norm=True)
 
 
 # --- the engine: one frozen dataclass per concern ----------------------------------------------------------------

@@ -33,11 +33,16 @@ OPTIONS = {
 }
 
 
+# The hybrid families (Qwen3-Next, Qwen3.5-MoE) are math only until the engine and loaders run them (issue 17):
+# tests/test_next_family.py tests them.
+ENGINE_FAMILIES = [name for name, f in FAMILIES.items() if not f.hybrid]
+
+
 def test_every_family_has_a_test_model():
-    assert set(OPTIONS) == set(FAMILIES)
+    assert set(OPTIONS) == set(ENGINE_FAMILIES)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_family_names_round_trip(family, tmp_path):
     """write_hf writes the table's architecture and first spellings and reads back the same model; write_gguf
     writes the table's GGUF architecture (or refuses a family without one) and reads back the same model."""

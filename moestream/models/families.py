@@ -49,6 +49,11 @@ class Family:
     hf_experts: tuple[ExpertSpelling, ...]       # experts one tensor per expert and projection
     hf_fused: tuple[str, ...]                    # modules holding gate_up_proj (E, 2I, H) and down_proj (E, H, I),
                                                  # as transformers 5 holds experts in memory
+    # --- hybrid families ------------------------------------------------------------------------------------
+    hybrid: bool = False             # Gated DeltaNet layers between gated attention layers (layer_types, linear_*
+                                     # keys; models/deltanet.py); the engine does not run them yet (issue 17)
+    hf_text_prefixes: tuple[str, ...] = ("model.",)   # where the language model's tensors are (Qwen3.5-MoE's
+                                     # multimodal checkpoints: model.language_model.), the written one first
 
 
 # Canonical name -> HF name of the tensors outside the layers, spelled alike by every family.
@@ -70,6 +75,14 @@ HF_LAYER = {
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Gated DeltaNet (qwen3_next: ssm_in and ssm_ba, fused and grouped by key head; qwen3_5_moe: the split ones).
+    # Canonical values differ from HF's in ssm_a (-exp(A_log)) and the norms (1 + w): see models/next_names.py.
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight", "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log", "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
 }
 
 _QWEN_EXPERTS: tuple[ExpertSpelling, ...] = (("mlp.experts", "gate_proj", "up_proj", "down_proj"),)
@@ -111,6 +124,28 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            qk_norm="full",
            gguf_arch="olmoe", gguf_norm_topk=False,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",)),
+    # Hybrid: Gated DeltaNet layers (fused in_proj_qkvz / in_proj_ba) and gated attention (q with a sigmoid gate,
+    # per-head zero-centred QK-norm, partial rotary); 512 experts, softmax top-10, a sigmoid-gated shared expert.
+    # llama.cpp's architecture is qwen3next; no GGUF form here yet.
+    Family("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "qwen3_next", ("qwen3next",),
+           experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=True,
+           norm_topk_prob="norm_topk_prob", attn_bias=False, hf_bias_key="attention_bias",
+           shared_expert_key="shared_expert_intermediate_size", clip_qkv_key=None, hf_extra=(),
+           qk_norm="head",
+           gguf_arch=None, gguf_norm_topk=True,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True),
+    # Qwen3-Next's math with split DeltaNet projections, top-k always renormalised, every layer MoE; config.json
+    # nests the text model's keys under text_config (the text-only form transformers saves is qwen3_5_moe_text).
+    # llama.cpp's architecture is qwen35moe (it reorders the value heads: see models/next_names.py).
+    Family("qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe",
+           ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "qwen35moe"),
+           experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=False,
+           norm_topk_prob=True, attn_bias=False, hf_bias_key="attention_bias",
+           shared_expert_key="shared_expert_intermediate_size", clip_qkv_key=None, hf_extra=(),
+           qk_norm="head",
+           gguf_arch=None, gguf_norm_topk=True,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True,
+           hf_text_prefixes=("model.language_model.", "model.")),
 )}
 
 # config.json's `architectures[0]` or `model_type` -> family.

@@ -21,6 +21,7 @@ The names are family-independent: a family's options (moestream.models.families)
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..errors import UserError
 
 # A MoE layer's experts stacked (E, ., .): gate, up, down, in the order an expert's buffer holds them.
 EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -28,6 +29,8 @@ EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 def dense_names(cfg: ModelConfig) -> list[str]:
     """Every non-expert tensor a model of this config has, in canonical names."""
+    if cfg.linear_layers:       # models/next_names.py names them; the engine runs them later (issue 17)
+        raise UserError(f"moestream's engine does not run {cfg.family}'s Gated DeltaNet layers yet")
     names = ["token_embd.weight", "output_norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("output.weight")

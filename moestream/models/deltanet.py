@@ -1,0 +1,190 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5-MoE, in plain torch: the CPU path and the
+oracle of the fast kernels (fla-core on CUDA, later). Batched over sequences: B rows of equal length T.
+
+    y, st = gated_deltanet(x, lw, cfg)                 # a prompt from an empty state: x (B, T, H)
+    y, st = gated_deltanet(x1, lw, cfg, st)            # one more token each: x1 (B, 1, H), the recurrent form
+
+A layer keeps two tensors per sequence (DeltaState): the last kernel-1 inputs of its causal conv and one (dk, dv)
+state per value head. Per token t and value head, with q, k L2-normed and q scaled by dk^-1/2:
+
+    S = exp(g_t) S;   S += k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t       (S: (dk, dv))
+    beta_t = sigmoid(b_t),  g_t = ssm_a * softplus(a_t + ssm_dt.bias)   (ssm_a = -exp(A_log) < 0: a decay)
+
+Prompts run the chunked form (chunk_gated_delta_rule: the same recurrence, 64 tokens at a time as matmuls),
+decode steps the recurrent one; they agree to float32 rounding. The output is RMS-normed per head, gated by
+silu(z) and projected back.
+
+Weights (`lw`: one layer's canonical names, models/next_names.py; V = nv*dv, K = nk*dk, C = 2K + V):
+    ssm_in.weight (2K + 2V, H)   qwen3_next: q, k, v, z fused, grouped by key head ([q_h k_h v_h.. z_h..] per h)
+    ssm_ba.weight (2nv, H)       qwen3_next: b, a fused, grouped by key head ([b_h.. a_h..] per h)
+    attn_qkv.weight (C, H), attn_gate.weight (V, H), ssm_beta.weight / ssm_alpha.weight (nv, H)   qwen3_5_moe
+    ssm_conv1d.weight (C, K) or HF's (C, 1, K)    ssm_a (nv,) float32    ssm_dt.bias (nv,)
+    ssm_norm.weight (dv,) (a plain RMSNorm weight, not zero-centred)     ssm_out.weight (H, V)
+Value head j reads key head j // (nv/nk), as transformers' repeat_interleave does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+
+@dataclass
+class DeltaState:
+    """One DeltaNet layer's state of B sequences: conv (B, C, kernel-1) inputs, ssm (B, nv, dk, dv) float32."""
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @staticmethod
+    def zeros(cfg: ModelConfig, batch: int, dtype, device) -> "DeltaState":
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv = torch.zeros(batch, 2 * nk * dk + nv * dv, cfg.linear_conv_kernel - 1, dtype=dtype, device=device)
+        return DeltaState(conv, torch.zeros(batch, nv, dk, dv, dtype=torch.float32, device=device))
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                  activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over time, then SiLU: x (B, T, C), weight (C, K), state (B, C, K-1) the inputs before
+    x (None: zeros, a sequence's start) -> y (B, T, C), the new state (the last K-1 inputs). T = 1 is a decode step."""
+    B, T, C = x.shape
+    weight = weight.reshape(C, -1)
+    K = weight.shape[1]
+    if state is None:
+        state = x.new_zeros(B, C, K - 1)
+    window = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)           # (B, C, K-1+T)
+    y = F.conv1d(window, weight.unsqueeze(1), groups=C)                           # (B, C, T)
+    if activation:
+        y = F.silu(y)
+    return y.transpose(1, 2), window[:, :, window.shape[-1] - (K - 1):]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim, as fla and transformers compute it."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _heads_first(q, k, v, g, beta, scale):
+    """(B, T, h, d) inputs -> float32 (B, nv, T, d), key heads repeated for their value heads, q scaled."""
+    r = v.shape[2] // k.shape[2]
+    q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    return q * (scale if scale is not None else q.shape[-1] ** -0.5), k, v, g, beta
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state=None, scale=None):
+    """The delta rule token by token: q, k (B, T, nk, dk) L2-normed, v (B, T, nv, dv), g and beta (B, T, nv),
+    state (B, nv, dk, dv) or None -> out (B, T, nv, dv) in v's dtype, final state (B, nv, dk, dv) float32."""
+    B, T, nv, dv = v.shape
+    dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale)
+    S = q.new_zeros(B, nv, q.shape[-1], dv) if state is None else state.float().clone()
+    out = torch.empty(B, nv, T, dv, dtype=torch.float32, device=v.device)
+    for t in range(T):
+        S = S * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]                                                            # (B, nv, dk)
+        delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, kt)) * beta[:, :, t, None]
+        S = S + kt[..., :, None] * delta[..., None, :]
+        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
+    return out.transpose(1, 2).to(dtype), S
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size: int = 64, scale=None):
+    """The delta rule a chunk of tokens at a time; arguments and results as recurrent_gated_delta_rule's.
+
+    Inside a chunk, with G_i the cumulative log-decay from its start to token i, the state before it S0 and
+    A_ij = beta_i k_i.k_j exp(G_i - G_j) for j < i, the corrections written to the state are
+        u = (I + A)^-1 (beta v) - (I + A)^-1 (beta k exp(G)) S0      (a unit lower-triangular solve, the WY form)
+    and then o_i = exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j,
+    S = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j u_j^T. The chunks then run in sequence.
+    """
+    B, T, nv, dv = v.shape
+    dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale)
+    dk = q.shape[-1]
+    pad = -T % chunk_size               # zero-padded tokens: beta = 0 and g = 0 leave the state as it was
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    N, L = (T + pad) // chunk_size, chunk_size
+    q, k, v = (t.reshape(B, nv, N, L, -1) for t in (q, k, v))                     # (B, nv, N, L, d)
+    g, beta = g.reshape(B, nv, N, L), beta.reshape(B, nv, N, L)
+    G = g.cumsum(-1)                                                               # (B, nv, N, L)
+    causal = torch.ones(L, L, dtype=torch.bool, device=v.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # (.., L, L): i, j
+    kk = k @ k.transpose(-1, -2)                                                   # (B, nv, N, L, L)
+    A = (beta[..., None] * kk * decay).tril(-1)
+    eye = torch.eye(L, dtype=A.dtype, device=A.device)
+    u0 = torch.linalg.solve_triangular(A + eye, beta[..., None] * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(A + eye, beta[..., None] * k * G.exp()[..., None], upper=False,
+                                      unitriangular=True)                          # (B, nv, N, L, dk)
+    qk = (q @ k.transpose(-1, -2)) * decay                                         # (B, nv, N, L, L)
+    q_in = q * G.exp()[..., None]                       # reads the state the chunk starts from
+    k_out = k * (G[..., -1:] - G).exp()[..., None]      # writes the state the chunk ends with
+    S = q.new_zeros(B, nv, dk, dv) if state is None else state.float().clone()
+    out = torch.empty(B, nv, N, L, dv, dtype=torch.float32, device=v.device)
+    for n in range(N):
+        u = u0[:, :, n] - w[:, :, n] @ S                                           # (B, nv, L, dv)
+        out[:, :, n] = q_in[:, :, n] @ S + qk[:, :, n] @ u
+        S = S * G[:, :, n, -1].exp()[..., None, None] + k_out[:, :, n].transpose(-1, -2) @ u
+    out = out.reshape(B, nv, N * L, dv)[:, :, :T]
+    return out.transpose(1, 2).to(dtype), S
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dim, times w, gated by silu(z): the DeltaNet's output norm, per value head.
+    Statistics and gate in float32, as transformers' Qwen3NextRMSNormGated computes them."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (w * normed * F.silu(z.float())).to(x.dtype)
+
+
+def _project(x: torch.Tensor, lw: dict, cfg: ModelConfig):
+    """The input projections in either family's layout -> mixed q|k|v (B, T, C) (the conv's input), z (B, T, nv,
+    dv), b and a (B, T, nv), each value head's in transformers' order (grouped by key head)."""
+    B, T, _ = x.shape
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    if "ssm_in.weight" in lw:           # qwen3_next: [q k v.. z..] per key head
+        qkvz = F.linear(x, lw["ssm_in.weight"]).view(B, T, nk, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        z = z.reshape(B, T, nv, dv)
+    else:                               # qwen3_5_moe (and llama.cpp's qwen3next since it splits ssm_in)
+        mixed = F.linear(x, lw["attn_qkv.weight"])                                 # (B, T, C)
+        z = F.linear(x, lw["attn_gate.weight"]).view(B, T, nv, dv)
+    if "ssm_ba.weight" in lw:           # [b.. a..] per key head
+        b, a = F.linear(x, lw["ssm_ba.weight"]).view(B, T, nk, 2 * r).split([r, r], dim=-1)
+        b, a = b.reshape(B, T, nv), a.reshape(B, T, nv)
+    else:
+        b, a = F.linear(x, lw["ssm_beta.weight"]), F.linear(x, lw["ssm_alpha.weight"])
+    return mixed, z, b, a
+
+
+def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaState | None = None,
+                   mode: str = "auto", chunk_size: int = 64) -> tuple[torch.Tensor, DeltaState]:
+    """One Gated DeltaNet layer over B sequences of T tokens each: x (B, T, H) (the normed residual stream),
+    `state` each sequence's state before x (None: empty) -> y (B, T, H), the state after x.
+
+    mode: auto (recurrent for T = 1, chunked otherwise, as transformers chooses), chunk or recurrent."""
+    B, T, _ = x.shape
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed, z, b, a = _project(x, lw, cfg)
+    mixed, conv = causal_conv1d(mixed, lw["ssm_conv1d.weight"], None if state is None else state.conv)
+    q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    q = l2norm(q.reshape(B, T, nk, dk).float())
+    k = l2norm(k.reshape(B, T, nk, dk).float())
+    v = v.reshape(B, T, nv, dv)
+    beta = torch.sigmoid(b)
+    g = lw["ssm_a"].float() * F.softplus(a.float() + lw["ssm_dt.bias"])            # (B, T, nv), <= 0
+    recurrent = mode == "recurrent" or (mode == "auto" and T == 1)
+    if recurrent:
+        o, ssm = recurrent_gated_delta_rule(q, k, v, g, beta, None if state is None else state.ssm)
+    else:
+        o, ssm = chunk_gated_delta_rule(q, k, v, g, beta, None if state is None else state.ssm, chunk_size)
+    o = gated_rms_norm(o, z, lw["ssm_norm.weight"], cfg.rms_norm_eps)             # (B, T, nv, dv)
+    return F.linear(o.reshape(B, T, nv * dv), lw["ssm_out.weight"]), DeltaState(conv, ssm)

@@ -1,0 +1,116 @@
+"""Canonical tensors of the hybrid families (Qwen3-Next, Qwen3.5-MoE): their names, and a Hugging Face state dict
+turned into them.
+
+    w = canonical_from_hf(cfg, model.state_dict())     # {"blk.0.ssm_in.weight": ..., "blk.3.attn_q.weight": ...}
+    hybrid_names(cfg)                                  # every name a model of cfg has (experts as GGUF stacks)
+
+Names are llama.cpp's (gguf.constants, MODEL_ARCH.QWEN3NEXT / QWEN35MOE), values are what the math takes. After
+`model.layers.N.` (Qwen3.5-MoE's multimodal checkpoints: `model.language_model.layers.N.`):
+
+    HF                                   canonical             value
+    input_layernorm.weight               attn_norm.weight      1 + w (HF's norms are zero-centred: x_n * (1 + w))
+    post_attention_layernorm.weight      ffn_norm.weight       1 + w (llama.cpp: post_attention_norm)
+    linear_attn.in_proj_qkvz.weight      ssm_in.weight         as HF: q, k, v, z grouped by key head (qwen3_next)
+    linear_attn.in_proj_ba.weight        ssm_ba.weight         as HF: b, a grouped by key head (qwen3_next)
+    linear_attn.in_proj_qkv.weight       attn_qkv.weight       as HF (qwen3_5_moe)
+    linear_attn.in_proj_z.weight         attn_gate.weight      as HF (qwen3_5_moe)
+    linear_attn.in_proj_b / in_proj_a    ssm_beta / ssm_alpha  as HF (qwen3_5_moe)
+    linear_attn.conv1d.weight (C,1,K)    ssm_conv1d.weight     (C, K)
+    linear_attn.dt_bias                  ssm_dt.bias           as HF
+    linear_attn.A_log                    ssm_a                 -exp(A_log), float32 (the decay rate g's factor)
+    linear_attn.norm.weight              ssm_norm.weight       as HF (a plain RMSNorm weight)
+    linear_attn.out_proj.weight          ssm_out.weight        as HF
+    self_attn.q_proj.weight              attn_q.weight         as HF: [q_h | gate_h] per head, (nh * 2hd, H)
+    self_attn.{k,v,o}_proj.weight        attn_{k,v,output}.weight
+    self_attn.{q,k}_norm.weight          attn_{q,k}_norm.weight  1 + w
+    mlp.gate.weight, mlp.shared_expert.*, mlp.shared_expert_gate.weight: as the other Qwen families
+    mlp.experts (fused gate_up_proj / down_proj, or per expert) -> ffn_{gate,up,down}_exps.weight stacks (E, ., .)
+    model.norm.weight -> output_norm.weight (1 + w); embed_tokens, lm_head as every family.
+
+1 + w and -exp(A_log) are what transformers computes from HF's values in float32 at every forward, and what
+llama.cpp's converter stores, so both sources give the same numbers (norms and ssm_a stay float32). A GGUF reader
+differs from this in two places: llama.cpp's qwen3next converter now writes ssm_in as attn_qkv + attn_gate with the
+heads ungrouped (the math takes that form too), and its qwen35moe converter reorders the value heads from grouped
+by key head to tiled (v head j*nk + h for h's j-th), in attn_qkv's v rows, attn_gate, ssm_beta, ssm_alpha, ssm_a,
+ssm_dt, the conv's v channels and ssm_out's columns: a GGUF reader undoes that. MTP layers (mtp.*) and the vision
+tower are not read.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from .families import FAMILIES, HF_LAYER
+
+_ZERO_CENTRED = ("attn_norm.weight", "ffn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+_ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
+              "attn_k_norm.weight")
+_DELTANET = {"qwen3_next": ("ssm_in.weight", "ssm_ba.weight"),
+             "qwen3_5_moe": ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")}
+_DELTANET_COMMON = ("ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight", "ssm_out.weight")
+_SHARED = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def layer_names(cfg: ModelConfig, i: int) -> list[str]:
+    """Layer i's canonical tensor suffixes (after `blk.i.`)."""
+    names = ["attn_norm.weight", "ffn_norm.weight"]
+    if i in cfg.linear_layers:
+        names += [*_DELTANET[cfg.family], *_DELTANET_COMMON]
+    else:
+        names += list(_ATTENTION)
+    if i in cfg.dense_layers:
+        names += ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+    else:
+        names += ["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]
+        if cfg.shared_expert_intermediate_size:
+            names += list(_SHARED)
+    return names
+
+
+def hybrid_names(cfg: ModelConfig) -> list[str]:
+    """Every canonical tensor of a hybrid model, the experts as GGUF's (E, ., .) stacks."""
+    names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tie_word_embeddings else ["output.weight"])
+    return names + [f"blk.{i}.{n}" for i in range(cfg.n_layers) for n in layer_names(cfg, i)]
+
+
+def _value(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """An HF tensor's value as the canonical tensor holds it."""
+    if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name == "output_norm.weight"):
+        return 1.0 + t.float()
+    if name == "ssm_a":
+        return -t.float().exp()
+    if name == "ssm_conv1d.weight":
+        return t.reshape(t.shape[0], -1)
+    return t
+
+
+def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF state dict (either config.json form's spelling, experts fused or per expert) -> canonical tensors."""
+    fam = FAMILIES[cfg.family]
+    prefix = next((p for p in fam.hf_text_prefixes if p + "embed_tokens.weight" in sd), None)
+    if prefix is None:
+        raise KeyError(f"no embed_tokens.weight under {fam.hf_text_prefixes}")
+    out = {"token_embd.weight": sd[prefix + "embed_tokens.weight"],
+           "output_norm.weight": _value(cfg, "output_norm.weight", sd[prefix + "norm.weight"])}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    hf_of = dict(HF_LAYER, **{"ffn_gate_inp.weight": fam.hf_router[0]})
+    for i in range(cfg.n_layers):
+        p = f"{prefix}layers.{i}."
+        for name in layer_names(cfg, i):
+            if name in hf_of:
+                out[f"blk.{i}.{name}"] = _value(cfg, name, sd[p + hf_of[name]])
+        if i in cfg.dense_layers:
+            continue
+        mod, g, u, d = fam.hf_experts[0]
+        fused = sd.get(f"{p}{fam.hf_fused[0]}.gate_up_proj")
+        if fused is not None:                   # transformers 5: (E, 2I, H) gate then up, and (E, H, I)
+            gate, up = fused.chunk(2, dim=1)
+            down = sd[f"{p}{fam.hf_fused[0]}.down_proj"]
+        else:
+            gate, up, down = (torch.stack([sd[f"{p}{mod}.{e}.{proj}.weight"] for e in range(cfg.n_experts)])
+                              for proj in (g, u, d))
+        out[f"blk.{i}.ffn_gate_exps.weight"] = gate.contiguous()
+        out[f"blk.{i}.ffn_up_exps.weight"] = up.contiguous()
+        out[f"blk.{i}.ffn_down_exps.weight"] = down
+    return out
