@@ -118,3 +118,11 @@ def test_a_quantized_file_runs_float32_on_the_cpu(files):
     """dtype auto: a quantized checkpoint has no float dtype of its own; the CPU runs it in float32."""
     llm = LLM(files["q8_0"][0], ctx_size=64, device="cpu")
     assert llm.engine.dtype == torch.float32 and llm.config.placement.dtype == "float32"
+
+
+def test_bench_shows_the_type_mix_and_bytes_per_expert(files, capsys):
+    from moestream.cli import main
+    assert main(["bench", "-m", files["mixed"][0], "-p", "16", "-n", "2", "-r", "1", "--cpu-moe", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "file: F32 " in err and "Q4_0" in err
+    assert "experts (gate/up/down): Q4_0/Q4_0/Q8_0 in 2 layers, Q4_0/Q4_0/Q5_0 in 2 layers; 0.06-0.07 MB per expert" in err

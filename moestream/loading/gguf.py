@@ -217,6 +217,11 @@ class GGUFSource:
         """Expert e of `layer` as its raw blocks: gate | up | down, flat uint8 (quant/layout.py's row)."""
         return torch.cat([_raw(self._stack(layer, s).data[e]) for s in EXPERT_STACKS])
 
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each GGML type the file holds (its type mix)."""
+        from collections import Counter
+        return dict(Counter(t.tensor_type.name for t in self._reader.tensors))
+
     def dtype_of(self, name: str) -> torch.dtype | None:
         """The torch dtype of a float tensor; None for a quantized one."""
         t = self._tensors[name].tensor_type

@@ -72,3 +72,20 @@ class ExpertLayout:
         up = dequantize(rows[:, ou:ou + su].reshape(n, I, -1), u).to(dtype)
         w2 = dequantize(rows[:, od:od + sd].reshape(n, H, -1), d).to(dtype)
         return torch.cat([gate, up], dim=1), w2
+
+
+def describe(layouts: dict[int, ExpertLayout], row_bytes: dict[int, int], file_types: dict[str, int] | None = None) -> str:
+    """One line for a user: the file's tensor types, each expert stack's types by layer count, bytes per expert.
+
+    describe(store.layouts, {l: store.layer_bytes(l) ...}) ->
+        "file: Q4_K 217, F32 121, Q6_K 37; experts: Q4_K/Q4_K/Q6_K in 9 layers, Q4_K/Q4_K/Q4_K in 15; 2.65-3.06 MB each"
+    """
+    from collections import Counter
+    mix = Counter("/".join(t.name for t in lay.types) if lay.quantized else "float" for lay in layouts.values())
+    sizes = sorted(set(row_bytes.values()))
+    per = f"{sizes[0] / 1e6:.2f} MB" if len(sizes) == 1 else f"{sizes[0] / 1e6:.2f}-{sizes[-1] / 1e6:.2f} MB"
+    experts = ", ".join(f"{k} in {n} layer{'s' * (n > 1)}" for k, n in mix.most_common())
+    head = ""
+    if file_types:
+        head = "file: " + ", ".join(f"{t} {n}" for t, n in sorted(file_types.items(), key=lambda kv: -kv[1])) + "; "
+    return f"{head}experts (gate/up/down): {experts}; {per} per expert"

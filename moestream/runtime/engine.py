@@ -198,6 +198,15 @@ class Engine:
     def unobserve(self, observer: RouteObserver) -> None:
         self.observers.remove(observer)
 
+    def describe_experts(self, file_types: dict[str, int] | None = None) -> str:
+        """One line: the experts' types per layer and bytes per expert (quant/layout.py describe)."""
+        from ..quant.layout import describe
+        layouts, sizes = {}, {}
+        for l, p in self.experts.by_layer.items():
+            layouts[l] = p.layout(l)
+            sizes[l] = layouts[l].row_bytes_for(self.dtype)
+        return describe(layouts, sizes, file_types)
+
     def stats(self) -> dict:
         """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative)."""
         from ..experts.stats import CacheStats

@@ -271,8 +271,6 @@ def main(a: argparse.Namespace) -> int:
           else "link: not measured (no CUDA device, or --link-mib 0): roofline from --compute-s-per-token or n/a",
           file=sys.stderr)
     rows, stream_md = [], a.output == "md"
-    if stream_md:
-        print(report.md_header(BENCH_COLS), flush=True)
     loads = list(itertools.product(a.n_cpu_moe, getattr(a, "moe_cache_mib", [None])))
     llm = None
     for i, (n_cpu_moe, mib) in enumerate(loads):
@@ -283,6 +281,10 @@ def main(a: argparse.Namespace) -> int:
             llm = None
             release_memory()
             llm = load(ns, ctx)
+            if i == 0:
+                from ..loading.gguf import GGUFSource
+                counts = llm.source.type_counts() if isinstance(llm.source, GGUFSource) else None
+                print(llm.engine.describe_experts(counts), file=sys.stderr)
         for b, ub in itertools.product(a.batch_size, a.ubatch_size):
             llm.engine.set_batching(b, ub)
             for t in tests:
@@ -292,6 +294,8 @@ def main(a: argparse.Namespace) -> int:
                        "moe_cache_mib": mib, "cache_policy": getattr(ns, "cache_policy", None),
                        "n_batch": b, "n_ubatch": ub,
                        **summarise(t, runs, len(llm.model_config.moe_layers), link, a.compute_s_per_token)}
+                if stream_md and not rows:             # after the load's lines on stderr
+                    print(report.md_header(BENCH_COLS), flush=True)
                 rows.append(row)
                 if stream_md:
                     print(report.md_row(BENCH_COLS, row), flush=True)
