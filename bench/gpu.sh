@@ -16,6 +16,11 @@
 #                                            on the GPU and at 16000 / 24000 MiB (bench/decode_steps.py)
 #   bash bench/gpu.sh trace                  a routing trace of one prompt and its decode at 16000 MiB (`moestream
 #                                            generate --trace`), replayed over caches and policies (`moestream replay`)
+#   bash bench/gpu.sh quant   [BENCH FLAGS]  the reference through `moestream quantize` to Q4_K_M and Q8_0 (once per
+#                                            machine, /tmp/ref-q4km.gguf and /tmp/ref-q8.gguf), then their rows: Q4_K_M
+#                                            all on the GPU, --cpu-moe with no cache and with 4000 MiB; Q8_0 --cpu-moe
+#   bash bench/gpu.sh kld                    perplexity's KL divergence of the Q4_K_M and Q8_0 files against the BF16
+#                                            reference, and of a cache state against all on the GPU (0 exactly)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -38,9 +43,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SUITE=${1:-}; shift $(( $# > 0 ))
 EXTRA=("$@")                     # the flags after the suite name
 REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
+Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
-case "$SUITE" in tests|rows|decode|server|profile|trace|all) ;; *) usage ;; esac
+case "$SUITE" in tests|rows|decode|server|profile|trace|quant|kld|all) ;; *) usage ;; esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py > /dev/null 2>&1; then
   echo "error: .carry/ lacks the wheels or make_reference_gguf.py: see the setup notes at the top of $0" >&2; exit 2
 fi
@@ -57,6 +63,19 @@ reference() {      # the reference GGUF, once per machine; then a pause of $1 s 
     echo "reference GGUF written in $((SECONDS - t)) s"
   fi
   sync; sleep "${1:-0}"
+}
+quantized() {      # the reference's Q4_K_M and Q8_0, once per machine (moestream quantize, on the GPU)
+  reference 0
+  local file type
+  for file in $Q4:Q4_K_M $Q8:Q8_0; do
+    type=${file#*:}; file=${file%%:*}
+    if [ ! -f $file ]; then
+      local t=$SECONDS
+      timeout 420 python3 -m moestream quantize $REF $file $type 2>&1 | tail -3
+      echo "$type written in $((SECONDS - t)) s: $(stat -c %s $file 2> /dev/null) bytes"
+    fi
+  done
+  sync
 }
 bench() {          # bench LOG TIMEOUT ARGS...: one `moestream bench` command (and the suite's flags), appended to LOG
   local log=$1 limit=$2; shift 2
@@ -117,6 +136,28 @@ profile() {
     | tee -a "$OUT/decode_steps.md"
 }
 
+quant() {
+  quantized
+  local B="-p 4096 -n 64 -b 4096 -r 2"
+  bench bench_q4km.md 120 -m $Q4 $B -ub 512,2048,4096 --cpu-moe
+  bench bench_q4km.md 120 -m $Q4 $B -ub 2048,4096 --cpu-moe --moe-cache-mib 4000
+  bench bench_q4km.md 90 -m $Q4 $B -ub 2048
+  bench bench_q8.md 90 -m $Q8 $B -ub 4096 --cpu-moe
+}
+
+kld() {            # 16 chunks of 512 random ids (the reference has no tokenizer), ubatch 512
+  quantized
+  python3 -c "import random; r = random.Random(2); print(','.join(str(r.randrange(151936)) for _ in range(8192)))" \
+    > /tmp/kld_ids.txt
+  local P="python3 -m moestream perplexity --token-ids -c 512 -b 512 -ub 512"
+  { echo "## base: $REF"; timeout 120 $P -m $REF -f /tmp/kld_ids.txt --kl-divergence-base /tmp/base.kld 2>&1 | tail -2
+    for m in $Q8 $Q4; do echo "## $m"; timeout 120 $P -m $m --kl-divergence-base /tmp/base.kld --kl-divergence 2>&1 | tail -12; done
+    echo "## $Q4 base, then --cpu-moe --moe-cache-mib 4000 against it (the numerics contract: KLD 0)"
+    timeout 120 $P -m $Q4 -f /tmp/kld_ids.txt --kl-divergence-base /tmp/q4.kld 2>&1 | tail -1
+    timeout 120 $P -m $Q4 --kl-divergence-base /tmp/q4.kld --kl-divergence --cpu-moe --moe-cache-mib 4000 2>&1 | tail -12
+  } | tee "$OUT/kld.md"
+}
+
 trace() {          # one prompt of 4096 random ids (the same every run), at ubatch 2048, then 64 tokens
   reference 5
   python3 -c "import random; r = random.Random(1); print(','.join(str(r.randrange(151936)) for _ in range(4096)))" \
@@ -137,7 +178,7 @@ trace() {          # one prompt of 4096 random ids (the same every run), at ubat
 case "$SUITE" in
 tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
-profile|trace) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
+profile|trace|kld) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
 esac

@@ -126,3 +126,22 @@ def test_bench_shows_the_type_mix_and_bytes_per_expert(files, capsys):
     err = capsys.readouterr().err
     assert "file: F32 " in err and "Q4_0" in err
     assert "experts (gate/up/down): Q4_0/Q4_0/Q8_0 in 2 layers, Q4_0/Q4_0/Q5_0 in 2 layers; 0.06-0.07 MB per expert" in err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["q8_0", "mixed"])
+def test_numerics_contract_per_quantized_file_on_cuda(files, name):
+    """On the GPU in bf16 with the grouped kernel: bit-identical logits all on the GPU and over the cache at every
+    size, and the same greedy tokens (the decode path chosen for quantized experts)."""
+    path, _ = files[name]
+    kw = dict(ubatch_size=16, ctx_size=128, device="cuda")
+    base = LLM(path, **kw)
+    assert base.engine.quantized and base.engine.dtype == torch.bfloat16
+    want = [base.logits(_prompt(40, s)) for s in range(3)]
+    greedy = base.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256
+    for extra in (dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=0), dict(cpu_moe=True, moe_cache_mib=1),
+                  dict(cpu_moe=True, moe_cache_mib=1000)):
+        llm = LLM(path, **kw, **extra)
+        for s, w in enumerate(want):
+            assert torch.equal(llm.logits(_prompt(40, s)), w), (extra, s)
+        assert llm.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256 == greedy, extra
