@@ -162,3 +162,164 @@ def test_fallbacks_and_overrides():
     assert file_types(tiny, "Q8_0")["output.weight"] == Q.Q8_0
     assert file_types(tiny, "Q4_0")["output.weight"] == Q.Q6_K
     assert set(file_types(tiny, "BF16").values()) == {Q.BF16, Q.F32}
+
+
+# --- moestream quantize ----------------------------------------------------------------------------------------
+def _run(capsys, *argv):
+    from moestream.cli import main
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _source_tensors(src):
+    """name -> the source's float32 tensor in the file's shape (expert stacks stacked)."""
+    from moestream.models.names import EXPERT_STACKS, gguf_tensors
+    out = {}
+    for name, shape in gguf_tensors(src.config):
+        parts = name.split(".")
+        if len(parts) > 2 and parts[2] in EXPERT_STACKS:
+            layer, k = int(parts[1]), EXPERT_STACKS.index(parts[2])
+            out[name] = torch.stack([src.expert(layer, e)[k] for e in range(src.config.n_experts)]).float()
+        else:
+            out[name] = src.tensor(name).float().reshape(shape)
+    return out
+
+
+def assert_file_matches(path, src, ftype, slack=1.0):
+    """The file has the mix's type for every tensor and its general.file_type, and every tensor dequantizes (by
+    gguf.quants) to close to the source's."""
+    from moestream.quant.mix import FTYPES, file_types
+    reader = gguf.GGUFReader(path)
+    assert int(reader.fields["general.file_type"].contents()) == FTYPES[ftype][0]
+    expected, ref = file_types(src.config, ftype), _source_tensors(src)
+    assert {t.name for t in reader.tensors} == set(expected)
+    for t in reader.tensors:
+        assert t.tensor_type == expected[t.name], t.name
+        x = ref[t.name].numpy()
+        deq = gguf.quants.dequantize(t.data, t.tensor_type).reshape(x.shape)
+        if t.tensor_type == Q.F32:
+            assert np.array_equal(deq, x), t.name
+            continue
+        err = np.sqrt(((deq - x) ** 2).sum() / (x ** 2).sum())
+        assert err < slack * MAX_REL_RMS.get(t.tensor_type, 0.01), (t.name, t.tensor_type.name, err)
+    return reader
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    """synth:tiny as Q8_0 and Q4_K_M, through the command line (its rows of 128 exercise the fallbacks)."""
+    from moestream.cli import main
+    d = tmp_path_factory.mktemp("quantized")
+    for ftype in ("Q8_0", "Q4_K_M"):
+        assert main(["quantize", "synth:tiny", str(d / f"{ftype}.gguf"), ftype, "--device", "cpu"]) == 0
+    return d
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M"])
+def test_cli_tiny(tiny_files, ftype):
+    from moestream.loading.synth import SynthSource
+    assert_file_matches(tiny_files / f"{ftype}.gguf", SynthSource.from_spec("tiny"), ftype)
+    assert not list(tiny_files.glob("*.partial"))
+
+
+def test_q8_0_file_loads_and_equals_make_models(tiny_files, tmp_path):
+    """The Q8_0 file loads in moestream, with the tokenizer and config, and holds the blocks make-model's q8_0
+    writes (which quantizes the routers too, where llama-quantize keeps them F32)."""
+    from moestream.loading.gguf import GGUFSource
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.synth import SynthSource
+    src = SynthSource.from_spec("tiny")
+    out = GGUFSource(tiny_files / "Q8_0.gguf")
+    assert out.config == src.config and out.tokenizer.encode("Hello") == src.tokenizer.encode("Hello")
+    write_gguf(src, tmp_path / "mm.gguf", dtype="q8_0")
+    a, b = gguf.GGUFReader(tmp_path / "mm.gguf"), gguf.GGUFReader(tiny_files / "Q8_0.gguf")
+    for x, y in zip(a.tensors, b.tensors):
+        assert x.name == y.name
+        if x.name.endswith("ffn_gate_inp.weight"):
+            assert (x.tensor_type, y.tensor_type) == (Q.Q8_0, Q.F32)
+        else:
+            assert x.tensor_type == y.tensor_type and np.array_equal(x.data, y.data), x.name
+
+
+def test_whole_256_rows(tmp_path):
+    """A model whose rows are all whole 256-blocks takes the k-quant types themselves, no fallback; 8 experts."""
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.synth import SynthSource
+    from moestream.quant.mix import Mix
+    base = SynthSource.from_spec("tiny:layers=2")
+    cfg = base.config.replace(moe_intermediate_size=256, n_experts=8, n_experts_used=2)
+    src = SynthSource(cfg, tokenizer=base.tokenizer)
+    for ftype in ("Q4_K_M", "IQ4_XS"):         # between them every k-quant and IQ4 type
+        mix = Mix.for_config(cfg, ftype)
+        write_gguf(src, tmp_path / f"{ftype}.gguf", types=mix.type, file_type=mix.file_type)
+        reader = assert_file_matches(tmp_path / f"{ftype}.gguf", src, ftype)
+        types = {t.name: t.tensor_type for t in reader.tensors}
+        assert types["blk.1.attn_v.weight"] == Q.Q8_0                   # 8 experts
+        if ftype == "Q4_K_M":
+            assert types["blk.0.ffn_down_exps.weight"] == Q.Q4_K and types["blk.1.ffn_down_exps.weight"] == Q.Q6_K
+            assert types["blk.0.attn_output.weight"] == Q.Q5_K
+
+
+def test_requantize(tiny_files, tmp_path, capsys):
+    """A quantized GGUF is refused without --allow-requantize, as llama-quantize refuses it; with it, its
+    dequantized tensors are quantized again."""
+    from moestream.loading.synth import SynthSource
+    q8 = str(tiny_files / "Q8_0.gguf")
+    code, _, err = _run(capsys, "quantize", q8, str(tmp_path / "r.gguf"), "Q4_K_M")
+    assert code == 1 and "already quantized (Q8_0)" in err and "--allow-requantize" in err
+    assert not (tmp_path / "r.gguf").exists()
+    code, out, _ = _run(capsys, "quantize", q8, str(tmp_path / "r.gguf"), "q4_k_m", "1", "--allow-requantize",
+                        "--device", "cpu")
+    assert code == 0 and "Q4_K_M" in out
+    assert_file_matches(tmp_path / "r.gguf", SynthSource.from_spec("tiny"), "Q4_K_M", slack=1.1)
+
+
+def _one_line_error(code, err, needle):
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert code == 1 and len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+BAD = [
+    (["synth:tiny", "{out}", "Q3_K_M"], "Q8_0, Q4_0"),
+    (["synth:tiny", "{existing}", "Q8_0"], "already exists"),
+    (["/no/such/model", "{out}", "Q8_0"], "model not found"),
+    (["synth:nope", "{out}", "Q8_0"], "synth preset"),
+    (["synth:tiny", "{out}", "Q8_0", "--output-tensor-type", "q3_k"], "q3_k"),
+    (["synth:tiny", "{out}", "Q8_0", "--device", "tpu"], "--device"),
+    (["synth:tiny", "{out}", "Q8_0", "-3"], "NTHREADS"),
+] + ([] if torch.cuda.is_available() else [(["synth:tiny", "{out}", "Q8_0", "--device", "cuda"], "no CUDA")])
+
+
+@pytest.mark.parametrize("argv,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_is_one_line(tmp_path, capsys, argv, needle):
+    (tmp_path / "existing.gguf").write_bytes(b"keep me")
+    argv = [a.format(out=tmp_path / "o.gguf", existing=tmp_path / "existing.gguf") for a in argv]
+    _one_line_error(*_run(capsys, "quantize", *argv)[::2], needle)
+    assert not (tmp_path / "o.gguf").exists() and not (tmp_path / "o.gguf.partial").exists()
+    assert (tmp_path / "existing.gguf").read_bytes() == b"keep me"
+
+
+def test_failure_midway_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """A source that fails at layer 1's experts (bad input, or any exception) leaves neither OUT nor OUT.partial."""
+    from moestream.errors import UserError
+    from moestream.loading.synth import SynthSource
+    real = SynthSource.expert
+
+    def expert(self, layer, e):
+        if layer == 1 and e == 3:
+            raise self.failure
+        return real(self, layer, e)
+
+    monkeypatch.setattr(SynthSource, "expert", expert)
+    out = tmp_path / "o.gguf"
+    for failure in (UserError("expert 3 of layer 1 is damaged"), RuntimeError("disk on fire")):
+        monkeypatch.setattr(SynthSource, "failure", failure, raising=False)
+        if isinstance(failure, UserError):
+            _one_line_error(*_run(capsys, "quantize", "synth:tiny:layers=2", str(out), "Q4_K_M")[::2], "damaged")
+        else:
+            from moestream.tools.quantize import quantize_model
+            with pytest.raises(RuntimeError, match="disk on fire"):
+                quantize_model("synth:tiny:layers=2", out, "Q4_K_M", device="cpu", progress=False)
+        assert not out.exists() and not (tmp_path / "o.gguf.partial").exists()

@@ -86,11 +86,11 @@ class Mix:
     token_embd_type: Q | None = None    # --token-embedding-type
 
     def __post_init__(self):
-        parse_ftype(self.ftype)
+        object.__setattr__(self, "ftype", parse_ftype(self.ftype))      # q4_k_m -> Q4_K_M, or a UserError
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, ftype: str, **kw) -> "Mix":
-        return cls(parse_ftype(ftype), cfg.n_layers, cfg.n_experts, cfg.n_heads // cfg.n_kv_heads,
+        return cls(ftype, cfg.n_layers, cfg.n_experts, cfg.n_heads // cfg.n_kv_heads,
                    cfg.tie_word_embeddings, **kw)
 
     @property

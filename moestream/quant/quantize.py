@@ -160,7 +160,8 @@ def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
     for step in range(nstep + 1):
         # ggml's loop reads the min it has kept so far, so each step starts from the best fit before it
         La = ((rmin + rdelta * step + nmax) / (mx - mn) * (x - mn)).round().clamp(0, nmax)
-        sl, sl2, sxl = (w * La).sum(-1, keepdim=True), (w * La * La).sum(-1, keepdim=True), (w * La * x).sum(-1, keepdim=True)
+        wl = w * La
+        sl, sl2, sxl = wl.sum(-1, keepdim=True), (wl * La).sum(-1, keepdim=True), (wl * x).sum(-1, keepdim=True)
         D = sum_w * sl2 - sl * sl
         this_scale = (sum_w * sxl - sum_x * sl) / D
         this_min = (sl2 * sum_x - sl * sxl) / D
