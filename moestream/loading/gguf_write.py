@@ -163,7 +163,7 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
 
-    stack_types = {name.split(".")[2]: qtype for name, _, qtype in plan if name.split(".")[-2] in EXPERT_STACKS}
+    types = {name: qtype for name, _, qtype in plan}
     stacks: dict[str, torch.Tensor] = {}
     bar = tqdm(plan, desc="writing", unit="tensor", disable=not progress)
     for name, shape, qtype in bar:
@@ -171,8 +171,9 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
         layer_stack = name.split(".")[2] if name.startswith("blk.") else ""
         if layer_stack == EXPERT_STACKS[0]:
             # float files build the stacks in their own dtype; quantized stacks keep the source's until encoded
-            dtypes = [FLOAT_TORCH.get(stack_types[s]) for s in EXPERT_STACKS]
-            stacks = _expert_stacks(source, int(name.split(".")[1]), shape, dtypes)
+            layer = int(name.split(".")[1])
+            dtypes = [FLOAT_TORCH.get(types[f"blk.{layer}.{s}.weight"]) for s in EXPERT_STACKS]
+            stacks = _expert_stacks(source, layer, shape, dtypes)
         if layer_stack in EXPERT_STACKS:
             t = stacks.pop(layer_stack)
         else:
