@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "bench": ("moestream.tools.bench", "measure prompt (pp) and generation (tg) speed, like llama-bench"),
     "replay": ("moestream.tools.replay", "replay a routing trace against cache sizes and policies (offline)"),
     "perplexity": ("moestream.tools.perplexity", "perplexity and KL divergence over a text, like llama-perplexity"),
+    "quantize": ("moestream.tools.quantize", "write a model as a quantized GGUF (Q4_K_M, ...), like llama-quantize"),
     "serve": ("moestream.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
 }
 

@@ -1,13 +1,17 @@
 """GGUF writing: a WeightSource to one GGUF file, tensor by tensor, with gguf.GGUFWriter.
 
     write_gguf(SynthSource.from_spec("tiny"), "tiny.gguf", dtype="bfloat16")
+    mix = Mix.for_config(src.config, "Q4_K_M")                  # moestream.quant.mix: llama-quantize's types
+    write_gguf(src, "q4.gguf", types=mix.type, file_type=mix.file_type, device="cuda")
 
-The file is written to OUT.partial and renamed when complete: no half-written model at OUT.
+The file is written to OUT.partial and renamed when complete: no half-written model at OUT. Quantized tensors are
+encoded by moestream.quant.quantize on `device`, a layer's expert stack at once.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -19,14 +23,16 @@ from gguf import GGMLQuantizationType as Q
 from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import FAMILIES
-from ..models.names import EXPERT_STACKS, canonical_shape, dense_names
+from ..models.names import EXPERT_STACKS, gguf_tensors
 from .gguf import EOS_IDS_KEY, ROPE_KEYS
 
-# dtype name -> (the torch dtype tensors are cast to before conversion, the GGUF type written)
-GGUF_DTYPES = {"float32": (torch.float32, Q.F32), "float16": (torch.float16, Q.F16),
-               "bfloat16": (torch.bfloat16, Q.BF16), "q8_0": (torch.float32, Q.Q8_0)}
+TypeOf = Callable[[str, tuple[int, ...]], Q]      # (tensor name, torch shape as stored) -> its GGML type
+
+# dtype name -> the GGUF type its 2-D tensors are written in
+GGUF_DTYPES = {"float32": Q.F32, "float16": Q.F16, "bfloat16": Q.BF16, "q8_0": Q.Q8_0}
 FILE_TYPE = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
              Q.BF16: gguf.LlamaFileType.MOSTLY_BF16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+FLOAT_TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
 def _add_kv(w: gguf.GGUFWriter, key: str, v) -> None:
@@ -43,7 +49,8 @@ def _add_kv(w: gguf.GGUFWriter, key: str, v) -> None:
         w.add_array(key, list(v))
 
 
-def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, qtype: Q, tokenizer) -> None:
+def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFileType, quantized: bool,
+                  tokenizer) -> None:
     w.add_block_count(cfg.n_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -70,7 +77,9 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, qtype: Q, tokenizer) -> 
         for k, v in cfg.rope.items():
             if k not in ("type", "rope_type"):
                 _add_kv(w, f"{w.arch}.rope.scaling.{ROPE_KEYS.get(k, k)}", v)
-    w.add_file_type(FILE_TYPE[qtype])
+    w.add_file_type(file_type)
+    if quantized:
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)     # as llama-quantize writes it
     w.add_vocab_size(cfg.vocab_size)
     fields = {"tokenizer.ggml.model": "none"} if tokenizer is None else dict(tokenizer.gguf_fields())
     # The config's ids win over the tokenizer's: they are what the model was configured to stop on.
@@ -83,25 +92,13 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, qtype: Q, tokenizer) -> 
         _add_kv(w, k, v)
 
 
-def _plan(cfg: ModelConfig):
-    """(name, torch shape) of every GGUF tensor in file order: the globals, then each layer with its stacks."""
-    E, inter, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    names = dense_names(cfg)
-    plan = [(n, canonical_shape(cfg, n)) for n in names if not n.startswith("blk.")]
-    for i in range(cfg.n_layers):
-        plan += [(n, canonical_shape(cfg, n)) for n in names if n.startswith(f"blk.{i}.")]
-        if i in cfg.moe_layers:
-            plan += [(f"blk.{i}.ffn_gate_exps.weight", (E, inter, H)), (f"blk.{i}.ffn_up_exps.weight", (E, inter, H)),
-                     (f"blk.{i}.ffn_down_exps.weight", (E, H, inter))]
-    return plan
-
-
 def _add_tensor_info(w: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtype: Q) -> None:
     if qtype in (Q.F32, Q.F16):
         np_dtype = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
         w.add_tensor_info(name, shape, np_dtype, int(np.prod(shape)) * np_dtype.itemsize)
         return
-    # BF16 and Q8_0 have no numpy type: their bytes go in as uint8 rows, as make_reference_gguf.py writes BF16.
+    # BF16 and the quantized types have no numpy type: their bytes go in as uint8 rows, as make_reference_gguf.py
+    # writes BF16.
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if shape[-1] % block:
         raise UserError(f"tensor {name} {shape}: rows of {shape[-1]} are not whole {qtype.name} blocks of {block}; "
@@ -110,36 +107,45 @@ def _add_tensor_info(w: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtyp
     w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
 
 
-def _to_numpy(t: torch.Tensor, qtype: Q) -> np.ndarray:
-    if qtype == Q.BF16:
-        return t.contiguous().view(torch.int16).numpy().view(np.uint8)
-    if qtype == Q.Q8_0:
-        return gguf.quants.quantize(t.float().numpy(), Q.Q8_0)
-    return t.contiguous().numpy()
+def _encode(t: torch.Tensor, qtype: Q, device: str) -> np.ndarray:
+    """A tensor as the bytes (or numpy floats) the file stores for qtype; quantized ones encoded on `device`."""
+    if qtype in FLOAT_TORCH:
+        t = t.to(FLOAT_TORCH[qtype]).contiguous()
+        return t.view(torch.int16).numpy().view(np.uint8) if qtype == Q.BF16 else t.numpy()
+    from ..quant.quantize import quantize
+    return quantize(t.to(device), qtype).cpu().numpy()
 
 
-def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: bool = False) -> Path:
+def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: bool = False, *,
+               types: TypeOf | None = None, file_type: gguf.LlamaFileType | None = None,
+               device: str = "cpu") -> Path:
     """Write `source` as one GGUF file, streaming tensor by tensor (a layer's expert stacks at a time).
 
-    dtype: auto (the source's), float32, float16, bfloat16 or q8_0 (numpy quantization: slow on
-    big models). 1-D tensors (norms, biases) are always F32, as llama.cpp's converters write them.
+    dtype: auto (the source's), float32, float16, bfloat16 or q8_0. 1-D tensors (norms, biases) are always F32, as
+    llama.cpp's converters write them. types: the GGML type of each tensor instead (moestream.quant.mix.Mix.type),
+    with file_type its general.file_type. device: where quantized tensors are encoded ("cpu", "cuda").
     """
     cfg = source.config
     arch = FAMILIES[cfg.family].gguf_arch
     if arch is None:
         raise UserError(f"GGUF export of {cfg.family} is not supported yet; export a Hugging Face directory")
-    if dtype == "auto":       # the dtype of a small 2-D tensor every family has (token_embd is big to make)
-        probe = source.tensor("blk.0.attn_q.weight").dtype
-        dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(probe, "float32")
-    if dtype not in GGUF_DTYPES:
-        raise UserError(f"GGUF dtype must be auto, float32, float16, bfloat16 or q8_0, got {dtype!r}")
-    torch_dtype, qtype = GGUF_DTYPES[dtype]
+    if types is None:
+        if dtype == "auto":       # the dtype of a small 2-D tensor every family has (token_embd is big to make)
+            probe = source.tensor("blk.0.attn_q.weight").dtype
+            dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(probe, "float32")
+        if dtype not in GGUF_DTYPES:
+            raise UserError(f"GGUF dtype must be auto, float32, float16, bfloat16 or q8_0, got {dtype!r}")
+        qtype = GGUF_DTYPES[dtype]
+        types, file_type = (lambda name, shape: Q.F32 if len(shape) == 1 else qtype), FILE_TYPE[qtype]
+    elif file_type is None:
+        raise ValueError("write_gguf: types= needs the file_type it makes")
+    plan = [(name, shape, types(name, shape)) for name, shape in gguf_tensors(cfg)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")      # renamed when complete: no half-written model at `path`
     w = gguf.GGUFWriter(partial, arch)
     try:
-        _write(w, source, cfg, qtype, torch_dtype, progress)
+        _write(w, source, cfg, plan, file_type, device, progress)
     except BaseException:
         w.close()
         partial.unlink(missing_ok=True)
@@ -149,46 +155,49 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
     return path
 
 
-def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, qtype: Q, torch_dtype: torch.dtype, progress: bool):
-    _add_metadata(w, cfg, qtype, source.tokenizer)
-    plan = _plan(cfg)
-    types = {}
-    for name, shape in plan:
-        # llama.cpp stores the shared-expert gate as (H,); 1-D tensors stay F32.
-        shape = shape[1:] if name.endswith("ffn_gate_inp_shexp.weight") else shape
-        types[name] = Q.F32 if len(shape) == 1 else qtype
-        _add_tensor_info(w, name, shape, types[name])
+def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device: str, progress: bool):
+    _add_metadata(w, cfg, file_type, any(t not in FLOAT_TORCH for _, _, t in plan), source.tokenizer)
+    for name, shape, qtype in plan:
+        _add_tensor_info(w, name, shape, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
 
+    types = {name: qtype for name, _, qtype in plan}
     stacks: dict[str, torch.Tensor] = {}
-    for name, shape in tqdm(plan, desc="writing", unit="tensor", disable=not progress):
-        dt = torch.float32 if types[name] == Q.F32 else torch_dtype
+    bar = tqdm(plan, desc="writing", unit="tensor", disable=not progress)
+    for name, shape, qtype in bar:
+        bar.set_postfix_str(f"{name} {qtype.name}", refresh=False)
         layer_stack = name.split(".")[2] if name.startswith("blk.") else ""
         if layer_stack == EXPERT_STACKS[0]:
-            stacks = _expert_stacks(source, int(name.split(".")[1]), shape, dt)
+            # float files build the stacks in their own dtype; quantized stacks keep the source's until encoded
+            layer = int(name.split(".")[1])
+            dtypes = [FLOAT_TORCH.get(types[f"blk.{layer}.{s}.weight"]) for s in EXPERT_STACKS]
+            stacks = _expert_stacks(source, layer, shape, dtypes)
         if layer_stack in EXPERT_STACKS:
             t = stacks.pop(layer_stack)
         else:
-            t = source.tensor(name).to(dt)
+            t = source.tensor(name)
+            if name.endswith("ffn_gate_inp_shexp.weight"):
+                t = t.reshape(-1)
             if tuple(t.shape) != shape:
                 raise UserError(f"tensor {name} has shape {tuple(t.shape)} but the config makes it {shape}: "
                                 "the checkpoint does not match its config")
-            if name.endswith("ffn_gate_inp_shexp.weight"):
-                t = t.reshape(-1)
-        w.write_tensor_data(_to_numpy(t, types[name]))
+        w.write_tensor_data(_encode(t, qtype, device))
 
 
-def _expert_stacks(source, layer: int, gate_shape, dtype) -> dict[str, torch.Tensor]:
-    """The layer's three (E, ., .) stacks, filled expert by expert (one layer of experts in memory)."""
+def _expert_stacks(source, layer: int, gate_shape, dtypes) -> dict[str, torch.Tensor]:
+    """The layer's three (E, ., .) stacks, filled expert by expert (one layer of experts in memory); a dtype of
+    None is the source's."""
     E, inter, H = gate_shape
-    gate, up = torch.empty((E, inter, H), dtype=dtype), torch.empty((E, inter, H), dtype=dtype)
-    down = torch.empty((E, H, inter), dtype=dtype)
+    stacks = None
     for e in range(E):
         g, u, d = source.expert(layer, e)
         if g.shape != (inter, H) or u.shape != (inter, H) or d.shape != (H, inter):
             raise UserError(f"expert {e} of layer {layer} has shapes {tuple(g.shape)}, {tuple(u.shape)}, "
                             f"{tuple(d.shape)}; the config makes them ({inter}, {H}) and ({H}, {inter})")
-        gate[e], up[e], down[e] = g, u, d
-    return dict(zip(EXPERT_STACKS, (gate, up, down)))
+        if stacks is None:
+            stacks = [torch.empty((E, *x.shape), dtype=dt or x.dtype) for x, dt in zip((g, u, d), dtypes)]
+        for stack, x in zip(stacks, (g, u, d)):
+            stack[e] = x
+    return dict(zip(EXPERT_STACKS, stacks))

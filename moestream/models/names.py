@@ -17,6 +17,7 @@ Names (prefix `blk.{i}.` for layer i), shapes in torch order (out_features, in_f
     dense layers: ffn_gate.weight / ffn_up.weight (I, H), ffn_down.weight (H, I)
 
 The names are family-independent: a family's options (moestream.models.families) say which of them it has.
+`gguf_tensors(cfg)` lists a GGUF file's tensors in the order moestream writes them, with the shapes the file holds.
 """
 from __future__ import annotations
 
@@ -71,3 +72,22 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "ffn_gate.weight": (inter, H), "ffn_up.weight": (inter, H), "ffn_down.weight": (H, inter),
     }
     return shapes[base]
+
+
+def gguf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, torch shape) of every tensor of the model's GGUF file in file order: the globals, then each layer
+    with its expert stacks. The shared expert's gate is (H,), as llama.cpp stores it."""
+    E, inter, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    names = dense_names(cfg)
+
+    def shape(name):
+        s = canonical_shape(cfg, name)
+        return s[1:] if name.endswith("ffn_gate_inp_shexp.weight") else s
+
+    plan = [(n, shape(n)) for n in names if not n.startswith("blk.")]
+    for i in range(cfg.n_layers):
+        plan += [(n, shape(n)) for n in names if n.startswith(f"blk.{i}.")]
+        if i in cfg.moe_layers:
+            plan += [(f"blk.{i}.ffn_gate_exps.weight", (E, inter, H)), (f"blk.{i}.ffn_up_exps.weight", (E, inter, H)),
+                     (f"blk.{i}.ffn_down_exps.weight", (E, H, inter))]
+    return plan

@@ -1,0 +1,169 @@
+"""llama-quantize's type mixes: the GGML type of each tensor for a file type, as llama.cpp's llama_tensor_get_type
+(src/llama-quant.cpp) picks it.
+
+    mix = Mix.for_config(cfg, "Q4_K_M")
+    mix.type("blk.0.ffn_down_exps.weight", (128, 2048, 768))     # Q6_K: an early layer's ffn_down gets more bits
+    mix.type("blk.3.ffn_down_exps.weight", (128, 2048, 768))     # Q4_K
+    estimate_bytes(cfg, "Q4_K_M")                                 # the file's tensor bytes, from the config alone
+
+The rules moestream's families meet (no Falcon, no 70B, no imatrix):
+- Never quantized: 1-D tensors (norms, biases, the shared expert's gate), `*_norm.weight`, the routers
+  `ffn_gate_inp.weight`: F32, as llama.cpp's converters write them.
+- output.weight (token_embd.weight when the embeddings are tied): Q6_K, or Q8_0 for Q8_0 and for rows that are not
+  whole blocks of the file type.
+- attn_v: Q6_K in the `use_more_bits` layers for Q4_K_M / Q5_K_M, Q5_K in the first 4 layers for Q4_K_S, Q5_K for
+  IQ4_NL / IQ4_XS when 4 or more query heads share a kv head; Q8_0 whatever the type when the model has 8 experts
+  (llama.cpp's Mixtral rule), as attn_k is then too.
+- ffn_down (dense, expert stacks and shared expert alike): the layer is read from the name (llama.cpp does so when
+  n_expert > 1, and counts n_ffn_down as the layer count), then Q6_K in the `use_more_bits` layers for Q4_K_M and
+  Q5_K_M, Q5_K in the first eighth of the layers for Q4_K_S, IQ4_NL and IQ4_XS.
+- attn_output: Q5_K for Q4_K_S, Q4_K_M, IQ4_NL and IQ4_XS when the model has 8 experts.
+- A row that is not whole blocks of its type falls back as llama.cpp's does: Q4_K -> Q5_0, Q5_K -> Q5_1,
+  Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, and to F16 when not whole 32-blocks either (where llama.cpp stops with an error).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from ..config import ModelConfig
+from ..errors import UserError
+from ..models.names import gguf_tensors
+
+F = gguf.LlamaFileType
+# file type name (llama-quantize's) -> (general.file_type, the type of the tensors no rule singles out)
+FTYPES: dict[str, tuple[F, Q]] = {
+    "Q8_0": (F.MOSTLY_Q8_0, Q.Q8_0), "Q4_0": (F.MOSTLY_Q4_0, Q.Q4_0), "Q4_1": (F.MOSTLY_Q4_1, Q.Q4_1),
+    "Q5_0": (F.MOSTLY_Q5_0, Q.Q5_0), "Q5_1": (F.MOSTLY_Q5_1, Q.Q5_1),
+    "Q4_K_S": (F.MOSTLY_Q4_K_S, Q.Q4_K), "Q4_K_M": (F.MOSTLY_Q4_K_M, Q.Q4_K),
+    "Q5_K_S": (F.MOSTLY_Q5_K_S, Q.Q5_K), "Q5_K_M": (F.MOSTLY_Q5_K_M, Q.Q5_K), "Q6_K": (F.MOSTLY_Q6_K, Q.Q6_K),
+    "IQ4_NL": (F.MOSTLY_IQ4_NL, Q.IQ4_NL), "IQ4_XS": (F.MOSTLY_IQ4_XS, Q.IQ4_XS),
+    "F16": (F.MOSTLY_F16, Q.F16), "BF16": (F.MOSTLY_BF16, Q.BF16), "F32": (F.ALL_F32, Q.F32),
+}
+FLOAT = (Q.F32, Q.F16, Q.BF16)
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
+_MORE_BITS_V = ("Q4_K_M", "Q5_K_M")
+_IQ4 = ("IQ4_NL", "IQ4_XS")
+_ATTN_OUTPUT_8_EXPERTS = ("Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS")
+
+
+def parse_ftype(name: str) -> str:
+    """A file type by name, any case (q4_k_m); a one-line error listing the file types otherwise."""
+    key = name.upper()
+    if key not in FTYPES:
+        raise UserError(f"unknown file type {name!r}; the types: {', '.join(FTYPES)}")
+    return key
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's pick of the layers that get more bits: the first and last eighth and every third between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether llama-quantize quantizes this tensor at all (the others keep their float type: F32 here)."""
+    return (name.endswith("weight") and len(shape) >= 2 and "_norm.weight" not in name
+            and "ffn_gate_inp.weight" not in name)
+
+
+def _fits(qtype: Q, n: int) -> bool:
+    return n % GGML_QUANT_SIZES[qtype][0] == 0
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The tensor types of one file type for one model shape; `type(name, shape)` is what write_gguf asks."""
+    ftype: str
+    n_layers: int
+    n_expert: int
+    n_gqa: int                          # query heads per kv head
+    tied: bool                          # no output.weight: token_embd.weight takes its rule
+    pure: bool = False                  # every quantized tensor of the default type (llama-quantize --pure)
+    output_type: Q | None = None        # --output-tensor-type
+    token_embd_type: Q | None = None    # --token-embedding-type
+
+    def __post_init__(self):
+        object.__setattr__(self, "ftype", parse_ftype(self.ftype))      # q4_k_m -> Q4_K_M, or a UserError
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig, ftype: str, **kw) -> "Mix":
+        return cls(ftype, cfg.n_layers, cfg.n_experts, cfg.n_heads // cfg.n_kv_heads,
+                   cfg.tie_word_embeddings, **kw)
+
+    @property
+    def file_type(self) -> F:
+        return FTYPES[self.ftype][0]
+
+    def type(self, name: str, shape: tuple[int, ...]) -> Q:
+        """The GGML type of tensor `name` of torch shape `shape` (rows of shape[-1] values)."""
+        if not quantizable(name, shape):
+            return Q.F32
+        t = FTYPES[self.ftype][1]
+        if t not in FLOAT and not self.pure:
+            t = self._rule(name, shape[-1], t)
+        if name == "token_embd.weight" and self.token_embd_type is not None:
+            t = self.token_embd_type
+        if name == "output.weight" and self.output_type is not None:
+            t = self.output_type
+        return self._fallback(t, shape[-1])
+
+    def _rule(self, name: str, n: int, t: Q) -> Q:
+        f, L = self.ftype, self.n_layers
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        if name == "output.weight" or (self.tied and name == "token_embd.weight"):
+            return Q.Q8_0 if not _fits(t, n) or t == Q.Q8_0 else Q.Q6_K
+        if name == "token_embd.weight":
+            return t
+        if "attn_v.weight" in name:     # llama.cpp counts attn_v tensors in file order: one per layer
+            if f in _IQ4 and self.n_gqa >= 4:
+                t = Q.Q5_K
+            elif f in _MORE_BITS_V and use_more_bits(layer, L):
+                t = Q.Q6_K
+            elif f == "Q4_K_S" and layer < 4:
+                t = Q.Q5_K
+            return Q.Q8_0 if self.n_expert == 8 else t
+        if "attn_k.weight" in name:
+            return Q.Q8_0 if self.n_expert == 8 else t
+        if "ffn_down" in name:
+            if f == "Q4_K_M" and use_more_bits(layer, L):
+                return Q.Q6_K
+            if layer < L // 8 and f in _IQ4:
+                return Q.Q5_K
+            if f == "Q5_K_M" and use_more_bits(layer, L):
+                return Q.Q6_K
+            if f == "Q4_K_S" and layer < L // 8:
+                return Q.Q5_K
+            return t
+        if "attn_output.weight" in name and self.n_expert == 8 and f in _ATTN_OUTPUT_8_EXPERTS:
+            return Q.Q5_K
+        return t
+
+    @staticmethod
+    def _fallback(t: Q, n: int) -> Q:
+        if _fits(t, n):
+            return t
+        t = FALLBACK.get(t, t)
+        return t if _fits(t, n) else Q.F16
+
+
+def tensor_bytes(qtype: Q, shape: tuple[int, ...]) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows * (shape[-1] // block) * size
+
+
+def file_types(cfg: ModelConfig, ftype: str, **kw) -> dict[str, Q]:
+    """Every tensor of the model's GGUF file -> its type under `ftype` (Mix options as keywords)."""
+    mix = Mix.for_config(cfg, ftype, **kw)
+    return {name: mix.type(name, shape) for name, shape in gguf_tensors(cfg)}
+
+
+def estimate_bytes(cfg: ModelConfig, ftype: str, **kw) -> int:
+    """The tensor bytes of the model's `ftype` GGUF (without metadata and alignment), from the config alone."""
+    mix = Mix.for_config(cfg, ftype, **kw)
+    return sum(tensor_bytes(mix.type(name, shape), shape) for name, shape in gguf_tensors(cfg))

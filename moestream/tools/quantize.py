@@ -1,0 +1,122 @@
+"""quantize: write a model moestream reads as a quantized GGUF, shaped like llama-quantize.
+
+    moestream quantize models/Qwen3-30B-A3B q4_k_m.gguf Q4_K_M          # an HF directory
+    moestream quantize ref-bf16.gguf ref-q8_0.gguf Q8_0 --device cuda     # a GGUF
+    moestream quantize q8_0.gguf q4_k_m.gguf Q4_K_M --allow-requantize   # an already quantized GGUF
+    moestream quantize synth:tiny tiny.gguf Q4_K_M --output-tensor-type q8_0
+
+    quantize_model("synth:tiny", "tiny-q4_k_m.gguf", "Q4_K_M", device="cpu")
+
+The tensor types follow llama-quantize's mixes (moestream/quant/mix.py); the blocks are ggml's, so llama.cpp reads the
+file as its own. Metadata is written from the model's config and tokenizer, not copied from IN's keys.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..loading.source import open_source
+from ..quant.mix import FLOAT, FTYPES, Mix, parse_ftype, tensor_bytes
+from ..quant.quantize import ENCODERS
+from ..quant.types import parse_type
+
+OVERRIDE_TYPES = tuple(ENCODERS) + FLOAT      # what --output-tensor-type / --token-embedding-type may name
+
+
+def quantized_tensors(model: str) -> dict[str, str]:
+    """IN's quantized tensors (name -> type) when IN is a GGUF file; {} for anything else (which open_source
+    judges)."""
+    path = Path(model)
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return {}
+        import gguf
+        reader = gguf.GGUFReader(path)
+    except Exception:       # not a file, or a damaged one: open_source says what is wrong with it
+        return {}
+    return {t.name: t.tensor_type.name for t in reader.tensors if t.tensor_type not in FLOAT}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device here; use --device cpu (or auto)")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requantize: bool = False,
+                   output_type: str | None = None, token_embd_type: str | None = None, pure: bool = False,
+                   device: str = "auto", progress: bool = True) -> tuple[Path, Mix, dict]:
+    """Write `model` (an HF directory, a GGUF or synth:SPEC) to `out` as a GGUF of file type `ftype`.
+
+    Refuses an existing `out`, and a quantized GGUF without allow_requantize (requantizing compounds the
+    rounding errors), as llama-quantize does. Returns the path, the mix and {type name: (tensors, bytes)}.
+    """
+    ftype = parse_ftype(ftype)
+    out = Path(out)
+    if out.exists():
+        raise UserError(f"{str(out)!r} already exists; remove it or choose another output path")
+    overrides = {k: parse_type(v, OVERRIDE_TYPES) for k, v in
+                 (("output_type", output_type), ("token_embd_type", token_embd_type)) if v is not None}
+    quantized = quantized_tensors(model)
+    if quantized and not allow_requantize:
+        kinds = ", ".join(sorted(set(quantized.values())))
+        raise UserError(f"{model!r} is already quantized ({kinds}); requantizing loses accuracy: quantize the F16/"
+                        "BF16 model, or pass --allow-requantize")
+    device = resolve_device(device)
+    source = open_source(model)
+    mix = Mix.for_config(source.config, ftype, pure=pure, **overrides)
+    from ..loading.gguf_write import write_gguf
+    from ..models.names import gguf_tensors
+    try:
+        path = write_gguf(source, out, types=mix.type, file_type=mix.file_type, device=device, progress=progress)
+    except OSError as e:
+        raise UserError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
+    summary: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for name, shape in gguf_tensors(source.config):
+        t = mix.type(name, shape)
+        summary[t.name][0] += 1
+        summary[t.name][1] += tensor_bytes(t, shape)
+    return path, mix, dict(summary)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Quantize a model (a Hugging Face directory, a GGUF or synth:SPEC) to a GGUF file, with "
+                     f"llama-quantize's type mixes. Types: {', '.join(FTYPES)}.")
+    p.add_argument("model", metavar="IN", help="HF directory, .gguf file or synth:SPEC")
+    p.add_argument("out", metavar="OUT", help="the .gguf file to write (must not exist)")
+    p.add_argument("ftype", metavar="TYPE", help=f"file type: {', '.join(FTYPES)}")
+    p.add_argument("nthreads", metavar="NTHREADS", type=int, nargs="?", default=0,
+                   help="CPU threads (default: torch's)")
+    p.add_argument("--allow-requantize", action="store_true",
+                   help="allow an IN whose tensors are already quantized (they are dequantized first)")
+    p.add_argument("--output-tensor-type", metavar="T", help="type of output.weight (e.g. q8_0, q6_k, f16)")
+    p.add_argument("--token-embedding-type", metavar="T", help="type of token_embd.weight")
+    p.add_argument("--pure", action="store_true", help="every quantized tensor of TYPE's type, no mix")
+    p.add_argument("--device", default="auto", help="where to quantize: auto (CUDA when there is one), cpu, cuda")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.nthreads < 0:
+        raise UserError(f"NTHREADS must be positive, got {args.nthreads}")
+    if args.nthreads:
+        torch.set_num_threads(args.nthreads)
+    path, mix, summary = quantize_model(args.model, args.out, args.ftype, allow_requantize=args.allow_requantize,
+                                        output_type=args.output_tensor_type,
+                                        token_embd_type=args.token_embedding_type, pure=args.pure,
+                                        device=args.device)
+    total = sum(b for _, b in summary.values())
+    mix_text = ", ".join(f"{n} x {t}" for t, (n, _) in sorted(summary.items(), key=lambda kv: -kv[1][1]))
+    print(f"wrote {path}: {mix.ftype}, {total / 2**30:.2f} GiB of tensors ({mix_text}); "
+          f"file {path.stat().st_size / 1e9:.2f} GB")
+    return 0
