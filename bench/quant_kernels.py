@@ -5,7 +5,8 @@
 dequant: kernels/dequant.py's dequantize_rows of 50 experts (a prompt ubatch's routed experts of one layer) to
 bf16, per type; GB/s counts the bytes read (the blocks) and written (bf16 values). decode: one
 experts_by_address_quant call, T = 1 and 8 tokens, k = 8, rows in device memory, against kernels/decode.py's bf16
-experts_by_address on the same shape, and T = 1 with every row read from pinned host memory. Median of `reps` timed calls (CUDA events) after warm-up. Prints markdown.
+experts_by_address on the same shape, and T = 1 with every row read from pinned host memory. Median of `reps`
+timed calls (CUDA events) after warm-up. Prints markdown.
 """
 import argparse
 import statistics

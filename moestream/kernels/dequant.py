@@ -84,8 +84,8 @@ def dequantize_rows(rows: torch.Tensor, index: torch.Tensor, layout: ExpertLayou
             bb = VALUES // bs
             nb = count // bs
             _dequant[(n, triton.cdiv(nb, bb))](rows, index, rows.stride(0), out, out.stride(0), kv, off, voff, nb,
-                                               int(t), bs, ts, nsub, sub, bb, out_dtype == torch.bfloat16, num_warps=WARPS,
-                                               enable_fp_fusion=False)
+                                               int(t), bs, ts, nsub, sub, bb, out_dtype == torch.bfloat16,
+                                               num_warps=WARPS, enable_fp_fusion=False)
         elif n:
             from ..quant.dequant import dequantize
             out[:, voff:voff + count] = dequantize(rows[index, off:off + size], t).to(out_dtype)   # (n, count)

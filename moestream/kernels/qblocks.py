@@ -72,7 +72,7 @@ if triton is not None:
             v = _f16(p + 2 * (j * 32 + l), m)
         elif QT == 30:         # BF16: the high half of a float32
             b = p + 2 * (j * 32 + l)
-            bits = (tl.load(b, mask=m, other=0).to(tl.uint32) << 16) | (tl.load(b + 1, mask=m, other=0).to(tl.uint32) << 24)
+            bits = (_u8(b, m).to(tl.uint32) << 16) | (_u8(b + 1, m).to(tl.uint32) << 24)
             v = bits.to(tl.float32, bitcast=True)
         elif QT == 8:          # Q8_0: d, 32 int8
             q = tl.load(p + 2 + j * 32 + l, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
@@ -99,7 +99,8 @@ if triton is not None:
             if QT == 12:
                 q = (_u8(p + 16 + 32 * (j // 2) + l, m) >> (4 * (j % 2))) & 15
             else:
-                q = ((_u8(p + 48 + 32 * (j // 2) + l, m) >> (4 * (j % 2))) & 15) | (((_u8(p + 16 + l, m) >> j) & 1) << 4)
+                lo = (_u8(p + 48 + 32 * (j // 2) + l, m) >> (4 * (j % 2))) & 15
+                q = lo | (((_u8(p + 16 + l, m) >> j) & 1) << 4)
             v = dd * q.to(tl.float32) - dm
         elif QT == 14:         # Q6_K: ql (128), qh (64), 16 int8 scales, d; value 16 j + l
             h = j // 8
