@@ -12,11 +12,11 @@ The dequantized values are gguf.quants' bits (no fused multiply-add, enable_fp_f
 differs from the float32 oracle only in its summation order; and its result depends only on the bytes read,
 never on where they were. Block shapes follow from the types and the shape alone (no autotuning).
 
-Measured on the H200 (bench/quant_kernels.py, 2026-12-01, two runs): slower per call than the bf16 kernel from device memory
-(Q4_K 106 us against bf16's 70 us, T=1, k=8): the kernel is bound by instructions, not bytes (a byte load and its
-64-bit address per value; neither the tile size, the warps nor an alignment hint moved it). From pinned host
-memory it is faster (1.2 ms against 1.9 ms), the link counting. Loading words and factoring the scales out of the
-dot products (sum(q x) per sub-block) is the next step.
+Measured on the H200 (bench/quant_kernels.py, 2026-12-01, two runs): slower per call than the bf16 kernel from
+device memory (Q4_K 106 us against bf16's 70 us, T=1, k=8): the kernel is bound by instructions, not bytes (a byte
+load and its 64-bit address per value; neither the tile size, the warps nor an alignment hint moved it). From
+pinned host memory it is faster (1.2 ms against 1.9 ms), the link counting. Loading words and factoring the
+scales out of the dot products (sum(q x) per sub-block) is the next step.
 
 Not yet: read-through landing (`landing`, which kernels/decode.py has): a host-read choice is not written to a
 free slot; the caller uploads misses itself.
