@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quant.layout import ExpertLayout
+
 
 def sort_by_slot(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Order of the T*k (token, choice) rows grouped by slot, token order kept inside a group; rows per slot.
@@ -65,9 +67,11 @@ class AddressBook:
         raise ValueError(f"address {addr:#x} is in no registered expert store")
 
 
-def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
-                                 landing=None, *, book: AddressBook) -> torch.Tensor:
-    """Plain torch, the oracle of kernels.decode.experts_by_address: x (T, H), addrs and weights (T, k) -> (T, H).
+def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor,
+                                 inter: int | ExpertLayout, landing=None, *, book: AddressBook) -> torch.Tensor:
+    """Plain torch, the oracle of kernels.decode.experts_by_address (`inter`: an int, float rows of I) and of
+    kernels.decode_quant.experts_by_address_quant (`inter`: an ExpertLayout; a quantized one's rows are uint8,
+    dequantized to float32 by layout.dequantize): x (T, H), addrs and weights (T, k) -> (T, H).
 
     Float32 throughout, the activation rounded to x's dtype between the two projections, the k outputs weighted
     and summed in float32 and rounded once, as the kernel does. `landing`: the read-through copies, as the kernel
@@ -75,15 +79,20 @@ def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: 
     from .decode import landing_slots
     T, H = x.shape
     k = addrs.shape[1]
+    layout = inter if isinstance(inter, ExpertLayout) else ExpertLayout(inter, H)
+    inter = layout.inter
     if landing is not None and T == 1:
         ids, host, slots = (v.reshape(-1).tolist() for v in landing)
         on_host = [a == host[e] for a, e in zip(addrs[0].tolist(), ids)]
         for j, i in landing_slots(on_host, len(slots)):
             if slots[i]:                          # 0: no slot to land in
                 book.row(slots[i]).copy_(book.row(addrs[0, j].item()))
-    rows = torch.stack([book.row(a) for a in addrs.reshape(-1).tolist()]).to(x.device)     # (T k, numel)
-    w13 = rows[:, :2 * inter * H].view(T * k, 2 * inter, H).float()
-    w2 = rows[:, 2 * inter * H:].view(T * k, H, inter).float()
+    rows = torch.stack([book.row(a) for a in addrs.reshape(-1).tolist()]).to(x.device)     # (T k, row)
+    if layout.quantized:
+        w13, w2 = layout.dequantize(rows[:, :layout.nbytes], torch.float32)              # (T k, 2I, H), (T k, H, I)
+    else:
+        w13 = rows[:, :2 * inter * H].view(T * k, 2 * inter, H).float()
+        w2 = rows[:, 2 * inter * H:3 * inter * H].view(T * k, H, inter).float()
     xs = x.float().repeat_interleave(k, dim=0).unsqueeze(-1)                               # (T k, H, 1)
     gu = torch.bmm(w13, xs).squeeze(-1)                                                    # (T k, 2I)
     h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)

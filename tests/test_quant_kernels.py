@@ -1,0 +1,159 @@
+"""The quantized-expert kernels (kernels/dequant.py, kernels/decode_quant.py) on the CPU, through Triton's
+interpreter (TRITON_INTERPRET=1, in a subprocess, as tests/test_triton_kernels.py does): the dequantizer bit for
+bit against `ExpertLayout.dequantize` (gguf.quants' bits), the decode GEMV against the plain-torch oracle in
+float32; and the same kernels compiled on the GPU (`cuda`-marked)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+TRITON_TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
+DECODE_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q4_0", "Q5_0", "IQ4_NL", "F16", "BF16"]
+# Every Triton type, and the mixes of the files users download (Q4_K_M: Q6_K down; a float down; a fallback).
+DEQUANT = [f"dequant:{t}" for t in TRITON_TYPES] + ["dequant:Q4_K,Q4_K,Q6_K", "dequant:Q5_K,Q5_K,F16",
+                                                    "dequant:Q4_K,Q4_K,Q3_K"]
+DECODE = [f"decode:{t}" for t in DECODE_TYPES] + ["decode:Q4_K,Q4_K,Q6_K", "decode:Q8_0,Q4_0,Q5_K"]
+# The scale fields (byte offsets of float16 scales) of each block type: set to finite values in [1e-3, 1].
+SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
+          Q.Q6_K: (208,), Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
+
+
+def layout_of(spec: str, inter: int, hidden: int):
+    from moestream.quant.layout import ExpertLayout
+    types = [Q[t] for t in spec.split(",")]
+    return ExpertLayout(inter, hidden, tuple(types * 3 if len(types) == 1 else types))
+
+
+def random_matrix(qtype, rows: int, cols: int, g) -> torch.Tensor:
+    """(rows, row bytes) uint8: random valid blocks (finite scales), or random raw floats."""
+    from moestream.quant.types import block_size, row_bytes, type_size
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
+        return torch.randn(rows, cols, generator=g).to(dtype).view(torch.uint8)
+    nb = cols // block_size(qtype)
+    data = torch.randint(0, 256, (rows, nb, type_size(qtype)), dtype=torch.uint8, generator=g)
+    for off in SCALES[qtype]:
+        scale = (torch.rand(rows, nb, generator=g) * (1 - 1e-3) + 1e-3).half()
+        data[..., off:off + 2] = scale.view(torch.uint8).view(rows, nb, 2)
+    assert data.shape[-1] * nb == row_bytes(qtype, cols)
+    return data.reshape(rows, -1)
+
+
+def random_rows(layout, n: int, g, pad: int = 32) -> torch.Tensor:
+    """(n, nbytes + pad) uint8: n random expert rows of layout, the row stride larger than a row."""
+    I, H = layout.inter, layout.hidden
+    parts = [random_matrix(t, r, c, g).reshape(-1) for _ in range(n)
+             for t, r, c in zip(layout.types, (I, I, H), (H, H, I))]
+    rows = torch.cat(parts).view(n, -1)
+    return torch.cat([rows, torch.randint(0, 256, (n, pad), dtype=torch.uint8, generator=g)], 1)
+
+
+def close(a, b, tol=1e-5):
+    err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("check", DEQUANT + DECODE)
+def test_quant_kernel_in_the_interpreter(check):
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+def dequant_check(spec: str, device="cpu", out_dtypes=(torch.float32, torch.bfloat16)):
+    """Bit for bit: dequantize_rows == layout.dequantize(rows[index]).to(out_dtype), for slots in any order."""
+    from moestream.kernels.dequant import dequantize_rows
+    k_quant = any(t in spec for t in ("_K", "XS"))
+    lay = layout_of(spec, 256 if k_quant else 96, 256 if k_quant else 64)
+    g = torch.Generator().manual_seed(len(spec))
+    rows = random_rows(lay, 4, g).to(device)
+    index = torch.tensor([3, 0, 3, 2], device=device)
+    ref13, ref2 = lay.dequantize(rows[index].cpu(), torch.float32)
+    for dtype in out_dtypes:
+        w13, w2 = dequantize_rows(rows, index, lay, dtype)
+        assert w13.shape == ref13.shape and w2.shape == ref2.shape and w13.dtype == dtype
+        assert torch.equal(w13.cpu(), ref13.to(dtype)) and torch.equal(w2.cpu(), ref2.to(dtype)), dtype
+
+
+def decode_check(spec: str, T: int, k: int, seed: int = 0, inter: int = 256):
+    """Against the oracle (float32); the same bits when the rows are read from another copy at other addresses."""
+    from moestream.kernels.decode_quant import decode_quant_available, experts_by_address_quant
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    k_quant = any(t in spec for t in ("_K", "XS"))
+    lay = layout_of(spec, inter if k_quant else 96, 256 if k_quant else 64)    # 96: 3 blocks a down row, masked
+    assert decode_quant_available(lay)
+    E = 6
+    g = torch.Generator().manual_seed(seed + T)
+    rows = random_rows(lay, E, g)
+    other = rows.clone()                              # the same experts elsewhere (a slot and a host row)
+    book = AddressBook()
+    book.add(rows)
+    book.add(other)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    step = rows.stride(0)
+    addrs = rows.data_ptr() + ids * step
+    scale = lay.dequantize(rows[:1])[0].std().item() * lay.hidden ** 0.5            # gate x of order 1
+    x = torch.randn(T, lay.hidden, generator=g) / scale
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    out = experts_by_address_quant(x, addrs, w, lay)
+    close(out, experts_by_address_reference(x, addrs, w, lay, book=book))
+    elsewhere = torch.where(ids % 2 == 0, other.data_ptr() + ids * step, addrs)
+    assert torch.equal(experts_by_address_quant(x, elsewhere, w, lay), out)
+
+
+def check(name: str):
+    kind, spec = name.split(":")
+    if kind == "dequant":
+        dequant_check(spec)
+    else:
+        decode_check(spec, 1, 3, inter=768 if spec == "Q4_K,Q4_K,Q6_K" else 256)    # K-quant down rows masked
+        decode_check(spec, 3, 2)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("spec", TRITON_TYPES + ["Q4_K,Q4_K,Q6_K", "Q4_K,Q4_K,Q3_K"])
+def test_dequantize_rows_compiled_is_exact(spec):
+    dequant_check(spec, device="cuda")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("spec", DECODE_TYPES + ["Q4_K,Q4_K,Q6_K"])
+@pytest.mark.parametrize("T,k,I,H", [(1, 8, 768, 2048), (8, 8, 768, 2048), (3, 6, 256, 512)])
+def test_decode_quant_compiled_matches_reference_and_reads_host_memory_in_place(spec, T, k, I, H):
+    """bfloat16 on the GPU, against the float32 oracle; the same bits from pinned host memory and mixed."""
+    from moestream.kernels.decode_quant import experts_by_address_quant
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    lay = layout_of(spec, I, H)
+    E = 12
+    g = torch.Generator().manual_seed(T)
+    host = random_rows(lay, E, g).pin_memory()
+    rows = host.cuda()
+    book = AddressBook()
+    book.add(rows)
+    book.add(host)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).cuda()
+    dev_addr, host_addr = rows.data_ptr() + ids * rows.stride(0), host.data_ptr() + ids * host.stride(0)
+    x = (torch.randn(T, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    w = torch.softmax(torch.randn(T, k, device="cuda"), -1).to(torch.bfloat16)
+    out = experts_by_address_quant(x, dev_addr, w, lay)
+    ref = experts_by_address_reference(x.cpu(), dev_addr.cpu(), w.cpu(), lay, book=book).cuda()
+    assert torch.isfinite(out).all()
+    close(out, ref, tol=1e-2)
+    on_host = torch.rand(E, device="cuda") < 0.5
+    for addrs in (host_addr, torch.where(on_host[ids], host_addr, dev_addr)):
+        assert torch.equal(experts_by_address_quant(x, addrs, w, lay), out)
+
+
+if __name__ == "__main__":
+    check(sys.argv[1])
