@@ -145,3 +145,19 @@ def test_numerics_contract_per_quantized_file_on_cuda(files, name):
         for s, w in enumerate(want):
             assert torch.equal(llm.logits(_prompt(40, s)), w), (extra, s)
         assert llm.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256 == greedy, extra
+
+
+def test_zero_copy_decode_reads_quantized_rows_in_place(files):
+    """Decode steps read each quantized expert where it lies (a slot or its host row): the same logits at every
+    cache size, and the same as the steps with every expert on the device."""
+    path, _ = files["mixed"]
+    kw = dict(ubatch_size=16, ctx_size=128, device="cpu", zero_copy_decode=True)
+    base = LLM(path, **kw)
+    assert base.engine.decode_kernel is not None
+    want = base.generate(_prompt(12, 4), max_tokens=10, ignore_eos=True)
+    for extra in (dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=1), dict(cpu_moe=True, moe_cache_mib=1000)):
+        llm = LLM(path, **kw, **extra)
+        got = llm.generate(_prompt(12, 4), max_tokens=10, ignore_eos=True)
+        assert got.sha256 == want.sha256, extra
+        if "moe_cache_mib" in extra:
+            assert llm.engine.host.zero_copy is not None and llm.engine.host.zero_copy.n_land == 0

@@ -30,26 +30,34 @@ def pick_kernel(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dtype, book: AddressBook,
-                       quantized: bool = False):
+                       layouts: list | None = None):
     """The kernel of zero-copy decode steps, `fn(x, addrs, weights, layout, landing) -> (T, H)`, or None (decode
-    fetches). want None: on where the Triton kernel runs (CUDA, 16-bit weights, float expert rows). On the CPU it
-    can be asked for (the tests do): the plain-torch oracle then reads experts by address through `book`."""
+    fetches). want None: on where a Triton kernel runs: CUDA, 16-bit activations, and float expert rows or
+    quantized ones whose types all have a path (kernels/decode_quant.py). On the CPU it can be asked for (the
+    tests do): the plain-torch oracle then reads experts by address through `book`."""
     from .decode import decode_available, experts_by_address
-    if decode_available(device, dtype) and want in (None, True) and not quantized:
-        return lambda x, addrs, weights, layout, landing=None: experts_by_address(x, addrs, weights, layout.inter,
-                                                                                  landing)
-    if want and device.type == "cpu" and not quantized:
+    quantized = any(lay.quantized for lay in layouts or ())
+    if want in (None, True) and decode_available(device, dtype):
+        if not quantized:
+            return lambda x, addrs, weights, layout, landing=None: experts_by_address(x, addrs, weights,
+                                                                                      layout.inter, landing)
+        from .decode_quant import decode_quant_available, experts_by_address_quant
+        if all(decode_quant_available(lay) for lay in layouts):
+            return experts_by_address_quant
+    if want and device.type == "cpu":
         return lambda x, addrs, weights, layout, landing=None: experts_by_address_reference(
-            x, addrs, weights, layout.inter, landing, book=book)
+            x, addrs, weights, layout, landing, book=book)
     if want:
         from ..errors import UserError
-        raise UserError("zero-copy decode needs Triton, 16-bit weights on CUDA and float experts (this file's are "
-                        "quantized); drop --zero-copy-decode")
+        raise UserError("zero-copy decode needs Triton and 16-bit weights on CUDA, and a Triton path for every "
+                        "expert type of the file; drop --zero-copy-decode")
     return None
 
 
 def dequantize_rows(rows: torch.Tensor, index: torch.Tensor, layout, dtype: torch.dtype):
     """Quantized rows (S, >= nbytes) uint8 at slots `index` (n,) -> w13 (n, 2I, H), w2 (n, H, I) of dtype: what a
-    prompt ubatch's routed experts are dequantized into before the expert kernel. Every device and type gives
-    the plain dequantizers' float32 values rounded once to dtype, so the values do not depend on the path."""
-    return layout.dequantize(rows[index], dtype)
+    prompt ubatch's routed experts are dequantized into before the expert kernel (kernels/dequant.py: Triton on
+    CUDA, the plain dequantizers elsewhere). Every path gives the plain dequantizers' float32 values rounded once
+    to dtype, so the values do not depend on the path."""
+    from .dequant import dequantize_rows as dequantize
+    return dequantize(rows, index, layout, dtype)

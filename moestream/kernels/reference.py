@@ -87,9 +87,10 @@ def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: 
         for j, i in landing_slots(on_host, len(slots)):
             if slots[i]:                          # 0: no slot to land in
                 book.row(slots[i]).copy_(book.row(addrs[0, j].item()))
-    rows = torch.stack([book.row(a) for a in addrs.reshape(-1).tolist()]).to(x.device)     # (T k, row)
+    n = layout.nbytes if layout.quantized else 3 * inter * H          # a slot may be wider than this layer's row
+    rows = torch.stack([book.row(a)[:n] for a in addrs.reshape(-1).tolist()]).to(x.device)     # (T k, row)
     if layout.quantized:
-        w13, w2 = layout.dequantize(rows[:, :layout.nbytes], torch.float32)              # (T k, 2I, H), (T k, H, I)
+        w13, w2 = layout.dequantize(rows, torch.float32)                                 # (T k, 2I, H), (T k, H, I)
     else:
         w13 = rows[:, :2 * inter * H].view(T * k, 2 * inter, H).float()
         w2 = rows[:, 2 * inter * H:3 * inter * H].view(T * k, H, inter).float()

@@ -60,7 +60,8 @@ class Engine:
         # The kernels of decode steps of up to MAX_TOKENS tokens, which the decode path puts on each step's batch
         # (the model is not changed after load). Zero-copy decode reads each expert where it lies, on every
         # placement alike (so a cached decode gives the all-GPU bits); None: decode steps fetch their experts.
-        self.decode_kernel = pick_decode_kernel(ecfg.decode.zero_copy, device.torch, self.dtype, self.book, quantized)
+        layouts = [experts.layout(l) for l in cfg.moe_layers]
+        self.decode_kernel = pick_decode_kernel(ecfg.decode.zero_copy, device.torch, self.dtype, self.book, layouts)
         from ..kernels import fused
         # Norms, rotary, cache writes and top-k fused (CUDA), in every decode path alike: the same bits.
         self.fused = fused if fused.fused_available(device.torch, self.dtype, cfg.head_dim) else None
@@ -251,8 +252,8 @@ class Engine:
         new path: its graphs read the new cache's tables."""
         if isinstance(self.host, ExpertCache):
             self.book.add(self.host.pool)
-            if self.decode_kernel is not None:
-                self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.read_through)
+            if self.decode_kernel is not None:     # (the quantized decode kernel does not land what it reads yet)
+                self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.read_through and not self.quantized)
         self.decoder = choose_decode(self)
 
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
