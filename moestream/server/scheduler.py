@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
+from ..runtime import threads
 from ..runtime.sampling import Sampler, SamplingParams, make_generator
 from ..runtime.sequence import SequenceState
 from .routing import slot_routing
@@ -100,6 +101,13 @@ class Slot:
         if self.run is None:
             return "idle"
         return "prefill" if self.run.done < len(self.run.req.prompt) else "generating"
+
+
+def _history(slots: list[Slot]) -> list[list[int]] | None:
+    """Each slot's tokens so far (prompt, then generated), for the penalties; None when no request has one."""
+    if not any(s.run.req.params.penalized for s in slots):
+        return None
+    return [s.run.req.prompt + s.run.seq.ids if s.run.req.params.penalized else [] for s in slots]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -270,6 +278,7 @@ class Scheduler:
         run = slot.run
         prompt = run.req.prompt
         chunk = prompt[run.done:run.done + self.engine.ecfg.batching.ubatch]
+        threads.use("prompt")
         with self.routing.counting(slot.id):
             logits = self.engine.prefill(slot.id, chunk, run.done)                          # (1, V)
         run.done += len(chunk)
@@ -277,18 +286,20 @@ class Scheduler:
         if run.done == len(prompt) and run.req.params.max_tokens == 0:
             self._finish(slot)               # "length", before any token
         elif run.done == len(prompt):
-            token = int(self._sampler.sample(logits[-1:], [run.req.params], [run.gen])[0])
+            token = int(self._sampler.sample(logits[-1:], [run.req.params], [run.gen], _history([slot]))[0])
             self._accept(slot, token, logits[-1])
 
     def _decode(self, slots: list[Slot]) -> None:
         steps = [(s.id, s.run.seq.ids[-1], s.run.seq.pos) for s in slots]
         # decode routing is counted where the engine reports it (host experts, what prefetch serves)
         owner = [s.id for s in slots] if self.engine.reports_decode_routing else None
+        threads.use("decode")
         with self.routing.counting(owner):
             logits = self.engine.decode(steps)                                              # (B, V)
         for s, (_, tok, _) in zip(slots, steps):
             s.cached.append(tok)
-        tokens = self._sampler.sample(logits, [s.run.req.params for s in slots], [s.run.gen for s in slots]).tolist()
+        tokens = self._sampler.sample(logits, [s.run.req.params for s in slots], [s.run.gen for s in slots],
+                                      _history(slots)).tolist()
         if self.metrics is not None:
             self.metrics.on_decode_batch(len(slots))
         for i, (s, token) in enumerate(zip(slots, tokens)):
