@@ -8,6 +8,10 @@
 """
 from __future__ import annotations
 
+import logging
+import sys
+import time
+
 import torch
 
 from . import flags
@@ -16,7 +20,10 @@ from .errors import UserError
 from .loading.source import open_source
 from .runtime.engine import Engine
 from .runtime.generate import Completion, Generation
+from .runtime.memory import check_host_fits
 from .runtime.sampling import SamplingParams
+
+log = logging.getLogger("moestream")
 
 
 class LLM:
@@ -24,14 +31,33 @@ class LLM:
 
         LLM("model.gguf", cpu_moe=True, moe_cache_mib=16000)           # the names of flags.py, which the flags set
         LLM("model.gguf", flags.to_config(args), n_seq=4)                # a config from the command line, one change
+
+    progress: a loading bar, then one line on stderr saying what was loaded and where. check(model_config), if
+    given, runs once the model's shape is known and before its weights load (the CLI checks -ngl there).
     """
 
-    def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = False, **overrides):
+    def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = False, check=None,
+                 **overrides):
         config = flags.apply(config or EngineConfig(), **overrides)     # validated before anything loads
+        t0 = time.perf_counter()
         self.source = open_source(model, progress=progress)
+        if check is not None:
+            check(self.source.config)
         # "auto" decided for this machine and this checkpoint's dtype, once (Engine.load takes it resolved)
         self.config = config.resolve(self.source.tensor("token_embd.weight").dtype)
+        cfg = self.source.config
+        check_host_fits(cfg, self.config)               # before any large allocation (the device's: Engine.load)
+        if self.config.cache.mib is not None and not self.config.placement.host_layers(cfg):
+            log.warning("--moe-cache-mib %d does nothing: no expert is in host memory (add --cpu-moe or "
+                        "--n-cpu-moe N to keep experts there and cache them on the device)", self.config.cache.mib)
         self.engine = Engine.load(self.source, self.config, progress=progress)
+        if progress:
+            p = self.config.placement
+            host = len(p.host_layers(cfg))
+            print(f"loaded {model}: {cfg.family}, "
+                  f"{cfg.n_layers} layers, {cfg.n_experts} experts (top {cfg.n_experts_used}), {p.dtype} on "
+                  f"{p.device}; experts of {host} of {len(cfg.moe_layers)} MoE layers in host memory; "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config
 

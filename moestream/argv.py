@@ -74,7 +74,9 @@ class Parser(argparse.ArgumentParser):
         flag = arg.split("=", 1)[0]
         if flag in NO_COUNTERPART:
             return f"{flag} is llama.cpp's; moestream has no such flag: {NO_COUNTERPART[flag]}"
-        close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1, cutoff=0.5)
+        names = list(self._option_string_actions)
+        longer = [n for n in names if n.startswith(flag)]           # an abbreviation: the flag it abbreviates
+        close = longer[:1] if len(longer) == 1 else difflib.get_close_matches(flag, names, n=1, cutoff=0.5)
         return f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else "")
 
 

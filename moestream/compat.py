@@ -104,7 +104,12 @@ def apply(a: argparse.Namespace) -> None:
 
 def check_model(a: argparse.Namespace, cfg) -> None:
     """What needs the model's shape, checked before its weights load: -ngl N below its layer count."""
-    for v in _as_list(getattr(a, "n_gpu_layers", None)):
+    ngl = _as_list(getattr(a, "n_gpu_layers", None))
+    if ngl and getattr(a, "device", "auto") in ("auto", "cpu"):
+        import torch
+        if a.device == "cpu" or not torch.cuda.is_available():
+            log.warning("-ngl %s: there is no GPU here (or --device cpu): everything runs on the CPU", ngl[0])
+    for v in ngl:
         if v.lower() in ALL_LAYERS or int(v) >= cfg.n_layers:
             continue
         keep = min(cfg.n_layers - int(v), len(cfg.moe_layers))
