@@ -128,7 +128,7 @@ class Sampler:
         pos = torch.arange(V, device=dev)                                             # (V,)
 
         # Every filter keeps a prefix of the sorted tokens, so "kept" is a prefix too, never empty.
-        top_k = column([p.top_k if p.top_k > 0 else V for p in sel], torch.long)
+        top_k = column([min(p.top_k, V) if p.top_k > 0 else V for p in sel], torch.long)
         keep = pos < top_k                                                            # (n, V)
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)                               # renormalized top-k

@@ -119,13 +119,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, llm, n_slots: int, max_queue: int = 64, cache_prompt: bool = True, metrics=None):
+    def __init__(self, llm, n_slots: int, max_queue: int = 64, cache_prompt: bool = True, metrics=None,
+                 warm_up: bool = True):
         eng = llm.engine
         if eng.kv.n_seq < n_slots:
             raise UserError(f"the engine has {eng.kv.n_seq} sequences for {n_slots} slots: "
                             f"build it with n_seq={n_slots}")
         self.llm, self.engine, self.tokenizer, self.metrics = llm, eng, llm.tokenizer, metrics
-        self.max_queue, self.cache_prompt = max_queue, cache_prompt
+        self.max_queue, self.cache_prompt, self.warm_up = max_queue, cache_prompt, warm_up
         self.slots = [Slot(i) for i in range(n_slots)]
         self.pending: collections.deque[Request] = collections.deque()
         self._calls: list[tuple[object, Future]] = []
@@ -215,8 +216,8 @@ class Scheduler:
 
     def _warm_up(self) -> None:
         """Capture the CUDA graphs of every decode batch size and span now rather than in the middle of serving (a
-        capture stalls every running request). The steps write positions no request has yet."""
-        if not self.engine.decoder.captures:
+        capture stalls every running request). The steps write positions no request has yet. --no-warmup: none."""
+        if not self.warm_up or not self.engine.decoder.captures:
             return
         try:
             for span in self.engine.kv.spans():             # each decode span, written at its last position
