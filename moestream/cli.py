@@ -104,9 +104,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         ids = llm.encode(prompt)
     ctx = llm.engine.kv.ctx
-    if len(ids) < ctx and len(ids) + a.n_predict > ctx and a.n_predict < 1 << 62:
-        print(f"note: -n {a.n_predict} is clipped to {ctx - len(ids)}: the prompt has {len(ids)} tokens and the "
-              f"context -c {ctx}", file=sys.stderr)
+    room = ctx - len(ids) + 1                 # the last token is sampled, never written to the KV cache
+    if 0 < room < a.n_predict < 1 << 62:
+        print(f"note: -n {a.n_predict} is clipped to {room}: the prompt has {len(ids)} tokens and the context "
+              f"-c {ctx}", file=sys.stderr)
     recorder = None
     if a.trace:
         from .experts.trace import TraceRecorder

@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
                    type=_list(str) if bench else str, default=None,
                    help="99, all or auto: every layer's attention on the GPU (always so here); experts move with "
                         "--cpu-moe / --n-cpu-moe")
-    g.add_argument("-fa", "--flash-attn", dest="flash_attn", nargs=None if bench else "?", const="on",
+    g.add_argument("-fa", "--flash-attn", dest="flash_attn", nargs="?", const=["on"] if bench else "on",
                    type=_list(str) if bench else str, default=None, metavar="on|off|auto",
                    help="on or auto: prompts always use flash attention here")
     g.add_argument("-t", "--threads", dest="threads", type=_list(int) if bench else int, default=None, metavar="N",
