@@ -52,9 +52,13 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kw)
 
     def _parse_optional(self, arg_string):
-        # A parser with subcommands passes their flags through untouched; the subcommand's own parser checks them.
-        if self._subparsers is None and _looks_glued(arg_string) and not self._known(arg_string):
-            self.error(self._unknown(arg_string))
+        # An unknown `-xyz` is one unknown flag, not -x yz: it ends in the extras (refused below) unless a
+        # REMAINDER argument takes it as a value (bench --compare "--cpu-moe").
+        if _looks_glued(arg_string) and not self._known(arg_string):
+            unknown = super()._parse_optional("--\0unknown")         # argparse's shape for an unknown flag
+            if isinstance(unknown, list):                            # Python 3.12.7+: a list of tuples
+                return [(None, arg_string, *unknown[0][2:])]
+            return (None, arg_string, *unknown[2:])
         return super()._parse_optional(arg_string)
 
     def parse_known_args(self, args=None, namespace=None):

@@ -39,7 +39,7 @@ import sys
 import torch
 
 from .. import compat, flags
-from ..argv import Parser, UsageError
+from ..argv import Parser
 from ..errors import UserError
 from ..outputs import check_writable
 from ..runtime.generate import token_hash
@@ -328,8 +328,8 @@ def main(a: argparse.Namespace) -> int:
 
 # --- A/B -----------------------------------------------------------------------------------------------------
 class _Raising(Parser):
-    def error(self, message):
-        raise UsageError(f"--compare: {message}")
+    def error(self, message):                # a value of --compare, not a flag of the command: exit 1
+        raise UserError(f"--compare: {message}")
 
 
 def compare_config(a: argparse.Namespace, spec: str) -> argparse.Namespace:
