@@ -8,15 +8,22 @@
 """
 from __future__ import annotations
 
+import logging
+import sys
+import time
+
 import torch
 
 from . import flags
 from .config import EngineConfig
 from .errors import UserError
 from .loading.source import open_source
-from .runtime.engine import Engine
+from .runtime.engine import Engine, expert_layouts
 from .runtime.generate import Completion, Generation
+from .runtime.memory import check_host_fits
 from .runtime.sampling import SamplingParams
+
+log = logging.getLogger("moestream")
 
 
 class LLM:
@@ -24,15 +31,36 @@ class LLM:
 
         LLM("model.gguf", cpu_moe=True, moe_cache_mib=16000)           # the names of flags.py, which the flags set
         LLM("model.gguf", flags.to_config(args), n_seq=4)                # a config from the command line, one change
+
+    progress: a loading bar, then one line on stderr saying what was loaded and where. check(model_config), if
+    given, runs once the model's shape is known and before its weights load (the CLI checks -ngl there).
     """
 
-    def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = False, **overrides):
+    def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = False, check=None,
+                 **overrides):
         config = flags.apply(config or EngineConfig(), **overrides)     # validated before anything loads
+        t0 = time.perf_counter()
         self.source = open_source(model, progress=progress)
+        if check is not None:
+            check(self.source.config)
         # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (Engine.load takes
         # it resolved)
         self.config = config.resolve(self.source.dtype_of("token_embd.weight"))
+        cfg = self.source.config
+        layouts = expert_layouts(self.source, cfg)       # a quantized file's experts are its blocks' bytes
+        size = max(lay.row_bytes_for(getattr(torch, self.config.placement.dtype)) for lay in layouts.values())
+        check_host_fits(cfg, self.config, expert_bytes=size)   # before any large allocation (the device's: load)
+        if self.config.cache.mib is not None and not self.config.placement.host_layers(cfg):
+            log.warning("--moe-cache-mib %d does nothing: no expert is in host memory (add --cpu-moe or "
+                        "--n-cpu-moe N to keep experts there and cache them on the device)", self.config.cache.mib)
         self.engine = Engine.load(self.source, self.config, progress=progress)
+        if progress:
+            p = self.config.placement
+            host = len(p.host_layers(cfg))
+            print(f"loaded {model}: {cfg.family}, "
+                  f"{cfg.n_layers} layers, {cfg.n_experts} experts (top {cfg.n_experts_used}), {p.dtype} on "
+                  f"{p.device}; experts of {host} of {len(cfg.moe_layers)} MoE layers in host memory; "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config
 

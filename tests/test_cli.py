@@ -57,3 +57,302 @@ def test_same_hash_for_every_placement(capsys):
         assert code == 0
         hashes.add(out.strip())
     assert len(hashes) == 1
+
+
+# --- flags users type from habit (compat.py) and how they are read (argv.py) ----------------------------------------
+G = ["generate", "-m", "synth:tiny", "-p", "Once upon a time", "-n", "4", "--hash-only"]
+
+
+def one_error(err: str) -> str:
+    lines = [l for l in err.splitlines() if "error:" in l]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["-ngl", "99", "-x"], "unknown flag -x"),                   # -x: one letter, no such flag (argparse's own)
+    (["-co"], "-co is llama.cpp's"),                             # not -c o
+    (["-ngx", "3"], "unknown flag -ngx"),                        # not -n gx
+    (["--ctx", "64"], "did you mean --ctx-size?"),               # no prefix abbreviations
+    (["--n-pred", "4"], "unknown flag --n-pred"),
+    (["-fa", "off"], "-fa off"),
+    (["-fa", "maybe"], "-fa takes on, off or auto"),
+    (["-ngl", "0"], "--cpu-moe"),
+    (["-ngl", "2"], "--n-cpu-moe 2"),                            # tiny has 4 layers
+    (["-ngl", "many"], "-ngl takes"),
+    (["-ot", "attn_q=CUDA0"], "only experts to CPU"),
+    (["-ot", "blk\\.1\\.ffn_.*_exps=CPU"], "whole MoE layers"),   # layer 1 alone: no flag spells it
+    (["-ot", "exps"], "PATTERN=BUFFER"),
+    (["-t", "0"], "-t must be at least 1"),
+    (["--repeat-penalty", "0"], "repeat_penalty"),
+    (["--chat-template", "/no/such.jinja"], "no such file"),
+    (["extra"], "unexpected argument 'extra'"),
+])
+def test_habit_flags_and_misreadings_are_one_line(capsys, argv, needle):
+    code, out, err = run(capsys, *G, *argv)
+    assert code != 0 and needle in one_error(err), err
+    assert out == ""                                              # nothing ran
+
+
+def test_a_bare_fa_is_not_a_file_named_a(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").write_text("a prompt from a file named a")
+    code, out, _ = run(capsys, *G, "-fa")
+    assert code == 0
+    code2, out2, _ = run(capsys, *G)                              # -p's prompt, as without -fa
+    assert out == out2
+
+
+@pytest.mark.parametrize("extra", [["-ngl", "99"], ["-ngl", "all"], ["-fa", "on"], ["-fa", "auto"], ["--no-mmap"],
+                                   ["--mlock"], ["--jinja"], ["-no-cnv"], ["--no-escape"],
+                                   ["--n-gpu-layers", "999"]])
+def test_habit_flags_with_a_meaning_here_change_nothing_else(capsys, extra):
+    base = run(capsys, *G)
+    assert base[0] == 0
+    code, out, _ = run(capsys, *G, *extra)
+    assert code == 0 and out == base[1]
+
+
+def test_override_tensor_is_cpu_moe_or_n_cpu_moe(capsys):
+    from moestream.cli import build_parser
+    from moestream import compat
+    for spec, cpu_moe, n in (("exps=CPU", True, 0), (r"\.ffn_.*_exps\.=CPU", True, 0),
+                             (r"blk\.[01]\.ffn_(up|down|gate)_exps=CPU", False, 2)):
+        a = build_parser("generate").parse_args([*G, "-ot", spec])
+        compat.apply(a)
+        assert (a.cpu_moe, a.n_cpu_moe) == (cpu_moe, n), spec
+    code, out, err = run(capsys, *G, "-ot", "exps=CPU", "-v")
+    assert code == 0 and "experts of 4 of 4 MoE layers in host memory" in err
+
+
+def test_threads_flags_set_torch_threads(capsys):
+    import torch
+    from moestream.runtime import threads
+    before = torch.get_num_threads()
+    try:
+        code, _, _ = run(capsys, *G, "-t", "1", "-tb", "2")
+        assert code == 0 and threads._counts == {"decode": 1, "prompt": 2}
+        assert torch.get_num_threads() == 1                        # the last phase run was decode
+    finally:
+        threads.configure(None, None)
+        torch.set_num_threads(before)
+
+
+def test_version_and_subcommand_version(capsys):
+    from moestream import __version__
+    for argv in (["--version"], ["generate", "--version"], ["bench", "--version"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0 and capsys.readouterr().out.strip() == f"moestream {__version__}"
+
+
+def test_chat_flags_system_prompt_escape_and_template_file(capsys, tmp_path):
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+    from moestream import LLM
+    llm = LLM("synth:tiny")
+    want = llm.generate(llm.encode("[system] be brief\n[user] Hi\tthere\n[assistant]"), max_tokens=4).sha256
+    code, out, _ = run(capsys, "generate", "-m", "synth:tiny", "-p", "Hi\\tthere", "-e", "-sys", "be brief",
+                       "--chat-template", str(tpl), "-n", "4", "--hash-only")
+    assert code == 0 and out.split()[1] == want                  # the file's template, the escape, the system turn
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    code, _, err = run(capsys, *G, "--chat-template", str(bad))
+    assert code == 1 and "is not a Jinja template" in one_error(err)
+    cnv = run(capsys, *G, "-cnv")
+    chat = run(capsys, *G, "--chat")
+    assert cnv[0] == 0 and cnv[1] == chat[1]
+
+
+def test_unescape():
+    from moestream.cli import unescape
+    assert unescape(r"a\nb\tc\\d\x41\q") == "a\nb\tc\\dA\\q"
+
+
+def test_repeat_penalty_changes_generate_as_the_sampler_says(capsys):
+    from moestream import LLM
+    llm = LLM("synth:tiny")
+    plain = llm.generate("The cat", max_tokens=24)
+    pen = llm.generate("The cat", max_tokens=24, repeat_penalty=3.0)
+    assert plain.token_ids != pen.token_ids
+    code, out, _ = run(capsys, "generate", "-m", "synth:tiny", "-p", "The cat", "-n", "24", "--repeat-penalty", "3",
+                       "--hash-only")
+    assert code == 0 and out.split()[1] == pen.sha256
+
+
+# --- every input and output as a user gives them ---------------------------------------------------------------------
+def test_prompt_file_not_utf8_and_missing(capsys, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"caf\xe9 au lait")
+    code, out, err = run(capsys, "generate", "-m", "synth:tiny", "-f", str(f))
+    assert code == 1 and "not UTF-8" in one_error(err) and out == ""
+    code, _, err = run(capsys, "generate", "-m", "synth:tiny", "-f", str(tmp_path))
+    assert code == 1 and "cannot read prompt file" in one_error(err)
+
+
+def test_kv_cache_too_big_for_host_memory_is_refused_before_allocating(capsys):
+    from moestream.config import EngineConfig
+    from moestream.errors import UserError
+    from moestream.loading.source import open_source
+    from moestream import flags
+    from moestream.runtime.memory import check_host_fits, host_bytes
+    cfg = open_source("synth:tiny").config
+    ecfg = flags.apply(EngineConfig(), ctx_size=1 << 20).resolve(__import__("torch").float32)
+    weights, kv = host_bytes(cfg, ecfg)
+    assert kv > 0 and weights > 0
+    with pytest.raises(UserError, match=r"-c 1048576: the KV cache needs \d+ MiB and the model's weights \d+ MiB, "
+                                        r"but 100 MiB of host memory are available; use -c \d+ or less"):
+        check_host_fits(cfg, ecfg, available=100 << 20)
+    check_host_fits(cfg, ecfg, available=weights + kv)           # exactly enough: fine
+    code, out, err = run(capsys, "generate", "-m", "synth:tiny", "-p", "hi", "-c", str(1 << 40))
+    assert code == 1 and "of host memory are available" in one_error(err) and out == ""
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "-m", "synth:tiny", "-p", "hi", "-n", "2", "--trace", "{tmp}/no/dir/t.npz"],
+    ["generate", "-m", "synth:tiny", "-p", "hi", "-n", "2", "--trace", "{tmp}"],
+    ["perplexity", "-m", "synth:tiny", "-f", "{text}", "-c", "16", "--kl-divergence-base", "{tmp}/no/dir/base.kld"],
+    ["perplexity", "-m", "synth:tiny", "-f", "{text}", "-c", "16", "--plot", "{tmp}/no/x.png"],
+    ["bench", "-m", "synth:tiny", "-p", "8", "-n", "0", "-r", "1", "--plot", "{tmp}/no/x.png"],
+    ["make-model", "tiny", "{tmp}/file.txt/out"],
+])
+def test_unwritable_outputs_are_refused_before_the_work(capsys, tmp_path, argv):
+    text = tmp_path / "text.txt"
+    text.write_text("word " * 200)
+    (tmp_path / "file.txt").write_text("x")
+    argv = [a.format(tmp=tmp_path, text=text) for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and one_error(err)
+    assert "loaded" not in err and "perplexity: calculating" not in err and "|" not in out   # before the work
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "text.txt"]          # nothing left behind
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path):
+    from moestream.errors import UserError
+    from moestream.outputs import atomic_path
+    target = tmp_path / "out.bin"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(str(target)) as tmp:
+            open(tmp, "w").write("half")
+            raise RuntimeError("interrupted")
+    with pytest.raises(UserError, match="cannot write"):
+        with atomic_path(str(target)) as tmp:
+            raise OSError(28, "No space left on device")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"] and target.read_text() == "old"
+
+
+def test_trace_without_npz_suffix_and_perplexity_base_are_written_whole(capsys, tmp_path):
+    code, _, _ = run(capsys, "generate", "-m", "synth:tiny", "-p", "hi", "-n", "3", "--cpu-moe", "--trace",
+                     str(tmp_path / "run"))
+    assert code == 0 and [p.name for p in tmp_path.iterdir()] == ["run.npz"]
+    text = tmp_path / "t.txt"
+    text.write_text("the river runs past the old mill " * 20)
+    code, _, err = run(capsys, "perplexity", "-m", "synth:tiny", "-f", str(text), "-c", "16", "--chunks", "2",
+                       "--kl-divergence-base", str(tmp_path / "b.kld"))
+    assert code == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["b.kld", "run.npz", "t.txt"]
+
+
+def test_bench_output_is_a_format_not_a_file(capsys):
+    code, out, err = run(capsys, "bench", "-m", "synth:tiny", "-p", "8", "-o", "results.json")
+    assert code == 2 and "-o json > results.json" in one_error(err) and out == ""
+
+
+def test_bench_sweeps_threads_and_takes_llama_bench_lists(capsys):
+    import torch
+    before = torch.get_num_threads()
+    try:
+        code, out, err = run(capsys, "bench", "-m", "synth:tiny", "-p", "8", "-n", "0", "-r", "1", "-t", "1,2",
+                             "-ngl", "99", "-fa", "1", "--no-warmup", "-o", "json")
+    finally:
+        torch.set_num_threads(before)
+    import json
+    rows = json.loads(out)
+    assert code == 0 and [r["threads"] for r in rows] == [1, 2]
+    code, _, err = run(capsys, "bench", "-m", "synth:tiny", "-p", "8", "-fa", "0,1")
+    assert code == 1 and "-fa 0" in one_error(err)
+
+
+def test_serve_refuses_a_port_in_use_before_loading(capsys):
+    import socket
+    pytest.importorskip("uvicorn")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        code, _, err = run(capsys, "serve", "-m", "synth:tiny", "--port", str(s.getsockname()[1]))
+    finally:
+        s.close()
+    assert code == 1 and "cannot listen on 127.0.0.1" in one_error(err)
+
+
+def test_replay_inputs(capsys, tmp_path):
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a trace")
+    code, _, err = run(capsys, "replay", str(junk), "--slots", "4")
+    assert code == 1 and "routing trace" in one_error(err)
+    trace = tmp_path / "t.npz"
+    assert run(capsys, "generate", "-m", "synth:tiny", "-p", "hi", "-n", "3", "--cpu-moe", "--trace", str(trace))[0] == 0
+    code, _, err = run(capsys, "replay", str(trace), "--slots", "4", "--policy", "fifo")
+    assert code == 1 and "--policy" in one_error(err)
+    code, _, err = run(capsys, "replay", str(trace), "--moe-cache-mib", "x")
+    assert code == 2 and "comma-separated integers" in one_error(err)
+
+
+def test_make_model_refuses_and_leaves_nothing(capsys, tmp_path):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    code, _, err = run(capsys, "make-model", "tiny", str(out))
+    assert code == 1 and "already exists" in one_error(err)
+    code, _, err = run(capsys, "make-model", "nope:preset", str(tmp_path / "n"))
+    assert code == 1 and one_error(err) and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+# --- say what happened -----------------------------------------------------------------------------------------------
+def test_cache_without_host_experts_warns_and_no_cache_statistics(capsys):
+    code, _, err = run(capsys, "generate", "-m", "synth:tiny", "-p", "hi", "-n", "3", "--moe-cache-mib", "16",
+                       "--timings")
+    assert code == 0 and "--moe-cache-mib 16 does nothing: no expert is in host memory" in err
+    assert "experts: all on the device" in err and "hit rate" not in err and "moe cache:" not in err
+    code, _, err = run(capsys, "generate", "-m", "synth:tiny", "-p", "hi", "-n", "3", "--cpu-moe", "--timings")
+    assert code == 0 and "uploaded" in err and "hit rate" not in err                # uploads, but no cache
+
+
+def test_n_clipped_by_the_context_is_said(capsys):
+    code, out, err = run(capsys, "generate", "-m", "synth:tiny", "-p", "Once upon a time", "-c", "12", "-n", "64",
+                         "--ignore-eos", "--hash-only")
+    assert code == 0 and "-n 64 is clipped to" in err
+    n = int(err.split("clipped to ")[1].split(":")[0])
+    assert f"({n} tokens)" in out
+
+
+def test_timings_count_decode_steps_and_prefetch_words_add_up(capsys):
+    code, _, err = run(capsys, "generate", "-m", "synth:tiny", "-p", "Once upon a time", "-n", "8", "--ignore-eos",
+                       "--cpu-moe", "--moe-cache-mib", "16", "--timings")
+    assert code == 0 and "generated: 8 tokens, 7 decode steps in" in err
+    from moestream.cli import prefetch_words
+    assert prefetch_words({"prefetched": 59, "prefetch_used": 14, "prefetch_wasted": 42}) == \
+        "prefetched 59: 14 used, 42 evicted unused, 3 in the cache not used yet"
+    assert "some copied earlier" in prefetch_words({"prefetched": 2, "prefetch_used": 5, "prefetch_wasted": 0})
+
+
+def test_an_error_during_a_load_starts_on_its_own_line(capsys, monkeypatch):
+    import re
+    from moestream.errors import UserError
+    from moestream.runtime import engine
+
+    def broken(*a, **k):
+        raise UserError("the file ended early")
+    monkeypatch.setattr(engine, "fill_layer", broken)
+    code, _, err = run(capsys, "generate", "-m", "synth:tiny", "-p", "hi")
+    assert code == 1 and "loading:" in err                           # a bar was drawn
+    assert re.search(r"(^|[\r\n])error: the file ended early", err) and not re.search(r"[^\r\n]error:", err), err
+
+
+def test_replay_cache_of_0_mib_is_the_smallest_pool(capsys, tmp_path):
+    trace = tmp_path / "t.npz"
+    assert run(capsys, "generate", "-m", "synth:tiny", "-p", "Once upon", "-n", "4", "--cpu-moe",
+               "--trace", str(trace))[0] == 0
+    code, out, err = run(capsys, "replay", str(trace), "--moe-cache-mib", "0", "--policy", "lru")
+    assert code == 0 and "| lru | 16 |" in out, err                 # tiny: 16 experts a layer

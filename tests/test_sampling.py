@@ -212,3 +212,42 @@ def test_stop_checker_matches_the_character_by_character_reference():
         pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
         got, stopped, _ = run_stops(stops, pieces)
         assert (got, stopped) == reference(text, stops), (stops, pieces)
+
+
+# --- penalties ------------------------------------------------------------------------------------------------------
+def test_greedy_with_a_repeat_penalty_avoids_the_repeated_token():
+    logits = torch.tensor([[0.0, 3.0, 2.5, -1.0]])                  # argmax 1; 2 close behind
+    plain = SamplingParams(max_tokens=4)
+    assert int(Sampler().sample(logits, [plain], [None], [[1]])[0]) == 1          # no penalty: history ignored
+    for p in (SamplingParams(max_tokens=4, repeat_penalty=1.5), SamplingParams(max_tokens=4, presence_penalty=1.0),
+              SamplingParams(max_tokens=4, frequency_penalty=0.6)):
+        assert p.penalized
+        assert int(Sampler().sample(logits, [p], [None], [[1]])[0]) == 2, p
+        assert int(Sampler().sample(logits, [p], [None], [[3, 0]])[0]) == 1, p   # 1 not repeated: unchanged
+    # a negative logit is multiplied, so that a penalty never raises a token
+    neg = torch.tensor([[-1.0, -1.2]])
+    assert int(Sampler().sample(neg, [SamplingParams(repeat_penalty=1.5)], [None], [[0]])[0]) == 1
+
+
+def test_frequency_counts_and_the_window_is_the_last_n_tokens():
+    logits = torch.tensor([[3.0, 2.0]])
+    p = SamplingParams(frequency_penalty=0.6)
+    assert int(Sampler().sample(logits, [p], [None], [[0]])[0]) == 0             # 3 - 0.6 > 2
+    assert int(Sampler().sample(logits, [p], [None], [[0, 0]])[0]) == 1          # 3 - 1.2 < 2
+    last1 = SamplingParams(frequency_penalty=0.6, repeat_last_n=1)
+    assert int(Sampler().sample(logits, [last1], [None], [[0, 0, 1]])[0]) == 0   # only the last token counts
+    assert not SamplingParams(repeat_penalty=2.0, repeat_last_n=0).penalized
+
+
+def test_penalties_in_a_batch_touch_only_their_rows():
+    logits = torch.tensor([[0.0, 3.0, 2.5], [0.0, 3.0, 2.5]])
+    out = Sampler().sample(logits, [SamplingParams(), SamplingParams(presence_penalty=1.0)], [None, None],
+                           [[1], [1]])
+    assert out.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("kw", [dict(repeat_penalty=0.0), dict(repeat_penalty=float("nan")),
+                                dict(presence_penalty=float("inf")), dict(repeat_last_n=-2)])
+def test_nonsense_penalties_are_user_errors(kw):
+    with pytest.raises(UserError):
+        SamplingParams(**kw)

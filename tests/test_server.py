@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import socket
 import threading
 import time
@@ -28,6 +29,7 @@ class Server:
     """uvicorn in a background thread, on a socket bound here (so the port is known and never raced for)."""
 
     def __init__(self, app):
+        self.app = app
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
@@ -50,7 +52,7 @@ def ref():
 @pytest.fixture(scope="module")
 def srv():
     s = Server(create_app(llm=LLM("synth:tiny", ctx_size=CTX, n_seq=4), n_slots=4, max_queue=8,
-                          model_name="tiny", max_body=1 << 20))
+                          model_name=["tiny", "tiny-alias"], max_body=1 << 20, access_log=True))
     yield s
     s.stop()
 
@@ -74,9 +76,10 @@ def wait_idle(srv, timeout=10.0) -> list[dict]:
         time.sleep(0.02)
 
 
-def metric(srv, name: str) -> float:
+def metric(srv, name: str, *labels: str) -> float:
+    """The value of metric `name` on the line holding every one of `labels` (e.g. 'kind="model_not_found"')."""
     for line in httpx.get(srv.url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if (line.startswith(name + " ") or line.startswith(name + "{")) and all(l in line for l in labels):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -85,7 +88,7 @@ def metric(srv, name: str) -> float:
 def test_health_and_models(srv, client):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert [m.id for m in models.data] == ["tiny", "tiny-alias"]
 
 
 def test_completion_equals_generate(client, ref):
@@ -199,6 +202,79 @@ def test_slots_and_metrics(srv, client):
         assert name in text
 
 
+# --- what an OpenAI client and a vLLM user expect --------------------------------------------------------------------
+def test_unknown_model_is_404_aliases_answer_and_errors_are_counted_by_kind(srv, client):
+    before = metric(srv, "moestream_http_errors_total", 'kind="model_not_found"', 'status="404"')
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    r = post(srv, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert metric(srv, "moestream_http_errors_total", 'kind="model_not_found"', 'status="404"') == before + 2
+    out = client.completions.create(model="tiny-alias", prompt="hi", max_tokens=2, temperature=0)
+    assert out.model == "tiny-alias"                                       # answered under the name asked for
+    bad = metric(srv, "moestream_http_errors_total", 'kind="invalid_request_error"', 'status="400"')
+    assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": "many"}).status_code == 400
+    assert metric(srv, "moestream_http_errors_total", 'kind="invalid_request_error"', 'status="400"') == bad + 1
+
+
+def test_penalties_are_applied_as_generate_applies_them(client, ref):
+    plain = ref.generate(PROMPTS[1], max_tokens=24)
+    for kw in (dict(presence_penalty=2.0), dict(frequency_penalty=1.5), dict(repeat_penalty=3.0)):
+        want = ref.generate(PROMPTS[1], max_tokens=24, **kw)
+        assert want.token_ids != plain.token_ids, kw                    # the penalty changes the greedy tokens
+        extra = {"return_token_ids": True}
+        if "repeat_penalty" in kw:
+            extra.update(kw)                                           # llama-server's name, an extension
+            kw = {}
+        got = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                        extra_body=extra, **kw)
+        assert got.choices[0].token_ids == want.token_ids, kw
+
+
+def test_message_without_content_or_with_an_unknown_role_is_a_400_naming_it(srv):
+    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                                         {"role": "assistant", "content": None}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].content", r.text
+    llm = srv.app.app.state.moestream.llm
+    generic = llm.tokenizer.chat_template                            # chatml: any role is written as it is
+    llm.tokenizer.chat_template = QWEN_LIKE
+    try:
+        r = post(srv, "/v1/chat/completions", {"messages": [{"role": "narrator", "content": "hi"}], "max_tokens": 2})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages[0].role" and "'narrator'" in err["message"]
+        ok = post(srv, "/v1/chat/completions", {"messages": [{"role": "developer", "content": "be brief"},
+                                                             {"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert ok.status_code == 200, ok.text                          # developer is system here
+    finally:
+        llm.tokenizer.chat_template = generic
+
+
+QWEN_LIKE = ("{%- for message in messages %}{%- if message.role == 'system' or message.role == 'user' %}"
+             "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+             "{%- elif message['role'] == \"assistant\" %}{{- '<|im_start|>assistant\\n' + message.content }}"
+             "{%- elif message.role in ['tool'] %}{{- message.content }}{%- endif %}{%- endfor %}"
+             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_template_roles():
+    from moestream.server.app import template_roles
+    assert template_roles(QWEN_LIKE) == {"system", "user", "assistant", "tool"}
+    assert template_roles("{{ messages[0]['role'] }}") == set()              # writes any role: no check
+
+
+def test_one_access_log_line_per_request(srv, caplog):
+    caplog.set_level(logging.INFO, logger="moestream.access")
+    httpx.get(srv.url + "/health")
+    post(srv, "/v1/completions", {"prompt": "hi", "model": "nope"})
+    end = time.time() + 5                       # a line is written once the answer is sent, maybe after it arrives
+    while len(lines := [r.getMessage() for r in caplog.records if r.name == "moestream.access"]) < 2 \
+            and time.time() < end:
+        time.sleep(0.01)
+    assert len(lines) == 2, lines
+    assert '"GET /health" 200' in lines[0] and '"POST /v1/completions" 404' in lines[1]
+
+
 # --- disconnects ---------------------------------------------------------------------------------------------------
 def test_disconnect_frees_slot(srv):
     cancelled = metric(srv, 'moestream_requests_total{outcome="cancelled"}')
@@ -226,7 +302,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "seed": 10 ** 30}, 400),
     ("/v1/completions", {"prompt": "hi", "temperature": 1e308}, 400),
     ("/v1/completions", {"prompt": "hi", "n": 1000}, 400),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, 400),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3.0}, 400),                # OpenAI's range: -2..2
+    ("/v1/completions", {"prompt": "hi", "repeat_penalty": 0}, 400),
     ("/v1/completions", {"prompt": [10 ** 12]}, 400),
     ("/v1/completions", {"prompt": [5000]}, 400),                                     # outside the vocabulary
     ("/v1/completions", {"prompt": ""}, 400),
@@ -309,6 +386,7 @@ def test_loading_auth_no_tokenizer_and_queue_limit():
         auth = {"Authorization": "Bearer sekrit"}
         r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2]}, headers=auth)
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert r.headers["retry-after"] == "5"
         gate.set()
         end = time.time() + 20
         while httpx.get(s.url + "/health").status_code != 200 and time.time() < end:
@@ -318,20 +396,24 @@ def test_loading_auth_no_tokenizer_and_queue_limit():
             r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2]}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", max_retries=0)
+        with pytest.raises(openai.NotFoundError):                               # not the served name
+            c.completions.create(model="x", prompt=[1, 2], max_tokens=1)
         ids = [300, 301, 302, 303]
-        out = c.completions.create(model="x", prompt=ids, max_tokens=4, temperature=0,
+        out = c.completions.create(model="moestream", prompt=ids, max_tokens=4, temperature=0,
                                    extra_body={"return_token_ids": True}).choices[0]
         assert out.text == "".join(f"{t} " for t in out.token_ids) and len(out.token_ids) == 4
-        for call in (lambda: c.completions.create(model="x", prompt="text", max_tokens=2),
-                     lambda: c.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])):
+        for call in (lambda: c.completions.create(model="moestream", prompt="text", max_tokens=2),
+                     lambda: c.chat.completions.create(model="moestream",
+                                                       messages=[{"role": "user", "content": "hi"}])):
             with pytest.raises(openai.BadRequestError):
                 call()
-        stream = c.completions.create(model="x", prompt=ids, max_tokens=100, temperature=0, stream=True,
+        stream = c.completions.create(model="moestream", prompt=ids, max_tokens=100, temperature=0, stream=True,
                                       extra_body={"ignore_eos": True})
         next(iter(stream))                                # the one slot is busy, and no request may wait
         with pytest.raises(openai.APIStatusError) as e:
-            c.completions.create(model="x", prompt=ids, max_tokens=2)
+            c.completions.create(model="moestream", prompt=ids, max_tokens=2)
         assert e.value.status_code == 503 and "busy" in e.value.message
+        assert e.value.response.headers["retry-after"] == "1"                       # when to try again
         stream.close()
     finally:
         gate.set()

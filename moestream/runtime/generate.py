@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import threads
 from .sampling import Sampler, SamplingParams
 from .sequence import SequenceState
 
@@ -58,13 +59,16 @@ class Generation:
         sampler = Sampler()
 
         eng.begin_prompt(self.seq)
+        threads.use("prompt")
         t0 = time.perf_counter()
         logits = eng.prefill(self.seq, self.prompt, 0)
         eng.synchronize()
         t1 = time.perf_counter()
+        threads.use("decode")
         done = p.max_tokens == 0
         while not done:
-            token = int(sampler.sample(logits[-1:], [p], [gen])[0])
+            history = [self.prompt + seq.ids] if p.penalized else None
+            token = int(sampler.sample(logits[-1:], [p], [gen], history)[0])
             piece, done = seq.push(token)
             if piece or isinstance(seq.stop_reason, str):   # a stop string's piece comes even when it is empty
                 yield piece

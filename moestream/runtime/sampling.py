@@ -3,11 +3,16 @@
     params = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, seed=1)
     gen = make_generator(params, device)                   # one per request: a seeded request replays on its own
     next_ids = Sampler().sample(logits, [params], [gen])   # logits (B, V) -> ids (B,)
+    Sampler().sample(logits, [penalized], [gen], [prompt_ids + generated_ids])   # penalties read each row's tokens
     stops = StopChecker(params.stop)
     text, stopped = stops.push(piece)                      # text safe to show; True once a stop string appeared
 
 temperature 0 is greedy (argmax, ties to the lowest id), the default: greedy outputs are the ones this project
 compares across cache sizes and prefetch rules. Otherwise the order is vLLM's: temperature, top-k, top-p, min-p, draw.
+Penalties come first, on greedy rows too, as llama.cpp applies them: over the last repeat_last_n tokens (prompt and
+generated; -1: all of them), a token seen there has its logit divided by repeat_penalty (multiplied, if negative),
+then lowered by frequency_penalty x its count and by presence_penalty once. llama-server's rule, which its
+presence_penalty and frequency_penalty (OpenAI's names) follow too; OpenAI counts generated tokens only.
 """
 from __future__ import annotations
 
@@ -34,6 +39,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # stop strings, not included in the output (as in OpenAI's API)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    repeat_penalty: float = 1.0       # 1.0: off (llama.cpp's --repeat-penalty)
+    presence_penalty: float = 0.0     # 0.0: off
+    frequency_penalty: float = 0.0    # 0.0: off
+    repeat_last_n: int = 64           # the tokens the penalties look at: the last N (-1: all; 0: none)
 
     def __post_init__(self):
         # Accept the shapes requests arrive in (a single stop string, lists) and store tuples: hashable, frozen.
@@ -54,10 +63,26 @@ class SamplingParams:
             raise UserError(f"seed must be a whole number, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in stop):
             raise UserError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        if not 0 < self.repeat_penalty < float("inf"):
+            raise UserError(f"repeat_penalty must be positive (1 is off), got {self.repeat_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -1e9 < getattr(self, name) < 1e9:
+                raise UserError(f"{name} must be a finite number (0 is off), got {getattr(self, name)!r}")
+        if not isinstance(self.repeat_last_n, int) or self.repeat_last_n < -1:
+            raise UserError(f"repeat_last_n must be -1 (all), 0 (none) or a count, got {self.repeat_last_n!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                            or self.frequency_penalty != 0.0)
+
+    def window(self, tokens: list[int]) -> list[int]:
+        """The tokens the penalties look at, of all the sequence's tokens so far (prompt, then generated)."""
+        return list(tokens) if self.repeat_last_n < 0 else list(tokens[-self.repeat_last_n:])
 
 
 def make_generator(params: SamplingParams, device="cpu") -> torch.Generator:
@@ -71,16 +96,19 @@ class Sampler:
     """Stateless: all randomness comes from the generators passed in, one per row."""
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> torch.Tensor:
+               generators: list[torch.Generator | None], history: list[list[int]] | None = None) -> torch.Tensor:
         """logits (B, V) -> token ids (B,) int64, on logits' device.
 
         A row's generator may live on the CPU or on logits' device; None draws from torch's global CPU generator.
-        Each sampled row draws exactly one uniform from its generator per call.
+        Each sampled row draws exactly one uniform from its generator per call. history: each row's tokens so far
+        (prompt and generated), which the penalties read; None where no row is penalized.
         """
         B, V = logits.shape
         if len(params) != B or len(generators) != B:
             raise ValueError(f"sample: {B} rows of logits, {len(params)} params, {len(generators)} generators")
         dev = logits.device
+        if history is not None and any(p.penalized for p in params):
+            logits = _penalize(logits, params, history)
         out = logits.argmax(dim=-1)                                                  # (B,) greedy, stays on dev
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
@@ -100,7 +128,7 @@ class Sampler:
         pos = torch.arange(V, device=dev)                                             # (V,)
 
         # Every filter keeps a prefix of the sorted tokens, so "kept" is a prefix too, never empty.
-        top_k = column([p.top_k if p.top_k > 0 else V for p in sel], torch.long)
+        top_k = column([min(p.top_k, V) if p.top_k > 0 else V for p in sel], torch.long)
         keep = pos < top_k                                                            # (n, V)
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)                               # renormalized top-k
@@ -120,6 +148,21 @@ class Sampler:
         choice = torch.minimum(choice, n_kept - 1)                                    # u * total rounding to total
         out[idx] = order.gather(1, choice).squeeze(1)
         return out
+
+
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]]) -> torch.Tensor:
+    """A float32 copy of logits (B, V) with each penalized row's repeated tokens pushed down (llama.cpp's rule)."""
+    out = logits.float().clone()
+    for i, p in enumerate(params):
+        window = p.window(history[i]) if p.penalized else []
+        if not window:
+            continue
+        ids, counts = torch.tensor(window, dtype=torch.long).unique(return_counts=True)      # (u,), (u,)
+        ids, counts = ids.to(out.device), counts.to(out.device, torch.float32)
+        x = out[i, ids]                                                                       # (u,)
+        x = torch.where(x > 0, x / p.repeat_penalty, x * p.repeat_penalty)
+        out[i, ids] = x - counts * p.frequency_penalty - p.presence_penalty
+    return out
 
 
 def _uniform(g: torch.Generator | None, device) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 
@@ -35,38 +36,53 @@ log = logging.getLogger("moestream.server")
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param, code)
+        self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
 
 
 class State:
     """What the routes share: the model once loaded, its scheduler, the metrics."""
 
-    def __init__(self, n_slots: int, max_queue: int, cache_prompt: bool, model_name: str):
-        self.n_slots, self.max_queue, self.cache_prompt, self.model_name = n_slots, max_queue, cache_prompt, model_name
+    def __init__(self, n_slots: int, max_queue: int, cache_prompt: bool, model_names: list[str], warm_up: bool = True):
+        self.n_slots, self.max_queue, self.cache_prompt = n_slots, max_queue, cache_prompt
+        self.model_names, self.warm_up = model_names, warm_up
         self.llm = self.scheduler = None
         self.load_error: str | None = None
         self.metrics = ServerMetrics()
         self.created = int(time.time())
 
     def start(self, llm) -> None:
-        self.scheduler = Scheduler(llm, self.n_slots, self.max_queue, self.cache_prompt, self.metrics)
+        self.scheduler = Scheduler(llm, self.n_slots, self.max_queue, self.cache_prompt, self.metrics, self.warm_up)
         self.metrics.set_queue_sizes(self.n_slots, lambda: (self.scheduler.n_running, self.scheduler.n_waiting))
         self.scheduler.start()
         self.llm = llm                       # last: /health says ready only once the scheduler runs
 
     def ready(self):
         if self.llm is None:
-            raise ApiError(503, self.load_error or "Loading model", "unavailable_error", code="model_loading")
+            raise ApiError(503, self.load_error or "Loading model", "unavailable_error", code="model_loading",
+                           headers={"Retry-After": "5"})
         return self.llm, self.scheduler
+
+    def model_for(self, body) -> str:
+        """The name to answer with: the one the request asked for, which must be one of ours (vLLM's 404)."""
+        if body.model is None:
+            return self.model_names[0]
+        if body.model not in self.model_names:
+            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.model_names)}", "not_found_error", param="model",
+                           code="model_not_found")
+        return body.model
 
 
 def create_app(llm=None, *, loader=None, n_slots: int = 1, max_queue: int = 64, api_key: str | None = None,
-               model_name: str = "moestream", cache_prompt: bool = True, max_body: int = 8 << 20,
-               on_load_error=None):
-    """An ASGI app. Give a loaded `llm` (built with n_seq >= n_slots), or a `loader()` run in a thread at startup."""
-    st = State(n_slots, max_queue, cache_prompt, model_name)
+               model_name: str | list[str] = "moestream", cache_prompt: bool = True, max_body: int = 8 << 20,
+               on_load_error=None, access_log: bool = False, warm_up: bool = True):
+    """An ASGI app. Give a loaded `llm` (built with n_seq >= n_slots), or a `loader()` run in a thread at startup.
+    model_name: the name requests must ask for, or several (aliases; the first is the one /v1/models lists first).
+    access_log: one line per request on the "moestream.access" logger."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    st = State(n_slots, max_queue, cache_prompt, names, warm_up)
 
     def load():
         try:
@@ -96,7 +112,8 @@ def create_app(llm=None, *, loader=None, n_slots: int = 1, max_queue: int = 64, 
     @app.get("/health")
     async def health():
         if st.llm is None:
-            raise ApiError(500 if st.load_error else 503, st.load_error or "Loading model", "unavailable_error")
+            raise ApiError(500 if st.load_error else 503, st.load_error or "Loading model", "unavailable_error",
+                           headers=None if st.load_error else {"Retry-After": "5"})
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -106,12 +123,13 @@ def create_app(llm=None, *, loader=None, n_slots: int = 1, max_queue: int = 64, 
             c = st.llm.model_config
             meta = {"n_ctx": st.llm.engine.kv.ctx, "n_vocab": c.vocab_size, "n_layers": c.n_layers,
                     "n_experts": c.n_experts, "n_experts_used": c.n_experts_used, "family": c.family}
-        return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": st.created,
-                                            "owned_by": "moestream", "meta": meta}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": st.created,
+                                            "owned_by": "moestream", "meta": meta} for name in st.model_names]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest):
         llm, _ = st.ready()
+        st.model_for(body)
         texts = body.prompts()
         prompts = [await run_in_threadpool(_encode, llm, p) for p in texts]
         echo = [p if isinstance(p, str) else fmt.detok(llm.tokenizer, ids) for p, ids in zip(texts, prompts)] \
@@ -121,6 +139,7 @@ def create_app(llm=None, *, loader=None, n_slots: int = 1, max_queue: int = 64, 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: HttpRequest):
         llm, _ = st.ready()
+        st.model_for(body)
         if llm.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
                                 "token ids (prompt: [1, 2, 3])", param="messages")
@@ -158,7 +177,7 @@ def create_app(llm=None, *, loader=None, n_slots: int = 1, max_queue: int = 64, 
                 log.warning("metrics: engine stats unavailable (%s)", type(e).__name__)
         return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
-    return Guard(app, api_key=api_key, max_body=max_body)
+    return Guard(app, api_key=api_key, max_body=max_body, on_error=st.metrics.on_http_error, access_log=access_log)
 
 
 # --- prompts ---------------------------------------------------------------------------------------------------------
@@ -175,6 +194,7 @@ def _encode(llm, prompt) -> list[int]:
 def _chat_prompt(llm, body: ChatRequest) -> list[int]:
     tok = llm.tokenizer
     msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+    _check_messages(msgs, tok.chat_template)
     reserved = {"messages", "tools", "add_generation_prompt"}
     extra = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k.isidentifier() and k not in reserved}
     try:
@@ -187,6 +207,38 @@ def _chat_prompt(llm, body: ChatRequest) -> list[int]:
     if not ids:
         raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
     return ids
+
+
+_ROLE_TESTS = (re.compile(r"""role['"]?\]?\s*[!=]=\s*['"]([\w-]+)['"]"""),        # message.role == 'user'
+               re.compile(r"""['"]([\w-]+)['"]\s*[!=]=\s*\w+(?:\.role|\[['"]role['"]\])"""))   # 'user' == m.role
+_ROLE_LISTS = re.compile(r"""role['"]?\]?\s+(?:not\s+)?in\s*[\[(]([^\])]*)[\])]""")        # role in ['a', 'b']
+
+
+def template_roles(template: str | None) -> set[str]:
+    """The roles a chat template tells apart; empty for a template that writes any role as it is (chatml's)."""
+    if not template:
+        return set()
+    roles = {m for rx in _ROLE_TESTS for m in rx.findall(template)}
+    for group in _ROLE_LISTS.findall(template):
+        roles.update(re.findall(r"""['"]([\w-]+)['"]""", group))
+    return roles
+
+
+def _check_messages(msgs: list[dict], template: str | None) -> None:
+    """400s naming the field, for what a template would trip on or silently drop: a message without content
+    (only an assistant message calling tools may have none) and a role the template does not know. OpenAI's newer
+    `developer` role is `system` for a template that knows only that."""
+    roles = template_roles(template)
+    for i, m in enumerate(msgs):
+        if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ApiError(400, f"messages[{i}].content: a {m['role']} message needs content (null is only for an "
+                                "assistant message with tool_calls)", param=f"messages[{i}].content")
+        if roles and m["role"] not in roles:
+            if m["role"] == "developer" and "system" in roles:
+                m["role"] = "system"
+                continue
+            raise ApiError(400, f"messages[{i}].role: {m['role']!r} is not a role this model's chat template knows "
+                                f"({', '.join(sorted(roles))})", param=f"messages[{i}].role")
 
 
 def _tokenizer(llm):
@@ -220,7 +272,9 @@ def _params(llm, body, n_prompt: int, default_max: int | None, i: int) -> Sampli
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                               min_p=body.min_p or 0.0, seed=seed, stop=body.stops,
-                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                              repeat_penalty=body.repeat_penalty, repeat_last_n=body.repeat_last_n)
     except UserError as e:
         raise ApiError(400, str(e)) from None
 
@@ -250,8 +304,9 @@ async def _serve(st: State, http: HttpRequest, body, prompts: list[list[int]], k
         sched.submit(reqs)
     except QueueFull as e:
         st.metrics.on_rejected()
-        raise ApiError(503, f"server busy: {e}; retry later", "server_error", code="queue_full") from None
-    out = fmt.Formatter(kind, st.model_name, llm.tokenizer, body, prompts, echo)
+        raise ApiError(503, f"server busy: {e}; retry later", "server_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    out = fmt.Formatter(kind, st.model_for(body), llm.tokenizer, body, prompts, echo)
     if body.stream:
         return StreamingResponse(_stream(sched, reqs, queue, out), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -312,7 +367,7 @@ async def _disconnected(http: HttpRequest) -> None:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_req, e: ApiError):
-        return JSONResponse(e.body, status_code=e.status)
+        return JSONResponse(e.body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(UserError)
     async def user_error(_req, e: UserError):

@@ -9,11 +9,13 @@ Each of the -np slots has a KV cache of the full -c positions (unlike llama-serv
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 
-from .. import flags
+from .. import compat, flags
 from ..errors import UserError
 
 log = logging.getLogger("moestream.server")
@@ -26,12 +28,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests served at once (default 1)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $MOESTREAM_API_KEY, else no key)")
-    p.add_argument("--alias", default=None, help="the model name the API reports (default: from -m)")
+    p.add_argument("-a", "--alias", default=None, help="the model name the API reports (default: from -m)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may ask for (vLLM's flag; the first is the one reported); another "
+                        "name is answered 404 model_not_found")
+    p.add_argument("--no-access-log", action="store_true", help="no line on stderr per request")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default 64)")
     p.add_argument("--no-cache-prompt", action="store_true",
                    help="do not reuse a slot's KV cache for the prefix a new prompt shares with the previous one")
     p.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body in MiB (default 8)")
+    compat.add_arguments(p, "serve")
     p.set_defaults(func=main)
+
+
+def model_names(a: argparse.Namespace) -> list[str]:
+    """The names requests may ask for: --served-model-name's, else --alias, else -m's (its last part for a path,
+    and the path as given, as vLLM takes it)."""
+    if a.served_model_name:
+        return list(dict.fromkeys(a.served_model_name))
+    if a.alias:
+        return [a.alias]
+    base = a.model if a.model.startswith("synth:") else os.path.basename(a.model.rstrip("/"))
+    return list(dict.fromkeys([base, a.model]))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or a one-line UserError (the port is taken, the address is not this machine's)."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UserError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+    except OSError as e:
+        sock.close()
+        why = "another process is listening there; choose another --port" if e.errno == errno.EADDRINUSE else e.strerror
+        raise UserError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
 
 
 def main(a: argparse.Namespace) -> int:
@@ -50,7 +85,8 @@ def main(a: argparse.Namespace) -> int:
     if not 0 < a.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {a.port}")
     key = a.api_key or os.environ.get("MOESTREAM_API_KEY") or None
-    name = a.alias or (a.model if a.model.startswith("synth:") else os.path.basename(a.model.rstrip("/")))
+    names = model_names(a)
+    name = names[0]
     if a.host not in ("127.0.0.1", "localhost", "::1") and key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", a.host)
     failed: list[BaseException] = []
@@ -62,15 +98,21 @@ def main(a: argparse.Namespace) -> int:
             server.should_exit = True
 
     ecfg = flags.to_config(a)                 # bad engine flags fail here, before the server listens
-    app = create_app(loader=lambda: LLM(a.model, ecfg, n_seq=a.parallel, progress=False),
-                     n_slots=a.parallel, max_queue=a.max_queue, api_key=key, model_name=name,
+    if a.chat_template:
+        compat.read_chat_template(a.chat_template)     # a bad file fails now, not after the load
+    sock = listen(a.host, a.port)             # a port in use fails now, not after the load
+    if not a.no_access_log:
+        logging.getLogger("moestream.access").setLevel(logging.INFO)
+    from ..cli import load_model
+    app = create_app(loader=lambda: load_model(a, ecfg, progress=False, n_seq=a.parallel),
+                     n_slots=a.parallel, max_queue=a.max_queue, api_key=key, model_name=names,
                      cache_prompt=not a.no_cache_prompt, max_body=int(a.max_body_mib * (1 << 20)),
-                     on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info" if a.verbose else "warning",
+                     on_load_error=on_load_error, access_log=not a.no_access_log, warm_up=not a.no_warmup)
+    config = uvicorn.Config(app, log_level="info" if a.verbose else "warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 with {a.parallel} slot(s)", file=sys.stderr)
-    server.run()
+    server.run(sockets=[sock])
     if failed:
         e = failed[0]
         if isinstance(e, UserError):

@@ -1,6 +1,8 @@
-"""The ASGI layer in front of the routes: the API key and the body size limit, both checked before any parsing.
+"""The ASGI layer in front of the routes: the API key and the body size limit, both checked before any parsing; and
+what every answer is seen for: an error counted by kind, an access-log line.
 
-    app = Guard(fastapi_app, api_key="sk-...", max_body=8 << 20, public={"/health"})
+    app = Guard(fastapi_app, api_key="sk-...", max_body=8 << 20, public={"/health"},
+                on_error=metrics.on_http_error, access_log=True)
 
 A request body is read whole, up to max_body bytes, before the app sees it (413 past it, whether the client sent a
 Content-Length or chunks), then replayed to the app; after the body, `receive` is the server's own again, so that
@@ -10,18 +12,44 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
+import time
 
 from .schemas import error_body
 
+access = logging.getLogger("moestream.access")
+
 
 class Guard:
-    def __init__(self, app, api_key: str | None = None, max_body: int = 8 << 20, public=frozenset({"/health"})):
+    def __init__(self, app, api_key: str | None = None, max_body: int = 8 << 20, public=frozenset({"/health"}),
+                 on_error=None, access_log: bool = False):
         self.app, self.max_body, self.public = app, max_body, frozenset(public)
         self.key = api_key.encode() if api_key else None
+        self.on_error, self.access_log = on_error, access_log
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        t0, seen = time.perf_counter(), {"status": 0, "kind": None}
+
+        async def watch(msg):
+            if msg["type"] == "http.response.start":
+                seen["status"] = msg["status"]
+            elif msg["type"] == "http.response.body" and seen["status"] >= 400 and seen["kind"] is None:
+                seen["kind"] = _kind(msg.get("body", b""))
+            await send(msg)
+        try:
+            await self._guarded(scope, receive, watch)
+        finally:
+            status = seen["status"]
+            if status >= 400 and status != 499 and self.on_error is not None:     # 499: nobody is listening
+                self.on_error(status, seen["kind"] or str(status))
+            if self.access_log:
+                client = scope.get("client") or ("-", 0)
+                access.info('%s "%s %s" %s %.1f ms', client[0], scope.get("method"), scope["path"], status or "-",
+                            (time.perf_counter() - t0) * 1e3)
+
+    async def _guarded(self, scope, receive, send):
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         if self.key is not None and scope["path"] not in self.public and not self._authorized(headers):
             return await _reply(send, 401, error_body("invalid or missing API key (Authorization: Bearer KEY)",
@@ -67,6 +95,15 @@ class Guard:
     def _too_large(self) -> dict:
         return error_body(f"request body too large (limit {self.max_body} bytes)", "invalid_request_error",
                           code="request_too_large")
+
+
+def _kind(body: bytes) -> str | None:
+    """An error answer's kind: its code, else its type (OpenAI's shape); None for a body of another shape."""
+    try:
+        err = json.loads(body)["error"]
+        return str(err.get("code") or err.get("type"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 async def _reply(send, status: int, body: dict) -> None:

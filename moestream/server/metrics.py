@@ -2,6 +2,7 @@
 
     m = ServerMetrics()                      # its own registry: several servers in one process (tests) do not clash
     m.on_first_token(0.05)                   # the scheduler thread reports events as they happen
+    m.on_http_error(404, "model_not_found")  # the ASGI guard reports every 4xx and 5xx answer
     m.set_engine_stats(llm.stats())          # before a scrape, with stats read on the scheduler thread
     body = m.render()                        # the text exposition format, for GET /metrics
 
@@ -41,6 +42,9 @@ class ServerMetrics:
         self.cached_tokens = Counter("moestream_prompt_tokens_cached",
                                      "Prompt tokens whose KV cache was reused (cache_prompt)", registry=r)
         self.generated = Counter("moestream_generation_tokens", "Generated tokens", registry=r)
+        self.errors = Counter("moestream_http_errors", "Error answers, by status and kind (the error's code, else its "
+                              "type: model_not_found, invalid_request_error, invalid_api_key, ...)",
+                              ["status", "kind"], registry=r)
         self.ttft = Histogram("moestream_time_to_first_token_seconds", "From arrival to the first sampled token",
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.itl = Histogram("moestream_inter_token_latency_seconds", "Between two tokens of one request",
@@ -77,6 +81,9 @@ class ServerMetrics:
 
     def on_rejected(self) -> None:
         self.requests.labels("rejected").inc()
+
+    def on_http_error(self, status: int, kind: str) -> None:
+        self.errors.labels(str(status), kind).inc()
 
     # --- scrape ----------------------------------------------------------------------------------------------------
     def set_engine_stats(self, stats: dict) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
+from ..runtime import threads
 from ..runtime.sampling import Sampler, SamplingParams, make_generator
 from ..runtime.sequence import SequenceState
 from .routing import slot_routing
@@ -102,6 +103,13 @@ class Slot:
         return "prefill" if self.run.done < len(self.run.req.prompt) else "generating"
 
 
+def _history(slots: list[Slot]) -> list[list[int]] | None:
+    """Each slot's tokens so far (prompt, then generated), for the penalties; None when no request has one."""
+    if not any(s.run.req.params.penalized for s in slots):
+        return None
+    return [s.run.req.prompt + s.run.seq.ids if s.run.req.params.penalized else [] for s in slots]
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -111,13 +119,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, llm, n_slots: int, max_queue: int = 64, cache_prompt: bool = True, metrics=None):
+    def __init__(self, llm, n_slots: int, max_queue: int = 64, cache_prompt: bool = True, metrics=None,
+                 warm_up: bool = True):
         eng = llm.engine
         if eng.kv.n_seq < n_slots:
             raise UserError(f"the engine has {eng.kv.n_seq} sequences for {n_slots} slots: "
                             f"build it with n_seq={n_slots}")
         self.llm, self.engine, self.tokenizer, self.metrics = llm, eng, llm.tokenizer, metrics
-        self.max_queue, self.cache_prompt = max_queue, cache_prompt
+        self.max_queue, self.cache_prompt, self.warm_up = max_queue, cache_prompt, warm_up
         self.slots = [Slot(i) for i in range(n_slots)]
         self.pending: collections.deque[Request] = collections.deque()
         self._calls: list[tuple[object, Future]] = []
@@ -207,8 +216,8 @@ class Scheduler:
 
     def _warm_up(self) -> None:
         """Capture the CUDA graphs of every decode batch size and span now rather than in the middle of serving (a
-        capture stalls every running request). The steps write positions no request has yet."""
-        if not self.engine.decoder.captures:
+        capture stalls every running request). The steps write positions no request has yet. --no-warmup: none."""
+        if not self.warm_up or not self.engine.decoder.captures:
             return
         try:
             for span in self.engine.kv.spans():             # each decode span, written at its last position
@@ -270,6 +279,7 @@ class Scheduler:
         run = slot.run
         prompt = run.req.prompt
         chunk = prompt[run.done:run.done + self.engine.ecfg.batching.ubatch]
+        threads.use("prompt")
         with self.routing.counting(slot.id):
             logits = self.engine.prefill(slot.id, chunk, run.done)                          # (1, V)
         run.done += len(chunk)
@@ -277,18 +287,20 @@ class Scheduler:
         if run.done == len(prompt) and run.req.params.max_tokens == 0:
             self._finish(slot)               # "length", before any token
         elif run.done == len(prompt):
-            token = int(self._sampler.sample(logits[-1:], [run.req.params], [run.gen])[0])
+            token = int(self._sampler.sample(logits[-1:], [run.req.params], [run.gen], _history([slot]))[0])
             self._accept(slot, token, logits[-1])
 
     def _decode(self, slots: list[Slot]) -> None:
         steps = [(s.id, s.run.seq.ids[-1], s.run.seq.pos) for s in slots]
         # decode routing is counted where the engine reports it (host experts, what prefetch serves)
         owner = [s.id for s in slots] if self.engine.reports_decode_routing else None
+        threads.use("decode")
         with self.routing.counting(owner):
             logits = self.engine.decode(steps)                                              # (B, V)
         for s, (_, tok, _) in zip(slots, steps):
             s.cached.append(tok)
-        tokens = self._sampler.sample(logits, [s.run.req.params for s in slots], [s.run.gen for s in slots]).tolist()
+        tokens = self._sampler.sample(logits, [s.run.req.params for s in slots], [s.run.gen for s in slots],
+                                      _history(slots)).tolist()
         if self.metrics is not None:
             self.metrics.on_decode_batch(len(slots))
         for i, (s, token) in enumerate(zip(slots, tokens)):

@@ -4,10 +4,12 @@
 
 Unknown fields are ignored (OpenAI clients send extras: user, metadata, store, ...). Ranges are checked here, so
 that a bad value is a 400 naming its field; what depends on the model (the context length, the tokenizer) is
-checked by the routes. Fields we accept but do not implement must keep their neutral value (penalties 0, no
-logit_bias, response_format text), so that a client never silently gets something other than what it asked for.
-Extensions, as vLLM and llama-server spell them: top_k, min_p, ignore_eos, stop_token_ids, cache_prompt,
-return_token_ids, chat_template_kwargs.
+checked by the routes. Fields we accept but do not implement must keep their neutral value (no logit_bias,
+response_format text), so that a client never silently gets something other than what it asked for. Penalties
+follow llama-server's rule (runtime/sampling.py): presence_penalty, frequency_penalty and repeat_penalty count the
+last repeat_last_n tokens (64) of prompt and completion. Extensions, as vLLM and llama-server spell them: top_k,
+min_p, repeat_penalty, repeat_last_n, ignore_eos, stop_token_ids, cache_prompt, return_token_ids,
+chat_template_kwargs.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ class _Sampling(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=1 << 31)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)      # torch.Generator.manual_seed's range
     stop: Stop | list[Stop] | None = Field(None, max_length=16)
@@ -42,9 +44,11 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Not implemented: the schema says so (only 0 / empty), and the validator below says it in words.
-    presence_penalty: float = Field(0.0, ge=-2, le=2, json_schema_extra={"enum": [0]})
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, json_schema_extra={"enum": [0]})
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repeat_penalty: float = Field(1.0, gt=0, le=10)
+    repeat_last_n: int = Field(64, ge=-1, le=1 << 20)
+    # Not implemented: the schema says so (only empty), and the validator below says it in words.
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     ignore_eos: bool = False
     cache_prompt: bool = True
@@ -52,8 +56,6 @@ class _Sampling(_Body):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         return self

@@ -19,8 +19,9 @@ expert cache's hit rate, the compute stream's wait per MoE layer (ms per run), a
 `bound / measured`, where bound = max(uploaded bytes / link speed, --compute-s-per-token x tokens). The link speed
 is a pinned host -> device copy of --link-mib MiB timed with CUDA events at start (n/a on the CPU).
 
-Sweeps: comma lists for -p, -n, -b, -ub, -ncmoe and --moe-cache-mib. -b and -ub change how prompts are cut, so the
-model loads once for them; each placement is its own load, and each cache size a new cache over the same pinned
+Sweeps: comma lists for -p, -n, -b, -ub, -t (torch's CPU threads), -ncmoe and --moe-cache-mib; -ngl and -fa take
+llama-bench's lists too, but each value must mean every layer on the GPU and flash attention on, the only ones
+here (compat.py). -b, -ub and -t change how prompts are cut and run, so the model loads once for them; each placement is its own load, and each cache size a new cache over the same pinned
 experts (the cache starts empty; the warm-up run fills it). --compare A B loads both configurations
 once and runs them alternately (A, B, A, B, ...) so that drift (clocks, heat, other tenants) cancels in the
 ratio, printed pair by pair.
@@ -37,8 +38,10 @@ import sys
 
 import torch
 
-from .. import flags
+from .. import compat, flags
+from ..argv import Parser
 from ..errors import UserError
+from ..outputs import check_writable
 from ..runtime.generate import token_hash
 from . import report
 from .report import Col, na
@@ -61,6 +64,17 @@ def _pair(s: str) -> tuple[int, int]:
     return v[0], v[1]
 
 
+FORMATS = ("md", "json", "csv")
+
+
+def _format(s: str) -> str:
+    if s in FORMATS:
+        return s
+    hint = f"; to write a file: -o {s.rsplit('.', 1)[-1] if s.rsplit('.', 1)[-1] in FORMATS else 'json'} > {s}" \
+        if "." in s or "/" in s else ""
+    raise argparse.ArgumentTypeError(f"-o takes a format, {', '.join(FORMATS)} (as llama-bench's), not {s!r}{hint}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     # the sweepable engine flags take comma lists here
@@ -70,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-pg", dest="pg", type=_pair, action="append", default=[], metavar="PP,TG",
                    help="a prompt of PP tokens then TG generated ones (repeatable)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="timed repetitions (default 5)")
-    p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="output format")
+    p.add_argument("-o", "--output", type=_format, default="md", metavar="md|json|csv", help="output format")
     p.add_argument("--seed", type=int, default=1234, help="seed of the random prompt tokens")
     # REMAINDER, so that a set of one flag ("--cpu-moe") is taken as a value, not as the bench's own flag
     p.add_argument("--compare", nargs=argparse.REMAINDER, metavar="A B",
@@ -79,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-s-per-token", type=float, default=None,
                    help="compute time per token for the roofline (default: the link bound alone)")
     p.add_argument("--plot", metavar="FILE.png", help="plot tok/s against ubatch and per-layer uploads/hit rate")
+    compat.add_arguments(p, "bench")
     p.set_defaults(func=main)
 
 
@@ -225,8 +240,8 @@ def placement(ns: argparse.Namespace) -> str:
 
 
 def load(ns: argparse.Namespace, ctx: int):
-    from ..api import LLM
-    return LLM(ns.model, flags.to_config(ns), ctx_size=max(ns.ctx_size, ctx), progress=ns.verbose)
+    from ..cli import load_model
+    return load_model(ns, flags.to_config(ns), progress=ns.verbose, ctx_size=max(ns.ctx_size, ctx))
 
 
 def release_memory() -> None:
@@ -247,7 +262,7 @@ def scalar(a: argparse.Namespace, **values) -> argparse.Namespace:
 
 BENCH_COLS = [
     Col("model", "model", right=False), Col("experts", "experts", right=False),
-    Col("cache MiB", "moe_cache_mib"), Col("n_batch", "n_batch"), Col("n_ubatch", "n_ubatch"), Col("test", "test"),
+    Col("cache MiB", "moe_cache_mib"), Col("threads", "threads"), Col("n_batch", "n_batch"), Col("n_ubatch", "n_ubatch"), Col("test", "test"),
     Col("t/s", "tps_mean", lambda r: f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f}"),
     Col("up GB", "uploaded_gb", lambda r: na(r["uploaded_gb"], "{:.3f}")),
     Col("hit %", "hit_rate", lambda r: na(None if r["hit_rate"] is None else 100 * r["hit_rate"], "{:.1f}")),
@@ -261,9 +276,12 @@ BENCH_COLS = [
 def main(a: argparse.Namespace) -> int:
     if a.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {a.repetitions}")
+    if a.plot:
+        check_writable(a.plot, "--plot")
     if a.compare is not None:
         return compare(a)
     tests = tests_of(a)
+    cols = BENCH_COLS if a.threads else [c for c in BENCH_COLS if c.key != "threads"]
     ctx = max(t.n_tokens for t in tests)
     from ..device import Device
     link = measure_link(Device.resolve(a.device), a.link_mib)           # before loading: the memory is free
@@ -285,24 +303,27 @@ def main(a: argparse.Namespace) -> int:
                 from ..loading.gguf import GGUFSource
                 counts = llm.source.type_counts() if isinstance(llm.source, GGUFSource) else None
                 print(llm.engine.describe_experts(counts), file=sys.stderr)
-        for b, ub in itertools.product(a.batch_size, a.ubatch_size):
+        for threads, b, ub in itertools.product(a.threads or [None], a.batch_size, a.ubatch_size):
+            if threads is not None:
+                torch.set_num_threads(threads)                  # llama-bench's -t sweep
             llm.engine.set_batching(b, ub)
             for t in tests:
-                t.run(llm, -1)                                  # warm-up: allocations, kernels, caches
+                if not a.no_warmup:
+                    t.run(llm, -1)                              # warm-up: allocations, kernels, caches
                 runs = [t.run(llm, i) for i in range(a.repetitions)]
                 row = {"model": a.model, "device": llm.engine.device.name, "experts": placement(ns),
                        "moe_cache_mib": mib, "cache_policy": getattr(ns, "cache_policy", None),
-                       "n_batch": b, "n_ubatch": ub,
+                       "threads": torch.get_num_threads(), "n_batch": b, "n_ubatch": ub,
                        **summarise(t, runs, len(llm.model_config.moe_layers), link, a.compute_s_per_token)}
                 if stream_md and not rows:             # after the load's lines on stderr
-                    print(report.md_header(BENCH_COLS), flush=True)
+                    print(report.md_header(cols), flush=True)
                 rows.append(row)
                 if stream_md:
-                    print(report.md_row(BENCH_COLS, row), flush=True)
+                    print(report.md_row(cols, row), flush=True)
     llm = None
     release_memory()
     if not stream_md:
-        print(report.render(rows, a.output, BENCH_COLS))
+        print(report.render(rows, a.output, cols))
     if a.plot:
         report.plot_bench(rows, a.plot)
         print(f"plot: {a.plot}", file=sys.stderr)
@@ -310,8 +331,8 @@ def main(a: argparse.Namespace) -> int:
 
 
 # --- A/B -----------------------------------------------------------------------------------------------------
-class _Raising(argparse.ArgumentParser):
-    def error(self, message):
+class _Raising(Parser):
+    def error(self, message):                # a value of --compare, not a flag of the command: exit 1
         raise UserError(f"--compare: {message}")
 
 
@@ -352,7 +373,7 @@ def _bench_flags_after_compare(a: argparse.Namespace) -> None:
                         f"--compare \"--cpu-moe\" \"--cpu-moe --moe-cache-mib 8000\"; got {a.compare}")
     a.compare, rest = a.compare[:2], a.compare[2:]
     if rest:
-        p = argparse.ArgumentParser(prog="moestream bench")
+        p = Parser(prog="moestream bench")
         add_arguments(p)
         for act in p._actions:
             act.required = False
@@ -375,7 +396,7 @@ def compare(a: argparse.Namespace) -> int:
         print(f"A: {a.compare[0]!r}  ({placement(specs[0])})\nB: {a.compare[1]!r}  ({placement(specs[1])})\n")
         print(report.md_header(COMPARE_COLS), flush=True)
     for t in tests:
-        for llm in llms:
+        for llm in llms if not a.no_warmup else ():
             t.run(llm, -1)
         pairs = []
         for i in range(a.repetitions):

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..errors import UserError
 from ..loading.source import open_source
+from ..outputs import check_writable
 
 FORMATS = ("hf", "gguf")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
@@ -31,7 +34,8 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
     """Open `preset_spec` (a synth preset, `synth:...`, an HF directory or a GGUF) and write it to `out`.
 
     fmt: hf or gguf; None picks gguf for a `.gguf` path and hf otherwise. Refuses to overwrite: a wrong OUT
-    should not replace a model someone downloaded.
+    should not replace a model someone downloaded. Written next to OUT and moved there once whole, so that a failed
+    write leaves nothing behind.
     """
     out = Path(out)
     fmt = fmt or ("gguf" if out.suffix == ".gguf" else "hf")
@@ -41,12 +45,29 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)} (q8_0 only with --format gguf)")
     if out.exists() and (out.is_file() or any(out.iterdir())):
         raise UserError(f"{str(out)!r} already exists; remove it or choose another output path")
+    existing = out.parent
+    while not existing.exists() and existing != existing.parent:       # the folders OUT needs are made
+        existing = existing.parent
+    check_writable(str(existing / ".moestream-out"), "OUT")
     source = open_source(resolve_spec(preset_spec))
-    if fmt == "gguf":
+    if fmt == "gguf":                       # write_gguf writes OUT.partial, renamed when whole
         from ..loading.gguf_write import write_gguf
-        return write_gguf(source, out, dtype=dtype, progress=progress)
+        try:
+            return write_gguf(source, out, dtype=dtype, progress=progress)
+        except OSError as e:
+            raise UserError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
     from ..loading.hf import write_hf
-    return write_hf(source, out, dtype=dtype, progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.part"))
+    try:
+        write_hf(source, tmp, dtype=dtype, progress=progress)
+        os.replace(tmp, out)                 # onto nothing, or an empty directory
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
+        raise
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

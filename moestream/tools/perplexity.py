@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import flags
+from .. import compat, flags
 from ..errors import UserError
+from ..outputs import atomic_path, check_writable
+from ..runtime import threads
 from .ppl_stats import KLStats, Summary, kl_per_token, log_probs, ppl_estimate
 
 BASE_FORMAT = "moestream-kld-base"
@@ -51,15 +53,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kl-top-k", type=int, default=256,
                    help="log-probs kept per token in the base file (default 256; 0: the whole vocabulary)")
     p.add_argument("--plot", metavar="FILE.png", help="plot the running PPL per chunk (and the KLD histogram)")
+    compat.add_arguments(p, "perplexity")
     p.set_defaults(func=main)
 
 
 # --- input ---------------------------------------------------------------------------------------------------
-def read_tokens(path: str, llm, token_ids: bool = False) -> list[int]:
+def read_text(path: str) -> str:
     try:
-        text = open(path, encoding="utf-8").read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {path!r}: {getattr(e, 'strerror', None) or e}") from None
+        return open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise UserError(f"cannot read {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def read_tokens(path: str, llm, token_ids: bool = False, text: str | None = None) -> list[int]:
+    """The tokens of -f FILE (its `text`, if already read): text through the tokenizer, or token ids."""
+    text = read_text(path) if text is None else text
     if token_ids or llm.tokenizer is None:
         if not re.fullmatch(r"[\d\s,]*", text):
             why = "--token-ids was given" if token_ids else "this model has no tokenizer"
@@ -141,6 +151,12 @@ def save_base(path: str, chunks: list[list[int]], base: Summary, n_vocab: int, m
                 **base.to_dict()}, path)
 
 
+def save_base_file(path: str, *args) -> None:
+    """save_base, whole or not at all: an interrupted save leaves no partial base file."""
+    with atomic_path(path) as tmp:
+        save_base(tmp, *args)
+
+
 def load_base(path: str) -> dict:
     try:
         with open(path, "rb") as f:
@@ -159,9 +175,11 @@ def load_base(path: str) -> dict:
 
 # --- the command ---------------------------------------------------------------------------------------------
 def _load(a: argparse.Namespace, n_ctx: int):
-    from ..api import LLM
+    from ..cli import load_model
     a.ctx_size = n_ctx
-    return LLM(a.model, flags.to_config(a), progress=a.verbose)
+    llm = load_model(a, flags.to_config(a), progress=a.verbose)
+    threads.use("prompt")                   # every forward here is a prompt's (-tb, else -t)
+    return llm
 
 
 def _timed_logits(llm):
@@ -180,6 +198,10 @@ def main(a: argparse.Namespace) -> int:
     if a.kl_divergence and not a.kl_divergence_base:
         raise UserError("--kl-divergence needs --kl-divergence-base FILE (written by a run without --kl-divergence)")
     err = sys.stderr
+    if a.plot:
+        check_writable(a.plot, "--plot")
+    if a.kl_divergence_base and not a.kl_divergence:       # it will be written: refuse a bad path before the work
+        check_writable(a.kl_divergence_base, "--kl-divergence-base")
     if a.kl_divergence:
         d = load_base(a.kl_divergence_base)
         chunks = d["tokens"].tolist()
@@ -216,10 +238,11 @@ def main(a: argparse.Namespace) -> int:
 
     if not a.file:
         raise UserError("no input: give -f FILE (text, or token ids with --token-ids)")
+    text = read_text(a.file)                 # before the load: a bad file is refused at once
     llm = _load(a, a.ctx_size)
     print("perplexity: tokenizing the input ..", file=err)
     tok = llm.tokenizer
-    tokens = read_tokens(a.file, llm, a.token_ids)
+    tokens = read_tokens(a.file, llm, a.token_ids, text)
     chunks = make_chunks(tokens, a.ctx_size, a.chunks, tok.bos_id if tok is not None and tok.add_bos else None)
     n_scored = a.ctx_size - 1 - a.ctx_size // 2
     print(f"perplexity: calculating perplexity over {len(chunks)} chunks, n_ctx={a.ctx_size}, "
@@ -240,7 +263,7 @@ def main(a: argparse.Namespace) -> int:
         print("Unexpected negative standard deviation of log(prob)", file=err)
     print("Final estimate: PPL = %.4f +/- %.5f" % (ppl, unc or 0.0))
     if saving:
-        save_base(a.kl_divergence_base, chunks, res.base, llm.model_config.vocab_size, a.model)
+        save_base_file(a.kl_divergence_base, chunks, res.base, llm.model_config.vocab_size, a.model)
         print(f"perplexity: saved the base log-probs of {res.nll.numel()} tokens to {a.kl_divergence_base}", file=err)
     if a.plot:
         from .report import plot_perplexity

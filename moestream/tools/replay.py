@@ -16,12 +16,16 @@ from ..errors import UserError
 
 
 def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a trace written by generate --trace")
-    p.add_argument("--moe-cache-mib", type=_ints, default=None, help="cache sizes in MiB, comma list")
+    p.add_argument("--moe-cache-mib", type=_ints, default=None,
+                   help="cache sizes in MiB, comma list (0: the smallest pool, one layer's experts, as live)")
     p.add_argument("--slots", type=_ints, default=None, help="cache sizes in expert slots, comma list")
     p.add_argument("--policy", default="lfru,lru", help="policies, comma list (default lfru,lru)")
     p.add_argument("--prefetch", action="store_true",
@@ -34,13 +38,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
+    from ..experts.budget import cache_slots
     from ..experts.trace import load_trace, replay
+    policies = a.policy.split(",")
+    bad = [p for p in policies if p not in ("lfru", "lru")]
+    if bad:
+        raise UserError(f"--policy takes lfru and/or lru, got {bad[0]!r}")
+    if not (a.slots or a.moe_cache_mib):
+        raise UserError("give cache sizes with --moe-cache-mib or --slots")
     tr = load_trace(a.trace)
     pf = flags.prefetch_config(a) if a.prefetch else None
     sizes = list(a.slots or [])
-    sizes += [m * (1 << 20) // tr.expert_bytes for m in (a.moe_cache_mib or [])]
-    if not sizes:
-        raise UserError("give cache sizes with --moe-cache-mib or --slots")
+    # the live cache's rule: 0 is one layer's experts, and a size holds at most every expert of the trace
+    sizes += [cache_slots(m, tr.expert_bytes, tr.n_experts, tr.n_layers, 0) for m in (a.moe_cache_mib or [])]
     n_ubatch = sum(1 for i, l in enumerate(tr.layers.tolist()) if i == 0 or l <= tr.layers[i - 1])
     print(f"trace: {n_ubatch} ubatches, {tr.n_layers} layers x {tr.n_experts} experts of {tr.expert_bytes / 1e6:.2f} MB")
     if a.read_through is not None and not a.zero_copy:
@@ -48,7 +58,7 @@ def main(a: argparse.Namespace) -> int:
     read_through = a.read_through is not False
     print("| policy | slots | MiB | hit rate | misses | uploaded GB | prefetched | used | wasted | read in place GB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for policy in a.policy.split(","):
+    for policy in policies:
         for n in sizes:
             if n < 1:
                 raise UserError(f"a cache of {n} slots holds nothing; give a larger size")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import UserError
+from ..outputs import atomic_path
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,15 @@ def plot_bench(rows: list[dict], path: str) -> None:
             ax.set_ylim(0, 100)
         finish(ax, f"{title} (prompts at ubatch {top_ub})", "layer", ylabel)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
+
+
+def _save(fig, path: str) -> None:
+    """The figure at path, whole or not at all (its format from path's extension)."""
+    import os
+    with atomic_path(path, suffix=os.path.splitext(path)[1]) as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 def plot_perplexity(chunk_ppl: list[float], kld_values: list[float] | None, path: str) -> None:
@@ -185,5 +193,5 @@ def plot_perplexity(chunk_ppl: list[float], kld_values: list[float] | None, path
         ax.set_xlabel("KLD (nats)")
         ax.set_ylabel("tokens")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)

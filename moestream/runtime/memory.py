@@ -1,0 +1,79 @@
+"""Host memory: whether a model, its experts kept in host memory and (on the CPU) its KV cache fit, checked before
+anything is allocated. The device's side is the engine's (_check_fits, with experts/budget.py).
+
+    check_host_fits(model_config, ecfg)        # ecfg resolved; UserError saying what is needed and what is free
+
+On the CPU every weight and the KV cache are in host memory; with a GPU, only the experts of host layers (pinned).
+Available memory is the kernel's MemAvailable, or less where a cgroup (a container) sets a lower limit.
+"""
+from __future__ import annotations
+
+from ..errors import UserError
+from .kv_cache import KVCache
+
+MiB = 1 << 20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def available_host_memory() -> int | None:
+    """Bytes a new allocation can take without swapping, or None where this cannot be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:                                               # cgroup v2: the container's limit less what it uses
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            found.append(int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def host_bytes(cfg, ecfg, expert_bytes: int | None = None) -> tuple[int, int]:
+    """(weights, KV cache) bytes that loading `cfg` as the resolved `ecfg` places in host memory. expert_bytes: one
+    expert's (a quantized file's blocks), if not the model dtype's."""
+    size = DTYPE_BYTES[ecfg.placement.dtype]
+    expert = expert_bytes or cfg.expert_numel * size
+    b = ecfg.batching
+    if ecfg.placement.device != "cpu":
+        return len(ecfg.placement.host_layers(cfg)) * cfg.n_experts * expert, 0
+    attn = cfg.n_layers * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
+    dense = (2 * cfg.vocab_size * cfg.hidden_size + attn) * size
+    dense += len(cfg.dense_layers) * 3 * cfg.intermediate_size * cfg.hidden_size * size
+    dense += len(cfg.moe_layers) * 3 * cfg.shared_expert_intermediate_size * cfg.hidden_size * size
+    experts = len(cfg.moe_layers) * cfg.n_experts * expert
+    kv = KVCache.nbytes_for(cfg.n_layers, b.n_seq, b.ctx_size, cfg.n_kv_heads, cfg.head_dim,
+                            _torch_dtype(ecfg.placement.dtype))
+    return dense + experts, kv
+
+
+def check_host_fits(cfg, ecfg, available: int | None = None, expert_bytes: int | None = None) -> None:
+    """Refuse, before loading, what cannot fit in host memory: the weights there, and the KV cache of -c (on the
+    CPU), naming what each needs, what is available and a -c that fits."""
+    available = available_host_memory() if available is None else available
+    if available is None:
+        return
+    weights, kv = host_bytes(cfg, ecfg, expert_bytes)
+    if weights + kv <= available:
+        return
+    b = ecfg.batching
+    where = "the model's weights" if ecfg.placement.device == "cpu" else "the experts kept in host memory"
+    if weights >= available:
+        raise UserError(f"{where} need about {weights / MiB:.0f} MiB of host memory but {available / MiB:.0f} MiB are "
+                        "available" + ("; keep fewer experts in host memory (--n-cpu-moe N)"
+                                       if ecfg.placement.device != "cpu" else ""))
+    per_position = kv // b.ctx_size                    # every sequence's K and V at one position, every layer
+    fits = int(0.9 * (available - weights) // per_position)        # a tenth left for activations and the allocator
+    seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
+    raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB and {where} {weights / MiB:.0f} "
+                    f"MiB, but {available / MiB:.0f} MiB of host memory are available; use -c {max(fits, 1)} or less")
+
+
+def _torch_dtype(name: str):
+    import torch
+    return getattr(torch, name)
