@@ -134,7 +134,7 @@ def test_numerics_contract_per_quantized_file_on_cuda(files, name):
     """On the GPU in bf16 with the grouped kernel: bit-identical logits all on the GPU and over the cache at every
     size, and the same greedy tokens (the decode path chosen for quantized experts)."""
     path, _ = files[name]
-    kw = dict(ubatch_size=16, ctx_size=128, device="cuda")
+    kw = dict(ubatch_size=16, ctx_size=128, device="cuda", dtype="bfloat16")     # (its dense tensors are F32)
     base = LLM(path, **kw)
     assert base.engine.quantized and base.engine.dtype == torch.bfloat16
     want = [base.logits(_prompt(40, s)) for s in range(3)]
