@@ -19,6 +19,9 @@
 #   bash bench/gpu.sh quant   [BENCH FLAGS]  the reference through `moestream quantize` to Q4_K_M and Q8_0 (once per
 #                                            machine, /tmp/ref-q4km.gguf and /tmp/ref-q8.gguf), then their rows: Q4_K_M
 #                                            all on the GPU, --cpu-moe with no cache and with 4000 MiB; Q8_0 --cpu-moe
+#   bash bench/gpu.sh qdecode                the quantized decode kernel's two variants (MOESTREAM_DECODE_QUANT=values or
+#                                            subblocks): bench/quant_kernels.py, then the Q4_K_M rows all on the GPU,
+#                                            --cpu-moe with 4000 MiB and with no cache, at ubatch 2048, under each
 #   bash bench/gpu.sh kld                    perplexity's KL divergence of the Q4_K_M and Q8_0 files against the BF16
 #                                            reference, and of a cache state against all on the GPU (0 exactly)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
@@ -46,7 +49,7 @@ REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
-case "$SUITE" in tests|rows|decode|server|profile|trace|quant|kld|all) ;; *) usage ;; esac
+case "$SUITE" in tests|rows|decode|server|profile|trace|quant|qdecode|kld|all) ;; *) usage ;; esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py > /dev/null 2>&1; then
   echo "error: .carry/ lacks the wheels or make_reference_gguf.py: see the setup notes at the top of $0" >&2; exit 2
 fi
@@ -64,10 +67,10 @@ reference() {      # the reference GGUF, once per machine; then a pause of $1 s 
   fi
   sync; sleep "${1:-0}"
 }
-quantized() {      # the reference's Q4_K_M and Q8_0, once per machine (moestream quantize, on the GPU)
+quantized() {      # the reference's Q4_K_M and Q8_0 (or the files given), once per machine (moestream quantize)
   reference 0
   local file type
-  for file in $Q4:Q4_K_M $Q8:Q8_0; do
+  for file in ${@:-$Q4:Q4_K_M $Q8:Q8_0}; do
     type=${file#*:}; file=${file%%:*}
     if [ ! -f $file ]; then
       local t=$SECONDS
@@ -145,6 +148,20 @@ quant() {
   bench bench_q8.md 90 -m $Q8 $B -ub 4096 --cpu-moe
 }
 
+qdecode() {
+  timeout 120 python3 bench/quant_kernels.py 2>&1 | tee "$OUT/quant_kernels.md"
+  quantized $Q4:Q4_K_M
+  local v B="-m $Q4 -p 4096 -n 64 -b 4096 -r 2 -ub 2048"
+  for v in values subblocks; do
+    export MOESTREAM_DECODE_QUANT=$v
+    echo "## MOESTREAM_DECODE_QUANT=$v" | tee -a "$OUT/bench_qdecode.md"
+    bench bench_qdecode.md 60 $B
+    bench bench_qdecode.md 60 $B --cpu-moe --moe-cache-mib 4000
+    bench bench_qdecode.md 60 $B --cpu-moe
+  done
+  unset MOESTREAM_DECODE_QUANT
+}
+
 kld() {            # 16 chunks of 512 random ids (the reference has no tokenizer), ubatch 512
   quantized
   python3 -c "import random; r = random.Random(2); print(','.join(str(r.randrange(151936)) for _ in range(8192)))" \
@@ -178,7 +195,7 @@ trace() {          # one prompt of 4096 random ids (the same every run), at ubat
 case "$SUITE" in
 tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
-profile|trace|kld) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
+profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
 esac

@@ -61,7 +61,9 @@ def close(a, b, tol=1e-5):
 @pytest.mark.parametrize("check", DEQUANT + DECODE)
 def test_quant_kernel_in_the_interpreter(check):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))         # the checkout, installed or not
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
 
