@@ -151,10 +151,10 @@ kld() {            # 16 chunks of 512 random ids (the reference has no tokenizer
     > /tmp/kld_ids.txt
   local P="python3 -m moestream perplexity --token-ids -c 512 -b 512 -ub 512"
   { echo "## base: $REF"; timeout 120 $P -m $REF -f /tmp/kld_ids.txt --kl-divergence-base /tmp/base.kld 2>&1 | tail -2
-    for m in $Q8 $Q4; do echo "## $m"; timeout 120 $P -m $m --kl-divergence-base /tmp/base.kld --kl-divergence 2>&1 | tail -12; done
+    for m in $Q8 $Q4; do echo "## $m"; timeout 120 $P -m $m --kl-divergence-base /tmp/base.kld --kl-divergence 2>&1 | grep -v "Δp" | tail -14; done
     echo "## $Q4 base, then --cpu-moe --moe-cache-mib 4000 against it (the numerics contract: KLD 0)"
     timeout 120 $P -m $Q4 -f /tmp/kld_ids.txt --kl-divergence-base /tmp/q4.kld 2>&1 | tail -1
-    timeout 120 $P -m $Q4 --kl-divergence-base /tmp/q4.kld --kl-divergence --cpu-moe --moe-cache-mib 4000 2>&1 | tail -12
+    timeout 120 $P -m $Q4 --kl-divergence-base /tmp/q4.kld --kl-divergence --cpu-moe --moe-cache-mib 4000 2>&1 | grep -v "Δp" | tail -14
   } | tee "$OUT/kld.md"
 }
 

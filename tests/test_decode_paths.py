@@ -96,10 +96,13 @@ def test_the_decode_path_is_chosen_once_from_the_placement():
         eng = types.SimpleNamespace(ecfg=ecfg, device=types.SimpleNamespace(is_cuda=cuda), kernel=kernel, host=host,
                                     decode_kernel=object() if zero_copy else None, quantized=quantized)
         return choose_decode(eng)
-    for p in (path(), path(zero_copy=False), path(quantized=True)):   # every expert on the GPU: every step a graph
+    for p in (path(), path(zero_copy=False)):                  # every expert on the GPU: every step is a graph
         assert isinstance(p, GraphDecode) and p.captures and p.takes(MAX_TOKENS + 1) and not p.reports_routing
-    # Quantized experts fetched (no zero-copy kernel for their types) are dequantized per ubatch: a host sync.
+    # Quantized experts fetched (no zero-copy kernel for their types, or a step longer than MAX_TOKENS) are
+    # dequantized per ubatch: a host sync, so the eager path runs those steps.
     assert isinstance(path(zero_copy=False, quantized=True), EagerDecode)
+    q = path(quantized=True)
+    assert isinstance(q, GraphDecode) and q.takes(MAX_TOKENS) and not q.takes(MAX_TOKENS + 1)
     p = path(host=object())
     assert isinstance(p, GraphDecode) and p.takes(MAX_TOKENS) and not p.takes(MAX_TOKENS + 1) and p.reports_routing
     for p in (path(host=object(), zero_copy=False), path(cuda=False), path(graphs=False),

@@ -134,7 +134,7 @@ def test_numerics_contract_per_quantized_file_on_cuda(files, name):
     """On the GPU in bf16 with the grouped kernel: bit-identical logits all on the GPU and over the cache at every
     size, and the same greedy tokens (the decode path chosen for quantized experts)."""
     path, _ = files[name]
-    kw = dict(ubatch_size=16, ctx_size=128, device="cuda")
+    kw = dict(ubatch_size=16, ctx_size=128, device="cuda", dtype="bfloat16")     # (its dense tensors are F32)
     base = LLM(path, **kw)
     assert base.engine.quantized and base.engine.dtype == torch.bfloat16
     want = [base.logits(_prompt(40, s)) for s in range(3)]
@@ -205,3 +205,33 @@ def test_k_quant_files_are_close_to_the_float_model_and_keep_the_contract(kquant
     assert 0 < kl < KL_BOUND[ftype], kl
     cached = LLM(kquant_files[ftype], **kw, cpu_moe=True, moe_cache_mib=1)        # waves, the cache, uploads
     assert torch.equal(cached.engine.prefill(0, ids, all_logits=True), got)
+
+
+def _one_tensor_gguf(path, rows: int, cols: int, qtype=Q.Q8_0):
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    data = gguf.quants.quantize(np.ones((rows, cols), dtype=np.float32), qtype)
+    w.add_tensor("token_embd.weight", data, raw_dtype=qtype)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def test_a_row_that_is_not_whole_blocks_or_short_data_is_one_line(tmp_path):
+    """A tensor whose rows are not whole blocks of its type, or whose data is shorter than its type and shape
+    need: one line naming the problem (the GGUF header is edited by hand, as a damaged file would be)."""
+    from moestream.errors import UserError
+    path = tmp_path / "rows.gguf"
+    _one_tensor_gguf(path, 2, 64)
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"token_embd.weight") + len(b"token_embd.weight")
+    n_dims = int.from_bytes(raw[at:at + 4], "little")
+    assert n_dims == 2 and int.from_bytes(raw[at + 4:at + 12], "little") == 64
+    raw[at + 4:at + 12] = (40).to_bytes(8, "little")               # 40 values a row: not whole Q8_0 blocks of 32
+    (tmp_path / "bad_rows.gguf").write_bytes(raw)
+    with pytest.raises(UserError) as e:
+        GGUFSource(tmp_path / "bad_rows.gguf")
+    assert "\n" not in str(e.value) and "Q8_0" in str(e.value) and "damaged" in str(e.value)
+    raw[at + 4:at + 12] = (64).to_bytes(8, "little")
+    raw[at + 12:at + 20] = (1 << 20).to_bytes(8, "little")          # far more rows than the file holds
+    (tmp_path / "short.gguf").write_bytes(raw)
+    with pytest.raises(UserError, match="truncated or damaged") as e:
+        GGUFSource(tmp_path / "short.gguf")
+    assert "\n" not in str(e.value)

@@ -42,7 +42,9 @@ def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dty
             return lambda x, addrs, weights, layout, landing=None: experts_by_address(x, addrs, weights,
                                                                                       layout.inter, landing)
         from .decode_quant import decode_quant_available, experts_by_address_quant
+        from .qblocks import kvalues
         if all(decode_quant_available(lay) for lay in layouts):
+            kvalues(torch.device(device))           # made now: the steps' graphs may not copy it in
             return experts_by_address_quant
     if want and device.type == "cpu":
         return lambda x, addrs, weights, layout, landing=None: experts_by_address_reference(

@@ -13,6 +13,8 @@ F32, F16 and BF16 matrices (raw values inside a quantized layout) are read as vi
 """
 from __future__ import annotations
 
+import functools
+
 from gguf import GGMLQuantizationType as Q
 
 try:
@@ -36,6 +38,16 @@ def has_path(qtype: Q, n: int) -> bool:
 
 
 def kvalues(device):
+    """The IQ4 codebook on `device`, made once per device (a copy inside a CUDA graph capture is not allowed)."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _kvalues(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _kvalues(device):
     import torch
     return torch.tensor(KVALUES, dtype=torch.float32, device=device)
 

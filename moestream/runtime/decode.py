@@ -86,8 +86,10 @@ class GraphDecode(DecodePath):
         self.graphs = DecodeGraphs(engine)
 
     def takes(self, n_tokens: int) -> bool:
-        """Host experts: zero-copy steps only (a longer step decides on the host between layers)."""
-        return self.engine.host is None or n_tokens <= MAX_TOKENS
+        """Host experts: zero-copy steps only (a longer step decides on the host between layers); quantized
+        experts too (a longer step dequantizes its experts, which sizes its scratch on the host)."""
+        eng = self.engine
+        return (eng.host is None and not eng.quantized) or n_tokens <= MAX_TOKENS
 
     @property
     def reports_routing(self) -> bool:
