@@ -5,8 +5,9 @@
 dequant: kernels/dequant.py's dequantize_rows of 50 experts (a prompt ubatch's routed experts of one layer) to
 bf16, per type; GB/s counts the bytes read (the blocks) and written (bf16 values). decode: one
 experts_by_address_quant call, T = 1 and 8 tokens, k = 8, rows in device memory, against kernels/decode.py's bf16
-experts_by_address on the same shape, and T = 1 with every row read from pinned host memory. Median of `reps`
-timed calls (CUDA events) after warm-up. Prints markdown.
+experts_by_address on the same shape, and T = 1 and 8 with every row read from pinned host memory; each quantized
+layout in both variants of kernels/decode_quant.py ("subblocks", the default, and "values", the first kernel), side
+by side. Median of `reps` timed calls (CUDA events) after warm-up. Prints markdown.
 """
 import argparse
 import statistics
@@ -67,26 +68,30 @@ for types in ((Q.Q8_0,) * 3, (Q.Q4_0,) * 3, (Q.Q5_0,) * 3, (Q.Q4_K,) * 3, (Q.Q5_
     print(f"| {name} | {read / 1e6:.0f} | {written / 1e6:.0f} | {ms:.3f} | {(read + written) / ms / 1e6:.0f} |")
 
 print(f"\nexperts_by_address: one decode call, k={K}, I={I}, H={H}, rows on the GPU (host: pinned host rows)\n")
-print("| types | MB an expert | T=1 us | T=8 us | T=1 host us |\n|---|---|---|---|---|")
+print("| types | variant | MB an expert | T=1 us | T=8 us | T=1 host us | T=8 host us |\n|---|---|---|---|---|---|---|")
 E = 64
 g = torch.Generator(device="cuda").manual_seed(0)
-for types in (None, (Q.Q8_0,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3):
+for types in (None, (Q.Q8_0,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q5_K,) * 3):
     if types is None:
         lay = ExpertLayout(I, H)
         rows = (torch.randn(E, lay.numel, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
-        kernel, mb, name = (lambda x, a, w: experts_by_address(x, a, w, I)), lay.numel * 2e-6, "bf16"
+        kernels, mb, name = [("-", lambda x, a, w: experts_by_address(x, a, w, I))], lay.numel * 2e-6, "bf16"
     else:
         lay = ExpertLayout(I, H, types)
         rows = rows_of(lay, E)
-        kernel, mb = (lambda x, a, w, lay=lay: experts_by_address_quant(x, a, w, lay)), lay.nbytes / 1e6
+        kernels = [(v, lambda x, a, w, lay=lay, v=v: experts_by_address_quant(x, a, w, lay, variant=v))
+                   for v in ("subblocks", "values")]
+        mb = lay.nbytes / 1e6
         name = ",".join(t.name for t in types) if len(set(types)) > 1 else types[0].name
     step = rows.stride(0) * rows.element_size()
     host = rows.cpu().pin_memory()
-    us = []
-    for T, where in ((1, rows), (8, rows), (1, host)):
-        ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
-        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-        w = torch.softmax(torch.randn(T, K, device="cuda"), -1).to(torch.bfloat16)
-        addrs = where.data_ptr() + ids * step
-        us.append(1e3 * timed(lambda: kernel(x, addrs, w)))
-    print(f"| {name} | {mb:.2f} | {us[0]:.1f} | {us[1]:.1f} | {us[2]:.1f} |")
+    for variant, kernel in kernels:
+        us = []
+        for T, where in ((1, rows), (8, rows), (1, host), (8, host)):
+            gi = torch.Generator(device="cuda").manual_seed(T)
+            ids = torch.stack([torch.randperm(E, device="cuda", generator=gi)[:K] for _ in range(T)])
+            x = torch.randn(T, H, device="cuda", generator=gi).to(torch.bfloat16)
+            w = torch.softmax(torch.randn(T, K, device="cuda", generator=gi), -1).to(torch.bfloat16)
+            addrs = where.data_ptr() + ids * step
+            us.append(1e3 * timed(lambda: kernel(x, addrs, w)))
+        print(f"| {name} | {variant} | {mb:.2f} | " + " | ".join(f"{u:.1f}" for u in us) + " |")

@@ -107,6 +107,10 @@ def decode_check(spec: str, T: int, k: int, seed: int = 0, inter: int = 256):
     close(out, experts_by_address_reference(x, addrs, w, lay, book=book))
     elsewhere = torch.where(ids % 2 == 0, other.data_ptr() + ids * step, addrs)
     assert torch.equal(experts_by_address_quant(x, elsewhere, w, lay), out)
+    odd = torch.empty(rows.numel() + 1, dtype=torch.uint8)[1:].view(rows.shape)     # rows at odd addresses: the
+    odd.copy_(rows)                                                                 # kernel's unaligned branch
+    book.add(odd)
+    assert torch.equal(experts_by_address_quant(x, odd.data_ptr() + ids * step, w, lay), out)
 
 
 def check(name: str):
@@ -148,13 +152,17 @@ def test_decode_quant_compiled_matches_reference_and_reads_host_memory_in_place(
     dev_addr, host_addr = rows.data_ptr() + ids * rows.stride(0), host.data_ptr() + ids * host.stride(0)
     x = (torch.randn(T, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
     w = torch.softmax(torch.randn(T, k, device="cuda"), -1).to(torch.bfloat16)
-    out = experts_by_address_quant(x, dev_addr, w, lay)
     ref = experts_by_address_reference(x.cpu(), dev_addr.cpu(), w.cpu(), lay, book=book).cuda()
-    assert torch.isfinite(out).all()
-    close(out, ref, tol=1e-2)
+    odd = torch.empty(rows.numel() + 2, dtype=torch.uint8, device="cuda")[2:].view(rows.shape)   # 2-aligned only
+    odd.copy_(rows)
+    book.add(odd)
     on_host = torch.rand(E, device="cuda") < 0.5
-    for addrs in (host_addr, torch.where(on_host[ids], host_addr, dev_addr)):
-        assert torch.equal(experts_by_address_quant(x, addrs, w, lay), out)
+    for variant in ("subblocks", "values"):
+        out = experts_by_address_quant(x, dev_addr, w, lay, variant=variant)
+        assert torch.isfinite(out).all()
+        close(out, ref, tol=1e-2)
+        for addrs in (host_addr, torch.where(on_host[ids], host_addr, dev_addr), odd.data_ptr() + ids * rows.stride(0)):
+            assert torch.equal(experts_by_address_quant(x, addrs, w, lay, variant=variant), out)
 
 
 if __name__ == "__main__":
