@@ -26,6 +26,8 @@ free slot; the caller uploads misses itself.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..quant.layout import ExpertLayout
@@ -35,7 +37,9 @@ from .qdots import SUBBLOCK_TYPES, step_blocks
 
 TILE = 4096              # values a program decodes per step (rows x blocks x block); fixed, so are the bits
 WARPS = 4
-VARIANT = "subblocks"    # the default kernel; "values" is the first one, kept to compare against
+# The default kernel; "values" is the first one, kept to compare against (MOESTREAM_DECODE_QUANT=values|subblocks
+# picks one for a whole process: bench/gpu.sh qdecode measures both).
+VARIANT = os.environ.get("MOESTREAM_DECODE_QUANT", "subblocks")
 ROWS = 4                 # subblocks: rows a program reads of each matrix (a gate/up program: 2 x 4 x 1152 bytes
 STEP_VALUES = 1024       # of Q4_K); values of a row a step reads, at most (a step: ROWS x STEP_VALUES values)
 
