@@ -12,14 +12,15 @@ The dequantized values are gguf.quants' bits (no fused multiply-add, enable_fp_f
 differs from the float32 oracle only in its summation order; and its result depends only on the bytes read,
 never on where they were. Block shapes follow from the types and the shape alone (no autotuning).
 
-Two variants (`variant=`): "subblocks", the default, takes the scales out of the dot products (kernels/qdots.py:
+Two variants (`variant=`, default VARIANT below: "values"): "subblocks" takes the scales out of the dot products (kernels/qdots.py:
 per sub-block d sc sum(q x) - dmin m sum(x), sum(x) shared by a program's rows, int32 row offsets from one base,
 no masked blocks: a down row of I=768 is read one block a step) for Q4_K, Q5_K, Q6_K and Q8_0, the other types
 value by value; its bits differ from "values" by float rounding (and fused multiply-adds), still fixed by the
 bytes alone. "values", the first kernel, dequantizes every value to gguf.quants' bits (enable_fp_fusion=False)
 and differs from the float32 oracle only in summation order. Measured on the H200 (bench/quant_kernels.py,
-2026-12-01), "values": Q4_K 106 us against bf16's 70 us (T=1, k=8), bound by instructions (a byte load and its
-64-bit address per value, the scales per value); from pinned host memory 1.2 ms against 1.9 ms.
+2026-12-01; T=1, k=8, I=768, H=2048), Q4_K_M rows on the GPU: "values" 122 us, "subblocks" 135 us, bf16 69 us;
+from pinned host memory 1068 / 842 / 1715 us. Both are bound by instructions, not bytes: byte loads, one value a
+thread, and the sub-block sums as cross-thread shuffles (about 5 a value in the compiled PTX).
 
 Not yet: read-through landing (`landing`, which kernels/decode.py has): a host-read choice is not written to a
 free slot; the caller uploads misses itself.
@@ -37,9 +38,12 @@ from .qdots import SUBBLOCK_TYPES, step_blocks
 
 TILE = 4096              # values a program decodes per step (rows x blocks x block); fixed, so are the bits
 WARPS = 4
-# The default kernel; "values" is the first one, kept to compare against (MOESTREAM_DECODE_QUANT=values|subblocks
-# picks one for a whole process: bench/gpu.sh qdecode measures both).
-VARIANT = os.environ.get("MOESTREAM_DECODE_QUANT", "subblocks")
+# The default kernel. Measured on the H200 (bench/RESULTS.md, 2026-12-01): "subblocks" reads pinned host rows
+# 21-23% faster (Q4_K_M: 842 vs 1068 us a token's 8 experts; no-cache tg 54 vs 43 tok/s) but device rows 8-56%
+# slower (all on the GPU tg 330 vs 401), so "values" stays the default: one kernel for every placement keeps one
+# file's greedy tokens the same whatever the placement. MOESTREAM_DECODE_QUANT=values|subblocks picks one for a
+# whole process (bench/gpu.sh qdecode measures both).
+VARIANT = os.environ.get("MOESTREAM_DECODE_QUANT", "values")
 ROWS = 4                 # subblocks: rows a program reads of each matrix (a gate/up program: 2 x 4 x 1152 bytes
 STEP_VALUES = 1024       # of Q4_K); values of a row a step reads, at most (a step: ROWS x STEP_VALUES values)
 
