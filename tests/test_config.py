@@ -222,3 +222,22 @@ def test_help_imports_no_torch(argv):
 def test_python_m_moestream_help_answers():
     out = subprocess.run([sys.executable, "-m", "moestream", "--help"], capture_output=True, text=True, check=True)
     assert all(name in out.stdout for name in ("generate", *SUBCOMMANDS))
+
+
+def test_a_context_too_big_for_the_device_names_c_not_the_experts():
+    """When the KV cache of -c (with attention and embeddings) cannot fit whatever the experts do, the error names
+    -c, its size and a -c that fits, not --cpu-moe; a context that fits goes on to the placement check."""
+    import types
+
+    import torch
+    from moestream.loading.synth import SynthSource
+    from moestream.runtime.engine import _check_fits, expert_layouts
+    src = SynthSource.from_spec("tiny")
+    cfg = src.config
+    layouts = expert_layouts(src, cfg)
+    dev = types.SimpleNamespace(is_cuda=True, name="cuda:0", free_memory=lambda: 64 * MiB)
+    big = flags.apply(EngineConfig(), ctx_size=1 << 20, cpu_moe=True)
+    with pytest.raises(UserError, match=r"^-c 1048576: the KV cache needs \d+ MiB on cuda:0 .* use -c \d+ or less$"):
+        _check_fits(cfg, big, dev, torch.float32, set(cfg.moe_layers), None, layouts)
+    ok = flags.apply(EngineConfig(), ctx_size=4096, cpu_moe=True)
+    _check_fits(cfg, ok, dev, torch.float32, set(cfg.moe_layers), None, layouts)

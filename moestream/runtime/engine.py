@@ -311,16 +311,23 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
     size = torch.empty((), dtype=dtype).element_size()
     dev_layers = [l for l in cfg.moe_layers if l not in host]
     rest = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in dev_layers)     # the device layers' experts
-    rest += KVCache.nbytes_for(cfg.n_layers, ecfg.batching.n_seq, ecfg.batching.ctx_size, cfg.n_kv_heads,
-                               cfg.head_dim, dtype)
+    b = ecfg.batching
+    kv = KVCache.nbytes_for(cfg.n_layers, b.n_seq, b.ctx_size, cfg.n_kv_heads, cfg.head_dim, dtype)
     dense = (2 * cfg.vocab_size * cfg.hidden_size + cfg.n_layers * (
         2 * cfg.n_heads * cfg.head_dim * cfg.hidden_size + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.hidden_size))
-    rest += dense * size
+    free = dev.free_memory()
+    if dense * size + kv > free:          # no placement of the experts helps: the context is what does not fit
+        per_position = kv // b.ctx_size
+        fits = max(1, int(0.9 * (free - dense * size) // per_position)) if free > dense * size else 0
+        seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
+        raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB on {dev.name} beside "
+                        f"{dense * size / MiB:.0f} MiB of attention and embeddings, but {free / MiB:.0f} MiB are "
+                        f"free; " + (f"use -c {fits} or less" if fits else "this model does not fit on this device"))
+    rest += kv + dense * size
     pool = 0
     slot = _slot_bytes(layouts, host, dtype)
     if host:
         pool = (n_slots if n_slots is not None else cfg.n_experts) * slot   # the cache or upload buffer
-    free = dev.free_memory()
     if n_slots is not None:
         check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)
     layer = max(cfg.n_experts * lay.row_bytes_for(dtype) for lay in layouts.values()) if layouts else 0
