@@ -4,13 +4,13 @@ bit against `ExpertLayout.dequantize` (gguf.quants' bits), the decode GEMV again
 float32; and the same kernels compiled on the GPU (`cuda`-marked)."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+
+from interpreted import close, run_check
 
 TRITON_TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
 DECODE_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q4_0", "Q5_0", "IQ4_NL", "F16", "BF16"]
@@ -53,19 +53,10 @@ def random_rows(layout, n: int, g, pad: int = 32) -> torch.Tensor:
     return torch.cat([rows, torch.randint(0, 256, (n, pad), dtype=torch.uint8, generator=g)], 1)
 
 
-def close(a, b, tol=1e-5):
-    err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-    assert err < tol, err
-
-
 @pytest.mark.parametrize("check", DEQUANT + DECODE)
 def test_quant_kernel_in_the_interpreter(check):
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))         # the checkout, installed or not
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    run_check(__file__, check, timeout=900)
 
 
 def dequant_check(spec: str, device="cpu", out_dtypes=(torch.float32, torch.bfloat16)):

@@ -4,12 +4,12 @@ oracles in float32. The interpreter runs the kernels' own indexing, masks, point
 wrong index or mask fails here; the cuda tests check the same kernels compiled, in bfloat16, on the GPU."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from interpreted import close, run_check
 
 CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
 
@@ -17,16 +17,7 @@ CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through",
 @pytest.mark.parametrize("check", CHECKS)
 def test_triton_kernel_in_the_interpreter(check):
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))         # the checkout, installed or not
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-
-
-def close(a, b, tol=1e-5):
-    err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-    assert err < tol, err
+    run_check(__file__, check, timeout=600)
 
 
 def experts(T, k):
