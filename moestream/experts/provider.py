@@ -47,7 +47,7 @@ class ExpertWeights:
         slots = self.slots if slots is None else slots
         if self.layout is None:
             return kernel(x, slots, self.w13, self.w2)
-        from ..kernels import dequantize_rows
+        from ..kernels.dequant import dequantize_rows     # Triton on CUDA, plain torch elsewhere: the same values
         used, compact = torch.unique(slots, sorted=True, return_inverse=True)
         w13, w2 = dequantize_rows(self.rows, used, self.layout, x.dtype)
         return kernel(x, compact, w13, w2)

@@ -55,11 +55,3 @@ def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dty
                         "expert type of the file; drop --zero-copy-decode")
     return None
 
-
-def dequantize_rows(rows: torch.Tensor, index: torch.Tensor, layout, dtype: torch.dtype):
-    """Quantized rows (S, >= nbytes) uint8 at slots `index` (n,) -> w13 (n, 2I, H), w2 (n, H, I) of dtype: what a
-    prompt ubatch's routed experts are dequantized into before the expert kernel (kernels/dequant.py: Triton on
-    CUDA, the plain dequantizers elsewhere). Every path gives the plain dequantizers' float32 values rounded once
-    to dtype, so the values do not depend on the path."""
-    from .dequant import dequantize_rows as dequantize
-    return dequantize(rows, index, layout, dtype)
