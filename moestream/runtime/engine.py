@@ -37,6 +37,7 @@ from ..models.names import dense_names
 from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, choose_decode
 from .kv_cache import KVCache
+from .memory import context_that_fits
 
 log = logging.getLogger("moestream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -317,8 +318,7 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
         2 * cfg.n_heads * cfg.head_dim * cfg.hidden_size + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.hidden_size))
     free = dev.free_memory()
     if dense * size + kv > free:          # no placement of the experts helps: the context is what does not fit
-        per_position = kv // b.ctx_size
-        fits = max(1, int(0.9 * (free - dense * size) // per_position)) if free > dense * size else 0
+        fits = max(1, context_that_fits(kv, b.ctx_size, free - dense * size)) if free > dense * size else 0
         seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
         raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB on {dev.name} beside "
                         f"{dense * size / MiB:.0f} MiB of attention and embeddings, but {free / MiB:.0f} MiB are "

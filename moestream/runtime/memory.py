@@ -52,6 +52,12 @@ def host_bytes(cfg, ecfg, expert_bytes: int | None = None) -> tuple[int, int]:
     return dense + experts, kv
 
 
+def context_that_fits(kv_bytes: int, ctx: int, room: int) -> int:
+    """The longest -c whose KV cache fits in `room` bytes, a tenth left for activations and the allocator, given
+    the KV cache of `ctx` positions takes kv_bytes (every sequence's K and V, every layer); 0 when none does."""
+    return max(0, int(0.9 * room // (kv_bytes // ctx)))
+
+
 def check_host_fits(cfg, ecfg, available: int | None = None, expert_bytes: int | None = None) -> None:
     """Refuse, before loading, what cannot fit in host memory: the weights there, and the KV cache of -c (on the
     CPU), naming what each needs, what is available and a -c that fits."""
@@ -67,8 +73,7 @@ def check_host_fits(cfg, ecfg, available: int | None = None, expert_bytes: int |
         raise UserError(f"{where} need about {weights / MiB:.0f} MiB of host memory but {available / MiB:.0f} MiB are "
                         "available" + ("; keep fewer experts in host memory (--n-cpu-moe N)"
                                        if ecfg.placement.device != "cpu" else ""))
-    per_position = kv // b.ctx_size                    # every sequence's K and V at one position, every layer
-    fits = int(0.9 * (available - weights) // per_position)        # a tenth left for activations and the allocator
+    fits = context_that_fits(kv, b.ctx_size, available - weights)
     seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
     raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB and {where} {weights / MiB:.0f} "
                     f"MiB, but {available / MiB:.0f} MiB of host memory are available; use -c {max(fits, 1)} or less")
