@@ -44,7 +44,7 @@ from .store import ExpertStore
 RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
 LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write its misses into, per layer
 FREQ_DECAY = 0.98          # per step, of the routing counts a too-small pool keeps its hottest experts by
-FILL_PER_STEP = 16         # ... uploading at most this many a step
+FILL_PER_STEP = 32         # ... uploading at most this many a step (16 and 64 measured alike once warm)
 
 
 class ZeroCopyDecode:
@@ -66,7 +66,7 @@ class ZeroCopyDecode:
         self.routed_host = dev.pinned_empty((L, max_tokens * top_k), torch.int64)
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
-        self.freq = np.zeros((L, E))                        # decayed decode routings (a pool too small to learn)
+        self.freq = np.zeros((L, E))                        # decayed decode routings: what several-token steps keep
         # Read-through: the layer's free slots a one-token step writes the experts it reads from host into.
         self.n_land = LAND_PER_LAYER if read_through else 0
         self.host_tab = torch.from_numpy(self.host_addr).to(dev.torch)              # (L, E) host-row addresses
@@ -230,14 +230,19 @@ class ZeroCopyDecode:
         return out
 
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, after, writing) -> None:
-        """The policy and counters see one step's routing (L, T k); its misses are uploaded, in one batch on the
-        copy stream, behind `after` (the step now queued, which may read their victims), or at once when nothing
-        is queued (`writing`: the landing slots that step writes, not to be touched). A pool smaller than one step's
-        routed experts of every host layer does not upload its misses (each would evict an expert the next step
-        reads): it keeps each layer's hottest experts instead."""
+        """The policy and counters see one step's routing (L, T k). A one-token step's misses are uploaded, in one
+        batch on the copy stream, behind `after` (the step now queued, which may read their victims), or at once
+        when nothing is queued (`writing`: the landing slots that step writes, not to be touched).
+
+        A step of several tokens (several streams decoded together) does not upload its misses: the streams'
+        experts together are often more than the pool holds, and uploading each step's misses then evicts what the
+        next step reads (on the reference at 16000 MiB, 8 streams: 105 misses a step, 1 GB uploaded a step, 43 ms a
+        step; bench/RESULTS.md, issue 15). It keeps each layer's most routed experts of recent steps instead (decayed
+        counts, FILL_PER_STEP uploads a step: 30 misses, 0.1 GB, 12 ms), which is the union of the streams' hot
+        sets as far as it fits. So does a pool smaller than one token's routed experts of every host layer."""
         t0 = time.perf_counter()
         res, E, stats = self.residency, self.n_experts, self.stats
-        upload = self._holds_a_step(routed.shape[1])
+        upload = routed.shape[1] == self.top_k and self._holds_a_step(self.top_k)
         self.slots.mark_reads()                  # slots a prompt handed out are free once its compute has run
         self.slots.refresh_pins()
         if writing is not None:
@@ -250,8 +255,8 @@ class ZeroCopyDecode:
             wanted = np.flatnonzero(counts).astype(np.int64)
             if len(self.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
+            self.freq[l] = self.freq[l] * FREQ_DECAY + counts      # (both ways: the step sizes of a server mix)
             if not upload:
-                self.freq[l] = self.freq[l] * FREQ_DECAY + counts
                 slots = res.slot_of[l, wanted]
                 hit = slots >= 0
                 res.policy.touch(slots[hit])
@@ -292,8 +297,9 @@ class ZeroCopyDecode:
                     self.stats.record(l, evictions=1)
 
     def _keep_hottest(self, empty_before: set, after) -> None:
-        """A pool smaller than one step's routed experts: give each layer an equal share of its region and keep
-        there its most routed experts of recent steps (decayed counts), uploading at most FILL_PER_STEP a step.
+        """Several-token steps, or a pool smaller than one token's routed experts: give each layer an equal share
+        of its region and keep there its most routed experts of recent steps (decayed counts), uploading at most
+        FILL_PER_STEP a step.
         On a skewed routing a few experts per layer take a large part of the routings (REFERENCE.md: the top 10%
         take 81%), so a pool of one layer's size still saves much of the link."""
         res = self.residency
