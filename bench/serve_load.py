@@ -8,7 +8,9 @@ Each client sends -r streamed completions one after another. Prompts are random 
 with or without a tokenizer), different for every request so that no prompt prefix is reused; ignore_eos keeps
 every answer exactly -n tokens long. Per concurrency level: TTFT (request sent -> first token), the gap between two
 tokens of one stream, decode tok/s per stream (after its first token), and tok/s in aggregate (every generated token
-over the wall time of the level). A warm-up request runs first. Needs httpx (a dependency of openai).
+over the wall time of the level), and the ITL p90 of the gaps that overlap another request's prompt being read
+(its submission to its first token). --stagger S spreads the clients' starts over S seconds, so that prompts arrive
+while other streams generate. A warm-up request runs first. Needs httpx (a dependency of openai).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def one(client: httpx.AsyncClient, a, prompt: list[int]) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": a.n_gen, "temperature": 0, "stream": True,
+    body = {"model": a.model, "prompt": prompt, "max_tokens": a.n_gen, "temperature": 0, "stream": True,
             "ignore_eos": True, "cache_prompt": False, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, usage = [], None
@@ -50,7 +52,20 @@ async def one(client: httpx.AsyncClient, a, prompt: list[int]) -> dict:
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
     return {"ttft": stamps[0] - t0 if stamps else float("nan"), "gaps": gaps, "tokens": n,
-            "decode_tps": (n - 1) / decode_s if decode_s > 0 else float("nan")}
+            "decode_tps": (n - 1) / decode_s if decode_s > 0 else float("nan"),
+            "reading": (t0, stamps[0] if stamps else t0), "stamps": stamps}
+
+
+def gaps_during_prompts(results: list[dict]) -> list[float]:
+    """The token gaps of each stream that overlap another request's prompt being read (its submission to its first
+    token): what a new request's prompt costs the streams already generating."""
+    out = []
+    for i, r in enumerate(results):
+        others = [o["reading"] for j, o in enumerate(results) if j != i]
+        for a, b in zip(r["stamps"], r["stamps"][1:]):
+            if any(s < b and a < e for s, e in others):
+                out.append(b - a)
+    return out
 
 
 async def level(a, n_clients: int, vocab: int, rng: random.Random) -> dict:
@@ -60,16 +75,17 @@ async def level(a, n_clients: int, vocab: int, rng: random.Random) -> dict:
         prompts = [[[rng.randrange(vocab) for _ in range(a.n_prompt)] for _ in range(a.requests)]
                    for _ in range(n_clients)]
 
-        async def worker(ps):
+        async def worker(i, ps):
+            await asyncio.sleep(a.stagger * i / n_clients)       # --stagger: clients start spread over S seconds
             return [await one(client, a, p) for p in ps]
 
         t0 = time.perf_counter()
-        results = [r for rs in await asyncio.gather(*(worker(ps) for ps in prompts)) for r in rs]
+        results = [r for rs in await asyncio.gather(*(worker(i, ps) for i, ps in enumerate(prompts))) for r in rs]
         wall = time.perf_counter() - t0
     ttft = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
     return {"clients": n_clients, "requests": len(results), "ttft_p50": pct(ttft, .5), "ttft_p90": pct(ttft, .9),
-            "itl_p50": pct(gaps, .5), "itl_p90": pct(gaps, .9),
+            "itl_p50": pct(gaps, .5), "itl_p90": pct(gaps, .9), "itl_prompt_p90": pct(gaps_during_prompts(results), .9),
             "stream_tps": statistics.mean(r["decode_tps"] for r in results),
             "total_tps": sum(r["tokens"] for r in results) / wall, "wall": wall}
 
@@ -81,6 +97,8 @@ def main() -> int:
     ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens per request (default 512)")
     ap.add_argument("-n", "--n-gen", type=int, default=64, help="tokens generated per request (default 64)")
     ap.add_argument("-r", "--requests", type=int, default=4, help="requests per client (default 4)")
+    ap.add_argument("--stagger", type=float, default=0.0, metavar="S",
+                    help="clients start spread over S seconds, so that prompts arrive while others generate (default 0)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
@@ -92,6 +110,7 @@ def main() -> int:
     except httpx.HTTPError as e:
         print(f"error: cannot reach {a.url}: {e}", file=sys.stderr)
         return 1
+    a.model = models["data"][0]["id"]              # the server answers 404 to a name it does not serve
     meta = models["data"][0].get("meta") or {}
     vocab = min(meta.get("n_vocab", 1000), 100_000)
     rng = random.Random(a.seed)
@@ -99,13 +118,14 @@ def main() -> int:
                     [rng.randrange(vocab) for _ in range(a.n_prompt)]))          # warm-up
     print(f"server {a.url} model {models['data'][0]['id']}: prompt {a.n_prompt} tokens, {a.n_gen} generated, "
           f"{a.requests} requests per client\n")
-    print("| clients | requests | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | tok/s per stream "
-          "| tok/s total | wall s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| clients | requests | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | ITL p90 ms, prompts read "
+          "| tok/s per stream | tok/s total | wall s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in [int(x) for x in a.clients.split(",") if x.strip()]:
         r = asyncio.run(level(a, c, vocab, rng))
         print(f"| {r['clients']} | {r['requests']} | {r['ttft_p50'] * 1e3:.1f} | {r['ttft_p90'] * 1e3:.1f} "
-              f"| {r['itl_p50'] * 1e3:.2f} | {r['itl_p90'] * 1e3:.2f} | {r['stream_tps']:.2f} "
+              f"| {r['itl_p50'] * 1e3:.2f} | {r['itl_p90'] * 1e3:.2f} | {r['itl_prompt_p90'] * 1e3:.2f} "
+              f"| {r['stream_tps']:.2f} "
               f"| {r['total_tps']:.2f} | {r['wall']:.2f} |", flush=True)
     return 0
 

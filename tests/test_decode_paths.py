@@ -128,3 +128,25 @@ def test_a_zero_copy_step_is_one_ubatch_of_the_trace():
         eng.decode([(0, 3, pos)])
     assert [u[:3] for u in rec.ubatches] == [[0, 10, 1]] + [[0, 1, 0]] * 3
     assert rec.ubatch_of[-len(cfg.moe_layers):] == [3] * len(cfg.moe_layers)
+
+
+def test_a_step_longer_than_a_zero_copy_step_runs_as_several():
+    """A decode step of more tokens than a zero-copy step takes (-np above MAX_TOKENS) runs as steps of at most
+    MAX_TOKENS through the fast path, not as one eager step; its logits are those of the pieces run alone."""
+    from moestream.kernels.decode import MAX_TOKENS
+    n = MAX_TOKENS + 4
+    llm = LLM("synth:tiny", ctx_size=32, device="cpu", n_seq=n, cpu_moe=True, moe_cache_mib=12, zero_copy_decode=True)
+    eng = llm.engine
+    for s in range(n):
+        eng.prefill(s, [s + 1, s + 2], 0)
+    steps = [(s, 3 + s, 2) for s in range(n)]
+    sizes = []
+    run = eng.decoder.run
+    eng.decoder.takes = lambda t: t <= MAX_TOKENS             # as GraphDecode with host experts
+    eng.decoder.run = lambda st, span: (sizes.append(len(st)), run(st, span))[1]
+    eng.eager.run = None                                     # the eager path must not run
+    logits = eng.decode(steps)
+    assert sizes == [MAX_TOKENS, 4] and logits.shape[0] == n
+    pieces = torch.cat([run(steps[:MAX_TOKENS], eng.kv.span(3)), run(steps[MAX_TOKENS:], eng.kv.span(3))])
+    assert torch.equal(logits.argmax(-1), pieces.argmax(-1))
+    assert torch.allclose(logits, pieces, atol=1e-5)

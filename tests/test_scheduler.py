@@ -186,3 +186,36 @@ def test_zero_copy_decode_batched_keeps_results_and_slot_routing(ref):
         assert s.call(llm.stats).result(10)["total"]["host_reads"] > 0
     finally:
         s.stop()
+
+
+def test_prefill_interval_paces_prompts_between_decode_steps(ref):
+    """--prefill-interval N: while a request generates, another request's prompt ubatches run only after every N
+    decode steps (and back to back when nobody generates); the results still equal each request alone."""
+    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=2, ubatch_size=2)
+    calls = []
+    prefill, decode = llm.engine.prefill, llm.engine.decode
+    llm.engine.prefill = lambda *a, **kw: (calls.append("p"), prefill(*a, **kw))[1]
+    llm.engine.decode = lambda steps: (calls.append(f"d{len(steps)}"), decode(steps))[1]
+    s = Scheduler(llm, n_slots=2, max_queue=4, prefill_interval=3)
+    s.start()
+    try:
+        first, long = ref.encode("Once upon"), ref.encode("Light travels about three hundred thousand kilometres")
+        events = queue.Queue()
+        s.submit([Request(first, SamplingParams(max_tokens=40, ignore_eos=True), events.put, index=0, stream=True)])
+        while events.get(timeout=30)[0] != "token":          # the first request generates
+            pass
+        n_before = len(calls)
+        results, _ = run(s, [long], max_tokens=4)
+    finally:
+        s.stop()
+    assert results[0][2].token_ids == ref.generate(long, max_tokens=4).token_ids
+    # the long prompt's ubatches (of 2 tokens): at least 2 decode steps between any two of them
+    starts = [k for k, c in enumerate(calls) if c == "p" and k >= n_before]
+    between = [sum(c.startswith("d") for c in calls[a + 1:b]) for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 3 and all(n >= 2 for n in between), calls
+
+
+def test_scheduler_config_rejects_bad_values(llm2):
+    from moestream.errors import UserError
+    with pytest.raises(UserError, match="prefill_interval must be at least 1"):
+        Scheduler(llm2, n_slots=2, prefill_interval=0)

@@ -175,6 +175,10 @@ class Engine:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
         for _, _, pos in steps:
             self.check_context(pos + 1)
+        if not self.decoder.takes(len(steps)) and len(steps) > MAX_TOKENS:
+            # More tokens than a zero-copy step takes (-np above MAX_TOKENS): several such steps, each as fast as
+            # one, rather than one eager step that decides on the host between layers.
+            return torch.cat([self.decode(steps[i:i + MAX_TOKENS]) for i in range(0, len(steps), MAX_TOKENS)])
         span = self.kv.span(max(p for _, _, p in steps) + 1)
         path = self.decoder if self.decoder.takes(len(steps)) else self.eager
         return path.run(steps, span)

@@ -28,7 +28,7 @@ from ..runtime.sampling import SamplingParams
 from . import openai_format as fmt
 from .guard import Guard
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .scheduler import QueueFull, Request, Scheduler
+from .scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 
 log = logging.getLogger("moestream.server")
@@ -44,16 +44,16 @@ class ApiError(Exception):
 class State:
     """What the routes share: the model once loaded, its scheduler, the metrics."""
 
-    def __init__(self, n_slots: int, max_queue: int, cache_prompt: bool, model_names: list[str], warm_up: bool = True):
-        self.n_slots, self.max_queue, self.cache_prompt = n_slots, max_queue, cache_prompt
-        self.model_names, self.warm_up = model_names, warm_up
+    def __init__(self, sched: SchedulerConfig, model_names: list[str]):
+        self.sched, self.n_slots, self.max_queue = sched, sched.n_slots, sched.max_queue
+        self.model_names = model_names
         self.llm = self.scheduler = None
         self.load_error: str | None = None
         self.metrics = ServerMetrics()
         self.created = int(time.time())
 
     def start(self, llm) -> None:
-        self.scheduler = Scheduler(llm, self.n_slots, self.max_queue, self.cache_prompt, self.metrics, self.warm_up)
+        self.scheduler = Scheduler(llm, self.sched, self.metrics)
         self.metrics.set_queue_sizes(self.n_slots, lambda: (self.scheduler.n_running, self.scheduler.n_waiting))
         self.scheduler.start()
         self.llm = llm                       # last: /health says ready only once the scheduler runs
@@ -75,14 +75,15 @@ class State:
         return body.model
 
 
-def create_app(llm=None, *, loader=None, n_slots: int = 1, max_queue: int = 64, api_key: str | None = None,
-               model_name: str | list[str] = "moestream", cache_prompt: bool = True, max_body: int = 8 << 20,
-               on_load_error=None, access_log: bool = False, warm_up: bool = True):
+def create_app(llm=None, *, loader=None, sched: SchedulerConfig | None = None, api_key: str | None = None,
+               model_name: str | list[str] = "moestream", max_body: int = 8 << 20, on_load_error=None,
+               access_log: bool = False, **sched_fields):
     """An ASGI app. Give a loaded `llm` (built with n_seq >= n_slots), or a `loader()` run in a thread at startup.
+    sched: the scheduler's SchedulerConfig, or its fields as keywords (n_slots=4, max_queue=8, ...).
     model_name: the name requests must ask for, or several (aliases; the first is the one /v1/models lists first).
     access_log: one line per request on the "moestream.access" logger."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
-    st = State(n_slots, max_queue, cache_prompt, names, warm_up)
+    st = State(sched if sched is not None else SchedulerConfig(**sched_fields), names)
 
     def load():
         try:

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default 64)")
     p.add_argument("--no-cache-prompt", action="store_true",
                    help="do not reuse a slot's KV cache for the prefix a new prompt shares with the previous one")
+    p.add_argument("--prefill-interval", type=int, default=1, metavar="N",
+                   help="while requests are generating, read a prompt ubatch only after every N decode steps, so "
+                        "that prompts delay at most 1 in N of their tokens (default 1: one each step)")
     p.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body in MiB (default 8)")
     compat.add_arguments(p, "serve")
     p.set_defaults(func=main)
@@ -77,11 +80,14 @@ def main(a: argparse.Namespace) -> int:
                         "pip install fastapi uvicorn prometheus-client") from None
     from ..api import LLM
     from .app import create_app
+    from .scheduler import SchedulerConfig
 
     if a.parallel < 1:
         raise UserError(f"-np must be at least 1, got {a.parallel}")
     if a.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {a.max_queue}")
+    if a.prefill_interval < 1:
+        raise UserError(f"--prefill-interval must be at least 1, got {a.prefill_interval}")
     if not 0 < a.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {a.port}")
     key = a.api_key or os.environ.get("MOESTREAM_API_KEY") or None
@@ -105,9 +111,10 @@ def main(a: argparse.Namespace) -> int:
         logging.getLogger("moestream.access").setLevel(logging.INFO)
     from ..cli import load_model
     app = create_app(loader=lambda: load_model(a, ecfg, progress=False, n_seq=a.parallel),
-                     n_slots=a.parallel, max_queue=a.max_queue, api_key=key, model_name=names,
-                     cache_prompt=not a.no_cache_prompt, max_body=int(a.max_body_mib * (1 << 20)),
-                     on_load_error=on_load_error, access_log=not a.no_access_log, warm_up=not a.no_warmup)
+                     sched=SchedulerConfig(a.parallel, a.max_queue, not a.no_cache_prompt, not a.no_warmup,
+                                           a.prefill_interval),
+                     api_key=key, model_name=names, max_body=int(a.max_body_mib * (1 << 20)),
+                     on_load_error=on_load_error, access_log=not a.no_access_log)
     config = uvicorn.Config(app, log_level="info" if a.verbose else "warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

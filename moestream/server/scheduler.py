@@ -1,6 +1,6 @@
 """The slot scheduler: one thread owns the engine and serves up to N requests at once, one slot (KV sequence) each.
 
-    sched = Scheduler(llm, n_slots=4, max_queue=64)          # llm built with n_seq=4
+    sched = Scheduler(llm, SchedulerConfig(n_slots=4))      # llm built with n_seq=4 (or Scheduler(llm, n_slots=4))
     sched.start()
     sched.submit([Request(prompt_ids, SamplingParams(max_tokens=16), emit=callback)])   # QueueFull when full
     ...                                      # emit(("token", ...)) if streaming, then ("done", ...) or ("error", ...)
@@ -10,7 +10,8 @@ One loop turn: run queued calls (snapshots for /slots and /metrics), drop cancel
 to idle slots, run ONE prompt ubatch of the oldest prompt still prefilling, then ONE decode step of every slot that
 is generating, batched into one forward (`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for
 that step serve every request in it. A prompt is cut into ubatches (-ub) so that a long prompt arriving delays the
-other requests' next token by at most one ubatch forward. Prompt and decode forwards stay separate: mixing them
+other requests' next token by at most one ubatch forward; with --prefill-interval N, while requests are generating, a prompt ubatch runs only after
+every N decode steps (so at most 1 in N of their token gaps carries one). Prompt and decode forwards stay separate: mixing them
 would change a decode row's numerics (the prompt attention path, other GEMM shapes) and greedy outputs must equal
 `LLM.generate`'s.
 
@@ -40,6 +41,21 @@ from .routing import slot_routing
 
 log = logging.getLogger("moestream.server")
 _ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the server schedules: its slots (-np), the queue behind them, KV reuse, the warm-up, prompt pacing."""
+    n_slots: int = 1
+    max_queue: int = 64
+    cache_prompt: bool = True                 # reuse a slot's KV for the prefix a new prompt shares with its last
+    warm_up: bool = True                      # capture the decode graphs of every batch size before serving
+    prefill_interval: int = 1                 # while requests generate: a prompt ubatch after every N decode steps
+
+    def __post_init__(self):
+        for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1)):
+            if getattr(self, name) < low:
+                raise UserError(f"{name} must be at least {low}, got {getattr(self, name)}")
 
 
 class QueueFull(Exception):
@@ -119,15 +135,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, llm, n_slots: int, max_queue: int = 64, cache_prompt: bool = True, metrics=None,
-                 warm_up: bool = True):
+    def __init__(self, llm, cfg: SchedulerConfig | None = None, metrics=None, **kw):
+        cfg = cfg if cfg is not None else SchedulerConfig(**kw)
         eng = llm.engine
-        if eng.kv.n_seq < n_slots:
-            raise UserError(f"the engine has {eng.kv.n_seq} sequences for {n_slots} slots: "
-                            f"build it with n_seq={n_slots}")
-        self.llm, self.engine, self.tokenizer, self.metrics = llm, eng, llm.tokenizer, metrics
-        self.max_queue, self.cache_prompt, self.warm_up = max_queue, cache_prompt, warm_up
-        self.slots = [Slot(i) for i in range(n_slots)]
+        if eng.kv.n_seq < cfg.n_slots:
+            raise UserError(f"the engine has {eng.kv.n_seq} sequences for {cfg.n_slots} slots: "
+                            f"build it with n_seq={cfg.n_slots}")
+        self.llm, self.engine, self.tokenizer, self.metrics, self.cfg = llm, eng, llm.tokenizer, metrics, cfg
+        self.max_queue, self.cache_prompt, self.warm_up = cfg.max_queue, cfg.cache_prompt, cfg.warm_up
+        self.slots = [Slot(i) for i in range(cfg.n_slots)]
+        self._steps_since_prompt = 0         # decode steps since the last prompt ubatch (--prefill-interval)
         self.pending: collections.deque[Request] = collections.deque()
         self._calls: list[tuple[object, Future]] = []
         self._cv = threading.Condition()
@@ -207,11 +224,14 @@ class Scheduler:
             self._reap()
             self._admit()
             filling = [s for s in self.slots if s.state == "prefill"]
-            if filling:
+            generating = any(s.state == "generating" for s in self.slots)
+            if filling and (not generating or self._steps_since_prompt >= self.cfg.prefill_interval - 1):
                 self._guard(self._prefill, min(filling, key=lambda s: s.run.req.t_submit))
+                self._steps_since_prompt = 0
             batch = [s for s in self.slots if s.state == "generating"]
             if batch:
                 self._guard(self._decode, batch)
+                self._steps_since_prompt += 1
         self._shutdown()
 
     def _warm_up(self) -> None:
