@@ -37,7 +37,7 @@ from ..models.names import dense_names
 from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, choose_decode
 from .kv_cache import KVCache
-from .memory import context_that_fits
+from .memory import context_that_fits, fewer_sequences
 
 log = logging.getLogger("moestream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -322,7 +322,8 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
         seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
         raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB on {dev.name} beside "
                         f"{dense * size / MiB:.0f} MiB of attention and embeddings, but {free / MiB:.0f} MiB are "
-                        f"free; " + (f"use -c {fits} or less" if fits else "this model does not fit on this device"))
+                        f"free; " + (f"use -c {fits} or less" + fewer_sequences(kv, b.n_seq, free - dense * size)
+                                     if fits else "this model does not fit on this device"))
     rest += kv + dense * size
     pool = 0
     slot = _slot_bytes(layouts, host, dtype)
