@@ -224,6 +224,18 @@ class Engine:
                 "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
                 "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"]}
 
+    def pinned_slots(self) -> int | None:
+        """The expert cache's slots that the next forward could not evict (None: no cache), for /metrics. Call it
+        between forwards, on the thread that owns the engine: the compute that read the last forward's slots is
+        queued by then, so its reads are marked first (the next forward would do so before planning anything) and
+        only pins that outlive their compute count. At rest it is 0; a pin that never goes away shows here."""
+        if not isinstance(self.host, ExpertCache):
+            return None
+        pool = self.host.slots
+        pool.mark_reads()
+        pool.refresh_pins()
+        return int(pool.residency.pinned.sum())
+
     def reconfigure_cache(self, **changes) -> None:
         """A new expert cache (size, policy, prefetch switches) over the same pinned store, without reloading:
         e.g. reconfigure_cache(moe_cache_mib=16000, prefetch=False), by the flat names LLM takes (flags.py).
