@@ -59,6 +59,10 @@ class Device:
         """Context manager making `s` current (a no-op on the CPU or for None)."""
         return torch.cuda.stream(s) if self.is_cuda and s is not None else contextlib.nullcontext()
 
+    def allocated_memory(self) -> int | None:
+        """Bytes torch's allocator holds in tensors on the device, this process's; None on the CPU."""
+        return torch.cuda.memory_allocated(self.torch) if self.is_cuda else None
+
     def free_memory(self) -> int:
         """Free bytes on the device (for budgets); host memory is not budgeted here."""
         if self.is_cuda:

@@ -37,7 +37,7 @@ from ..models.names import dense_names
 from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, choose_decode
 from .kv_cache import KVCache
-from .memory import context_that_fits
+from .memory import context_that_fits, fewer_sequences
 
 log = logging.getLogger("moestream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -228,6 +228,18 @@ class Engine:
                 "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
                 "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"]}
 
+    def pinned_slots(self) -> int | None:
+        """The expert cache's slots that the next forward could not evict (None: no cache), for /metrics. Call it
+        between forwards, on the thread that owns the engine: the compute that read the last forward's slots is
+        queued by then, so its reads are marked first (the next forward would do so before planning anything) and
+        only pins that outlive their compute count. At rest it is 0; a pin that never goes away shows here."""
+        if not isinstance(self.host, ExpertCache):
+            return None
+        pool = self.host.slots
+        pool.mark_reads()
+        pool.refresh_pins()
+        return int(pool.residency.pinned.sum())
+
     def reconfigure_cache(self, **changes) -> None:
         """A new expert cache (size, policy, prefetch switches) over the same pinned store, without reloading:
         e.g. reconfigure_cache(moe_cache_mib=16000, prefetch=False), by the flat names LLM takes (flags.py).
@@ -326,7 +338,8 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
         seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
         raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB on {dev.name} beside "
                         f"{dense * size / MiB:.0f} MiB of attention and embeddings, but {free / MiB:.0f} MiB are "
-                        f"free; " + (f"use -c {fits} or less" if fits else "this model does not fit on this device"))
+                        f"free; " + (f"use -c {fits} or less" + fewer_sequences(kv, b.n_seq, free - dense * size)
+                                     if fits else "this model does not fit on this device"))
     rest += kv + dense * size
     pool = 0
     slot = _slot_bytes(layouts, host, dtype)

@@ -76,7 +76,17 @@ def check_host_fits(cfg, ecfg, available: int | None = None, expert_bytes: int |
     fits = context_that_fits(kv, b.ctx_size, available - weights)
     seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
     raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB and {where} {weights / MiB:.0f} "
-                    f"MiB, but {available / MiB:.0f} MiB of host memory are available; use -c {max(fits, 1)} or less")
+                    f"MiB, but {available / MiB:.0f} MiB of host memory are available; use -c {max(fits, 1)} or less"
+                    + fewer_sequences(kv, b.n_seq, available - weights))
+
+
+def fewer_sequences(kv_bytes: int, n_seq: int, room: int) -> str:
+    """For several sequences, the other way out of a KV cache that does not fit: ", or at most N sequences" at this
+    -c (the KV cache is linear in both), "" for one sequence."""
+    if n_seq <= 1:
+        return ""
+    n = context_that_fits(kv_bytes, n_seq, room)          # the same arithmetic, over sequences instead of positions
+    return f", or at most {n} sequences" if n else ""
 
 
 def _torch_dtype(name: str):

@@ -27,7 +27,7 @@ from ..errors import UserError
 from ..runtime.sampling import SamplingParams
 from . import openai_format as fmt
 from .guard import Guard
-from .metrics import CONTENT_TYPE, ServerMetrics
+from .metrics import CONTENT_TYPE, ServerMetrics, engine_snapshot
 from .scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 
@@ -172,7 +172,8 @@ def create_app(llm=None, *, loader=None, sched: SchedulerConfig | None = None, a
     async def metrics():
         if st.llm is not None:
             try:                             # the engine's counters, read on the thread that owns the engine
-                stats = await asyncio.wait_for(asyncio.wrap_future(st.scheduler.call(st.llm.stats)), 2)
+                stats = await asyncio.wait_for(asyncio.wrap_future(st.scheduler.call(
+                    lambda: engine_snapshot(st.llm))), 2)
                 st.metrics.set_engine_stats(stats)
             except Exception as e:           # a busy or failing engine: serve the last counters read
                 log.warning("metrics: engine stats unavailable (%s)", type(e).__name__)

@@ -3,18 +3,21 @@
     m = ServerMetrics()                      # its own registry: several servers in one process (tests) do not clash
     m.on_first_token(0.05)                   # the scheduler thread reports events as they happen
     m.on_http_error(404, "model_not_found")  # the ASGI guard reports every 4xx and 5xx answer
-    m.set_engine_stats(llm.stats())          # before a scrape, with stats read on the scheduler thread
+    m.set_engine_stats(engine_snapshot(llm))  # before a scrape, read on the scheduler thread
     body = m.render()                        # the text exposition format, for GET /metrics
 
 The expert-cache counters are read from `LLM.stats()` at scrape time and exported only for the keys that exist:
 `stats()["total"]` holds hits, misses, evictions, uploaded_bytes, copies, wait_s where the engine counts them;
-older engines have uploaded_bytes and uploaded_experts at the top level.
+older engines have uploaded_bytes and uploaded_experts at the top level. The gauges of ENGINE_GAUGES (the expert
+pool's slots and pinned slots, the device memory torch holds) come from the top level of the same snapshot, where
+it has them; the process's own (resident memory, CPU seconds, open files) are prometheus_client's `process_*`, so
+that a soak (bench/soak.py) can watch a server it did not start.
 """
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,6 +34,23 @@ ENGINE_COUNTERS = {
     "host_read_bytes": ("moestream_expert_host_read_bytes",
                         "Bytes of expert weights decode kernels read in place from host memory (zero-copy decode)"),
 }
+
+# Gauges of the engine's snapshot: key -> (metric name, help); a key the snapshot lacks or holds None for is left out.
+ENGINE_GAUGES = {
+    "pool_slots": ("moestream_pool_slots", "Slots of the GPU expert cache (--moe-cache-mib)"),
+    "pool_pinned_slots": ("moestream_pool_pinned_slots",
+                          "Expert cache slots the next forward could not evict (0 at rest: a pin outliving its "
+                          "compute shows here)"),
+    "gpu_memory_bytes": ("moestream_gpu_memory_bytes", "Bytes torch's allocator holds in tensors on the GPU"),
+}
+
+
+def engine_snapshot(llm) -> dict:
+    """llm.stats() and the gauges of ENGINE_GAUGES, read on the thread that owns the engine, between forwards."""
+    st = llm.stats()
+    eng = llm.engine
+    return {**st, "pool_slots": (st.get("cache") or {}).get("slots"), "pool_pinned_slots": eng.pinned_slots(),
+            "gpu_memory_bytes": eng.device.allocated_memory()}
 
 
 class ServerMetrics:
@@ -57,6 +77,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._n_slots, self._queue_sizes = n_slots, queue_sizes
         r.register(_Collector(self))
+        ProcessCollector(registry=r)         # process_resident_memory_bytes, ... (read from /proc: Linux only)
 
     # --- events (scheduler thread; prometheus_client is thread-safe) -----------------------------------------------
     def on_admit(self, req, n_cached: int) -> None:
@@ -119,6 +140,10 @@ class _Collector:
             v = total.get(key, stats.get(key))
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 yield CounterMetricFamily(name, doc, value=v)
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            v = stats.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                yield GaugeMetricFamily(name, doc, value=v)
 
     def describe(self):
         return []                          # computed at scrape time: nothing to check at registration

@@ -3,6 +3,7 @@
     moestream bench -m ref.gguf -p 4096 -n 64 -ub 512,2048,4096 -b 4096 --cpu-moe -r 3 -o md
     moestream bench -m ref.gguf -p 4096 -n 0 --cpu-moe --moe-cache-mib 0,8000,16000 --plot sweep.png
     moestream bench -m ref.gguf -p 2048 -n 32 -pg 2048,32 --compare "--cpu-moe" "--cpu-moe --moe-cache-mib 8000"
+    moestream bench -m ref.gguf --parallel 1,4,8 -npp 128 -ntg 128 --cpu-moe     # llama-batched-bench's shape
 
 pp N: one N-token prompt from position 0, in ubatches. tg N: N tokens decoded one at a time from position 0, each
 waiting for the previous one's argmax (as a real decode does). pg PP,TG: a PP-token prompt, then TG decoded
@@ -25,6 +26,9 @@ here (compat.py). -b, -ub and -t change how prompts are cut and run, so the mode
 experts (the cache starts empty; the warm-up run fills it). --compare A B loads both configurations
 once and runs them alternately (A, B, A, B, ...) so that drift (clocks, heat, other tenants) cancels in the
 ratio, printed pair by pair.
+
+--parallel (-npl) B,... decodes B sequences together instead, with -npp/-ntg tokens each, as llama-batched-bench
+does: bench_parallel.py.
 """
 from __future__ import annotations
 
@@ -79,8 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     # the sweepable engine flags take comma lists here
     flags.add_engine_arguments(p, **{k: dict(type=_ints, default=[flags.BY_NAME[k].default]) for k in SWEPT})
-    p.add_argument("-p", "--n-prompt", type=_ints, default=[512], help="prompt lengths, comma list (0 skips)")
-    p.add_argument("-n", "--n-gen", type=_ints, default=[128], help="generation lengths, comma list (0 skips)")
+    # None until given (512 and 128 then), so that --parallel can refuse them
+    p.add_argument("-p", "--n-prompt", type=_ints, default=None,
+                   help="prompt lengths, comma list (default 512; 0 skips)")
+    p.add_argument("-n", "--n-gen", type=_ints, default=None,
+                   help="generation lengths, comma list (default 128; 0 skips)")
     p.add_argument("-pg", dest="pg", type=_pair, action="append", default=[], metavar="PP,TG",
                    help="a prompt of PP tokens then TG generated ones (repeatable)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="timed repetitions (default 5)")
@@ -93,6 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-s-per-token", type=float, default=None,
                    help="compute time per token for the roofline (default: the link bound alone)")
     p.add_argument("--plot", metavar="FILE.png", help="plot tok/s against ubatch and per-layer uploads/hit rate")
+    from .bench_parallel import add_arguments as add_parallel_arguments
+    add_parallel_arguments(p)
     compat.add_arguments(p, "bench")
     p.set_defaults(func=main)
 
@@ -227,7 +236,8 @@ def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float 
 
 # --- configurations -------------------------------------------------------------------------------------------
 def tests_of(a: argparse.Namespace) -> list[BenchTest]:
-    tests = [BenchTest(n, 0, a.seed) for n in a.n_prompt if n > 0] + [BenchTest(0, n, a.seed) for n in a.n_gen if n > 0]
+    n_prompt, n_gen = [512] if a.n_prompt is None else a.n_prompt, [128] if a.n_gen is None else a.n_gen
+    tests = [BenchTest(n, 0, a.seed) for n in n_prompt if n > 0] + [BenchTest(0, n, a.seed) for n in n_gen if n > 0]
     tests += [BenchTest(pp, tg, a.seed) for pp, tg in a.pg if pp + tg > 0]
     if not tests:
         raise UserError("nothing to run: give -p N, -n N or -pg PP,TG with N > 0")
@@ -274,6 +284,9 @@ BENCH_COLS = [
 
 
 def main(a: argparse.Namespace) -> int:
+    if a.parallel is not None:
+        from . import bench_parallel
+        return bench_parallel.main(a)
     if a.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {a.repetitions}")
     if a.plot:
@@ -382,6 +395,8 @@ def _bench_flags_after_compare(a: argparse.Namespace) -> None:
 
 def compare(a: argparse.Namespace) -> int:
     _bench_flags_after_compare(a)
+    if a.parallel is not None:                   # given after A B: main could not see it
+        raise UserError("--parallel takes -npp and -ntg (tokens per sequence), not --compare")
     flag = {"batch_size": "-b", "ubatch_size": "-ub", "n_cpu_moe": "-ncmoe", "moe_cache_mib": "--moe-cache-mib"}
     swept = [flag[k] for k in SWEPT if len(getattr(a, k, None) or [None]) > 1]
     if swept:

@@ -1,0 +1,248 @@
+"""`moestream bench --parallel`: several sequences decoded together, shaped like llama.cpp's llama-batched-bench.
+
+    moestream bench -m ref.gguf --parallel 1,4,8 -npp 128 -ntg 128 --cpu-moe -r 3
+    moestream bench -m ref.gguf -npl 1,8,16 -npp 512 -ntg 64 --cpu-moe --moe-cache-mib 0,8000,16000 -o json
+
+A row of B sequences (-npl B), PP prompt tokens (-npp) and TG generated tokens (-ntg) each: the B prompts are
+prefilled one after another, each from position 0 in ubatches (-ub), as the server's slots are; then TG decode steps
+run all B sequences together, one forward of B tokens a step (`engine.decode([(seq, token, pos), ...])`), greedy,
+each step waiting for the previous one's argmax as a real decode does. The model loads once with max(-npl)
+sequences, each with a KV cache of max(-c, PP + TG) positions. -npp, -ntg and -npl take comma lists (every
+combination runs, as in llama-batched-bench).
+
+Columns, as llama-batched-bench's: PP, TG, B, N_KV = B (PP + TG), T_PP s and S_PP t/s = B PP / T_PP (the prompts),
+T_TG s and S_TG t/s = B TG / T_TG (the decode steps), T s and S t/s = N_KV / T. Then the engine's counters, over
+the prompts and, separately, over the decode steps: the cache's hit rate, GB uploaded, GB that zero-copy decode read
+from host memory in place, expert copies; and per decode step its ms, host-read GB and uploaded GB. `hash`: sha256
+of every sequence's generated tokens, sequence after sequence, of the first timed run.
+
+Sequence s of run i gets its own seeded random prompt, the same for every configuration and every B (so hashes
+compare across cache sizes, placements and policies); sequence 0's is `moestream bench -pg PP,TG`'s, so a B = 1 row
+has that row's hash. A warm-up run (other prompts) precedes the -r timed ones; t/s is mean ± std over them.
+--moe-cache-mib and -ncmoe lists, -ub, -b and -t sweep as they do in `moestream bench` (a cache size is a new cache
+over the same pinned experts). Whether batched decode gives each sequence the tokens it gets decoded alone is
+tests/test_bench_parallel.py's question, not the bench's.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .. import flags
+from ..errors import UserError
+from ..runtime.generate import token_hash
+from . import report
+from .bench import _ints, placement, release_memory, scalar
+from .report import Col, na
+
+KEYS = ("hits", "misses", "uploaded_bytes", "copies", "host_reads", "host_read_bytes")
+SEQ_STRIDE = 104729                    # a prime: sequence s's prompt seed is sequence 0's + s * SEQ_STRIDE
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """bench's --parallel flags (llama-batched-bench's -npl, -npp, -ntg); bench.add_arguments calls this."""
+    g = p.add_argument_group("several sequences decoded together, like llama-batched-bench (bench_parallel.py)")
+    g.add_argument("-npl", "--parallel", dest="parallel", type=_ints, default=None, metavar="B,...",
+                   help="numbers of sequences decoded together, comma list: runs the batched bench instead of pp/tg")
+    g.add_argument("-npp", dest="n_pp", type=_ints, default=[128], metavar="N,...",
+                   help="--parallel: prompt tokens per sequence, comma list (default 128)")
+    g.add_argument("-ntg", dest="n_tg", type=_ints, default=[128], metavar="N,...",
+                   help="--parallel: generated tokens per sequence, comma list (default 128)")
+
+
+@dataclass(frozen=True)
+class ParallelTest:
+    n_pp: int
+    n_tg: int
+    n_pl: int
+    seed: int
+
+    @property
+    def n_kv(self) -> int:
+        return self.n_pl * (self.n_pp + self.n_tg)
+
+    def prompts(self, vocab: int, i: int) -> list[list[int]]:
+        """Run i's prompt of each sequence (i = -1: the warm-up's). Sequence 0's is BenchTest.prompt's."""
+        out = []
+        for s in range(self.n_pl):
+            g = torch.Generator().manual_seed(self.seed * 7919 + i + 1 + s * SEQ_STRIDE)
+            out.append(torch.randint(0, vocab, (max(self.n_pp, 1),), generator=g).tolist())
+        return out
+
+
+# --- one run --------------------------------------------------------------------------------------------------
+def totals(engine) -> dict:
+    """The engine's counters since load, summed over layers (experts/stats.py): those of KEYS."""
+    t = engine.stats()["total"]
+    return {k: float(t.get(k) or 0) for k in KEYS}
+
+
+def diff(after: dict, before: dict) -> dict:
+    d = {k: after[k] - before[k] for k in KEYS}
+    lookups = d["hits"] + d["misses"]
+    d["hit_rate"] = d["hits"] / lookups if lookups else None        # None: no cache lookup (all on the device)
+    return d
+
+
+def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> dict:
+    """Sequence s = prompts[s]: each prompt prefilled from position 0 (n_pp tokens; n_pp = 0: its first token is the
+    first decode step's input), then n_tg decode steps of every sequence together, greedy. Returns each sequence's
+    generated tokens, the seconds of both phases and the counters over each."""
+    B = len(prompts)
+    tokens = [p[0] for p in prompts]
+
+    def prompt_phase():
+        for s, ids in enumerate(prompts):
+            engine.begin_prompt(s)             # the scheduler's call when a request takes its slot
+            if n_pp:
+                tokens[s] = int(engine.prefill(s, ids[:n_pp], 0)[-1].argmax())
+
+    generated: list[list[int]] = [[] for _ in prompts]
+
+    def decode_phase():
+        step = tokens
+        for j in range(n_tg):
+            logits = engine.decode([(s, step[s], n_pp + j) for s in range(B)])          # (B, V)
+            step = logits.argmax(-1).tolist()      # a host sync: the next step's inputs, as a real decode waits
+            for g, t in zip(generated, step):
+                g.append(t)
+
+    c0 = totals(engine)
+    t_pp = engine.timed(prompt_phase)[1]
+    c1 = totals(engine)                        # (engine.stats() synchronises: outside the timed phases)
+    t_tg = engine.timed(decode_phase)[1] if n_tg else 0.0
+    c2 = totals(engine)                        # a zero-copy decode's last step is learnt from here, in its phase
+    return {"generated": generated, "t_pp": t_pp, "t_tg": t_tg, "pp": diff(c1, c0), "tg": diff(c2, c1)}
+
+
+def summarise(test: ParallelTest, runs: list[dict]) -> dict:
+    """One row: llama-batched-bench's columns (means over the timed runs) and the counters' means."""
+    B, pp, tg = test.n_pl, test.n_pp, test.n_tg
+    mean = lambda xs: statistics.mean(xs)
+    std = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
+    speeds = lambda n, key: [n / r[key] for r in runs] if n and all(r[key] > 0 for r in runs) else None
+    s_pp, s_tg = speeds(B * pp, "t_pp"), speeds(B * tg, "t_tg")
+    s_all = [test.n_kv / (r["t_pp"] + r["t_tg"]) for r in runs]
+    row = {"n_pp": pp, "n_tg": tg, "n_pl": B, "n_kv": test.n_kv, "reps": len(runs),
+           "t_pp": mean([r["t_pp"] for r in runs]), "s_pp": s_pp and mean(s_pp), "s_pp_std": s_pp and std(s_pp),
+           "t_tg": mean([r["t_tg"] for r in runs]), "s_tg": s_tg and mean(s_tg), "s_tg_std": s_tg and std(s_tg),
+           "s": mean(s_all), "s_std": std(s_all)}
+    row["t"] = row["t_pp"] + row["t_tg"]
+    for phase in ("pp", "tg"):
+        c = {k: mean([r[phase][k] for r in runs]) for k in KEYS}
+        lookups = c["hits"] + c["misses"]
+        row |= {f"{phase}_hit_rate": c["hits"] / lookups if lookups else None,
+                f"{phase}_uploaded_gb": c["uploaded_bytes"] / 1e9, f"{phase}_copies": c["copies"],
+                f"{phase}_host_reads": c["host_reads"], f"{phase}_host_read_gb": c["host_read_bytes"] / 1e9}
+    per_step = lambda v: v / tg if tg else None
+    row |= {"ms_per_step": per_step(row["t_tg"] * 1e3), "host_read_gb_per_step": per_step(row["tg_host_read_gb"]),
+            "uploaded_gb_per_step": per_step(row["tg_uploaded_gb"]),
+            "hash": token_hash([t for g in runs[0]["generated"] for t in g])[:16] if tg else None}
+    return row
+
+
+# --- configurations -------------------------------------------------------------------------------------------
+def tests_of(a: argparse.Namespace) -> list[ParallelTest]:
+    """Every (PP, TG, B) of -npp, -ntg, -npl, in llama-batched-bench's order; UserError for a bad value."""
+    if not a.parallel:
+        raise UserError("--parallel takes numbers of sequences, e.g. --parallel 1,4,8")
+    if min(a.parallel) < 1:
+        raise UserError(f"--parallel takes numbers of sequences of at least 1, got {min(a.parallel)}")
+    for flag, values in (("-npp", a.n_pp), ("-ntg", a.n_tg)):
+        if values and min(values) < 0:
+            raise UserError(f"{flag} takes token counts of at least 0, got {min(values)}")
+    tests = [ParallelTest(pp, tg, b, a.seed) for pp in a.n_pp for tg in a.n_tg for b in a.parallel if pp + tg > 0]
+    if not tests:
+        raise UserError("nothing to run: give -npp N or -ntg N with N > 0")
+    return tests
+
+
+def check_flags(a: argparse.Namespace) -> None:
+    """The bench flags that mean nothing here: one line each, not a silent default."""
+    if a.repetitions < 1:
+        raise UserError(f"-r must be at least 1, got {a.repetitions}")
+    given = [f for f, v in (("-p", a.n_prompt), ("-n", a.n_gen), ("-pg", a.pg or None), ("--compare", a.compare),
+                            ("--plot", a.plot)) if v is not None]
+    if given:
+        raise UserError(f"--parallel takes -npp and -ntg (tokens per sequence), not {', '.join(given)}")
+
+
+def configurations(a: argparse.Namespace, ctx: int):
+    """(flags, cache MiB, llm) for each placement and cache size, as `moestream bench` sweeps them: a new cache over
+    the same pinned experts where only the size changes, else a new load, with max(-npl) sequences."""
+    from ..cli import load_model
+    loads = list(itertools.product(a.n_cpu_moe, getattr(a, "moe_cache_mib", [None])))
+    llm = None
+    for i, (n_cpu_moe, mib) in enumerate(loads):
+        ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib)
+        if llm is not None and loads[i - 1][0] == n_cpu_moe and llm.engine.host is not None:
+            llm.engine.reconfigure_cache(moe_cache_mib=mib)
+        else:
+            llm = None
+            release_memory()
+            llm = load_model(ns, flags.to_config(ns), progress=ns.verbose, ctx_size=max(ns.ctx_size, ctx),
+                             n_seq=max(a.parallel))
+            if i == 0:
+                from ..loading.gguf import GGUFSource
+                counts = llm.source.type_counts() if isinstance(llm.source, GGUFSource) else None
+                print(llm.engine.describe_experts(counts), file=sys.stderr)
+                print(f"parallel: {max(a.parallel)} sequences of {llm.engine.kv.ctx} positions each", file=sys.stderr)
+        yield ns, mib, llm
+    llm = None
+    release_memory()
+
+
+GB = "{:.3f}"
+pct = lambda v: na(None if v is None else 100 * v, "{:.1f}")
+speed = lambda key: lambda r: na(r[key]) if r[key] is None else f"{r[key]:.2f} ± {r[key + '_std']:.2f}"
+COLS = [
+    Col("experts", "experts", right=False), Col("cache MiB", "moe_cache_mib"), Col("threads", "threads"),
+    Col("n_ubatch", "n_ubatch"), Col("PP", "n_pp"), Col("TG", "n_tg"), Col("B", "n_pl"), Col("N_KV", "n_kv"),
+    Col("T_PP s", "t_pp", lambda r: f"{r['t_pp']:.3f}"), Col("S_PP t/s", "s_pp", speed("s_pp")),
+    Col("T_TG s", "t_tg", lambda r: f"{r['t_tg']:.3f}"), Col("S_TG t/s", "s_tg", speed("s_tg")),
+    Col("T s", "t", lambda r: f"{r['t']:.3f}"), Col("S t/s", "s", speed("s")),
+    Col("pp hit %", "pp_hit_rate", lambda r: pct(r["pp_hit_rate"])),
+    Col("pp up GB", "pp_uploaded_gb", lambda r: GB.format(r["pp_uploaded_gb"])),
+    Col("tg hit %", "tg_hit_rate", lambda r: pct(r["tg_hit_rate"])),
+    Col("tg up GB", "tg_uploaded_gb", lambda r: GB.format(r["tg_uploaded_gb"])),
+    Col("tg host GB", "tg_host_read_gb", lambda r: GB.format(r["tg_host_read_gb"])),
+    Col("tg copies", "tg_copies", lambda r: f"{r['tg_copies']:.0f}"),
+    Col("ms/step", "ms_per_step", lambda r: na(r["ms_per_step"])),
+    Col("host GB/step", "host_read_gb_per_step", lambda r: na(r["host_read_gb_per_step"], "{:.4f}")),
+    Col("up GB/step", "uploaded_gb_per_step", lambda r: na(r["uploaded_gb_per_step"], "{:.4f}")),
+    Col("hash", "hash", lambda r: r["hash"] or "-", right=False),
+]
+
+
+def main(a: argparse.Namespace) -> int:
+    check_flags(a)
+    tests = tests_of(a)
+    cols = COLS if a.threads else [c for c in COLS if c.key != "threads"]
+    rows, stream_md = [], a.output == "md"
+    for ns, mib, llm in configurations(a, max(t.n_pp + t.n_tg for t in tests)):
+        eng, vocab = llm.engine, llm.model_config.vocab_size
+        for threads, b, ub in itertools.product(a.threads or [None], a.batch_size, a.ubatch_size):
+            if threads is not None:
+                torch.set_num_threads(threads)
+            eng.set_batching(b, ub)
+            for t in tests:
+                if not a.no_warmup:
+                    decode_together(eng, t.prompts(vocab, -1), t.n_pp, t.n_tg)
+                runs = [decode_together(eng, t.prompts(vocab, i), t.n_pp, t.n_tg) for i in range(a.repetitions)]
+                row = {"model": a.model, "device": eng.device.name, "experts": placement(ns), "moe_cache_mib": mib,
+                       "cache_policy": getattr(ns, "cache_policy", None), "threads": torch.get_num_threads(),
+                       "n_batch": b, "n_ubatch": ub, **summarise(t, runs)}
+                if stream_md and not rows:
+                    print(report.md_header(cols), flush=True)
+                rows.append(row)
+                if stream_md:
+                    print(report.md_row(cols, row), flush=True)
+        del llm, eng               # before the next load: the generator drops its reference, this one must go too
+    if not stream_md:
+        print(report.render(rows, a.output, cols))
+    return 0
