@@ -218,8 +218,8 @@ def test_a_several_token_step_reads_each_missed_expert_once_and_lands_it():
         on_host = p.from_host[l, routed[l]]
         choices += int(on_host.sum())
         distinct += len(set(routed[l][on_host].tolist()))
-        lands[l] = [(e, int(p.land_slots[l, r])) for e, r in landing_slots_grouped(routed[l], on_host, zc.n_land_several)
-                    if p.land_slots[l, r] >= 0]
+        rule = landing_slots_grouped(routed[l], on_host, zc.n_land_several)
+        lands[l] = [(e, int(p.land_slots[l, r])) for e, r in rule if p.land_slots[l, r] >= 0]
     new_reads, new_landed = count("host_reads"), count("landed")       # (reading them learns from the step)
     for l in cache.layers:
         assert new_reads[l] - reads[l] == len(set(routed[l][p.from_host[l, routed[l]]].tolist()))
