@@ -38,6 +38,9 @@ ap.add_argument("--policy", default="lfru", help="the cache's policy")
 ap.add_argument("--keep-hottest", action="store_true",
                 help="experiment: decode never uploads its misses; the pool keeps each layer's hottest experts")
 ap.add_argument("--fill", type=int, default=None, help="experiment: zero_copy.FILL_PER_STEP")
+ap.add_argument("--per-choice", action="store_true",
+                help="experiment: several-token steps read an expert once per token that chose it, landing nothing "
+                     "(the kernel before kernels/decode_grouped.py), and count their host reads so")
 ap.add_argument("--trace", help="experiment: save each step's routing (steps, layers, B k) to this .npy")
 ap.add_argument("--cprofile", action="store_true", help="print the host's time by function over one more repetition")
 ns = ap.parse_args()
@@ -154,6 +157,17 @@ if ns.keep_hottest:
     zero_copy.ZeroCopyDecode._holds_a_step = lambda self, n: False
 if ns.fill is not None:
     zero_copy.FILL_PER_STEP = ns.fill
+if ns.per_choice:
+    from moestream.kernels import decode as decode_kernel
+    kernel = decode_kernel.experts_by_address
+    kernel.__defaults__ = kernel.__defaults__[:-1] + (False,)            # grouped=False
+    zero_copy.ZeroCopyDecode._n_land = lambda self, n_tokens: self.n_land if n_tokens == 1 else 0
+    _init = zero_copy.ZeroCopyDecode.__init__
+
+    def _per_choice(self, *a, **kw):
+        _init(self, *a, **kw)
+        self.reads_once = False
+    zero_copy.ZeroCopyDecode.__init__ = _per_choice
 ROUTES = []
 if ns.trace:
     _learn = zero_copy.ZeroCopyDecode._learn

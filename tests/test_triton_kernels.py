@@ -11,7 +11,9 @@ import torch
 
 from interpreted import close, run_check
 
-CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "qk_rope_kv", "route_topk", "add_rms_norm", "decode_attention"]
+CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "experts_grouped_shared",
+          "experts_grouped_unshared", "experts_grouped_read_through", "qk_rope_kv", "route_topk", "add_rms_norm",
+          "decode_attention"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -71,6 +73,75 @@ def read_through():
     assert torch.equal(pool[0], rows[ids[0, 0]]) and torch.equal(pool[1], rows[ids[0, 2]])
 
 
+def grouped(T, k, E, shared):
+    """A step of T >= 2 tokens takes the grouped kernel (kernels/decode_grouped.py: each expert read once for the
+    tokens that chose it): against the oracle; the same bits with the experts at other addresses (the same bytes
+    in a slot and in a host row), whichever order the sort puts them in, and for a token whatever other tokens
+    share its step; close to the per-choice kernel."""
+    from moestream.kernels.decode import experts_by_address
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    H, I = 48, 20                               # not powers of two: the masks
+    g = torch.Generator().manual_seed(T * 100 + E)
+    rows = torch.randn(E, 3 * I * H, generator=g)
+    perm = torch.randperm(E, generator=g)
+    other = torch.empty_like(rows)
+    other[perm] = rows                          # expert e at row perm[e] of another buffer: another sort order
+    book = AddressBook()
+    book.add(rows)
+    book.add(other)
+    if shared:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        assert ids.unique().numel() < T * k
+    else:
+        ids = torch.randperm(E, generator=g)[:T * k].view(T, k)
+    step = rows.stride(0) * rows.element_size()
+    addrs = rows.data_ptr() + ids * step
+    x, w = torch.randn(T, H, generator=g), torch.softmax(torch.randn(T, k, generator=g), -1)
+    out = experts_by_address(x, addrs, w, I)
+    close(out, experts_by_address_reference(x, addrs, w, I, book=book))
+    moved = other.data_ptr() + perm[ids] * step
+    assert torch.equal(experts_by_address(x, moved, w, I), out)
+    mixed = torch.where(ids % 2 == 0, moved, addrs)               # as a cache places them: each expert in one place
+    assert torch.equal(experts_by_address(x, mixed, w, I), out)
+    assert torch.equal(experts_by_address(x[1:3], addrs[1:3], w[1:3], I), out[1:3])
+    close(experts_by_address(x, addrs, w, I, grouped=False), out)
+
+
+def grouped_read_through():
+    """A several-token step with landing slots: the leaders of the experts read from host memory write their rows,
+    the distinct ones in ascending id, into the slots (landing_slots_grouped), each once; a slot address of 0 is
+    nowhere; the output is unchanged; the oracle lands the same."""
+    from moestream.kernels.decode import experts_by_address, landing_slots_grouped
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    E, H, I, T, k = 10, 64, 40, 4, 3
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(E, 3 * I * H, generator=g)         # "device" copies
+    host = rows.clone()                                   # host rows: the same bytes elsewhere
+    pool = torch.zeros(5, 3 * I * H)                      # landing slots
+    book = AddressBook()
+    for t in (rows, host, pool):
+        book.add(t)
+    step = rows.stride(0) * rows.element_size()
+    ids = torch.tensor([[7, 2, 5], [2, 9, 7], [0, 7, 3], [5, 2, 8]])
+    on_host = torch.tensor([e in (2, 3, 5, 7, 8) for e in range(E)])             # as a cache has it, per expert
+    addrs = torch.where(on_host[ids], host.data_ptr() + ids * step, rows.data_ptr() + ids * step)
+    host_tab = host.data_ptr() + torch.arange(E) * step
+    land = pool.data_ptr() + torch.arange(4) * step
+    land[2] = 0                                           # no slot there
+    want = landing_slots_grouped(ids.reshape(-1).tolist(), on_host[ids].reshape(-1).tolist(), 4)
+    assert want == [(2, 0), (3, 1), (5, 2), (7, 3)]
+    x, w = torch.randn(T, H, generator=g), torch.softmax(torch.randn(T, k, generator=g), -1)
+    plain = experts_by_address(x, addrs, w, I)
+    for run in (lambda lt: experts_by_address(x, addrs, w, I, lt),
+                lambda lt: experts_by_address_reference(x, addrs, w, I, lt, book=book)):
+        pool.zero_()
+        out = run((ids, host_tab, land))
+        close(out, plain)
+        assert torch.equal(pool[0], rows[2]) and torch.equal(pool[1], rows[3]) and torch.equal(pool[3], rows[7])
+        assert not pool[2].any() and not pool[4].any()    # slot 2 was nowhere; slot 4 not a landing slot
+    assert torch.equal(experts_by_address(x, addrs, w, I, (ids, host_tab, land)), plain)
+
+
 def check(name):
     from moestream.kernels import fused
     from moestream.models.layers import apply_rope, decode_attention, rms_norm
@@ -80,6 +151,14 @@ def check(name):
         experts(1, 8)
     elif name == "experts_read_through":
         read_through()
+    elif name == "experts_grouped_shared":
+        for T, k, E in ((2, 4, 6), (3, 6, 8), (8, 3, 6), (16, 2, 5)):
+            grouped(T, k, E, shared=True)
+    elif name == "experts_grouped_unshared":
+        for T, k in ((2, 4), (3, 3), (8, 2), (16, 2)):
+            grouped(T, k, T * k + 2, shared=False)
+    elif name == "experts_grouped_read_through":
+        grouped_read_through()
     elif name == "experts_several_tokens":      # several tokens, some choosing the same experts
         experts(5, 4)
         experts(3, 6)

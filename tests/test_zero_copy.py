@@ -197,6 +197,71 @@ def test_read_through_serves_the_next_step_from_the_slot():
     assert through[2] == plain[2] == 0            # by the third step the uploads have landed too
 
 
+def test_a_several_token_step_reads_each_missed_expert_once_and_lands_it():
+    """Three streams decoded in one step (the CPU reference follows the grouped kernel): a layer's host reads are
+    its distinct host-read experts, however many tokens chose each; read-through lands them (the distinct ones,
+    in ascending id, landing_slots_grouped) in free slots with their bytes, and the next step reads them there."""
+    from moestream.kernels.decode import landing_slots_grouped
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=1000, read_through=True, n_seq=3)
+    eng, cache = llm.engine, llm.engine.host
+    zc, k = cache.zero_copy, llm.model_config.n_experts_used
+    for s in range(3):
+        eng.prefill(s, [5 + s])                 # one token each: most experts not resident yet
+    count = lambda key: {l: llm.stats()["per_layer"].get(l, {}).get(key, 0) for l in cache.layers}  # noqa: E731
+    reads, landed = count("host_reads"), count("landed")
+    toks = [(s, 900, 1) for s in range(3)]
+    eng.decode(toks)
+    p = zc.pending                              # this step: its table and routing (not learned from yet)
+    routed = zc._routed(p)[:, :3 * k]
+    lands, choices, distinct = {}, 0, 0
+    for l in cache.layers:
+        on_host = p.from_host[l, routed[l]]
+        choices += int(on_host.sum())
+        distinct += len(set(routed[l][on_host].tolist()))
+        rule = landing_slots_grouped(routed[l], on_host, zc.n_land_several)
+        lands[l] = [(e, int(p.land_slots[l, r])) for e, r in rule if p.land_slots[l, r] >= 0]
+    new_reads, new_landed = count("host_reads"), count("landed")       # (reading them learns from the step)
+    for l in cache.layers:
+        assert new_reads[l] - reads[l] == len(set(routed[l][p.from_host[l, routed[l]]].tolist()))
+        assert new_landed[l] - landed[l] == len(lands[l])
+        for e, slot in lands[l]:
+            assert cache.residency.slot_of[l, e] == slot
+            assert torch.equal(cache.pool[slot], cache.store.rows[l][e])       # the bytes the step read
+    assert choices > distinct > 0               # host experts chosen by several tokens: read once each
+    assert sum(map(len, lands.values())) > 0
+    _check_table(cache)
+    cache.residency.check()
+    eng.decode(toks)                            # the same routing: what landed is read from its slot
+    p = zc.pending
+    assert not any(p.from_host[l, e] for l in cache.layers for e, _ in lands[l])
+
+
+def _batched_logits(**kw):
+    """Three sequences decoding together for six steps: each step's logits."""
+    llm = LLM("synth:tiny", **KW, n_seq=3, **kw)
+    eng = llm.engine
+    for s in range(3):
+        eng.prefill(s, list(range(5 + s, 25 + 2 * s)))
+    toks, outs = [(0, 7, 20), (1, 9, 22), (2, 3, 24)], []
+    for _ in range(6):
+        lg = eng.decode(toks)
+        outs.append(lg.clone())
+        toks = [(s, int(lg[i].argmax()), p + 1) for i, (s, _, p) in enumerate(toks)]
+    if kw:
+        _check_table(llm.engine.host)
+        llm.engine.host.residency.check()
+    return outs
+
+
+@pytest.mark.parametrize("mib", [0, 2, 12, 1000])
+def test_several_token_steps_with_read_through_give_the_logits_of_every_expert_on_the_device(mib):
+    """Batched zero-copy steps that land what they read (read-through): the logits of every expert on the device,
+    step for step, on every cache size (a landed expert holds its own bytes)."""
+    base = _batched_logits()
+    got = _batched_logits(cpu_moe=True, moe_cache_mib=mib, read_through=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, base))
+
+
 def test_one_token_prompt_chunks_do_not_take_the_decode_path():
     """A prompt chunk of one token has a decode step's shape but not its address tables: it fetches its experts
     like any prompt ubatch (here after decode steps left a table behind, and on a fresh engine)."""

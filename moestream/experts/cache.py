@@ -44,12 +44,14 @@ class ExpertCache(ExpertProvider):
         self.top_k = top_k
         self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
 
-    def enable_zero_copy(self, max_tokens: int, read_through: bool = False) -> None:
+    def enable_zero_copy(self, max_tokens: int, read_through: bool = False, reads_once: bool = True) -> None:
         """Decode steps of up to max_tokens tokens read experts where they lie (experts/zero_copy.py); with
-        read_through, a one-token step also writes the experts it reads from host into free slots."""
+        read_through, a step also writes the experts it reads from host into free slots. reads_once: a
+        several-token step's kernel reads each routed expert once (the bf16 kernel; the quantized one reads it
+        once per token that chose it)."""
         from .zero_copy import ZeroCopyDecode
         self.zero_copy = ZeroCopyDecode(self.slots, self.planner, self.store, self.layers, max_tokens, self.top_k,
-                                        read_through)
+                                        read_through, reads_once)
 
     @property
     def pool(self):

@@ -26,7 +26,8 @@ class Counts:
     lookahead_fn: int = 0           # routed, not predicted
     sync_s: float = 0.0             # host time blocked reading a layer's routing back from the device
     host_s: float = 0.0             # host time deciding (residency, copies, prefetch) once the routing is read
-    host_reads: int = 0             # zero-copy decode: routed choices whose expert the kernel read from host memory
+    host_reads: int = 0             # zero-copy decode: experts the kernel read from host memory (a several-token
+                                    # step's grouped kernel reads each once; the quantized kernel once per choice)
     host_read_bytes: int = 0        # ... and their bytes over the link
     landed: int = 0                 # read-through: experts a decode kernel wrote into a free slot as it read them
     filled: int = 0                 # prefetched from guesses beyond the next layer, the copy stream short of work

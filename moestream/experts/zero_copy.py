@@ -21,11 +21,13 @@ The table leaves the critical path between steps: it is prepared from the reside
 it runs (after learning), and begin_step only patches in the copies that have landed since and, with read-through,
 the last step's landed experts, then copies it over (one small copy).
 
-Read-through (on by default; --no-read-through): a one-token step is also handed a few empty slots per
-layer (none a copy is still writing), and its kernel writes the first experts it reads from host memory into them
-as it reads them. Before the next step's table goes to the device the host replays the kernel's rule on the step's
-routing and takes those experts in, so the next step reads them from their slots: a miss crosses the link once.
-The slots a step writes are pinned while it runs, so no copy targets them.
+Read-through (on by default; --no-read-through): a step is also handed a few empty slots per layer (none a
+copy is still writing), and its kernel writes the first experts it reads from host memory into them as it reads
+them (a one-token step its first host-read choices, a several-token step its distinct host-read experts in
+ascending id: kernels/decode.py's landing_slots and landing_slots_grouped). Before the next step's table goes to
+the device the host replays the kernel's rule on the step's routing and takes those experts in, so the next step
+reads them from their slots: a miss crosses the link once. The slots a step writes are pinned while it runs, so
+no copy targets them.
 """
 from __future__ import annotations
 
@@ -43,17 +45,22 @@ from .store import ExpertStore
 
 RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
 LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write its misses into, per layer
+LAND_SEVERAL = 8           # ... and a several-token step, which misses more (8 streams at 16000 MiB on the
+                           # reference: 30 misses a step over 24 layers, 105 before the cache warms; see _learn)
 FREQ_DECAY = 0.98          # per step, of the routing counts a too-small pool keeps its hottest experts by
 FILL_PER_STEP = 32         # ... uploading at most this many a step (16 and 64 measured alike once warm)
 
 
 class ZeroCopyDecode:
     def __init__(self, slots: SlotPool, planner: CachePlanner, store: ExpertStore, layers: list[int],
-                 max_tokens: int, top_k: int, read_through: bool = False):
+                 max_tokens: int, top_k: int, read_through: bool = False, reads_once: bool = True):
         dev, (L, E) = slots.device, planner.residency.slot_of.shape
         self.slots, self.planner, self.store, self.layers = slots, planner, store, layers
         self.residency, self.stats, self.device, self.n_experts = planner.residency, planner.stats, dev, E
         self.max_tokens, self.top_k = max_tokens, top_k
+        # Whether a several-token step's kernel reads each routed expert once (kernels/decode_grouped.py) or once
+        # per token that chose it (the quantized kernel): what the host-read counters count.
+        self.reads_once = reads_once
         self.row_bytes = store.expert_bytes                # the pool's row stride: a slot's address step
         self.host_addr = np.zeros((L, E), dtype=np.int64)
         for l, rows in store.rows.items():
@@ -67,10 +74,12 @@ class ZeroCopyDecode:
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
         self.freq = np.zeros((L, E))                        # decayed decode routings: what several-token steps keep
-        # Read-through: the layer's free slots a one-token step writes the experts it reads from host into.
+        # Read-through: the layer's free slots a step writes the experts it reads from host into: a one-token step
+        # the first n_land of them, a several-token step n_land_several.
         self.n_land = LAND_PER_LAYER if read_through else 0
+        self.n_land_several = max(LAND_SEVERAL, LAND_PER_LAYER) if read_through else 0
         self.host_tab = torch.from_numpy(self.host_addr).to(dev.torch)              # (L, E) host-row addresses
-        self.land = torch.zeros(L, max(self.n_land, 1), dtype=torch.int64, device=dev.torch)     # (L, R) addresses
+        self.land = torch.zeros(L, max(self.n_land_several, 1), dtype=torch.int64, device=dev.torch)  # (L, R) addrs
         self.land_slots = np.full(tuple(self.land.shape), -1, dtype=np.int64)     # the queued step's, as slots
         # The next step's table is prepared while the step before it runs (end_step), in the staging buffer that
         # step's own table copy does not read; begin_step patches in what landed since, and copies it over.
@@ -90,11 +99,14 @@ class ZeroCopyDecode:
         self.routed[layer, :ids.size] = torch.from_numpy(ids.astype(np.int64).reshape(-1))
 
     def landing(self, layer: int, ids: torch.Tensor):
-        """Read-through (one-token steps): (ids, host-row addresses, landing slots' addresses) of the layer, for
-        the decode kernel; None when off."""
-        if not self.n_land or ids.shape[0] != 1:
+        """Read-through: (ids, host-row addresses, landing slots' addresses) of the layer, for the decode kernel
+        (a one-token step gets the first n_land slots, a several-token step n_land_several); None when off."""
+        if not self.n_land:
             return None
-        return ids, self.host_tab[layer], self.land[layer]
+        return ids, self.host_tab[layer], self.land[layer, :self._n_land(ids.shape[0])]
+
+    def _n_land(self, n_tokens: int) -> int:
+        return self.n_land if n_tokens == 1 else self.n_land_several
 
     def begin_step(self) -> None:
         """Put the step's address table on the device: an expert resident in a slot whose copy has landed reads
@@ -160,8 +172,11 @@ class ZeroCopyDecode:
             event.record()
         else:
             self.routed_host.copy_(self.routed)
-        self.pending = Pending(n_tokens, event, self.from_host.copy(),
-                               self.land_slots.copy() if n_tokens == 1 and self.n_land else None)
+        writes = None                            # the landing slots this step's kernel may write
+        if self.n_land:
+            writes = self.land_slots.copy()
+            writes[:, self._n_land(n_tokens):] = -1
+        self.pending = Pending(n_tokens, event, self.from_host.copy(), writes)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
         self.next = self._prepare(1 - self.current, writing=self.pending.land_slots)
@@ -187,22 +202,28 @@ class ZeroCopyDecode:
         return None if p is None else (self._routed(p), p.from_host)
 
     def _absorb(self, p) -> list[tuple[int, int, int]]:
-        """The experts a one-token step wrote into its landing slots as it read them (read-through) become
-        resident there: the step has completed, so their bytes are in place. The host replays the kernel's rule
-        (kernels.decode.landing_slots) on the step's routing and table. Returns the (layer, expert, slot) placed."""
+        """The experts a step wrote into its landing slots as it read them (read-through) become resident there:
+        the step has completed, so their bytes are in place. The host replays the kernel's rule on the step's
+        routing and table (kernels.decode.landing_slots for one token, landing_slots_grouped for several).
+        Returns the (layer, expert, slot) placed."""
         p.absorbed = True
         if p.land_slots is None:
             return []
-        from ..kernels.decode import landing_slots
+        from ..kernels.decode import landing_slots, landing_slots_grouped
         routed, res = self._routed(p), self.residency
         layers = np.asarray(self.layers)
-        ids = routed[layers, :self.top_k]
-        on_host = p.from_host[layers[:, None], ids]                  # (host layers, k): read from host memory
+        ids = routed[layers, :p.n_tokens * self.top_k]
+        on_host = p.from_host[layers[:, None], ids]                  # (host layers, T k): read from host memory
+        n_land = self._n_land(p.n_tokens)
         placed = []
         for i in np.flatnonzero(on_host.any(axis=1)):
             l = int(layers[i])
-            for j, r in landing_slots(on_host[i], self.n_land):
-                e, s = int(ids[i, j]), int(p.land_slots[l, r])
+            if p.n_tokens == 1:
+                lands = [(ids[i, j], r) for j, r in landing_slots(on_host[i], n_land)]
+            else:
+                lands = landing_slots_grouped(ids[i], on_host[i], n_land)
+            for e, r in lands:
+                e, s = int(e), int(p.land_slots[l, r])
                 if s >= 0 and res.slot_of[l, e] < 0:          # (one being uploaded already keeps that slot)
                     res.place(l, e, s)
                     self.slots.written(s)
@@ -214,7 +235,8 @@ class ZeroCopyDecode:
         """(L, R) slots for each host layer to land up to R experts in during the next step, -1 for none: empty,
         unread, not written by the step in flight (`writing`), and no copy still writing them (a slot emptied
         while its upload is in flight would get that upload's bytes after the step landed its own). Only with
-        read-through, and where the pool holds a whole step's experts: a smaller one keeps its hottest experts."""
+        read-through, and where the pool holds a whole step's experts: a smaller one keeps its hottest experts.
+        Every layer's first n_land (a one-token step's) are handed out first, then the several-token steps' rest."""
         res = self.residency
         out = np.full(self.land_slots.shape, -1, dtype=np.int64)
         if self.n_land and self._holds_a_step(self.top_k):
@@ -222,11 +244,12 @@ class ZeroCopyDecode:
             free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
             if writing is not None:
                 free[writing[writing >= 0]] = False
-            for l in self.layers:
-                a, b = res.bounds[l]
-                got = a + np.flatnonzero(free[a:b])[:self.n_land]
-                free[got] = False
-                out[l, :len(got)] = got
+            for lo, hi in ((0, self.n_land), (self.n_land, self.n_land_several)):
+                for l in self.layers:
+                    a, b = res.bounds[l]
+                    got = a + np.flatnonzero(free[a:b])[:hi - lo]
+                    free[got] = False
+                    out[l, lo:lo + len(got)] = got
         return out
 
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, after, writing) -> None:
@@ -239,7 +262,11 @@ class ZeroCopyDecode:
         next step reads (on the reference at 16000 MiB, 8 streams: 105 misses a step, 1 GB uploaded a step, 43 ms a
         step; bench/RESULTS.md, issue 15). It keeps each layer's most routed experts of recent steps instead (decayed
         counts, FILL_PER_STEP uploads a step: 30 misses, 0.1 GB, 12 ms), which is the union of the streams' hot
-        sets as far as it fits. So does a pool smaller than one token's routed experts of every host layer."""
+        sets as far as it fits. So does a pool smaller than one token's routed experts of every host layer. (With
+        read-through its misses also land in free slots as they are read: _absorb.)
+
+        host_reads counts what crossed the link: a one-token step's host-read choices; a several-token step's
+        distinct host-read experts, each read once by the grouped kernel (per choice with the quantized kernel)."""
         t0 = time.perf_counter()
         res, E, stats = self.residency, self.n_experts, self.stats
         upload = routed.shape[1] == self.top_k and self._holds_a_step(self.top_k)
@@ -251,7 +278,8 @@ class ZeroCopyDecode:
         now, behind = [], []                     # copies into empty slots (unread), into evicted ones (read)
         for l in self.layers:
             counts = np.bincount(routed[l], minlength=E)
-            reads = int(counts[from_host[l]].sum())
+            per_choice = counts[from_host[l]]        # each expert read from host: once, or once per choice
+            reads = int(np.count_nonzero(per_choice) if self.reads_once else per_choice.sum())
             wanted = np.flatnonzero(counts).astype(np.int64)
             if len(self.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])

@@ -1,5 +1,5 @@
 """Expert kernels: `reference` (plain torch: the CPU path and every test's oracle) and `grouped` (CUDA), and for
-zero-copy decode steps `decode` (Triton) with its plain-torch oracle.
+zero-copy decode steps `decode` (Triton; steps of several tokens in `decode_grouped`) with its plain-torch oracle.
 
 Both have one signature:
 

@@ -12,6 +12,9 @@ one launch computes every choice's silu(gate x) * (up x), a second its down proj
 the k choices in a fixed order, in float32. The result depends only on the bytes read, never on where they were:
 the same bits from a slot, from host memory or from the all-GPU layout. Block shapes are fixed (no autotuning: a
 tuned choice could differ between runs, and with it the bits).
+
+That is the one-token kernel. A step of several tokens goes to kernels/decode_grouped.py, which reads each routed
+expert once for all the tokens that chose it (its bits are its own, not this kernel's).
 """
 from __future__ import annotations
 
@@ -126,17 +129,22 @@ def _block(n: int, want: int) -> int:
 
 
 def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
-                       landing=None, config: tuple = (GATE_UP, DOWN)) -> torch.Tensor:
+                       landing=None, config: tuple = (GATE_UP, DOWN), grouped: bool = True) -> torch.Tensor:
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
 
-    Each choice reads its expert: an expert several tokens of a batch chose is read once per token (so a miss
-    crosses the link once per token that chose it; reading it once for all of them measured no gain).
+    One token: each choice reads its expert. Several tokens (T >= 2, and `grouped`): kernels/decode_grouped.py,
+    which reads each routed expert once for every token that chose it, so a miss crosses the link once a step.
+    `grouped=False` keeps this kernel for them, one read per (token, choice) (to measure the difference).
 
-    `landing` (one token only; read-through): (ids (1, k), host (E,), land (R,)): the layer's routed ids, each
-    expert's host-row address and R free slots. The choices read from host memory (address == host[id]), in
-    choice order, write the bytes they read into the slots (see `landing_slots`), at no extra cost on the link."""
+    `landing` (read-through): (ids (T, k), host (E,), land (R,)): the layer's routed ids, each expert's host-row
+    address and R free slots. One token: the choices read from host memory (address == host[id]), in choice
+    order, write the bytes they read into the slots (see `landing_slots`), at no extra cost on the link. Several:
+    the distinct host-read experts, in ascending id (see `landing_slots_grouped`)."""
     T, H = x.shape
     k = addrs.shape[1]
+    if T > 1 and grouped:
+        from .decode_grouped import experts_by_address_grouped
+        return experts_by_address_grouped(x, addrs, weights, inter, landing)
     (bi, bh, wa), (bo, bi2, wb) = config
     x = x.contiguous()
     addrs = addrs.contiguous()
@@ -160,3 +168,11 @@ def landing_slots(on_host, n_slots: int) -> list[tuple[int, int]]:
     """The kernel's read-through rule, on the host: [(choice j, landing slot i)] for one token's k choices
     (on_host[j]: choice j was read from host memory), in choice order, the first n_slots of them."""
     return [(j, i) for i, j in enumerate([j for j, h in enumerate(on_host) if h][:n_slots])]
+
+
+def landing_slots_grouped(ids, on_host, n_slots: int) -> list[tuple[int, int]]:
+    """The grouped kernel's read-through rule (several tokens, kernels/decode_grouped.py), on the host:
+    [(expert, landing slot i)] for a step's T k choices (ids: their experts; on_host: read from host memory), the
+    distinct host-read experts in ascending id, the first n_slots of them."""
+    read = sorted({int(e) for e, h in zip(ids, on_host) if h})
+    return [(e, i) for i, e in enumerate(read[:n_slots])]

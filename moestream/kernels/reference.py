@@ -74,19 +74,24 @@ def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: 
     dequantized to float32 by layout.dequantize): x (T, H), addrs and weights (T, k) -> (T, H).
 
     Float32 throughout, the activation rounded to x's dtype between the two projections, the k outputs weighted
-    and summed in float32 and rounded once, as the kernel does. `landing`: the read-through copies, as the kernel
-    makes them (kernels.decode.landing_slots)."""
-    from .decode import landing_slots
+    and summed in float32 and rounded once, as the kernel does. `landing`: the read-through copies, as the kernels
+    make them (kernels.decode.landing_slots for one token, landing_slots_grouped for several)."""
+    from .decode import landing_slots, landing_slots_grouped
     T, H = x.shape
     k = addrs.shape[1]
     layout = inter if isinstance(inter, ExpertLayout) else ExpertLayout(inter, H)
     inter = layout.inter
-    if landing is not None and T == 1:
+    if landing is not None:
         ids, host, slots = (v.reshape(-1).tolist() for v in landing)
-        on_host = [a == host[e] for a, e in zip(addrs[0].tolist(), ids)]
-        for j, i in landing_slots(on_host, len(slots)):
+        flat = addrs.reshape(-1).tolist()
+        on_host = [a == host[e] for a, e in zip(flat, ids)]
+        if T == 1:
+            lands = [(flat[j], i) for j, i in landing_slots(on_host, len(slots))]
+        else:
+            lands = [(host[e], i) for e, i in landing_slots_grouped(ids, on_host, len(slots))]
+        for a, i in lands:
             if slots[i]:                          # 0: no slot to land in
-                book.row(slots[i]).copy_(book.row(addrs[0, j].item()))
+                book.row(slots[i]).copy_(book.row(a))
     n = layout.nbytes if layout.quantized else 3 * inter * H          # a slot may be wider than this layer's row
     rows = torch.stack([book.row(a)[:n] for a in addrs.reshape(-1).tolist()]).to(x.device)     # (T k, row)
     if layout.quantized:

@@ -269,8 +269,10 @@ class Engine:
         new path: its graphs read the new cache's tables."""
         if isinstance(self.host, ExpertCache):
             self.book.add(self.host.pool)
-            if self.decode_kernel is not None:     # (the quantized decode kernel does not land what it reads yet)
-                self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.read_through and not self.quantized)
+            if self.decode_kernel is not None:     # (the quantized decode kernel does not land what it reads yet,
+                                                   # and reads an expert once per token that chose it)
+                self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.read_through and not self.quantized,
+                                           reads_once=not self.quantized)
         self.decoder = choose_decode(self)
 
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
