@@ -20,6 +20,7 @@ import torch
 
 from ..quant.layout import ExpertLayout
 from .stats import CacheStats
+from .routing import report_route
 from .store import ExpertStore
 
 
@@ -137,18 +138,35 @@ class UploadPerUbatch(ExpertProvider):
         width = max(r.shape[1] for r in store.rows.values())                       # the widest layer's row
         self.buf = torch.empty(n_experts, width, dtype=any_rows.dtype, device=device)   # (E, row)
         self.addr = {l: row_addresses(r, device) for l, r in store.rows.items()}
+        self.reads_once = not any(lay.quantized for lay in store.layouts.values())   # the grouped bf16 kernel
+        self.rows_of = {l: i for i, l in enumerate(sorted(store.rows))}
+        self.routed = None                           # (host layers, MAX_TOKENS k): a zero-copy step's ids, on device
 
     def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """Zero-copy decode with no cache: every routed expert is read from host memory, in place."""
+        """Zero-copy decode with no cache: every routed expert is read from host memory, in place. The ids are
+        kept for end_decode_step (a device copy into a fixed buffer: a captured step rewrites it each replay)."""
+        if self.routed is None:
+            from ..kernels.decode import MAX_TOKENS
+            self.routed = torch.zeros(len(self.rows_of), MAX_TOKENS * self.top_k, dtype=torch.int64,
+                                      device=ids.device)
+        self.routed[self.rows_of[layer], :ids.numel()].copy_(ids.reshape(-1))
         return self.addr[layer][ids]
 
     def layout(self, layer: int) -> ExpertLayout:
         return self.store.layouts[layer]
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
-        """Every routed choice of every host layer crossed the link (counted without reading the routing back)."""
-        reads = n_tokens * self.top_k
-        for l in self.store.rows:
+        """The step is queued: its routing to `observer`, then what crossed the link per host layer: each distinct
+        expert once (a step of several tokens reads an expert once for all of them, kernels/decode_grouped.py;
+        the quantized kernel reads once per choice). Counting reads the routing back, after the step."""
+        if self.routed is None:
+            return
+        n = n_tokens * self.top_k
+        for l, i in self.rows_of.items():
+            report_route(observer, l, self.routed[i, :n].view(n_tokens, self.top_k))
+        host = self.routed[:, :n].cpu()                      # waits for the step (its logits are read next anyway)
+        for l, i in self.rows_of.items():
+            reads = int(host[i].unique().numel()) if self.reads_once and n_tokens > 1 else n
             self.stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.layer_bytes(l))
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:

@@ -280,9 +280,11 @@ class ZeroCopyDecode:
             counts = np.bincount(routed[l], minlength=E)
             per_choice = counts[from_host[l]]        # each expert read from host: once, or once per choice
             reads = int(np.count_nonzero(per_choice) if self.reads_once else per_choice.sum())
-            wanted = np.flatnonzero(counts).astype(np.int64)
+            routed_l = wanted = np.flatnonzero(counts).astype(np.int64)
             if len(self.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
+                # the rest are looked up too, and miss: they were read from host memory
+                stats.record(l, misses=len(routed_l) - len(wanted))
             self.freq[l] = self.freq[l] * FREQ_DECAY + counts      # (both ways: the step sizes of a server mix)
             if not upload:
                 slots = res.slot_of[l, wanted]
