@@ -73,8 +73,9 @@ def hybrid_names(cfg: ModelConfig) -> list[str]:
     return names + [f"blk.{i}.{n}" for i in range(cfg.n_layers) for n in layer_names(cfg, i)]
 
 
-def _value(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
-    """An HF tensor's value as the canonical tensor holds it."""
+def canonical_value(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """An HF tensor's value as the canonical tensor `name` (a layer's suffix, or a global name) holds it; other
+    families' tensors, and the rest of these, as they are."""
     if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name == "output_norm.weight"):
         return 1.0 + t.float()
     if name == "ssm_a":
@@ -91,7 +92,7 @@ def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
     if prefix is None:
         raise KeyError(f"no embed_tokens.weight under {fam.hf_text_prefixes}")
     out = {"token_embd.weight": sd[prefix + "embed_tokens.weight"],
-           "output_norm.weight": _value(cfg, "output_norm.weight", sd[prefix + "norm.weight"])}
+           "output_norm.weight": canonical_value(cfg, "output_norm.weight", sd[prefix + "norm.weight"])}
     if not cfg.tie_word_embeddings:
         out["output.weight"] = sd["lm_head.weight"]
     hf_of = dict(HF_LAYER, **{"ffn_gate_inp.weight": fam.hf_router[0]})
@@ -99,7 +100,7 @@ def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
         p = f"{prefix}layers.{i}."
         for name in layer_names(cfg, i):
             if name in hf_of:
-                out[f"blk.{i}.{name}"] = _value(cfg, name, sd[p + hf_of[name]])
+                out[f"blk.{i}.{name}"] = canonical_value(cfg, name, sd[p + hf_of[name]])
         if i in cfg.dense_layers:
             continue
         mod, g, u, d = fam.hf_experts[0]
