@@ -51,7 +51,7 @@ class Family:
                                                  # as transformers 5 holds experts in memory
     # --- hybrid families ------------------------------------------------------------------------------------
     hybrid: bool = False             # Gated DeltaNet layers between gated attention layers (layer_types, linear_*
-                                     # keys; models/deltanet.py); the engine does not run them yet (issue 17)
+                                     # keys): the engine runs models/hybrid.py's decoder and a HybridCache
     hf_text_prefixes: tuple[str, ...] = ("model.",)   # where the language model's tensors are (Qwen3.5-MoE's
                                      # multimodal checkpoints: model.language_model.), the written one first
 
