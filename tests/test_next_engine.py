@@ -14,7 +14,8 @@ Bounds, and what was measured (these seeds; logits O(7)):
 - three sequences in one decode step against each alone within 5e-5 (BATCH_ATOL): measured 2.5e-5 (the GEMMs of
   three rows against those of one, the recurrent step batched);
 - placements (--cpu-moe, --n-cpu-moe, cache sizes, policies): bit-identical (torch.equal), prompts and decode
-  steps; zero-copy decode's steps bit-identical over placements too.
+  steps; zero-copy decode's steps bit-identical over placements too;
+- a float32 GGUF (llama.cpp's qwen3next) written from a Qwen3-Next checkpoint: the checkpoint's logits, bit for bit.
 """
 from __future__ import annotations
 
@@ -282,11 +283,58 @@ def test_a_hybrid_model_decodes_eagerly_where_graphs_would_be_captured():
 
 
 def test_writing_a_hybrid_model_is_refused_in_one_line(tmp_path):
+    """Not yet: an HF directory of either family (its values would need turning back into HF's), a GGUF of
+    Qwen3.5-MoE (llama.cpp's qwen35moe reorders the value heads), a GGUF whose layer types no interval says."""
     from moestream.loading.gguf_write import write_gguf
     from moestream.loading.hf import write_hf
     from moestream.loading.synth import SynthSource
-    src = SynthSource.from_spec("tiny-next")
-    for write, out in ((write_hf, tmp_path / "hf"), (write_gguf, tmp_path / "m.gguf")):
-        with pytest.raises(UserError, match="not supported yet") as e:
+    nxt = SynthSource.from_spec("tiny-next")
+    q35 = SynthSource(nxt.config.replace(family="qwen3_5_moe"))
+    odd = SynthSource(nxt.config.replace(layer_types=("full_attention", "linear_attention") * 2))
+    for write, src, out in ((write_hf, nxt, tmp_path / "hf"), (write_gguf, q35, tmp_path / "a.gguf"),
+                            (write_gguf, odd, tmp_path / "b.gguf")):
+        with pytest.raises(UserError, match="not supported yet|full_attention_interval") as e:
             write(src, out)
         assert "\n" not in str(e.value)
+
+
+def test_a_gguf_of_the_same_weights_gives_the_same_logits(tmp_path):
+    """llama.cpp's qwen3next: write_gguf of a Qwen3-Next checkpoint reads back as the same config and, float32,
+    the same logits bit for bit (GGUF holds the canonical values: 1 + w norms, -exp(A_log))."""
+    import gguf
+    from conftest import hybrid_model, randomize_hybrid
+    from moestream.loading.gguf import GGUFSource
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.hf import HFSource
+    torch.manual_seed(0)
+    model = hybrid_model("qwen3_next").eval()
+    randomize_hybrid(model)
+    model.save_pretrained(str(tmp_path / "hf"))
+    src = HFSource(tmp_path / "hf")
+    write_gguf(src, tmp_path / "m.gguf")
+    back = GGUFSource(tmp_path / "m.gguf")
+    assert back.config == src.config and back.arch == "qwen3next"
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert "blk.0.post_attention_norm.weight" in names and "blk.0.ffn_norm.weight" not in names
+    assert {"blk.0.ssm_in.weight", "blk.0.ssm_ba.weight", "blk.0.ssm_a", "blk.0.ssm_dt.bias"} <= names
+    prompt = ids(40, seed=11)
+    want = LLM(str(tmp_path / "hf"), **KW).logits(prompt)
+    assert torch.equal(LLM(str(tmp_path / "m.gguf"), **KW).logits(prompt), want)
+
+
+def test_a_quantized_gguf_runs_and_its_placements_are_bit_identical(tmp_path):
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.synth import SynthSource
+    from moestream.quant.mix import Mix
+    src = SynthSource.from_spec("tiny-next")
+    mix = Mix.for_config(src.config, "Q8_0")
+    assert mix.type("blk.0.ssm_conv1d.weight", (1, 4)).name == "F32"        # never quantized, as llama.cpp
+    write_gguf(src, tmp_path / "q.gguf", types=mix.type, file_type=mix.file_type)
+    prompt = ids(20, seed=12)
+    dev = LLM(str(tmp_path / "q.gguf"), **KW)
+    assert dev.engine.quantized
+    want = dev.logits(prompt)
+    cached = LLM(str(tmp_path / "q.gguf"), cpu_moe=True, moe_cache_mib=1, **KW)
+    assert torch.equal(cached.logits(prompt), want)
+    assert (cached.generate(prompt, max_tokens=6, ignore_eos=True).token_ids
+            == dev.generate(prompt, max_tokens=6, ignore_eos=True).token_ids)

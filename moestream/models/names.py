@@ -103,6 +103,16 @@ def dense_numel(cfg: ModelConfig) -> int:
     return sum(math.prod(canonical_shape(cfg, n)) for n in dense_names(cfg))
 
 
+def gguf_name(cfg: ModelConfig, name: str) -> str:
+    """A canonical name as the family's GGUF architecture spells it (the same but for its gguf_renames)."""
+    if name.startswith("blk."):
+        _, layer, suffix = name.split(".", 2)
+        for canonical, spelled in FAMILIES[cfg.family].gguf_renames:
+            if suffix == canonical:
+                return f"blk.{layer}.{spelled}"
+    return name
+
+
 def gguf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, torch shape) of every tensor of the model's GGUF file in file order: the globals, then each layer
     with its expert stacks. The shared expert's gate is (H,), as llama.cpp stores it."""
