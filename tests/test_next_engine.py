@@ -316,7 +316,9 @@ def test_a_gguf_of_the_same_weights_gives_the_same_logits(tmp_path):
     assert back.config == src.config and back.arch == "qwen3next"
     names = {t.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
     assert "blk.0.post_attention_norm.weight" in names and "blk.0.ffn_norm.weight" not in names
-    assert {"blk.0.ssm_in.weight", "blk.0.ssm_ba.weight", "blk.0.ssm_a", "blk.0.ssm_dt.bias"} <= names
+    assert {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight", "blk.0.ssm_a",
+            "blk.0.ssm_dt.bias"} <= names and "blk.0.ssm_in.weight" not in names      # as llama.cpp writes them
+    assert torch.equal(back.tensor("blk.0.ssm_in.weight"), src.tensor("blk.0.ssm_in.weight"))
     prompt = ids(40, seed=11)
     want = LLM(str(tmp_path / "hf"), **KW).logits(prompt)
     assert torch.equal(LLM(str(tmp_path / "m.gguf"), **KW).logits(prompt), want)
@@ -338,3 +340,19 @@ def test_a_quantized_gguf_runs_and_its_placements_are_bit_identical(tmp_path):
     assert torch.equal(cached.logits(prompt), want)
     assert (cached.generate(prompt, max_tokens=6, ignore_eos=True).token_ids
             == dev.generate(prompt, max_tokens=6, ignore_eos=True).token_ids)
+
+
+def test_llama_cpp_split_ssm_in_is_the_same_layer():
+    """A DeltaNet layer with ssm_in split as llama.cpp writes it (attn_qkv: q, k, v of every head; attn_gate: z)
+    computes what the fused one does, and the split turns back into the same bits."""
+    from moestream.loading.synth import SynthSource
+    from moestream.models.deltanet import gated_deltanet
+    from moestream.models.next_names import fuse_qkvz, layer_names, split_qkvz
+    src = SynthSource.from_spec("tiny-next")
+    cfg = src.config
+    lw = {n: src.tensor(f"blk.0.{n}") for n in layer_names(cfg, 0) if "_exps" not in n}
+    qkv, gate = split_qkvz(cfg, lw["ssm_in.weight"])
+    assert torch.equal(fuse_qkvz(cfg, qkv, gate), lw["ssm_in.weight"])
+    split = {k: v for k, v in lw.items() if k != "ssm_in.weight"} | {"attn_qkv.weight": qkv, "attn_gate.weight": gate}
+    x = torch.randn(1, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(gated_deltanet(x, split, cfg)[0], gated_deltanet(x, lw, cfg)[0], atol=1e-5)

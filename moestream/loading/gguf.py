@@ -10,7 +10,8 @@ float (F32, F16 and BF16 as they are, quantized types dequantized to float32); e
 as their raw blocks (`expert_types`, `expert_bytes`), which the engine keeps quantized from the file to the slot.
 Architectures: the families' `gguf_arch` in models/families.py (qwen3moe, qwen2moe and olmoe, which llama.cpp
 stores without permuting Q and K; qwen3next, whose tensors hold the values the math takes, 1 + w norms and
-ssm_a = -exp(A_log), as llama.cpp's converter writes them, and whose ffn_norm is spelled post_attention_norm).
+ssm_a = -exp(A_log), as llama.cpp's converter writes them, whose ffn_norm is spelled post_attention_norm, and whose
+ssm_in is split into attn_qkv and attn_gate, fused back here; ssm_ba is HF's, grouped by key head).
 A qwen3next file's DeltaNet shape is in its ssm.* keys (conv_kernel, state_size: dk, group_count: key heads,
 time_step_rank: value heads, inner_size: value heads x dv), its layer types in full_attention_interval (every
 N-th layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count.
@@ -32,6 +33,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import BY_GGUF_ARCH
 from ..models.names import EXPERT_STACKS
+from ..models.next_names import fuse_qkvz
 from ..quant.types import FLOAT, LOADABLE, names, type_size, block_size
 
 # HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
@@ -212,10 +214,22 @@ class GGUFSource:
             return f"blk.{layer}.{self._spelled.get(suffix, suffix)}"
         return name
 
+    def _split(self, name: str) -> tuple[str, str] | None:
+        """The attn_qkv and attn_gate that hold ssm_in `name` in a qwen3next file (llama.cpp's converter splits it)."""
+        if not (name.endswith(".ssm_in.weight") and BY_GGUF_ARCH[self.arch].gguf_split_qkvz
+                and name not in self._tensors):
+            return None
+        layer = name.rsplit(".", 2)[0]
+        return f"{layer}.attn_qkv.weight", f"{layer}.attn_gate.weight"
+
     def has(self, name: str) -> bool:
-        return self._file_name(name) in self._tensors
+        split = self._split(name)
+        return all(n in self._tensors for n in split) if split else self._file_name(name) in self._tensors
 
     def tensor(self, name: str) -> torch.Tensor:
+        split = self._split(name)
+        if split:
+            return fuse_qkvz(self.config, *(self.tensor(n) for n in split))
         t = self._tensors.get(self._file_name(name))
         if t is None:
             raise UserError(f"GGUF {str(self.path)!r} lacks tensor {self._file_name(name)}: is the file complete?")
@@ -251,5 +265,5 @@ class GGUFSource:
 
     def dtype_of(self, name: str) -> torch.dtype | None:
         """The torch dtype of a float tensor; None for a quantized one."""
-        t = self._tensors[self._file_name(name)].tensor_type
+        t = self._tensors[(self._split(name) or [self._file_name(name)])[0]].tensor_type
         return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(t)

@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import FAMILIES
 from ..models.names import EXPERT_STACKS, gguf_name, gguf_tensors
+from ..models.next_names import split_qkvz
 from .gguf import EOS_IDS_KEY, ROPE_KEYS
 
 TypeOf = Callable[[str, tuple[int, ...]], Q]      # (tensor name, torch shape as stored) -> its GGML type
@@ -196,6 +197,9 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
             stacks = _expert_stacks(source, layer, shape, dtypes)
         if layer_stack in EXPERT_STACKS:
             t = stacks.pop(layer_stack)
+        elif FAMILIES[cfg.family].gguf_split_qkvz and name.endswith(("attn_qkv.weight", "attn_gate.weight")):
+            qkv_gate = split_qkvz(cfg, source.tensor(name.rsplit(".", 2)[0] + ".ssm_in.weight"))
+            t = qkv_gate[name.endswith("attn_gate.weight")]
         else:
             t = source.tensor(name)
             if name.endswith("ffn_gate_inp_shexp.weight"):

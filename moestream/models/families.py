@@ -56,6 +56,7 @@ class Family:
                                      # multimodal checkpoints: model.language_model.), the written one first
     gguf_renames: tuple[tuple[str, str], ...] = ()    # (canonical, GGUF) layer suffixes where llama.cpp's
                                      # architecture spells a tensor otherwise (qwen3next: post_attention_norm)
+    gguf_split_qkvz: bool = False    # GGUF holds ssm_in as attn_qkv + attn_gate (models/next_names.py split_qkvz)
 
 
 # Canonical name -> HF name of the tensors outside the layers, spelled alike by every family.
@@ -129,7 +130,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Hybrid: Gated DeltaNet layers (fused in_proj_qkvz / in_proj_ba) and gated attention (q with a sigmoid gate,
     # per-head zero-centred QK-norm, partial rotary); 512 experts, softmax top-10, a sigmoid-gated shared expert.
     # llama.cpp's architecture qwen3next (the ssm.* keys, full_attention_interval, rope.dimension_count: rotary_dim)
-    # calls ffn_norm post_attention_norm.
+    # calls ffn_norm post_attention_norm and splits ssm_in into attn_qkv and attn_gate.
     Family("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "qwen3_next", ("qwen3next",),
            experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=True,
            norm_topk_prob="norm_topk_prob", attn_bias=False, hf_bias_key="attention_bias",
@@ -137,7 +138,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            qk_norm="head",
            gguf_arch="qwen3next", gguf_norm_topk=True,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True,
-           gguf_renames=(("ffn_norm.weight", "post_attention_norm.weight"),)),
+           gguf_renames=(("ffn_norm.weight", "post_attention_norm.weight"),), gguf_split_qkvz=True),
     # Qwen3-Next's math with split DeltaNet projections, top-k always renormalised, every layer MoE; config.json
     # nests the text model's keys under text_config (the text-only form transformers saves is qwen3_5_moe_text).
     # llama.cpp's architecture is qwen35moe (it reorders the value heads: see models/next_names.py).

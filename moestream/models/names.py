@@ -115,9 +115,13 @@ def gguf_name(cfg: ModelConfig, name: str) -> str:
 
 def gguf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, torch shape) of every tensor of the model's GGUF file in file order: the globals, then each layer
-    with its expert stacks. The shared expert's gate is (H,), as llama.cpp stores it."""
+    with its expert stacks. The shared expert's gate is (H,), as llama.cpp stores it. Names are canonical (the file
+    spells them gguf_name(cfg, name)), but for qwen3next's ssm_in, written as the attn_qkv and attn_gate it holds."""
     E, inter, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
     names = dense_names(cfg)
+    if FAMILIES[cfg.family].gguf_split_qkvz:     # llama.cpp's qwen3next: ssm_in as attn_qkv + attn_gate
+        names = [m for n in names for m in ((n.replace("ssm_in", "attn_qkv"), n.replace("ssm_in", "attn_gate"))
+                                             if n.endswith(".ssm_in.weight") else (n,))]
 
     def shape(name):
         s = canonical_shape(cfg, name)
