@@ -156,13 +156,15 @@ class Engine:
         """One eager forward. by_address, fused: a decode step's kernels (runtime/decode.py). observed: the route
         observers see its routing (in a zero-copy step with host experts the provider reports it instead)."""
         seq, n = segments[0].seq, len(tokens)
+        # A recurrent state: each segment continues its sequence, or starts it again at 0 (checked before any
+        # provider or observer starts a ubatch; a failed check changes nothing).
+        self.kv.begin(segments)
         if self.host is not None:
             self.host.begin_ubatch(seq, n, is_prompt)
         observer = self.observers if observed else None
         if observer is not None:
             observer.begin_ubatch(seq, n, is_prompt)
         batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer)
-        self.kv.begin(segments)         # a recurrent state: each segment continues its sequence, or starts it at 0
         logits = self.model.forward(batch, self.kv, self.experts, self.kernel)
         self.kv.end(segments)
         return logits
@@ -190,6 +192,7 @@ class Engine:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
         for _, _, pos in steps:
             self.check_context(pos + 1)
+        self.kv.check([Segment(s, p, 1) for s, _, p in steps])   # before the decode path starts the step
         span = self.kv.span(max(p for _, _, p in steps) + 1)
         path = self.decoder if self.decoder.takes(len(steps)) else self.eager
         return path.run(steps, span)

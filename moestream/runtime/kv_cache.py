@@ -5,7 +5,8 @@
     kv.write(layer, seq_ids, positions, k, v)        # k, v: (T, nkv, hd)
     cache = make_cache(model_cfg, n_seq, ctx, dtype, device)     # a HybridCache where the model has DeltaNet layers
 
-The engine calls begin(segments) before a forward and end(segments) after it. A KV cache needs neither: any
+The engine calls begin(segments) before a forward and end(segments) after it (and check(segments) before a decode
+step, whose path starts work before the forward). A KV cache needs none of them: any
 position can be rewritten, and a sequence can be cut back to any prefix (its later keys are masked, then
 overwritten). A recurrent state cannot: HybridCache.begin takes a segment only where its sequence's state stopped,
 or at 0 (which empties the state), and reusable_prefix keeps only an exact continuation.
@@ -58,8 +59,11 @@ class KVCache:
         self.k[layer][seq_ids, :, positions] = k
         self.v[layer][seq_ids, :, positions] = v
 
+    def check(self, segments) -> None:
+        """Raise UserError for segments this cache cannot run (models/transformer.py's Segment): none here."""
+
     def begin(self, segments) -> None:
-        """Before a forward over `segments` (models/transformer.py's Segment): nothing to check for a KV cache."""
+        """Just before a forward over `segments`: check them (and, for a recurrent state, reset restarted ones)."""
 
     def end(self, segments) -> None:
         """After that forward completed."""
@@ -97,10 +101,9 @@ class HybridCache(KVCache):
         size = torch.empty((), dtype=dtype).element_size()
         return len(cfg.linear_layers) * (size * conv[0] * conv[1] * conv[2] + 4 * ssm[0] * ssm[1] * ssm[2] * ssm[3])
 
-    def begin(self, segments) -> None:
+    def check(self, segments) -> None:
         """Refuse a segment that does not continue its sequence's state (or start it again at 0), or a sequence
-        twice in one forward; empty the states of sequences starting again. Until end(), the states of these
-        sequences are marked unknown: a forward that fails half way leaves them to be started again."""
+        twice in one forward."""
         seen = set()
         for s in segments:
             if s.seq in seen:
@@ -113,6 +116,11 @@ class HybridCache(KVCache):
                 raise UserError(f"sequence {s.seq}'s recurrent state {where}: a segment must continue it there or "
                                 f"start again at 0, not at position {s.start} (a Gated DeltaNet state cannot be "
                                 "cut back or skip ahead)")
+
+    def begin(self, segments) -> None:
+        """check(), then empty the states of sequences starting again. Until end(), the states of these sequences
+        are marked unknown: a forward that fails half way leaves them to be started again."""
+        self.check(segments)
         for s in segments:
             if s.start == 0:
                 for i in self.conv:
