@@ -356,3 +356,18 @@ def test_llama_cpp_split_ssm_in_is_the_same_layer():
     split = {k: v for k, v in lw.items() if k != "ssm_in.weight"} | {"attn_qkv.weight": qkv, "attn_gate.weight": gate}
     x = torch.randn(1, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(gated_deltanet(x, split, cfg)[0], gated_deltanet(x, lw, cfg)[0], atol=1e-5)
+
+
+def test_a_refused_step_leaves_the_cache_and_its_counters_as_they_were():
+    """With host experts under a cache and zero-copy decode, a decode step at a wrong position is refused before
+    the step's address table or counters start; the next right step gives the bits it would have given."""
+    kw = dict(device="cpu", ctx_size=64, cpu_moe=True, moe_cache_mib=1, zero_copy_decode=True)
+    a, b = LLM("synth:tiny-next", **kw).engine, LLM("synth:tiny-next", **kw).engine
+    prompt = ids(10, seed=13)
+    for eng in (a, b):
+        eng.prefill(0, prompt)
+    with pytest.raises(UserError, match="not at position 3"):
+        a.decode([(0, 5, 3)])
+    assert torch.equal(a.decode([(0, 5, 10)]), b.decode([(0, 5, 10)]))
+    counts = [{k: v for k, v in e.stats()["total"].items() if not k.endswith("_s")} for e in (a, b)]   # not times
+    assert counts[0] == counts[1]
