@@ -74,5 +74,58 @@ def checkpoint(request, tmp_path_factory):
     return request.param, str(path), model
 
 
+# --- the hybrid families (Qwen3-Next, Qwen3.5-MoE): DeltaNet layers 0 and 2, gated attention layers 1 and 3 ---------
+HYBRID_TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                   full_attention_interval=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=40, max_position_embeddings=512, bos_token_id=None,
+                   eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+HYBRID_VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64)
+# qwen3_next; qwen3_5_moe as the multimodal checkpoint (config.json nests text_config, tensors under
+# model.language_model.); qwen3_5_moe_text, the text-only form transformers saves
+HYBRID_FORMS = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def hybrid_model(form: str):
+    """A transformers model of a hybrid form, with transformers' init."""
+    import transformers as tf
+    if form == "qwen3_next":        # a dense layer too, and top-k renormalised by the config's choice
+        return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**HYBRID_TEXT, intermediate_size=48, mlp_only_layers=[2],
+                                                          norm_topk_prob=True))
+    if form == "qwen3_5_moe":
+        return tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(text_config=HYBRID_TEXT,
+                                                                         vision_config=HYBRID_VISION))
+    return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**HYBRID_TEXT))
+
+
+def randomize_hybrid(model):
+    """Weights far from transformers' init, so that a wrong head order, gate or norm shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(-2, 0.5))     # decays exp(g) from ~0.9 down to ~0.2 a token
+            elif name.endswith("dt_bias"):
+                p.normal_(0, 0.5)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:            # zero-centred: the norm scales by 1 + w
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.2)
+
+
+@pytest.fixture(scope="session", params=HYBRID_FORMS)
+def hybrid_checkpoint(request, tmp_path_factory):
+    """(form, path, transformers model) of a random hybrid checkpoint that transformers wrote (float32)."""
+    torch.manual_seed(0)
+    model = hybrid_model(request.param).eval()
+    randomize_hybrid(model)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(str(path))
+    return request.param, str(path), model
+
+
 def has_cuda() -> bool:
     return torch.cuda.is_available()

@@ -91,10 +91,11 @@ def test_the_decode_path_is_chosen_once_from_the_placement():
     from moestream.kernels.decode import MAX_TOKENS
     from moestream.runtime.decode import EagerDecode, GraphDecode, choose_decode
 
-    def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object(), quantized=False):
+    def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object(), quantized=False, capturable=True):
         ecfg = types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=graphs))
         eng = types.SimpleNamespace(ecfg=ecfg, device=types.SimpleNamespace(is_cuda=cuda), kernel=kernel, host=host,
-                                    decode_kernel=object() if zero_copy else None, quantized=quantized)
+                                    decode_kernel=object() if zero_copy else None, quantized=quantized,
+                                    model=types.SimpleNamespace(capturable=capturable))
         return choose_decode(eng)
     for p in (path(), path(zero_copy=False)):                  # every expert on the GPU: every step is a graph
         assert isinstance(p, GraphDecode) and p.captures and p.takes(MAX_TOKENS + 1) and not p.reports_routing
@@ -106,7 +107,7 @@ def test_the_decode_path_is_chosen_once_from_the_placement():
     p = path(host=object())
     assert isinstance(p, GraphDecode) and p.takes(MAX_TOKENS) and not p.takes(MAX_TOKENS + 1) and p.reports_routing
     for p in (path(host=object(), zero_copy=False), path(cuda=False), path(graphs=False),
-              path(kernel=experts_reference)):
+              path(kernel=experts_reference), path(capturable=False), path(host=object(), capturable=False)):
         assert isinstance(p, EagerDecode) and not p.captures and p.takes(MAX_TOKENS + 1) and p.reports_routing
     llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=2)
     llm.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)

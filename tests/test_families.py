@@ -33,8 +33,8 @@ OPTIONS = {
 }
 
 
-# The hybrid families (Qwen3-Next, Qwen3.5-MoE) are math only until the engine and loaders run them (issue 17):
-# tests/test_next_family.py tests them.
+# The hybrid families (Qwen3-Next, Qwen3.5-MoE) are read from HF checkpoints, not written as them yet (write_hf
+# refuses them; Qwen3-Next has its GGUF form): tests/test_next_family.py and tests/test_next_engine.py test them.
 ENGINE_FAMILIES = [name for name, f in FAMILIES.items() if not f.hybrid]
 
 

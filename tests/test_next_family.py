@@ -10,6 +10,7 @@ the experts combined in routing order (transformers adds them in expert order).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,56 +24,19 @@ from moestream.models.next_names import canonical_from_hf, hybrid_names
 from moestream.models.next_reference import HybridReference
 from moestream.runtime.kv_cache import KVCache
 
+from conftest import HYBRID_TEXT as TEXT, VOCAB
+
 ATOL = 1e-4
-VOCAB = 160
-TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=8,
-            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40,
-            max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64)
 
 
-def _model(form: str):
-    import transformers as tf
-    if form == "qwen3_next":        # a dense layer too, and top-k renormalised by the config's choice
-        return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**TEXT, intermediate_size=48, mlp_only_layers=[2],
-                                                          norm_topk_prob=True))
-    if form == "qwen3_5_moe":       # the multimodal checkpoint: config.json nests text_config
-        return tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION))
-    return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**TEXT))     # the text-only form transformers saves
-
-
-def _randomize(model):
-    """Weights far from transformers' init, so that a wrong head order, gate or norm shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(-2, 0.5))     # decays exp(g) from ~0.9 down to ~0.2 a token
-            elif name.endswith("dt_bias"):
-                p.normal_(0, 0.5)
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif "norm" in name:            # zero-centred: the norm scales by 1 + w
-                p.normal_(0, 0.1)
-            else:
-                p.normal_(0, 0.2)
-
-
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
-def hybrid(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def hybrid(hybrid_checkpoint):
     """(form, ModelConfig read from the written config.json, canonical weights from its safetensors, the model)."""
     from safetensors.torch import load_file
-    torch.manual_seed(0)
-    model = _model(request.param).eval()
-    _randomize(model)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(str(path))
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    weights = canonical_from_hf(cfg, load_file(str(path / "model.safetensors")))
-    return request.param, cfg, weights, model
+    form, path, model = hybrid_checkpoint
+    cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    weights = canonical_from_hf(cfg, load_file(str(Path(path) / "model.safetensors")))
+    return form, cfg, weights, model
 
 
 def _decoder(model):
@@ -136,9 +100,9 @@ def test_an_option_not_run_is_a_one_line_error(change, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_engine_refuses_deltanet_layers_until_it_runs_them(hybrid):
-    with pytest.raises(UserError, match="Gated DeltaNet"):
-        dense_names(hybrid[1])
+def test_dense_names_are_the_hybrid_names_less_the_expert_stacks(hybrid):
+    cfg = hybrid[1]
+    assert set(dense_names(cfg)) == {n for n in hybrid_names(cfg) if "_exps." not in n}
 
 
 # --- layers against transformers --------------------------------------------------------------------------------

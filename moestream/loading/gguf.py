@@ -9,7 +9,12 @@ Tensor types: every type of quant/types.py. Dense tensors (attention, norms, emb
 float (F32, F16 and BF16 as they are, quantized types dequantized to float32); expert stacks are also handed out
 as their raw blocks (`expert_types`, `expert_bytes`), which the engine keeps quantized from the file to the slot.
 Architectures: the families' `gguf_arch` in models/families.py (qwen3moe, qwen2moe and olmoe, which llama.cpp
-stores without permuting Q and K).
+stores without permuting Q and K; qwen3next, whose tensors hold the values the math takes, 1 + w norms and
+ssm_a = -exp(A_log), as llama.cpp's converter writes them, whose ffn_norm is spelled post_attention_norm, and whose
+ssm_in is split into attn_qkv and attn_gate, fused back here; ssm_ba is HF's, grouped by key head).
+A qwen3next file's DeltaNet shape is in its ssm.* keys (conv_kernel, state_size: dk, group_count: key heads,
+time_step_rank: value heads, inner_size: value heads x dv), its layer types in full_attention_interval (every
+N-th layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import BY_GGUF_ARCH
 from ..models.names import EXPERT_STACKS
+from ..models.next_names import fuse_qkvz
 from ..quant.types import FLOAT, LOADABLE, names, type_size, block_size
 
 # HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
@@ -86,6 +92,7 @@ class GGUFSource:
         if arch not in BY_GGUF_ARCH:
             raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(BY_GGUF_ARCH)}")
         self.arch = arch
+        self._spelled = dict(BY_GGUF_ARCH[arch].gguf_renames)      # canonical -> file suffix, where they differ
         for t in self._reader.tensors:
             self._check_tensor(t)
         self.config = self._config()
@@ -149,10 +156,12 @@ class GGUFSource:
             ids = [self._token_field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
             eos = list(dict.fromkeys(i for i in ids if i is not None))
         hidden, n_heads = self._key("embedding_length"), self._key("attention.head_count")
+        head_dim = self._key("attention.key_length", hidden // n_heads)
+        hybrid = self._hybrid_options(n_layers, head_dim) if fam.hybrid else {}
         return ModelConfig(
             family=fam.name, vocab_size=self._shape("token_embd.weight")[0], hidden_size=hidden, n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=self._key("attention.head_count_kv", n_heads),
-            head_dim=self._key("attention.key_length", hidden // n_heads),
+            head_dim=head_dim,
             n_experts=self._key("expert_count", E), n_experts_used=self._key("expert_used_count"),
             moe_intermediate_size=self._key("expert_feed_forward_length", inter) or self._key("feed_forward_length"),
             intermediate_size=self._key("feed_forward_length") if dense else 0,
@@ -164,8 +173,21 @@ class GGUFSource:
             rope_theta=float(self._key("rope.freq_base", 10000.0)), rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=self._key("context_length", 4096),
             tie_word_embeddings="output.weight" not in self._tensors,
-            bos_token_id=bos, eos_token_ids=tuple(eos),
+            bos_token_id=bos, eos_token_ids=tuple(eos), **hybrid,
         )
+
+    def _hybrid_options(self, n_layers: int, head_dim: int) -> dict:
+        """A qwen3next file's ModelConfig fields of the DeltaNet and gated attention layers."""
+        step = self._key("full_attention_interval", 4)
+        nv = self._key("ssm.time_step_rank")
+        return dict(layer_types=tuple("linear_attention" if (i + 1) % step else "full_attention"
+                                      for i in range(n_layers)),
+                    linear_num_key_heads=self._key("ssm.group_count"), linear_num_value_heads=nv,
+                    linear_key_head_dim=self._key("ssm.state_size"),
+                    linear_value_head_dim=self._key("ssm.inner_size") // nv,
+                    linear_conv_kernel=self._key("ssm.conv_kernel"),
+                    partial_rotary_factor=self._key("rope.dimension_count", head_dim // 4) / head_dim,
+                    attn_output_gate=True, zero_centred_norm=True)
 
     def _token_field(self, key: str):
         f = self._reader.fields.get(key)
@@ -185,13 +207,32 @@ class GGUFSource:
         return Tokenizer.from_gguf_fields(fields)
 
     # --- WeightSource ----------------------------------------------------------------------------------------
+    def _file_name(self, name: str) -> str:
+        """A canonical name as the file spells it (the architecture's renames: models/families.py)."""
+        if name.startswith("blk.") and self._spelled:
+            _, layer, suffix = name.split(".", 2)
+            return f"blk.{layer}.{self._spelled.get(suffix, suffix)}"
+        return name
+
+    def _split(self, name: str) -> tuple[str, str] | None:
+        """The attn_qkv and attn_gate that hold ssm_in `name` in a qwen3next file (llama.cpp's converter splits it)."""
+        if not (name.endswith(".ssm_in.weight") and BY_GGUF_ARCH[self.arch].gguf_split_qkvz
+                and name not in self._tensors):
+            return None
+        layer = name.rsplit(".", 2)[0]
+        return f"{layer}.attn_qkv.weight", f"{layer}.attn_gate.weight"
+
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        split = self._split(name)
+        return all(n in self._tensors for n in split) if split else self._file_name(name) in self._tensors
 
     def tensor(self, name: str) -> torch.Tensor:
-        t = self._tensors.get(name)
+        split = self._split(name)
+        if split:
+            return fuse_qkvz(self.config, *(self.tensor(n) for n in split))
+        t = self._tensors.get(self._file_name(name))
         if t is None:
-            raise UserError(f"GGUF {str(self.path)!r} lacks tensor {name}: is the file complete?")
+            raise UserError(f"GGUF {str(self.path)!r} lacks tensor {self._file_name(name)}: is the file complete?")
         out = _to_torch(t.data, t.tensor_type)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             out = out.reshape(1, -1)       # llama.cpp stores the shared expert's gate as (H,)
@@ -224,5 +265,5 @@ class GGUFSource:
 
     def dtype_of(self, name: str) -> torch.dtype | None:
         """The torch dtype of a float tensor; None for a quantized one."""
-        t = self._tensors[name].tensor_type
+        t = self._tensors[(self._split(name) or [self._file_name(name)])[0]].tensor_type
         return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(t)

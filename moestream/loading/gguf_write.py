@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType as Q
 from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import FAMILIES
-from ..models.names import EXPERT_STACKS, gguf_tensors
+from ..models.names import EXPERT_STACKS, gguf_name, gguf_tensors
+from ..models.next_names import split_qkvz
 from .gguf import EOS_IDS_KEY, ROPE_KEYS
 
 TypeOf = Callable[[str, tuple[int, ...]], Q]      # (tensor name, torch shape as stored) -> its GGML type
@@ -67,6 +68,8 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
     w.add_expert_weights_norm(cfg.norm_topk_prob)
     if cfg.shared_expert_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if FAMILIES[cfg.family].hybrid:
+        _add_hybrid_metadata(w, cfg)
     if cfg.clip_qkv is not None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.rope:
@@ -90,6 +93,22 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
         fields[EOS_IDS_KEY] = list(cfg.eos_token_ids)
     for k, v in fields.items():
         _add_kv(w, k, v)
+
+
+def _add_hybrid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """qwen3next's keys: the DeltaNet's shape (ssm.*), the attention layers' interval, the rotary width."""
+    step = cfg.attention_layers[0] + 1 if cfg.attention_layers else cfg.n_layers + 1
+    want = tuple("linear_attention" if (i + 1) % step else "full_attention" for i in range(cfg.n_layers))
+    if cfg.layer_types != want:
+        raise UserError(f"GGUF holds a {cfg.family} model's layer types as one full_attention_interval; this "
+                        "model's attention layers are not every N-th layer: export a Hugging Face directory")
+    w.add_full_attention_interval(step)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    w.add_rope_dimension_count(cfg.rotary_dim)
 
 
 def _add_tensor_info(w: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtype: Q) -> None:
@@ -131,12 +150,14 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
         raise UserError(f"GGUF export of {cfg.family} is not supported yet; export a Hugging Face directory")
     if types is None:
         if dtype == "auto":       # the dtype of a small 2-D tensor every family has (token_embd is big to make)
-            probe = source.tensor("blk.0.attn_q.weight").dtype
+            probe = source.tensor(f"blk.{cfg.moe_layers[0]}.ffn_gate_inp.weight").dtype
             dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(probe, "float32")
         if dtype not in GGUF_DTYPES:
             raise UserError(f"GGUF dtype must be auto, float32, float16, bfloat16 or q8_0, got {dtype!r}")
         qtype = GGUF_DTYPES[dtype]
-        types, file_type = (lambda name, shape: Q.F32 if len(shape) == 1 else qtype), FILE_TYPE[qtype]
+        # 1-D tensors and the DeltaNet's conv (rows of kernel-size values) in F32, as llama.cpp's converter does
+        types, file_type = (lambda name, shape: Q.F32 if len(shape) == 1 or name.endswith("ssm_conv1d.weight")
+                            else qtype), FILE_TYPE[qtype]
     elif file_type is None:
         raise ValueError("write_gguf: types= needs the file_type it makes")
     plan = [(name, shape, types(name, shape)) for name, shape in gguf_tensors(cfg)]
@@ -158,7 +179,7 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
 def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device: str, progress: bool):
     _add_metadata(w, cfg, file_type, any(t not in FLOAT_TORCH for _, _, t in plan), source.tokenizer)
     for name, shape, qtype in plan:
-        _add_tensor_info(w, name, shape, qtype)
+        _add_tensor_info(w, gguf_name(cfg, name), shape, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -176,6 +197,9 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
             stacks = _expert_stacks(source, layer, shape, dtypes)
         if layer_stack in EXPERT_STACKS:
             t = stacks.pop(layer_stack)
+        elif FAMILIES[cfg.family].gguf_split_qkvz and name.endswith(("attn_qkv.weight", "attn_gate.weight")):
+            qkv_gate = split_qkvz(cfg, source.tensor(name.rsplit(".", 2)[0] + ".ssm_in.weight"))
+            t = qkv_gate[name.endswith("attn_gate.weight")]
         else:
             t = source.tensor(name)
             if name.endswith("ffn_gate_inp_shexp.weight"):

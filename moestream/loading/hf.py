@@ -26,19 +26,23 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
 from ..models.names import dense_names
+from ..models.next_names import canonical_value
 
 INDEX = "model.safetensors.index.json"
 
-def hf_names(name: str, family: str) -> list[str]:
-    """HF spellings of a canonical name, the one transformers 5.24's save_pretrained writes first."""
+
+def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
+    """HF spellings of a canonical name, the one transformers 5.24's save_pretrained writes first. `prefix`: where
+    the language model's tensors are (`model.`; Qwen3.5-MoE's multimodal checkpoints: `model.language_model.`)."""
     if name in HF_GLOBAL:
-        return [HF_GLOBAL[name]]
+        hf = HF_GLOBAL[name]
+        return [prefix + hf[len("model."):] if hf.startswith("model.") else hf]
     _, layer, suffix = name.split(".", 2)
     if suffix == "ffn_gate_inp.weight":
         spellings = first_own(FAMILIES[family].hf_router, [f.hf_router for f in FAMILIES.values()])
     else:
         spellings = [HF_LAYER[suffix]]
-    return [f"model.layers.{layer}.{s}" for s in spellings]
+    return [f"{prefix}layers.{layer}.{s}" for s in spellings]
 
 
 def _expert_names(family: str, layer: int, e: int) -> list[str]:
@@ -63,6 +67,8 @@ class HFSource:
                 raise UserError(f"cannot read {file.name}: {e}; the file is truncated or not safetensors: "
                                 "download it again") from None
             self._where.update(dict.fromkeys(handle.keys(), handle))
+        prefixes = FAMILIES[self.config.family].hf_text_prefixes
+        self.prefix = next((p for p in prefixes if p + "embed_tokens.weight" in self._where), prefixes[0])
 
     def _shard_files(self) -> list[Path]:
         if (self.path / "model.safetensors").exists():
@@ -93,16 +99,17 @@ class HFSource:
 
     # --- WeightSource ----------------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
-        return any(n in self._where for n in hf_names(name, self.config.family))
+        return any(n in self._where for n in hf_names(name, self.config.family, self.prefix))
 
     def tensor(self, name: str) -> torch.Tensor:
-        t = self._read_first(hf_names(name, self.config.family), name)
+        t = self._read_first(hf_names(name, self.config.family, self.prefix), name)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)                 # some exports keep the shared expert's gate as (H,)
-        return t
+        # hybrid families: zero-centred norms as 1 + w, -exp(A_log), the conv as (C, K) (models/next_names.py)
+        return canonical_value(self.config, name.split(".", 2)[2] if name.startswith("blk.") else name, t)
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        p = f"model.layers.{layer}."
+        p = f"{self.prefix}layers.{layer}."
         fam, every = FAMILIES[self.config.family], FAMILIES.values()
         for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
             names = [f"{p}{mod}.{e}.{proj}.weight" for proj in (g, u, d)]
@@ -123,7 +130,7 @@ class HFSource:
         raise UserError("a Hugging Face checkpoint has no quantized expert blocks")
 
     def dtype_of(self, name: str) -> torch.dtype:
-        return self._read_first(hf_names(name, self.config.family), name).dtype
+        return self._read_first(hf_names(name, self.config.family, self.prefix), name).dtype
 
     # --- reading ---------------------------------------------------------------------------------------------
     def _read_first(self, names: list[str], canonical: str) -> torch.Tensor:
@@ -225,6 +232,9 @@ def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30,
     tensor's own, else float32|bfloat16|float16.
     """
     out = Path(out_dir)
+    fam = FAMILIES[source.config.family]
+    if fam.hybrid:                  # its canonical values (1 + w norms, -exp(A_log)) would need turning back
+        raise UserError(f"writing {fam.title} as a Hugging Face directory is not supported yet")
     if getattr(source, "path", None) is not None and Path(source.path).resolve() == out.resolve():
         raise UserError(f"cannot write a model over itself ({str(out)!r}); choose another output directory")
     out.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,8 @@
 
     src = SynthSource.from_spec("tiny")                          # CPU-sized qwen3_moe with a synth tokenizer
     src = SynthSource.from_spec("qwen3-30b-a3b:layers=4:seed=1")  # Qwen3-30B-A3B shapes, 4 layers
+    src = SynthSource.from_spec("tiny-next")                     # CPU-sized qwen3_next: DeltaNet and attention
+    src = SynthSource.from_spec("qwen3-next-80b-a3b:layers=8")   # Qwen3-Next-80B-A3B shapes, 8 layers
     src.tensor("blk.0.attn_q.weight")                            # (nh*hd, H), made on demand
 
 Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16.
@@ -11,6 +13,11 @@ crc32 of (seed, layer, expert), so a tensor does not depend on which others were
 in any order, or only some of them, and still get the same model. Weights are normal(0, fan_in**-0.5) drawn in
 float32 and then cast; norm weights are 1 + 0.1 * normal, so that a model
 which ignored its norm weights would not pass a test by luck.
+
+Hybrid presets (Qwen3-Next) place their attention layers every `full_attention_interval` layers (the last of each
+group), for any layers=N, as the checkpoints' config.json does. Their canonical tensors are what the math takes:
+norms hold 1 + w already, and the DeltaNet decay rate ssm_a = -exp(A_log) is drawn negative, A_log uniform in
+[-2, 0.5] (float32, as the engine keeps it).
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..models.names import canonical_shape, dense_names
+from ..models.names import canonical_shape, dense_names, keeps_float32
 
 TINY_VOCAB = 1024          # text.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
 
@@ -37,15 +44,36 @@ PRESETS: dict[str, dict] = {
         head_dim=128, n_experts=128, n_experts_used=8, moe_intermediate_size=768, norm_topk_prob=True,
         qk_norm="head", rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
     ),
+    # A CPU-sized Qwen3-Next: Gated DeltaNet layers and gated attention every second layer, a shared expert.
+    "tiny-next": dict(
+        family="qwen3_next", vocab_size=TINY_VOCAB, hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=2,
+        head_dim=32, n_experts=16, n_experts_used=4, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, norm_topk_prob=True, qk_norm="head", rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=4096, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel=4, partial_rotary_factor=0.25,
+        attn_output_gate=True, zero_centred_norm=True,
+    ),
+    # Qwen3-Next-80B-A3B's real shapes (its config.json): 512 experts, 10 routed, attention every fourth layer.
+    "qwen3-next-80b-a3b": dict(
+        family="qwen3_next", vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=16, n_kv_heads=2,
+        head_dim=256, n_experts=512, n_experts_used=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, norm_topk_prob=True, qk_norm="head", rms_norm_eps=1e-6,
+        rope_theta=1e7, max_position_embeddings=262144, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4, partial_rotary_factor=0.25,
+        attn_output_gate=True, zero_centred_norm=True,
+    ),
 }
-DEFAULT_DTYPE = {"tiny": torch.float32, "qwen3-30b-a3b": torch.bfloat16}
-HAS_TOKENIZER = {"tiny"}
+DEFAULT_DTYPE = {"tiny": torch.float32, "qwen3-30b-a3b": torch.bfloat16, "tiny-next": torch.float32,
+                 "qwen3-next-80b-a3b": torch.bfloat16}
+HAS_TOKENIZER = {"tiny", "tiny-next"}
+FULL_ATTENTION_INTERVAL = {"tiny-next": 2, "qwen3-next-80b-a3b": 4}     # hybrid presets: attention every N layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # The router's logits are x . w over H unit-scale features, so with std H**-0.5 they are ~N(0, 1) and top-k picks
 # are soft. The tiny model scales them up so its routing is decisive, as a trained model's is; the big preset
 # keeps the reference file's plain init.
 TINY_ROUTER_SCALE = 3.0
+SCALED_ROUTERS = {"tiny", "tiny-next"}
 
 
 def _usage() -> str:
@@ -88,6 +116,10 @@ class SynthSource:
                     raise ValueError
             except ValueError:
                 raise UserError(f"bad synth option {opt!r} in 'synth:{spec}'; {_usage()}") from None
+        if name in FULL_ATTENTION_INTERVAL:     # the layer types of however many layers, as transformers derives them
+            step = FULL_ATTENTION_INTERVAL[name]
+            kw["layer_types"] = tuple("linear_attention" if (i + 1) % step else "full_attention"
+                                      for i in range(kw["n_layers"]))
         tok = None
         if name in HAS_TOKENIZER:
             from ..text.tokenizer import synth_tokenizer      # lazily: it trains a small BPE in memory
@@ -95,7 +127,7 @@ class SynthSource:
             # The model stops where its tokenizer says a text ends (tokenizer.save_hf writes these ids too).
             kw.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_ids=tuple(tok.eos_ids))
         return cls(ModelConfig(**kw), dtype=dtype, seed=seed, tokenizer=tok,
-                   router_scale=TINY_ROUTER_SCALE if name == "tiny" else 1.0)
+                   router_scale=TINY_ROUTER_SCALE if name in SCALED_ROUTERS else 1.0)
 
     # --- WeightSource ----------------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -106,6 +138,8 @@ class SynthSource:
             raise UserError(f"the synth model has no tensor {name!r}")
         g = self._generator(name)
         shape = canonical_shape(self.config, name)
+        if keeps_float32(name):             # ssm_a, the DeltaNet's decay rate: -exp(A_log), negative
+            return -torch.empty(shape).uniform_(-2.0, 0.5, generator=g).exp()
         if name.endswith("norm.weight"):
             return (1.0 + 0.1 * torch.randn(shape, generator=g)).to(self.dtype)
         if name.endswith(".bias"):

@@ -3,6 +3,7 @@ oracle of the fast kernels (fla-core on CUDA, later). Batched over sequences: B 
 
     y, st = gated_deltanet(x, lw, cfg)                 # a prompt from an empty state: x (B, T, H)
     y, st = gated_deltanet(x1, lw, cfg, st)            # one more token each: x1 (B, 1, H), the recurrent form
+    y, st = gated_deltanet(x, lw, cfg, st, kernels=k)  # k: a DeltaKernels (kernels/delta.py picks; TORCH here)
 
 A layer keeps two tensors per sequence (DeltaState): the last kernel-1 inputs of its causal conv and one (dk, dv)
 state per value head. Per token t and value head, with q, k L2-normed and q scaled by dk^-1/2:
@@ -25,6 +26,7 @@ Value head j reads key head j // (nv/nk), as transformers' repeat_interleave doe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -164,17 +166,33 @@ def _project(x: torch.Tensor, lw: dict, cfg: ModelConfig):
     return mixed, z, b, a
 
 
+@dataclass(frozen=True)
+class DeltaKernels:
+    """The seam where a DeltaNet layer's kernels are chosen (kernels/delta.py: pick_delta_kernels), each with the
+    signature of its plain-torch reference here: the causal conv (causal_conv1d), the delta rule over a prompt
+    (chunk_gated_delta_rule) and over one token per sequence (recurrent_gated_delta_rule)."""
+    name: str
+    conv: Callable
+    chunk: Callable
+    recurrent: Callable
+
+
+TORCH = DeltaKernels("torch", causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule)
+
+
 def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaState | None = None,
-                   mode: str = "auto", chunk_size: int = 64) -> tuple[torch.Tensor, DeltaState]:
+                   mode: str = "auto", chunk_size: int = 64,
+                   kernels: DeltaKernels = TORCH) -> tuple[torch.Tensor, DeltaState]:
     """One Gated DeltaNet layer over B sequences of T tokens each: x (B, T, H) (the normed residual stream),
     `state` each sequence's state before x (None: empty) -> y (B, T, H), the state after x.
 
-    mode: auto (recurrent for T = 1, chunked otherwise, as transformers chooses), chunk or recurrent."""
+    mode: auto (recurrent for T = 1, chunked otherwise, as transformers chooses), chunk or recurrent.
+    kernels: the conv and delta-rule implementations (plain torch by default)."""
     B, T, _ = x.shape
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mixed, z, b, a = _project(x, lw, cfg)
-    mixed, conv = causal_conv1d(mixed, lw["ssm_conv1d.weight"], None if state is None else state.conv)
+    mixed, conv = kernels.conv(mixed, lw["ssm_conv1d.weight"], None if state is None else state.conv)
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     q = l2norm(q.reshape(B, T, nk, dk).float())
     k = l2norm(k.reshape(B, T, nk, dk).float())
@@ -183,8 +201,8 @@ def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaStat
     g = lw["ssm_a"].float() * F.softplus(a.float() + lw["ssm_dt.bias"])            # (B, T, nv), <= 0
     recurrent = mode == "recurrent" or (mode == "auto" and T == 1)
     if recurrent:
-        o, ssm = recurrent_gated_delta_rule(q, k, v, g, beta, None if state is None else state.ssm)
+        o, ssm = kernels.recurrent(q, k, v, g, beta, None if state is None else state.ssm)
     else:
-        o, ssm = chunk_gated_delta_rule(q, k, v, g, beta, None if state is None else state.ssm, chunk_size)
+        o, ssm = kernels.chunk(q, k, v, g, beta, None if state is None else state.ssm, chunk_size)
     o = gated_rms_norm(o, z, lw["ssm_norm.weight"], cfg.rms_norm_eps)             # (B, T, nv, dv)
     return F.linear(o.reshape(B, T, nv * dv), lw["ssm_out.weight"]), DeltaState(conv, ssm)

@@ -51,9 +51,12 @@ class Family:
                                                  # as transformers 5 holds experts in memory
     # --- hybrid families ------------------------------------------------------------------------------------
     hybrid: bool = False             # Gated DeltaNet layers between gated attention layers (layer_types, linear_*
-                                     # keys; models/deltanet.py); the engine does not run them yet (issue 17)
+                                     # keys): the engine runs models/hybrid.py's decoder and a HybridCache
     hf_text_prefixes: tuple[str, ...] = ("model.",)   # where the language model's tensors are (Qwen3.5-MoE's
                                      # multimodal checkpoints: model.language_model.), the written one first
+    gguf_renames: tuple[tuple[str, str], ...] = ()    # (canonical, GGUF) layer suffixes where llama.cpp's
+                                     # architecture spells a tensor otherwise (qwen3next: post_attention_norm)
+    gguf_split_qkvz: bool = False    # GGUF holds ssm_in as attn_qkv + attn_gate (models/next_names.py split_qkvz)
 
 
 # Canonical name -> HF name of the tensors outside the layers, spelled alike by every family.
@@ -126,14 +129,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",)),
     # Hybrid: Gated DeltaNet layers (fused in_proj_qkvz / in_proj_ba) and gated attention (q with a sigmoid gate,
     # per-head zero-centred QK-norm, partial rotary); 512 experts, softmax top-10, a sigmoid-gated shared expert.
-    # llama.cpp's architecture is qwen3next; no GGUF form here yet.
+    # llama.cpp's architecture qwen3next (the ssm.* keys, full_attention_interval, rope.dimension_count: rotary_dim)
+    # calls ffn_norm post_attention_norm and splits ssm_in into attn_qkv and attn_gate.
     Family("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "qwen3_next", ("qwen3next",),
            experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=True,
            norm_topk_prob="norm_topk_prob", attn_bias=False, hf_bias_key="attention_bias",
            shared_expert_key="shared_expert_intermediate_size", clip_qkv_key=None, hf_extra=(),
            qk_norm="head",
-           gguf_arch=None, gguf_norm_topk=True,
-           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True),
+           gguf_arch="qwen3next", gguf_norm_topk=True,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True,
+           gguf_renames=(("ffn_norm.weight", "post_attention_norm.weight"),), gguf_split_qkvz=True),
     # Qwen3-Next's math with split DeltaNet projections, top-k always renormalised, every layer MoE; config.json
     # nests the text model's keys under text_config (the text-only form transformers saves is qwen3_5_moe_text).
     # llama.cpp's architecture is qwen35moe (it reorders the value heads: see models/next_names.py).

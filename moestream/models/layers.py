@@ -24,8 +24,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (hd/2,) and the attention factor for the config's rope type."""
-    dim = cfg.head_dim
+    """Inverse frequencies (rd/2,) and the attention factor for the config's rope type, over the rotary width rd
+    (head_dim, or its leading head_dim * partial_rotary_factor dims: transformers' dim for every rope type)."""
+    dim = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     r, kind = cfg.rope, cfg.rope_type
     if kind == "default":
@@ -65,10 +66,10 @@ def _inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def rope_tables(cfg: ModelConfig, n_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions 0..n_pos-1: (n_pos, hd) float32, halves repeated (NEOX layout)."""
+    """cos and sin for positions 0..n_pos-1: (n_pos, rd) float32, halves repeated (NEOX layout); rd = cfg.rotary_dim."""
     inv, att = _inv_freq(cfg)
     freqs = torch.arange(n_pos, dtype=torch.float32)[:, None] * inv[None, :]    # (P, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)                                     # (P, hd)
+    emb = torch.cat([freqs, freqs], dim=-1)                                     # (P, rd)
     return (emb.cos() * att).to(device), (emb.sin() * att).to(device)
 
 

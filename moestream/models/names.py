@@ -15,23 +15,37 @@ Names (prefix `blk.{i}.` for layer i), shapes in torch order (out_features, in_f
                   ffn_gate_shexp.weight / ffn_up_shexp.weight (Is, H), ffn_down_shexp.weight (H, Is),
                   ffn_gate_inp_shexp.weight (1, H)     [qwen2_moe shared expert and its sigmoid gate]
     dense layers: ffn_gate.weight / ffn_up.weight (I, H), ffn_down.weight (H, I)
+    hybrid families (qwen3_next, qwen3_5_moe): the names and values of models/next_names.py; attention layers'
+                  attn_q.weight is (nh*2hd, H) (q and its output gate), and DeltaNet layers have ssm_* instead
 
 The names are family-independent: a family's options (moestream.models.families) say which of them it has.
 `gguf_tensors(cfg)` lists a GGUF file's tensors in the order moestream writes them, with the shapes the file holds.
 """
 from __future__ import annotations
 
+import math
+
 from ..config import ModelConfig
-from ..errors import UserError
+from .families import FAMILIES
 
 # A MoE layer's experts stacked (E, ., .): gate, up, down, in the order an expert's buffer holds them.
 EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+EXPERT_SUFFIXES = tuple(f"{s}.weight" for s in EXPERT_STACKS)
+# Tensors kept in float32 whatever the model's dtype: the DeltaNet's decay rate -exp(A_log), which transformers
+# computes in float32 from A_log at every forward (a bfloat16 copy would move every decay).
+FLOAT32 = ("ssm_a",)
+
+
+def keeps_float32(name: str) -> bool:
+    """Whether the engine keeps this canonical tensor in float32 (FLOAT32) rather than the model's dtype."""
+    return name.rsplit(".", 1)[-1] in FLOAT32
 
 
 def dense_names(cfg: ModelConfig) -> list[str]:
     """Every non-expert tensor a model of this config has, in canonical names."""
-    if cfg.linear_layers:       # models/next_names.py names them; the engine runs them later (issue 17)
-        raise UserError(f"moestream's engine does not run {cfg.family}'s Gated DeltaNet layers yet")
+    if FAMILIES[cfg.family].hybrid:     # DeltaNet and gated attention layers: models/next_names.py names them
+        from .next_names import hybrid_names
+        return [n for n in hybrid_names(cfg) if not n.endswith(EXPERT_SUFFIXES)]
     names = ["token_embd.weight", "output_norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("output.weight")
@@ -58,11 +72,15 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     H, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     inter, shexp = cfg.intermediate_size, cfg.shared_expert_intermediate_size
+    nv, lk = cfg.linear_num_value_heads, cfg.linear_num_key_heads * cfg.linear_key_head_dim     # DeltaNet
+    lv = nv * cfg.linear_value_head_dim
     base = name.split(".", 2)[2] if name.startswith("blk.") else name
     shapes = {
         "token_embd.weight": (V, H), "output.weight": (V, H), "output_norm.weight": (H,),
         "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
-        "attn_q.weight": (q, H), "attn_k.weight": (kv, H), "attn_v.weight": (kv, H), "attn_output.weight": (H, q),
+        # with an output gate, q_proj holds each head's q then its gate
+        "attn_q.weight": (2 * q if cfg.attn_output_gate else q, H), "attn_k.weight": (kv, H),
+        "attn_v.weight": (kv, H), "attn_output.weight": (H, q),
         "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
         "attn_q_norm.weight": (hd,) if cfg.qk_norm == "head" else (q,),
         "attn_k_norm.weight": (hd,) if cfg.qk_norm == "head" else (kv,),
@@ -70,15 +88,40 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "ffn_gate_shexp.weight": (shexp, H), "ffn_up_shexp.weight": (shexp, H), "ffn_down_shexp.weight": (H, shexp),
         "ffn_gate_inp_shexp.weight": (1, H),
         "ffn_gate.weight": (inter, H), "ffn_up.weight": (inter, H), "ffn_down.weight": (H, inter),
+        # Gated DeltaNet (models/deltanet.py): q, k (lk each), v (lv) and z (lv); the conv runs over q|k|v
+        "ssm_in.weight": (2 * lk + 2 * lv, H), "ssm_ba.weight": (2 * nv, H),
+        "attn_qkv.weight": (2 * lk + lv, H), "attn_gate.weight": (lv, H),
+        "ssm_beta.weight": (nv, H), "ssm_alpha.weight": (nv, H),
+        "ssm_conv1d.weight": (2 * lk + lv, cfg.linear_conv_kernel), "ssm_dt.bias": (nv,), "ssm_a": (nv,),
+        "ssm_norm.weight": (cfg.linear_value_head_dim,), "ssm_out.weight": (H, lv),
     }
     return shapes[base]
 
 
+def dense_numel(cfg: ModelConfig) -> int:
+    """Elements of every non-expert tensor (what stays on the device whatever --cpu-moe says)."""
+    return sum(math.prod(canonical_shape(cfg, n)) for n in dense_names(cfg))
+
+
+def gguf_name(cfg: ModelConfig, name: str) -> str:
+    """A canonical name as the family's GGUF architecture spells it (the same but for its gguf_renames)."""
+    if name.startswith("blk."):
+        _, layer, suffix = name.split(".", 2)
+        for canonical, spelled in FAMILIES[cfg.family].gguf_renames:
+            if suffix == canonical:
+                return f"blk.{layer}.{spelled}"
+    return name
+
+
 def gguf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, torch shape) of every tensor of the model's GGUF file in file order: the globals, then each layer
-    with its expert stacks. The shared expert's gate is (H,), as llama.cpp stores it."""
+    with its expert stacks. The shared expert's gate is (H,), as llama.cpp stores it. Names are canonical (the file
+    spells them gguf_name(cfg, name)), but for qwen3next's ssm_in, written as the attn_qkv and attn_gate it holds."""
     E, inter, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
     names = dense_names(cfg)
+    if FAMILIES[cfg.family].gguf_split_qkvz:     # llama.cpp's qwen3next: ssm_in as attn_qkv + attn_gate
+        names = [m for n in names for m in ((n.replace("ssm_in", "attn_qkv"), n.replace("ssm_in", "attn_gate"))
+                                             if n.endswith(".ssm_in.weight") else (n,))]
 
     def shape(name):
         s = canonical_shape(cfg, name)

@@ -28,12 +28,12 @@ Names are llama.cpp's (gguf.constants, MODEL_ARCH.QWEN3NEXT / QWEN35MOE), values
     model.norm.weight -> output_norm.weight (1 + w); embed_tokens, lm_head as every family.
 
 1 + w and -exp(A_log) are what transformers computes from HF's values in float32 at every forward, and what
-llama.cpp's converter stores, so both sources give the same numbers (norms and ssm_a stay float32). A GGUF reader
-differs from this in two places: llama.cpp's qwen3next converter now writes ssm_in as attn_qkv + attn_gate with the
-heads ungrouped (the math takes that form too), and its qwen35moe converter reorders the value heads from grouped
-by key head to tiled (v head j*nk + h for h's j-th), in attn_qkv's v rows, attn_gate, ssm_beta, ssm_alpha, ssm_a,
-ssm_dt, the conv's v channels and ssm_out's columns: a GGUF reader undoes that. MTP layers (mtp.*) and the vision
-tower are not read.
+llama.cpp's converter stores, so both sources give the same numbers (norms and ssm_a stay float32). GGUF differs
+from this in two places: llama.cpp's qwen3next converter writes ssm_in as attn_qkv + attn_gate with the heads
+ungrouped (split_qkvz / fuse_qkvz below: loading/gguf.py fuses them back, gguf_write.py splits), and its qwen35moe
+converter reorders the value heads from grouped by key head to tiled (v head j*nk + h for h's j-th), in attn_qkv's
+v rows, attn_gate, ssm_beta, ssm_alpha, ssm_a, ssm_dt, the conv's v channels and ssm_out's columns: a qwen35moe
+reader (not written yet) undoes that. MTP layers (mtp.*) and the vision tower are not read.
 """
 from __future__ import annotations
 
@@ -73,8 +73,9 @@ def hybrid_names(cfg: ModelConfig) -> list[str]:
     return names + [f"blk.{i}.{n}" for i in range(cfg.n_layers) for n in layer_names(cfg, i)]
 
 
-def _value(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
-    """An HF tensor's value as the canonical tensor holds it."""
+def canonical_value(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """An HF tensor's value as the canonical tensor `name` (a layer's suffix, or a global name) holds it; other
+    families' tensors, and the rest of these, as they are."""
     if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name == "output_norm.weight"):
         return 1.0 + t.float()
     if name == "ssm_a":
@@ -91,7 +92,7 @@ def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
     if prefix is None:
         raise KeyError(f"no embed_tokens.weight under {fam.hf_text_prefixes}")
     out = {"token_embd.weight": sd[prefix + "embed_tokens.weight"],
-           "output_norm.weight": _value(cfg, "output_norm.weight", sd[prefix + "norm.weight"])}
+           "output_norm.weight": canonical_value(cfg, "output_norm.weight", sd[prefix + "norm.weight"])}
     if not cfg.tie_word_embeddings:
         out["output.weight"] = sd["lm_head.weight"]
     hf_of = dict(HF_LAYER, **{"ffn_gate_inp.weight": fam.hf_router[0]})
@@ -99,7 +100,7 @@ def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
         p = f"{prefix}layers.{i}."
         for name in layer_names(cfg, i):
             if name in hf_of:
-                out[f"blk.{i}.{name}"] = _value(cfg, name, sd[p + hf_of[name]])
+                out[f"blk.{i}.{name}"] = canonical_value(cfg, name, sd[p + hf_of[name]])
         if i in cfg.dense_layers:
             continue
         mod, g, u, d = fam.hf_experts[0]
@@ -114,3 +115,28 @@ def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
         out[f"blk.{i}.ffn_up_exps.weight"] = up.contiguous()
         out[f"blk.{i}.ffn_down_exps.weight"] = down
     return out
+
+
+# --- llama.cpp's qwen3next form of ssm_in: its converter writes in_proj_qkvz as attn_qkv (q of every key head, then
+# k, then v: the conv's channel order) and attn_gate (z), and keeps ssm_ba as HF has it. Rows only move.
+def _qkvz_parts(cfg: ModelConfig) -> tuple[int, int, list[int]]:
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    rv = cfg.linear_num_value_heads // nk * cfg.linear_value_head_dim      # one key head's v (and z) rows
+    return nk, dk, [dk, dk, rv, rv]
+
+
+def split_qkvz(cfg: ModelConfig, ssm_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ssm_in (2K + 2V, H), [q_h k_h v_h z_h] per key head h -> attn_qkv (2K + V, H), attn_gate (V, H)."""
+    nk, _, parts = _qkvz_parts(cfg)
+    q, k, v, z = ssm_in.reshape(nk, sum(parts), -1).split(parts, dim=1)         # (nk, part, H) each
+    flat = [t.reshape(-1, ssm_in.shape[-1]) for t in (q, k, v, z)]
+    return torch.cat(flat[:3]), flat[3]
+
+
+def fuse_qkvz(cfg: ModelConfig, qkv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """split_qkvz's inverse: attn_qkv (2K + V, H) and attn_gate (V, H) -> ssm_in (2K + 2V, H)."""
+    nk, dk, parts = _qkvz_parts(cfg)
+    H = qkv.shape[-1]
+    q, k, v = qkv.split([nk * dk, nk * dk, nk * parts[2]])
+    heads = [t.reshape(nk, -1, H) for t in (q, k, v, gate)]                     # (nk, part, H) each
+    return torch.cat(heads, dim=1).reshape(-1, H)

@@ -59,9 +59,7 @@ class HybridReference:
         self.cfg, self.w, self.ctx = cfg, weights, ctx
         self.layers = [{k[len(f"blk.{i}."):]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
                        for i in range(cfg.n_layers)]
-        # rotary over the first rotary_dim dims only: the tables of a head that wide
-        self.cos, self.sin = rope_tables(cfg.replace(head_dim=cfg.rotary_dim, partial_rotary_factor=1.0), ctx,
-                                         device)
+        self.cos, self.sin = rope_tables(cfg, ctx, device)        # (ctx, rotary_dim): the first rotary_dim dims
         self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
         self.dtype, self.device = weights["token_embd.weight"].dtype, device
 

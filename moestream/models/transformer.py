@@ -67,6 +67,8 @@ class Batch:
 
 
 class MoETransformer:
+    capturable = True               # a decode step may be captured in a CUDA graph (runtime/decode.py)
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor]):
         self.cfg = cfg
         self.w = weights
@@ -81,7 +83,8 @@ class MoETransformer:
         self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
         if cfg.qk_norm == "head":       # the fused decode kernel takes both head norms' weights in one tensor
             for lw in self.layers:
-                lw["attn_qk_norm.weight"] = torch.cat([lw["attn_q_norm.weight"], lw["attn_k_norm.weight"]])
+                if "attn_q_norm.weight" in lw:
+                    lw["attn_qk_norm.weight"] = torch.cat([lw["attn_q_norm.weight"], lw["attn_k_norm.weight"]])
         moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead
         self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD])
                              for i, a in enumerate(moe)}
@@ -102,7 +105,7 @@ class MoETransformer:
         delta = None                    # the last block's output, not yet added to the residual stream h
         for i, lw in enumerate(self.layers):
             h, a = self._add_norm(h, delta, lw["attn_norm.weight"], fused)
-            delta = self.attention(a, lw, i, batch, kv, cos, sin, mask, fused)
+            delta = self.mix(a, lw, i, batch, kv, cos, sin, mask, fused)
             h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
             if i in cfg.dense_layers:
                 delta = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
@@ -121,6 +124,11 @@ class MoETransformer:
             return fused.add_rms_norm(h, delta, w, self.cfg.rms_norm_eps)
         h = h + delta
         return h, rms_norm(h, w, self.cfg.rms_norm_eps)
+
+    def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
+        """Layer `layer`'s token mixer on the normed residual stream x (T, H) -> (T, H): attention here; a
+        hybrid model's (models/hybrid.py) is attention or a Gated DeltaNet by layer type."""
+        return self.attention(x, lw, layer, batch, kv, cos, sin, mask, fused)
 
     def _fuses_attention(self, fused) -> bool:
         """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, and

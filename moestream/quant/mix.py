@@ -8,7 +8,7 @@
 
 The rules moestream's families meet (no Falcon, no 70B, no imatrix):
 - Never quantized: 1-D tensors (norms, biases, the shared expert's gate), `*_norm.weight`, the routers
-  `ffn_gate_inp.weight`: F32, as llama.cpp's converters write them.
+  `ffn_gate_inp.weight`, the DeltaNet's `ssm_conv1d.weight`: F32, as llama.cpp's converters write them.
 - output.weight (token_embd.weight when the embeddings are tied): Q6_K, or Q8_0 for Q8_0 and for rows that are not
   whole blocks of the file type.
 - attn_v: Q6_K in the `use_more_bits` layers for Q4_K_M / Q5_K_M, Q5_K in the first 4 layers for Q4_K_S, Q5_K for
@@ -66,7 +66,7 @@ def use_more_bits(layer: int, n_layers: int) -> bool:
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
     """Whether llama-quantize quantizes this tensor at all (the others keep their float type: F32 here)."""
     return (name.endswith("weight") and len(shape) >= 2 and "_norm.weight" not in name
-            and "ffn_gate_inp.weight" not in name)
+            and "ffn_gate_inp.weight" not in name and "ssm_conv1d.weight" not in name)
 
 
 def _fits(qtype: Q, n: int) -> bool:

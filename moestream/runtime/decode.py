@@ -103,11 +103,13 @@ class GraphDecode(DecodePath):
 
 
 def choose_decode(engine) -> DecodePath:
-    """GraphDecode where a step can be captured: CUDA graphs on (--no-cuda-graphs), an expert kernel with no host
-    sync (the reference kernel reads its slot counts back), and no host step inside a step (every float expert on
-    the GPU, or zero-copy decode); else EagerDecode."""
+    """GraphDecode where a step can be captured: CUDA graphs on (--no-cuda-graphs), a model whose steps may be
+    captured (not yet a hybrid one: models/hybrid.py says why), an expert kernel with no host sync (the reference
+    kernel reads its slot counts back), and no host step inside a step (every float expert on the GPU, or
+    zero-copy decode); else EagerDecode. Zero-copy decode's expert kernel runs in eager steps alike."""
     eng = engine
-    capturable = eng.ecfg.decode.cuda_graphs and eng.device.is_cuda and eng.kernel is not experts_reference
+    capturable = (eng.ecfg.decode.cuda_graphs and eng.device.is_cuda and eng.model.capturable
+                  and eng.kernel is not experts_reference)
     # Quantized experts are dequantized per ubatch (a host sync, to size the scratch) unless decode reads in place.
     fetch_ok = eng.host is None and not eng.quantized
     if capturable and (fetch_ok or eng.decode_kernel is not None):

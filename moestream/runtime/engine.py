@@ -10,6 +10,11 @@ Attention, norms, routers, embeddings and the KV cache live on the device; route
 for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an expert provider. On CUDA a decode step
 reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and runs as one CUDA graph; the decode
 path is chosen once, at setup (runtime/decode.py).
+
+Hybrid families (Qwen3-Next, Qwen3.5-MoE: models/hybrid.py) keep, besides the KV of their attention layers, a conv
+window and a recurrent state per DeltaNet layer and sequence (runtime/kv_cache.py's HybridCache): a forward's
+segment must continue its sequence from where its state stopped, or start it again at position 0, and a new
+prompt reuses a sequence's cache only as an exact continuation (reusable_prefix).
 """
 from __future__ import annotations
 
@@ -32,11 +37,14 @@ from ..quant.layout import ExpertLayout
 from ..quant.types import FLOAT
 from ..kernels import AddressBook, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
+from ..kernels.delta import pick_delta_kernels
+from ..models.families import FAMILIES
+from ..models.hybrid import HybridTransformer
 from ..models.layers import rope_tables
-from ..models.names import dense_names
+from ..models.names import dense_names, dense_numel, keeps_float32
 from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, choose_decode
-from .kv_cache import KVCache
+from .kv_cache import KVCache, cache_nbytes, make_cache
 from .memory import context_that_fits, fewer_sequences
 
 log = logging.getLogger("moestream")
@@ -94,7 +102,7 @@ class Engine:
         bar = tqdm(total=len(names) + len(moe), desc="loading", unit="tensor", disable=not progress, leave=False)
         weights = {}
         for n in names:
-            weights[n] = source.tensor(n).to(device=dev.torch, dtype=dtype)
+            weights[n] = source.tensor(n).to(device=dev.torch, dtype=torch.float32 if keeps_float32(n) else dtype)
             bar.update()
         staging = None
         host_rows, dev_rows = {}, {}
@@ -127,8 +135,12 @@ class Engine:
             providers.update({l: host_provider for l in host_rows})
             log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                      len(host_rows), store.nbytes / MiB, len(dev_rows))
-        model = MoETransformer(cfg, weights, rope_tables(cfg, ctx, dev.torch))
-        kv = KVCache(cfg.n_layers, ecfg.batching.n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, dev.torch)
+        rope = rope_tables(cfg, ctx, dev.torch)
+        if FAMILIES[cfg.family].hybrid:      # the family table says which decoder: DeltaNet and gated attention
+            model = HybridTransformer(cfg, weights, rope, pick_delta_kernels(dev.torch, dtype))
+        else:
+            model = MoETransformer(cfg, weights, rope)
+        kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch)
         kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
         book = AddressBook()
         for rows in (*dev_rows.values(), *host_rows.values()):
@@ -144,13 +156,18 @@ class Engine:
         """One eager forward. by_address, fused: a decode step's kernels (runtime/decode.py). observed: the route
         observers see its routing (in a zero-copy step with host experts the provider reports it instead)."""
         seq, n = segments[0].seq, len(tokens)
+        # A recurrent state: each segment continues its sequence, or starts it again at 0 (checked before any
+        # provider or observer starts a ubatch; a failed check changes nothing).
+        self.kv.begin(segments)
         if self.host is not None:
             self.host.begin_ubatch(seq, n, is_prompt)
         observer = self.observers if observed else None
         if observer is not None:
             observer.begin_ubatch(seq, n, is_prompt)
         batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer)
-        return self.model.forward(batch, self.kv, self.experts, self.kernel)
+        logits = self.model.forward(batch, self.kv, self.experts, self.kernel)
+        self.kv.end(segments)
+        return logits
 
     def check_context(self, n_tokens: int) -> None:
         if n_tokens > self.kv.ctx:
@@ -175,6 +192,7 @@ class Engine:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
         for _, _, pos in steps:
             self.check_context(pos + 1)
+        self.kv.check([Segment(s, p, 1) for s, _, p in steps])   # before the decode path starts the step
         if not self.decoder.takes(len(steps)) and len(steps) > MAX_TOKENS:
             # More tokens than a zero-copy step takes (-np above MAX_TOKENS): several such steps, each as fast as
             # one, rather than one eager step that decides on the host between layers.
@@ -182,6 +200,17 @@ class Engine:
         span = self.kv.span(max(p for _, _, p in steps) + 1)
         path = self.decoder if self.decoder.takes(len(steps)) else self.eager
         return path.run(steps, span)
+
+    @property
+    def reuses_prefix_exactly_only(self) -> bool:
+        """Whether a sequence's cache can only be continued, not cut back (a hybrid model's recurrent states)."""
+        return self.kv.exact_prefix_only
+
+    def reusable_prefix(self, cached: list[int], prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` need not run again on a sequence whose cache holds `cached` (its
+        tokens from position 0): the common prefix (at most all but the prompt's last token) for a KV cache; for a
+        hybrid model all of `cached` where the prompt extends it, else 0 (its states cannot be cut back)."""
+        return self.kv.reusable_prefix(cached, prompt)
 
     @property
     def reports_decode_routing(self) -> bool:
@@ -331,18 +360,18 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
     dev_layers = [l for l in cfg.moe_layers if l not in host]
     rest = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in dev_layers)     # the device layers' experts
     b = ecfg.batching
-    kv = KVCache.nbytes_for(cfg.n_layers, b.n_seq, b.ctx_size, cfg.n_kv_heads, cfg.head_dim, dtype)
-    dense = (2 * cfg.vocab_size * cfg.hidden_size + cfg.n_layers * (
-        2 * cfg.n_heads * cfg.head_dim * cfg.hidden_size + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.hidden_size))
+    kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, dtype)   # states: DeltaNet layers', the same for any -c
+    fixed = dense_numel(cfg) * size + states                        # what does not shrink with -c
     free = dev.free_memory()
-    if dense * size + kv > free:          # no placement of the experts helps: the context is what does not fit
-        fits = max(1, context_that_fits(kv, b.ctx_size, free - dense * size)) if free > dense * size else 0
+    if fixed + kv > free:                 # no placement of the experts helps: the context is what does not fit
+        fits = max(1, context_that_fits(kv, b.ctx_size, free - fixed)) if free > fixed else 0
         seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
+        what = "attention, embeddings and recurrent states" if states else "attention and embeddings"
         raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB on {dev.name} beside "
-                        f"{dense * size / MiB:.0f} MiB of attention and embeddings, but {free / MiB:.0f} MiB are "
-                        f"free; " + (f"use -c {fits} or less" + fewer_sequences(kv, b.n_seq, free - dense * size)
-                                     if fits else "this model does not fit on this device"))
-    rest += kv + dense * size
+                        f"{fixed / MiB:.0f} MiB of {what}, but {free / MiB:.0f} MiB are free; "
+                        + (f"use -c {fits} or less" + fewer_sequences(kv, b.n_seq, free - fixed)
+                           if fits else "this model does not fit on this device"))
+    rest += kv + fixed
     pool = 0
     slot = _slot_bytes(layouts, host, dtype)
     if host:

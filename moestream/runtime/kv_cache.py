@@ -1,14 +1,35 @@
-"""The KV cache: preallocated per layer, one row per sequence, written in place by (sequence, position).
+"""A sequence's cache on the device: the KV cache, preallocated per layer, one row per sequence, written in place by
+(sequence, position); for hybrid families also each Gated DeltaNet layer's conv window and recurrent state.
 
     kv = KVCache(n_layers=24, n_seq=4, ctx=4096, n_kv=4, hd=128, dtype=torch.bfloat16, device="cuda")
     kv.write(layer, seq_ids, positions, k, v)        # k, v: (T, nkv, hd)
+    cache = make_cache(model_cfg, n_seq, ctx, dtype, device)     # a HybridCache where the model has DeltaNet layers
+
+The engine calls begin(segments) before a forward and end(segments) after it (and check(segments) before a decode
+step, whose path starts work before the forward). A KV cache needs none of them: any
+position can be rewritten, and a sequence can be cut back to any prefix (its later keys are masked, then
+overwritten). A recurrent state cannot: HybridCache.begin takes a segment only where its sequence's state stopped,
+or at 0 (which empties the state), and reusable_prefix keeps only an exact continuation.
 """
 from __future__ import annotations
 
 import torch
 
+from ..errors import UserError
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
 
 class KVCache:
+    exact_prefix_only = False       # a sequence may be cut back to any prefix of what it holds
+
     def __init__(self, n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, device):
         self.n_seq, self.ctx = n_seq, ctx
         shape = (n_seq, n_kv, ctx, hd)
@@ -37,3 +58,94 @@ class KVCache:
         # Advanced indices on dims 0 and 2 around a slice: the indexed view is (T, nkv, hd), k's own shape.
         self.k[layer][seq_ids, :, positions] = k
         self.v[layer][seq_ids, :, positions] = v
+
+    def check(self, segments) -> None:
+        """Raise UserError for segments this cache cannot run (models/transformer.py's Segment): none here."""
+
+    def begin(self, segments) -> None:
+        """Just before a forward over `segments`: check them (and, for a recurrent state, reset restarted ones)."""
+
+    def end(self, segments) -> None:
+        """After that forward completed."""
+
+    def reusable_prefix(self, cached: list[int], prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` a sequence holding `cached` (the tokens in its cache, from position
+        0) keeps: their common prefix, less one where the prompt is all cached (a forward needs a token to run)."""
+        return max(0, min(common_prefix(cached, prompt), len(prompt) - 1))
+
+
+class HybridCache(KVCache):
+    """The KV of the attention layers (k[j], v[j] for cfg.attention_layers[j]) and, per DeltaNet layer i, conv[i]
+    (n_seq, C, kernel-1) in the model's dtype (the conv's last inputs) and ssm[i] (n_seq, nv, dk, dv) float32 (the
+    recurrent state), and the position each sequence's state has reached (None: unknown, a forward failed)."""
+    exact_prefix_only = True        # a recurrent state cannot be cut back: reuse an exact continuation or nothing
+
+    def __init__(self, cfg, n_seq: int, ctx: int, dtype, device):
+        super().__init__(len(cfg.attention_layers), n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, device)
+        conv, ssm = self.state_shapes(cfg, n_seq)
+        self.conv = {i: torch.zeros(conv, dtype=dtype, device=device) for i in cfg.linear_layers}
+        self.ssm = {i: torch.zeros(ssm, dtype=torch.float32, device=device) for i in cfg.linear_layers}
+        self.length: list[int | None] = [0] * n_seq
+
+    @staticmethod
+    def state_shapes(cfg, n_seq: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One DeltaNet layer's conv window and recurrent state shapes for n_seq sequences."""
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        return (n_seq, 2 * nk * dk + nv * dv, cfg.linear_conv_kernel - 1), (n_seq, nv, dk, dv)
+
+    @staticmethod
+    def state_nbytes_for(cfg, n_seq: int, dtype) -> int:
+        """Bytes of every DeltaNet layer's states for n_seq sequences (they do not grow with the context)."""
+        conv, ssm = HybridCache.state_shapes(cfg, n_seq)
+        size = torch.empty((), dtype=dtype).element_size()
+        return len(cfg.linear_layers) * (size * conv[0] * conv[1] * conv[2] + 4 * ssm[0] * ssm[1] * ssm[2] * ssm[3])
+
+    def check(self, segments) -> None:
+        """Refuse a segment that does not continue its sequence's state (or start it again at 0), or a sequence
+        twice in one forward."""
+        seen = set()
+        for s in segments:
+            if s.seq in seen:
+                raise UserError(f"sequence {s.seq} appears twice in one forward; a hybrid model's recurrent state "
+                                "takes one segment of a sequence at a time")
+            seen.add(s.seq)
+            at = self.length[s.seq]
+            if s.start != 0 and s.start != at:
+                where = "is unknown (a forward failed)" if at is None else f"is at position {at}"
+                raise UserError(f"sequence {s.seq}'s recurrent state {where}: a segment must continue it there or "
+                                f"start again at 0, not at position {s.start} (a Gated DeltaNet state cannot be "
+                                "cut back or skip ahead)")
+
+    def begin(self, segments) -> None:
+        """check(), then empty the states of sequences starting again. Until end(), the states of these sequences
+        are marked unknown: a forward that fails half way leaves them to be started again."""
+        self.check(segments)
+        for s in segments:
+            if s.start == 0:
+                for i in self.conv:
+                    self.conv[i][s.seq].zero_()
+                    self.ssm[i][s.seq].zero_()
+            self.length[s.seq] = None
+
+    def end(self, segments) -> None:
+        for s in segments:
+            self.length[s.seq] = s.start + s.n
+
+    def reusable_prefix(self, cached: list[int], prompt: list[int]) -> int:
+        """len(cached) where the prompt extends it by at least one token (an exact continuation), else 0."""
+        n = super().reusable_prefix(cached, prompt)
+        return n if n == len(cached) else 0
+
+
+def make_cache(cfg, n_seq: int, ctx: int, dtype, device) -> KVCache:
+    """The cache of a model of `cfg`: a HybridCache where it has DeltaNet layers, else a KVCache of every layer."""
+    if cfg.linear_layers:
+        return HybridCache(cfg, n_seq, ctx, dtype, device)
+    return KVCache(cfg.n_layers, n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, device)
+
+
+def cache_nbytes(cfg, n_seq: int, ctx: int, dtype) -> tuple[int, int]:
+    """(bytes that grow with the context: the attention layers' K and V; bytes that do not: DeltaNet states)."""
+    kv = KVCache.nbytes_for(len(cfg.attention_layers), n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype)
+    return kv, HybridCache.state_nbytes_for(cfg, n_seq, dtype) if cfg.linear_layers else 0

@@ -9,7 +9,8 @@ Available memory is the kernel's MemAvailable, or less where a cgroup (a contain
 from __future__ import annotations
 
 from ..errors import UserError
-from .kv_cache import KVCache
+from ..models.names import dense_numel
+from .kv_cache import cache_nbytes
 
 MiB = 1 << 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -35,21 +36,18 @@ def available_host_memory() -> int | None:
 
 
 def host_bytes(cfg, ecfg, expert_bytes: int | None = None) -> tuple[int, int]:
-    """(weights, KV cache) bytes that loading `cfg` as the resolved `ecfg` places in host memory. expert_bytes: one
-    expert's (a quantized file's blocks), if not the model dtype's."""
+    """(weights, KV cache) bytes that loading `cfg` as the resolved `ecfg` places in host memory (a hybrid model's
+    recurrent states, whose size -c does not change, count as weights). expert_bytes: one expert's (a quantized
+    file's blocks), if not the model dtype's."""
     size = DTYPE_BYTES[ecfg.placement.dtype]
     expert = expert_bytes or cfg.expert_numel * size
     b = ecfg.batching
     if ecfg.placement.device != "cpu":
         return len(ecfg.placement.host_layers(cfg)) * cfg.n_experts * expert, 0
-    attn = cfg.n_layers * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
-    dense = (2 * cfg.vocab_size * cfg.hidden_size + attn) * size
-    dense += len(cfg.dense_layers) * 3 * cfg.intermediate_size * cfg.hidden_size * size
-    dense += len(cfg.moe_layers) * 3 * cfg.shared_expert_intermediate_size * cfg.hidden_size * size
     experts = len(cfg.moe_layers) * cfg.n_experts * expert
-    kv = KVCache.nbytes_for(cfg.n_layers, b.n_seq, b.ctx_size, cfg.n_kv_heads, cfg.head_dim,
-                            _torch_dtype(ecfg.placement.dtype))
-    return dense + experts, kv
+    # A hybrid model's DeltaNet states do not grow with -c: counted with the weights, the KV with the context.
+    kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, _torch_dtype(ecfg.placement.dtype))
+    return dense_numel(cfg) * size + experts + states, kv
 
 
 def context_that_fits(kv_bytes: int, ctx: int, room: int) -> int:

@@ -19,7 +19,9 @@ Each request's stop and detokenize rules are runtime/sequence.py's, as `LLM.gene
 of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
 previous one, which /slots shows; the expert cache keeps its prompts' counts there to seed their prefetch), and
 keeps the tokens whose KV its sequence holds: a new prompt reuses the longest common prefix (llama-server's
-cache_prompt).
+cache_prompt). A hybrid model's sequence (Qwen3-Next: recurrent states besides the KV) cannot be cut back to a
+prefix, so there a prompt reuses a slot only as an exact continuation, the slot's whole cache followed by new
+tokens, and otherwise starts from position 0 (engine.reusable_prefix decides, for both).
 """
 from __future__ import annotations
 
@@ -124,14 +126,6 @@ def _history(slots: list[Slot]) -> list[list[int]] | None:
     if not any(s.run.req.params.penalized for s in slots):
         return None
     return [s.run.req.prompt + s.run.seq.ids if s.run.req.params.penalized else [] for s in slots]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Scheduler:
@@ -273,7 +267,8 @@ class Scheduler:
                 self._free(s, outcome="cancelled")
 
     def _admit(self) -> None:
-        """Give waiting requests, oldest first, to idle slots: the one sharing the longest prefix, else the LRU."""
+        """Give waiting requests, oldest first, to idle slots: the one whose cache serves the longest prefix (the
+        engine's reusable_prefix: a common prefix, or for a hybrid model an exact continuation), else the LRU."""
         while True:
             with self._cv:                   # under the lock: submit() counts free slots as places to wait in
                 idle = [s for s in self.slots if s.run is None]
@@ -285,9 +280,11 @@ class Scheduler:
                         self.metrics.on_finish("cancelled")
                     continue
                 use = req.cache_prompt and self.cache_prompt
-                slot = max(idle, key=lambda s: (common_prefix(s.cached, req.prompt) if use else 0, -s.last_used))
-                # Keep at least one prompt token to run, so that there are logits to sample the first token from.
-                n = min(common_prefix(slot.cached, req.prompt), len(req.prompt) - 1) if use else 0
+
+                def reused(s: Slot) -> int:     # at least one prompt token still runs: logits to sample from
+                    return self.engine.reusable_prefix(s.cached, req.prompt) if use else 0
+                slot = max(idle, key=lambda s: (reused(s), -s.last_used))
+                n = reused(slot)
                 slot.run = _Run(req, self.engine, self.tokenizer, n)
             self.engine.begin_prompt(slot.id)   # the slot's routing: this request's counts start, the last one's
             slot.cached = slot.cached[:n]
