@@ -1,0 +1,66 @@
+"""fla-core's Gated DeltaNet kernels (kernels/delta.py) against the plain-torch references, and a hybrid model on
+CUDA: its bits do not depend on where the experts are."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moestream import LLM
+from moestream.kernels.delta import fla_available, pick_delta_kernels
+from moestream.models.deltanet import TORCH, l2norm
+
+pytestmark = pytest.mark.cuda
+needs_fla = pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core")
+
+
+def _inputs(B, T, nk, nv, dk, dv, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")
+    q, k = l2norm(r(B, T, nk, dk)), l2norm(r(B, T, nk, dk))
+    v = r(B, T, nv, dv).bfloat16()
+    gate = -F.softplus(r(B, T, nv)) * 0.5                       # log-decays, <= 0
+    beta = torch.sigmoid(r(B, T, nv)).bfloat16()
+    state = r(B, nv, dk, dv) * 0.1
+    # the references see what the fla kernels see: q, k and beta rounded to bf16
+    return q.bfloat16().float(), k.bfloat16().float(), v, gate, beta, state
+
+
+@needs_fla
+@pytest.mark.parametrize("T", [1, 37, 130])
+def test_fla_chunk_matches_the_reference(T):
+    fla = pick_delta_kernels(torch.device("cuda"), torch.bfloat16)
+    assert fla.name == "fla"
+    q, k, v, g, beta, state = _inputs(2, T, 2, 4, 64, 64)
+    for s0 in (None, state):
+        o, S = fla.chunk(q, k, v, g, beta, s0, 64)
+        o_ref, S_ref = TORCH.chunk(q, k, v, g, beta.float(), s0, 64)
+        assert o.dtype == v.dtype and S.dtype == torch.float32
+        assert torch.allclose(o.float(), o_ref.float(), atol=3e-2, rtol=3e-2), (o.float() - o_ref.float()).abs().max()
+        assert torch.allclose(S, S_ref, atol=3e-2, rtol=3e-2), (S - S_ref).abs().max()
+
+
+@needs_fla
+def test_fla_recurrent_matches_the_reference():
+    fla = pick_delta_kernels(torch.device("cuda"), torch.bfloat16)
+    q, k, v, g, beta, state = _inputs(3, 1, 2, 4, 64, 64, seed=1)
+    o, S = fla.recurrent(q, k, v, g, beta, state)
+    o_ref, S_ref = TORCH.recurrent(q, k, v, g, beta.float(), state)
+    assert torch.allclose(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(S, S_ref, atol=1e-3, rtol=1e-3)
+
+
+@needs_fla
+def test_hybrid_model_on_cuda_bit_identical_across_placements():
+    """synth:tiny-next in bf16 on CUDA (fla's kernels): the same logits bits and greedy tokens all on the GPU and
+    with its experts in host memory behind caches of two sizes."""
+    prompt = list(range(3, 40))
+    outs = []
+    for kw in ({}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}):
+        llm = LLM("synth:tiny-next", ctx_size=128, device="cuda", **kw)
+        assert llm.engine.model.delta.name == "fla"
+        eng = llm.engine
+        logits = eng.prefill(0, prompt, 0, all_logits=True).float().cpu()
+        outs.append((logits, llm.generate(prompt, max_tokens=12).token_ids))
+    for logits, ids in outs[1:]:
+        assert torch.equal(logits, outs[0][0]) and ids == outs[0][1]
