@@ -1,0 +1,151 @@
+"""The "runs" variant of the quantized decode kernel: kernels/decode_quant.py's contract, one 16-byte run a lane.
+
+    out = experts_by_address_runs(x, addrs, weights, layout)    # x (T, H); addrs, weights (T, k) -> (T, H)
+
+A program's lanes each own a unit of one block (kernels/qruns.py: 16-byte runs of quants, 16 to 64 values of
+one to four sub-blocks) and keep its sums in registers; a tile is UNITS_A_STEP units, one a lane, so every load is
+a lane's own run and the lanes of a warp read neighbouring runs. Two launches, as "values" has:
+
+- gate and up: program (t k + j, R rows of I): the R rows' units of choice j's gate and up, side by side (one x
+  load serves both), R * BB * NU units a step, NB / BB steps; then silu(g) * u, rounded to x's dtype.
+- down: program (t, R rows of H): the units of all k choices' rows at once (experts are a tile axis, so a token's
+  8 experts load in parallel), weighted and summed over the k choices in a fixed tree order, in float32.
+
+Every byte is read once, by one lane, from wherever it lies; where the compiler can be told that a run is 16-aligned
+(Q4_K and Q5_K in a 16-aligned row) it is one 128-bit load, else aligned words shifted into place. The bits depend
+on the bytes alone: the placement changes the loads, never the arithmetic (the tests read the same bytes at other
+addresses, odd ones too). Shapes follow from the types and the shape alone; no autotuning.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..quant.layout import ExpertLayout
+from ..quant.types import row_bytes
+from .qblocks import SHAPES, triton
+from .qruns import UNITS, aligned16, runs_available
+
+UNITS_A_STEP = 128           # units (one a lane) a program reads a step
+WARPS = 4
+
+
+def runs_layout(layout: ExpertLayout) -> bool:
+    """Whether the layout has a runs path: gate and up of one type, each of its types with runs."""
+    if triton is None or not layout.quantized:
+        return False
+    (g, u, d), I, H = layout.types, layout.inter, layout.hidden
+    return g == u and runs_available(g, H) and runs_available(d, I)
+
+
+def _tile(qtype, n_cols: int, per_row: int) -> tuple[int, int, tuple]:
+    """(rows a program, blocks a step, the matrix's block constexprs (NB, BS, TS, NU)): R rows x per_row
+    (choices) x BB blocks x NU units = UNITS_A_STEP, BB the largest power of two dividing the row's blocks."""
+    bs, ts = SHAPES[qtype][:2]
+    nu = UNITS[qtype][0]
+    nb = n_cols // bs
+    bb = 1
+    while nb % (2 * bb) == 0 and per_row * 2 * bb * nu <= UNITS_A_STEP:
+        bb *= 2
+    rows = max(1, UNITS_A_STEP // (per_row * bb * nu))
+    return rows, bb, (nb, bs, ts, nu)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from .qruns import _scalar, unit_dots
+
+    @triton.jit
+    def _dots(blk, blk2, c, m, xp, al, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr):
+        """unit_dots with 128-bit loads where the rows' bases are 16-aligned (al, and A16: the runs are then too);
+        the same arithmetic either way."""
+        if A16:
+            if al:
+                d1, d2 = unit_dots(blk, blk2, c, m, xp, QT, True, TWO)
+            else:
+                d1, d2 = unit_dots(blk, blk2, c, m, xp, QT, False, TWO)
+        else:
+            d1, d2 = unit_dots(blk, blk2, c, m, xp, QT, False, TWO)
+        return d1, d2
+
+    @triton.jit
+    def _gate_up_runs(x_ptr, addr_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+                      R: tl.constexpr, OG: tl.constexpr, OU: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
+                      NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
+                      A16: tl.constexpr):
+        """Program (t k + j, R rows of I): choice j's gate and up rows against x[t], then silu(g) * u."""
+        pair = tl.program_id(0)
+        t = pair // K
+        L: tl.constexpr = R * BB * NU
+        u = tl.arange(0, L)
+        row = tl.program_id(1) * R + u // (BB * NU)                                  # (L,) the unit's row
+        bi = (u // NU) % BB
+        c = u % NU
+        m = row < I
+        a = tl.load(addr_ptr + pair)
+        ga = tl.zeros([L], dtype=tl.float32)
+        ua = tl.zeros([L], dtype=tl.float32)
+        for b0 in range(0, NB, BB):
+            blk = a + (row * RB + (b0 + bi) * TS)                                    # (L,) int64
+            xp = x_ptr + t * H + (b0 + bi) * BS
+            g1, u1 = _dots(blk + OG, blk + OU, c, m, xp, (a & 15) == 0, QT, A16, True)
+            ga += g1
+            ua += u1
+        g = tl.sum(tl.reshape(ga, (R, BB * NU)), axis=1)                             # (R,)
+        up = tl.sum(tl.reshape(ua, (R, BB * NU)), axis=1)
+        h = g * tl.sigmoid(g) * up
+        rows = tl.program_id(1) * R + tl.arange(0, R)
+        tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rows < I)
+
+    @triton.jit
+    def _down_runs(h_ptr, addr_ptr, w_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+                   KP: tl.constexpr, R: tl.constexpr, OD: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
+                   NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
+                   A16: tl.constexpr):
+        """Program (t, R rows of H): every choice's down rows against its activation, weighted, summed."""
+        t = tl.program_id(0)
+        L: tl.constexpr = R * KP * BB * NU
+        u = tl.arange(0, L)
+        row = tl.program_id(1) * R + u // (KP * BB * NU)
+        e = (u // (BB * NU)) % KP                                                    # (L,) the unit's choice
+        bi = (u // NU) % BB
+        c = u % NU
+        em = e < K
+        m = (row < H) & em
+        a = _scalar(addr_ptr + t * K + e, em)                                        # (L,) int64
+        al = tl.max(a & 15, axis=0) == 0
+        acc = tl.zeros([L], dtype=tl.float32)
+        for b0 in range(0, NB, BB):
+            blk = a + (OD + row * RB + (b0 + bi) * TS)
+            xp = h_ptr + (t * K + e) * I + (b0 + bi) * BS
+            d1, _ = _dots(blk, blk, c, m, xp, al, QT, A16, False)
+            acc += d1
+        y = tl.sum(tl.reshape(acc, (R, KP, BB * NU)), axis=2)                        # (R, KP)
+        js = tl.arange(0, KP)
+        wj = tl.load(w_ptr + t * K + js, mask=js < K, other=0.0).to(tl.float32)
+        out = tl.sum(y * wj[None, :], axis=1)                                        # (R,)
+        rows = tl.program_id(1) * R + tl.arange(0, R)
+        tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
+
+
+def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor,
+                            layout: ExpertLayout) -> torch.Tensor:
+    """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t])."""
+    assert runs_layout(layout), layout
+    T, H = x.shape
+    I, k = layout.inter, addrs.shape[1]
+    og, ou, od = layout.offsets
+    qg, _, qd = layout.types
+    x, addrs, weights = x.contiguous(), addrs.contiguous(), weights.contiguous()
+    h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)                                  # (T k, I)
+    out = torch.empty_like(x)                                                                   # (T, H)
+    rbg, rbd = row_bytes(qg, H), row_bytes(qd, I)
+    r, bb, g = _tile(qg, H, 1)
+    a16 = aligned16(qg, og, rbg) and aligned16(qg, ou, rbg)
+    _gate_up_runs[(T * k, triton.cdiv(I, r))](x, addrs, h, H, I, k, r, og, ou, int(qg), rbg, *g, bb, a16,
+                                              num_warps=WARPS, enable_fp_fusion=True)
+    kp = triton.next_power_of_2(k)
+    r, bb, d = _tile(qd, I, kp)
+    _down_runs[(T, triton.cdiv(H, r))](h, addrs, weights, out, H, I, k, kp, r, od, int(qd), rbd, *d, bb,
+                                       aligned16(qd, od, rbd), num_warps=WARPS, enable_fp_fusion=True)
+    return out

@@ -1,0 +1,212 @@
+"""GGML blocks read as 16-byte runs of int32 words, one run a lane (Triton): the "runs" decode kernel's formats.
+
+    acc, _ = unit_dots(blk, blk, c, m, xp, QT, ALIGNED, False)   # (L,) float32: each unit's part of a dot
+
+A row of a matrix is blocks; a block is NU units (`UNITS`); a unit is the 16-byte runs of quants one lane owns,
+16 NP values of one or more sub-blocks (NP parts of 4 words x 4 bytes, part p's x at positions
+`xoff(c, p) + 4 w + b` of the block: contiguous in b). A lane loads its runs as words (a 16-byte vector where
+the compiler knows the run is 16-aligned, ALIGNED; else aligned words and a funnel shift, any address), turns
+each field into the float 1 + q / 2**BITS with two integer operations (q at the top of the mantissa: exact, no
+int-to-float conversion), and multiplies it by x:
+
+    S_p = sum f x = sum x + sum q x / 2**BITS,     so   sum (a q + b) x = a 2**BITS S_p + (b - a 2**BITS) X_p
+
+with X_p = sum x, made from the same x in the same lane. The scales apply once a part (`alpha_p S_p + beta_p
+X_p`), in the lane: no value leaves its lane before the row's sum. The bits depend on the bytes alone: ALIGNED
+changes the loads, never the arithmetic. The values differ from gguf.quants' (the scales are factored out and
+the products are fused), so this path is checked against the float32 oracle, not bit for bit.
+
+Q4_K, Q5_K, Q6_K and Q8_0 have runs (`RUN_TYPES`); a layout with any other type keeps the "values" kernel.
+"""
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as Q
+
+from .qblocks import SHAPES, triton
+
+# type -> (units a block, parts a unit, byte offsets of the runs in a block are multiples of 16 when the block's are)
+UNITS = {Q.Q4_K: (8, 2, True), Q.Q5_K: (8, 2, True), Q.Q6_K: (4, 4, False), Q.Q8_0: (2, 1, False)}
+RUN_TYPES = tuple(UNITS)
+
+
+def runs_available(qtype, n: int) -> bool:
+    return triton is not None and qtype in UNITS and n % SHAPES[qtype][0] == 0
+
+
+def aligned16(qtype, offset: int, row_bytes: int) -> bool:
+    """Whether every run of a matrix at `offset` in a 16-aligned expert row is 16-aligned (the vector loads)."""
+    return UNITS[qtype][2] and offset % 16 == 0 and row_bytes % 16 == 0 and SHAPES[qtype][1] % 16 == 0
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _scalar(p, m):
+        """(L,) uint32 at the word pointers p (L,), through an (L, 4) load of which only element 0 is live: its
+        layout is the runs' (L, 4) layout, so nothing moves between lanes."""
+        w = tl.arange(0, 4)[None, :]
+        v = tl.load(p[:, None] + w * 0, mask=m[:, None] & (w == 0), other=0)
+        return tl.sum(v, axis=1)
+
+    @triton.jit
+    def _word(A, m):
+        """(L,) uint32: the little-endian word at byte addresses A (L,) int64, any alignment."""
+        p = ((A >> 2) << 2).to(tl.pointer_type(tl.uint32))
+        sh = ((A & 3) * 8).to(tl.uint32)
+        lo = _scalar(p, m)
+        hi = _scalar(p + 1, m & (sh != 0))
+        return tl.where(sh == 0, lo, (lo >> sh) | (hi << ((32 - sh) & 31)))
+
+    @triton.jit
+    def _run(A, m, ALIGNED: tl.constexpr):
+        """(L, 4) uint32: the 4 words at byte addresses A (L,) int64 (16-aligned if ALIGNED, else any)."""
+        w = tl.arange(0, 4)[None, :]
+        if ALIGNED:
+            p = tl.multiple_of(A.to(tl.pointer_type(tl.uint32)), 16)
+            v = tl.load(p[:, None] + w, mask=m[:, None], other=0)
+        else:
+            p = ((A >> 2) << 2).to(tl.pointer_type(tl.uint32))
+            sh = ((A & 3) * 8).to(tl.uint32)[:, None]
+            lo = tl.load(p[:, None] + w, mask=m[:, None], other=0)
+            hi = tl.load(p[:, None] + w + 1, mask=m[:, None] & (sh != 0), other=0)
+            v = tl.where(sh == 0, lo, (lo >> sh) | (hi << ((32 - sh) & 31)))
+        return v
+
+    @triton.jit
+    def _pick(v, i: tl.constexpr):
+        """Element i of each lane's 4 (v (L, 4) -> (L,)): a register, no data moves."""
+        return tl.sum(tl.where(tl.arange(0, 4)[None, :] == i, v, 0), axis=1)
+
+    @triton.jit
+    def _f(v, s, BITS: tl.constexpr):
+        """The BITS-bit fields at bit s of v (uint32, broadcasting) as 1 + q / 2**BITS, float32, exact."""
+        P: tl.constexpr = 23 - BITS
+        M: tl.constexpr = ((1 << BITS) - 1) << P
+        return ((((v >> s) << P) & M) | 0x3F800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _small(u):
+        """Small non-negative ints (uint32) as float32, exact: 2**23 + u, less 2**23."""
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _half(u):
+        """The float16 in the low 16 bits of u (uint32), as float32."""
+        return (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _int8(u):
+        """The int8 in the low byte of u (uint32), as float32 (exact)."""
+        return _small((u ^ 0x80) & 0xFF) - 128.0
+
+    @triton.jit
+    def _words(blk, c, m, QT: tl.constexpr, ALIGNED: tl.constexpr):
+        """A unit's runs: blk (L,) int64 block addresses, c (L,) the unit in its block. Returns the quants' runs
+        (up to three (L, 4)) and its scale words (up to four (L,))."""
+        if QT == 12 or QT == 13:       # Q4_K, Q5_K: d, dmin | 12 bytes of scales | (qh 32 |) qs 128
+            hd = _run(blk, m, ALIGNED)
+            QS: tl.constexpr = 16 if QT == 12 else 48
+            qs = _run(blk + QS + 16 * c, m, ALIGNED)
+            qh = qs
+            if QT == 13:
+                qh = _run(blk + 16 + 16 * (c % 2), m, ALIGNED)
+            return qs, qs, qh, _pick(hd, 0), _pick(hd, 1), _pick(hd, 2), _pick(hd, 3)
+        elif QT == 14:                 # Q6_K: ql 128 | qh 64 | 16 int8 scales | d; unit c = 2 h + s
+            h = c // 2
+            s = c % 2
+            qa = _run(blk + 64 * h + 16 * s, m, ALIGNED)
+            qb = _run(blk + 64 * h + 32 + 16 * s, m, ALIGNED)
+            qh = _run(blk + 128 + 32 * h + 16 * s, m, ALIGNED)
+            sc0 = _word(blk + 192 + 8 * h, m)
+            sc1 = _word(blk + 196 + 8 * h, m)
+            d = _word(blk + 208, m)
+            return qa, qb, qh, sc0, sc1, d, d
+        else:                          # Q8_0: d | 32 int8; unit c = 16 of them
+            qs = _run(blk + 2 + 16 * c, m, ALIGNED)
+            d = _word(blk, m)
+            return qs, qs, qs, d, d, d, d
+
+    @triton.jit
+    def _fields(ra, rb, rh, c, p: tl.constexpr, w: tl.constexpr, QT: tl.constexpr):
+        """(L, 4) float32: part p, word w of a unit, its 4 bytes' values as 1 + q / 2**BITS."""
+        b8 = 8 * tl.arange(0, 4)[None, :]
+        if QT == 12:                   # Q4_K: part p is the nibble p of each byte (sub-block 2 (c // 2) + p)
+            v = _f(_pick(ra, w)[:, None], b8 + 4 * p, 4)
+        elif QT == 13:                 # Q5_K: and bit 2 (c // 2) + p of qh's byte
+            q = (_pick(ra, w) >> (4 * p)) & 0x0F0F0F0F
+            hb = (_pick(rh, w) >> (2 * (c // 2) + p)) & 0x01010101
+            v = _f((q | (hb << 4))[:, None], b8, 5)
+        elif QT == 14:                 # Q6_K: part k: nibble k // 2 of ql run k % 2, bits 2k of qh
+            lo = (_pick(ra if p % 2 == 0 else rb, w) >> (4 * (p // 2))) & 0x0F0F0F0F
+            hi = (_pick(rh, w) >> (2 * p)) & 0x03030303
+            v = _f((lo | (hi << 4))[:, None], b8, 6)
+        else:                          # Q8_0: the byte, offset to unsigned
+            v = _f((_pick(ra, w) ^ 0x80808080)[:, None], b8, 8)
+        return v
+
+    @triton.jit
+    def _coefs(s0, s1, s2, s3, c, p: tl.constexpr, QT: tl.constexpr):
+        """(alpha, beta) (L,) of part p: the part's sum is alpha S_p + beta X_p."""
+        if QT == 12 or QT == 13:
+            g = c // 2
+            scw = tl.where(g < 2, s1 & 0x3F3F3F3F, (s3 & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030))
+            mnw = tl.where(g < 2, s2 & 0x3F3F3F3F, ((s3 >> 4) & 0x0F0F0F0F) | ((s2 >> 2) & 0x30303030))
+            sh = 16 * (g % 2) + 8 * p
+            sc = _small((scw >> sh) & 0xFF)
+            mn = _small((mnw >> sh) & 0xFF)
+            SCALE: tl.constexpr = 16.0 if QT == 12 else 32.0
+            a = SCALE * _half(s0) * sc                     # d sc q - dmin m, q = SCALE (f - 1)
+            b = -(a + _half(s0 >> 16) * mn)
+        elif QT == 14:                 # d sc (q - 32), q = 64 (f - 1); scale byte 8 h + 2 p + s
+            sw = s0 if p < 2 else s1
+            sc = _int8(sw >> (8 * (2 * (p % 2) + c % 2)))
+            a = 64.0 * _half(s2) * sc
+            b = -1.5 * a
+        else:                          # d (u - 128), u = 256 (f - 1)
+            a = 256.0 * _half(s0)
+            b = -1.5 * a
+        return a, b
+
+    @triton.jit
+    def _xoff(c, p: tl.constexpr, QT: tl.constexpr):
+        """(L,) position in its block of part p's first value of unit c."""
+        if QT == 12 or QT == 13:
+            o = 64 * (c // 2) + 16 * (c % 2) + 32 * p
+        elif QT == 14:
+            o = 128 * (c // 2) + 16 * (c % 2) + 32 * p
+        else:
+            o = 16 * c
+        return o
+
+    @triton.jit
+    def unit_dots(blk, blk2, c, m, xp, QT: tl.constexpr, ALIGNED: tl.constexpr, TWO: tl.constexpr):
+        """(L,) float32 twice: units (blk, c) (L,) against x at xp (L,) (pointers to each unit's block's first
+        x), and (TWO) the units at blk2 of a second matrix of the same shape against the same x, which each lane
+        then loads once for both."""
+        NP: tl.constexpr = 2 if (QT == 12 or QT == 13) else (4 if QT == 14 else 1)
+        ra, rb, rh, s0, s1, s2, s3 = _words(blk, c, m, QT, ALIGNED)
+        ta, tb, th, t0, t1, t2, t3 = ra, rb, rh, s0, s1, s2, s3
+        if TWO:
+            ta, tb, th, t0, t1, t2, t3 = _words(blk2, c, m, QT, ALIGNED)
+        b4 = tl.arange(0, 4)[None, :]
+        acc = tl.zeros(c.shape, dtype=tl.float32)
+        acc2 = tl.zeros(c.shape, dtype=tl.float32)
+        for p in tl.static_range(NP):
+            xq = xp + _xoff(c, p, QT)
+            sp = tl.zeros([c.shape[0], 4], dtype=tl.float32)
+            sq = tl.zeros([c.shape[0], 4], dtype=tl.float32)
+            xs = tl.zeros([c.shape[0], 4], dtype=tl.float32)
+            for w in tl.static_range(4):
+                xv = tl.load(xq[:, None] + 4 * w + b4, mask=m[:, None], other=0.0).to(tl.float32)
+                xs += xv
+                sp += _fields(ra, rb, rh, c, p, w, QT) * xv
+                if TWO:
+                    sq += _fields(ta, tb, th, c, p, w, QT) * xv
+            X = tl.sum(xs, axis=1)
+            a, b = _coefs(s0, s1, s2, s3, c, p, QT)
+            acc += a * tl.sum(sp, axis=1) + b * X
+            if TWO:
+                a, b = _coefs(t0, t1, t2, t3, c, p, QT)
+                acc2 += a * tl.sum(sq, axis=1) + b * X
+        return acc, acc2
