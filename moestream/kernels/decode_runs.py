@@ -27,6 +27,7 @@ from .qruns import UNITS, aligned16, runs_available
 
 UNITS_A_STEP = 128           # units (one a lane) a program reads a step
 WARPS = 4
+ONE = 0x3F800000             # 1.0's bits, passed at run time (kernels/qruns.py's _f)
 
 
 def runs_layout(layout: ExpertLayout) -> bool:
@@ -56,24 +57,25 @@ if triton is not None:
     from .qruns import _scalar, unit_dots
 
     @triton.jit
-    def _dots(blk, blk2, c, m, xp, al, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr):
+    def _dots(blk, blk2, c, m, m2, xp, al, one, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr):
         """unit_dots with 128-bit loads where the rows' bases are 16-aligned (al, and A16: the runs are then too);
         the same arithmetic either way."""
         if A16:
             if al:
-                d1, d2 = unit_dots(blk, blk2, c, m, xp, QT, True, TWO)
+                d1, d2 = unit_dots(blk, blk2, c, m, m2, xp, one, QT, True, TWO)
             else:
-                d1, d2 = unit_dots(blk, blk2, c, m, xp, QT, False, TWO)
+                d1, d2 = unit_dots(blk, blk2, c, m, m2, xp, one, QT, False, TWO)
         else:
-            d1, d2 = unit_dots(blk, blk2, c, m, xp, QT, False, TWO)
+            d1, d2 = unit_dots(blk, blk2, c, m, m2, xp, one, QT, False, TWO)
         return d1, d2
 
     @triton.jit
-    def _gate_up_runs(x_ptr, addr_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+    def _gate_up_runs(x_ptr, addr_ptr, h_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                       R: tl.constexpr, OG: tl.constexpr, OU: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
                       NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
                       A16: tl.constexpr):
-        """Program (t k + j, R rows of I): choice j's gate and up rows against x[t], then silu(g) * u."""
+        """Program (t k + j, R rows of I): choice j's gate and up rows against x[t], then silu(g) * u, rounded
+        to x's dtype (stored as float32, which the down launch then reads without converting)."""
         pair = tl.program_id(0)
         t = pair // K
         L: tl.constexpr = R * BB * NU
@@ -88,44 +90,51 @@ if triton is not None:
         for b0 in range(0, NB, BB):
             blk = a + (row * RB + (b0 + bi) * TS)                                    # (L,) int64
             xp = x_ptr + t * H + (b0 + bi) * BS
-            g1, u1 = _dots(blk + OG, blk + OU, c, m, xp, (a & 15) == 0, QT, A16, True)
+            g1, u1 = _dots(blk + OG, blk + OU, c, m, m, xp, (a & 15) == 0, one, QT, A16, True)
             ga += g1
             ua += u1
         g = tl.sum(tl.reshape(ga, (R, BB * NU)), axis=1)                             # (R,)
         up = tl.sum(tl.reshape(ua, (R, BB * NU)), axis=1)
-        h = g * tl.sigmoid(g) * up
+        h = (g * tl.sigmoid(g) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         rows = tl.program_id(1) * R + tl.arange(0, R)
-        tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rows < I)
+        tl.store(h_ptr + pair * I + rows, h, mask=rows < I)
 
     @triton.jit
-    def _down_runs(h_ptr, addr_ptr, w_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+    def _down_runs(h_ptr, addr_ptr, w_ptr, out_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                    KP: tl.constexpr, R: tl.constexpr, OD: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
                    NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
                    A16: tl.constexpr):
-        """Program (t, R rows of H): every choice's down rows against its activation, weighted, summed."""
+        """Program (t, 2R rows of H): every choice's down rows against its activation, weighted, summed. A lane
+        reads a unit of row r and the same unit of row r + R, against one load of x."""
         t = tl.program_id(0)
         L: tl.constexpr = R * KP * BB * NU
         u = tl.arange(0, L)
-        row = tl.program_id(1) * R + u // (KP * BB * NU)
+        row = tl.program_id(1) * 2 * R + u // (KP * BB * NU)
         e = (u // (BB * NU)) % KP                                                    # (L,) the unit's choice
         bi = (u // NU) % BB
         c = u % NU
         em = e < K
         m = (row < H) & em
+        m2 = (row + R < H) & em
         a = _scalar(addr_ptr + t * K + e, em)                                        # (L,) int64
-        al = tl.max(a & 15, axis=0) == 0
+        js = tl.arange(0, KP)
+        al = tl.max(tl.load(addr_ptr + t * K + js, mask=js < K, other=0) & 15, axis=0) == 0
         acc = tl.zeros([L], dtype=tl.float32)
+        acc2 = tl.zeros([L], dtype=tl.float32)
         for b0 in range(0, NB, BB):
             blk = a + (OD + row * RB + (b0 + bi) * TS)
             xp = h_ptr + (t * K + e) * I + (b0 + bi) * BS
-            d1, _ = _dots(blk, blk, c, m, xp, al, QT, A16, False)
+            d1, d2 = _dots(blk, blk + R * RB, c, m, m2, xp, al, one, QT, A16, True)
             acc += d1
-        y = tl.sum(tl.reshape(acc, (R, KP, BB * NU)), axis=2)                        # (R, KP)
-        js = tl.arange(0, KP)
+            acc2 += d2
         wj = tl.load(w_ptr + t * K + js, mask=js < K, other=0.0).to(tl.float32)
-        out = tl.sum(y * wj[None, :], axis=1)                                        # (R,)
-        rows = tl.program_id(1) * R + tl.arange(0, R)
-        tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
+        rows = tl.program_id(1) * 2 * R + tl.arange(0, R)
+        y = tl.sum(tl.reshape(acc, (R, KP, BB * NU)), axis=2)                        # (R, KP)
+        tl.store(out_ptr + t * H + rows, tl.sum(y * wj[None, :], axis=1).to(out_ptr.dtype.element_ty),
+                 mask=rows < H)
+        y = tl.sum(tl.reshape(acc2, (R, KP, BB * NU)), axis=2)
+        tl.store(out_ptr + t * H + R + rows, tl.sum(y * wj[None, :], axis=1).to(out_ptr.dtype.element_ty),
+                 mask=rows + R < H)
 
 
 def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor,
@@ -137,15 +146,15 @@ def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch
     og, ou, od = layout.offsets
     qg, _, qd = layout.types
     x, addrs, weights = x.contiguous(), addrs.contiguous(), weights.contiguous()
-    h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)                                  # (T k, I)
+    h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)                            # (T k, I)
     out = torch.empty_like(x)                                                                   # (T, H)
     rbg, rbd = row_bytes(qg, H), row_bytes(qd, I)
     r, bb, g = _tile(qg, H, 1)
     a16 = aligned16(qg, og, rbg) and aligned16(qg, ou, rbg)
-    _gate_up_runs[(T * k, triton.cdiv(I, r))](x, addrs, h, H, I, k, r, og, ou, int(qg), rbg, *g, bb, a16,
+    _gate_up_runs[(T * k, triton.cdiv(I, r))](x, addrs, h, ONE, H, I, k, r, og, ou, int(qg), rbg, *g, bb, a16,
                                               num_warps=WARPS, enable_fp_fusion=True)
     kp = triton.next_power_of_2(k)
     r, bb, d = _tile(qd, I, kp)
-    _down_runs[(T, triton.cdiv(H, r))](h, addrs, weights, out, H, I, k, kp, r, od, int(qd), rbd, *d, bb,
+    _down_runs[(T, triton.cdiv(H, 2 * r))](h, addrs, weights, out, ONE, H, I, k, kp, r, od, int(qd), rbd, *d, bb,
                                        aligned16(qd, od, rbd), num_warps=WARPS, enable_fp_fusion=True)
     return out

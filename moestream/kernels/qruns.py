@@ -1,6 +1,6 @@
 """GGML blocks read as 16-byte runs of int32 words, one run a lane (Triton): the "runs" decode kernel's formats.
 
-    acc, _ = unit_dots(blk, blk, c, m, xp, QT, ALIGNED, False)   # (L,) float32: each unit's part of a dot
+    acc, _ = unit_dots(blk, blk, c, m, m, xp, one, QT, ALIGNED, False)   # (L,) float32: each unit's share
 
 A row of a matrix is blocks; a block is NU units (`UNITS`); a unit is the 16-byte runs of quants one lane owns,
 16 NP values of one or more sub-blocks (NP parts of 4 words x 4 bytes, part p's x at positions
@@ -79,11 +79,12 @@ if triton is not None:
         return tl.sum(tl.where(tl.arange(0, 4)[None, :] == i, v, 0), axis=1)
 
     @triton.jit
-    def _f(v, s, BITS: tl.constexpr):
-        """The BITS-bit fields at bit s of v (uint32, broadcasting) as 1 + q / 2**BITS, float32, exact."""
+    def _f(v, s, one, BITS: tl.constexpr):
+        """The BITS-bit fields at bit s of v (uint32, broadcasting) as 1 + q / 2**BITS, float32, exact. `one` is
+        1.0's bits (0x3F800000) as a runtime value: held in a register, the mask-and-set is one LOP3."""
         P: tl.constexpr = 23 - BITS
         M: tl.constexpr = ((1 << BITS) - 1) << P
-        return ((((v >> s) << P) & M) | 0x3F800000).to(tl.float32, bitcast=True)
+        return ((((v >> s) << P) & M) | one).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _small(u):
@@ -128,21 +129,21 @@ if triton is not None:
             return qs, qs, qs, d, d, d, d
 
     @triton.jit
-    def _fields(ra, rb, rh, c, p: tl.constexpr, w: tl.constexpr, QT: tl.constexpr):
+    def _fields(ra, rb, rh, c, one, p: tl.constexpr, w: tl.constexpr, QT: tl.constexpr):
         """(L, 4) float32: part p, word w of a unit, its 4 bytes' values as 1 + q / 2**BITS."""
         b8 = 8 * tl.arange(0, 4)[None, :]
         if QT == 12:                   # Q4_K: part p is the nibble p of each byte (sub-block 2 (c // 2) + p)
-            v = _f(_pick(ra, w)[:, None], b8 + 4 * p, 4)
+            v = _f(_pick(ra, w)[:, None], b8 + 4 * p, one, 4)
         elif QT == 13:                 # Q5_K: and bit 2 (c // 2) + p of qh's byte
             q = (_pick(ra, w) >> (4 * p)) & 0x0F0F0F0F
             hb = (_pick(rh, w) >> (2 * (c // 2) + p)) & 0x01010101
-            v = _f((q | (hb << 4))[:, None], b8, 5)
+            v = _f((q | (hb << 4))[:, None], b8, one, 5)
         elif QT == 14:                 # Q6_K: part k: nibble k // 2 of ql run k % 2, bits 2k of qh
             lo = (_pick(ra if p % 2 == 0 else rb, w) >> (4 * (p // 2))) & 0x0F0F0F0F
             hi = (_pick(rh, w) >> (2 * p)) & 0x03030303
-            v = _f((lo | (hi << 4))[:, None], b8, 6)
+            v = _f((lo | (hi << 4))[:, None], b8, one, 6)
         else:                          # Q8_0: the byte, offset to unsigned
-            v = _f((_pick(ra, w) ^ 0x80808080)[:, None], b8, 8)
+            v = _f((_pick(ra, w) ^ 0x80808080)[:, None], b8, one, 8)
         return v
 
     @triton.jit
@@ -180,15 +181,15 @@ if triton is not None:
         return o
 
     @triton.jit
-    def unit_dots(blk, blk2, c, m, xp, QT: tl.constexpr, ALIGNED: tl.constexpr, TWO: tl.constexpr):
-        """(L,) float32 twice: units (blk, c) (L,) against x at xp (L,) (pointers to each unit's block's first
-        x), and (TWO) the units at blk2 of a second matrix of the same shape against the same x, which each lane
-        then loads once for both."""
+    def unit_dots(blk, blk2, c, m, m2, xp, one, QT: tl.constexpr, ALIGNED: tl.constexpr, TWO: tl.constexpr):
+        """(L,) float32 twice: units (blk, c) (L,) (mask m) against x at xp (L,) (pointers to each unit's
+        block's first x, any float type), and (TWO) the units at blk2 (mask m2) of a second matrix or row of the
+        same type against the same x, which each lane then loads once for both."""
         NP: tl.constexpr = 2 if (QT == 12 or QT == 13) else (4 if QT == 14 else 1)
         ra, rb, rh, s0, s1, s2, s3 = _words(blk, c, m, QT, ALIGNED)
         ta, tb, th, t0, t1, t2, t3 = ra, rb, rh, s0, s1, s2, s3
         if TWO:
-            ta, tb, th, t0, t1, t2, t3 = _words(blk2, c, m, QT, ALIGNED)
+            ta, tb, th, t0, t1, t2, t3 = _words(blk2, c, m2, QT, ALIGNED)
         b4 = tl.arange(0, 4)[None, :]
         acc = tl.zeros(c.shape, dtype=tl.float32)
         acc2 = tl.zeros(c.shape, dtype=tl.float32)
@@ -198,11 +199,11 @@ if triton is not None:
             sq = tl.zeros([c.shape[0], 4], dtype=tl.float32)
             xs = tl.zeros([c.shape[0], 4], dtype=tl.float32)
             for w in tl.static_range(4):
-                xv = tl.load(xq[:, None] + 4 * w + b4, mask=m[:, None], other=0.0).to(tl.float32)
+                xv = tl.load(xq[:, None] + 4 * w + b4, mask=(m | m2)[:, None], other=0.0).to(tl.float32)
                 xs += xv
-                sp += _fields(ra, rb, rh, c, p, w, QT) * xv
+                sp += _fields(ra, rb, rh, c, one, p, w, QT) * xv
                 if TWO:
-                    sq += _fields(ta, tb, th, c, p, w, QT) * xv
+                    sq += _fields(ta, tb, th, c, one, p, w, QT) * xv
             X = tl.sum(xs, axis=1)
             a, b = _coefs(s0, s1, s2, s3, c, p, QT)
             acc += a * tl.sum(sp, axis=1) + b * X
