@@ -1,17 +1,21 @@
 """The quantized-expert kernels on the reference expert shape (I=768, H=2048), one GPU:
 
     python bench/quant_kernels.py [--experts 50] [--reps 50] [--variants values,subblocks,runs] [--no-dequant]
+                                  [--runs-shapes 128x4,256x4,256x8] [--no-graphs]
 
 dequant: kernels/dequant.py's dequantize_rows of 50 experts (a prompt ubatch's routed experts of one layer) to
 bf16, per type; GB/s counts the bytes read (the blocks) and written (bf16 values).
 
 decode: one experts_by_address_quant call, k = 8, T = 1 and 8 tokens, every row in device memory and every row in
 pinned host memory (read in place over the link), in each variant of kernels/decode_quant.py, beside
-kernels/decode.py's bf16 experts_by_address on the same shape. Calls cycle through disjoint sets of experts (of
-EXPERTS in all, 384-660 MB), so no call finds the previous calls' rows in the 60 MB L2: each call reads its rows
-from HBM or over the link, as a decode step's layer does. Each cell: microseconds a call (median of `reps` timed
-calls, CUDA events, after warm-up) and, in brackets, GB/s: the T k expert rows the call reads (a token's 8 rows of
-2.65-5.0 MB each) over its time. `vs first`: |out - out_first| / |out_first| at T=8 against the first variant
+kernels/decode.py's bf16 experts_by_address on the same shape; "runs AxW" rows are the runs variant with A units a
+program and W warps (decode_runs.UNITS_A_STEP, WARPS; --runs-shapes, the first is the default). Calls cycle
+through disjoint sets of experts (of EXPERTS in all, 384-660 MB), so no call finds the previous calls' rows in the
+60 MB L2: each call reads its rows from HBM or over the link, as a decode step's layer does. The calls run from a
+CUDA graph, as the engine's decode steps do (--no-graphs: one by one, each paying its launches on the host: the
+older tables' way). Each cell: microseconds a call (median of `reps` timed graph replays, CUDA events, after
+warm-up) and, in brackets, GB/s: the T k expert rows the call reads (a token's 8 rows of 2.65-5.0 MB each) over
+its time. `vs first`: |out - out_first| / |out_first| at T=8 against the first variant
 listed (bf16 outputs: the variants round differently, and must agree to about bf16's precision). Prints markdown.
 """
 import argparse
@@ -22,6 +26,7 @@ from gguf import GGMLQuantizationType as Q
 
 from moestream.kernels.decode import experts_by_address
 from moestream.kernels.decode_quant import experts_by_address_quant
+from moestream.kernels import decode_runs
 from moestream.kernels.decode_runs import runs_layout
 from moestream.kernels.dequant import dequantize_rows
 from moestream.quant.layout import ExpertLayout
@@ -32,6 +37,8 @@ ap.add_argument("--experts", type=int, default=50)
 ap.add_argument("--reps", type=int, default=50)
 ap.add_argument("--variants", default="values,subblocks,runs")
 ap.add_argument("--dequant", action=argparse.BooleanOptionalAction, default=True)
+ap.add_argument("--runs-shapes", default="128x4", help="runs variant shapes, UNITSxWARPS, comma list")
+ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
 ns = ap.parse_args()
 I, H, K = 768, 2048, 8
 EXPERTS = 128
@@ -49,19 +56,48 @@ def rows_of(lay: ExpertLayout, n: int) -> torch.Tensor:
     return rows
 
 
-def timed(fn, n_inputs: int = 1) -> float:
-    """Median milliseconds of one call; call i gets input i % n_inputs."""
-    for i in range(5):
+def timed(fn, n_inputs: int = 1, graphs: bool = False) -> float:
+    """Median milliseconds of one call; call i gets input i % n_inputs. graphs: the n_inputs calls captured in one
+    CUDA graph, each replay timed and divided by n_inputs."""
+    for i in range(max(5, n_inputs)):
         fn(i % n_inputs)
+    run = lambda: fn(0)                                                        # noqa: E731
+    if graphs:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(n_inputs):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n_inputs):
+                fn(i)
+        run = graph.replay
+        run()
     times = []
     for i in range(ns.reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn(i % n_inputs)
+        if graphs:
+            run()
+        else:
+            fn(i % n_inputs)
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / (n_inputs if graphs else 1))
     return statistics.median(times)
+
+
+def runs_shaped(x, addrs, w, lay, shape: str):
+    """The runs variant with UNITSxWARPS programs (the module's shape put back after)."""
+    units, warps = (int(v) for v in shape.split("x"))
+    kept = decode_runs.UNITS_A_STEP, decode_runs.WARPS
+    decode_runs.UNITS_A_STEP, decode_runs.WARPS = units, warps
+    try:
+        return experts_by_address_quant(x, addrs, w, lay, variant="runs")
+    finally:
+        decode_runs.UNITS_A_STEP, decode_runs.WARPS = kept
 
 
 def name_of(types) -> str:
@@ -110,7 +146,10 @@ for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q
         lay = ExpertLayout(I, H, types)
         rows = rows_of(lay, EXPERTS)
         kernels = [(v, lambda x, a, w, lay=lay, v=v: experts_by_address_quant(x, a, w, lay, variant=v))
-                   for v in variants if v != "runs" or runs_layout(lay)]
+                   for v in variants if v != "runs"]
+        if "runs" in variants and runs_layout(lay):
+            kernels += [(f"runs {shape}", lambda x, a, w, lay=lay, shape=shape: runs_shaped(x, a, w, lay, shape))
+                        for shape in ns.runs_shapes.split(",")]
         name, nbytes = name_of(types), lay.nbytes
     step = rows.stride(0) * rows.element_size()
     host = rows.cpu().pin_memory()
@@ -126,7 +165,7 @@ for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q
         for where, T in ((rows, 1), (rows, 8), (host, 1), (host, 8)):
             x, w, sets = inputs[T]
             addrs = [where.data_ptr() + ids * step for ids in sets]
-            ms = timed(lambda i: kernel(x, addrs[i], w), len(addrs))
+            ms = timed(lambda i: kernel(x, addrs[i], w), len(addrs), ns.graphs)
             cells.append(f"{1e3 * ms:.1f} ({T * K * nbytes / ms / 1e6:.0f})")
         x, w, sets = inputs[8]
         out = kernel(x, rows.data_ptr() + sets[0] * step, w).float()

@@ -118,8 +118,8 @@ def decode_check(spec: str, T: int, k: int, seed: int = 0, inter: int = 256, var
 
 
 def moved_copy(rows: torch.Tensor, shift: int) -> torch.Tensor:
-    """A copy of rows whose start is `shift` past a multiple of 16."""
-    buf = torch.empty(rows.numel() + 16, dtype=torch.uint8)
+    """A copy of rows (on their device) whose start is `shift` past a multiple of 16."""
+    buf = torch.empty(rows.numel() + 16, dtype=torch.uint8, device=rows.device)
     moved = buf[(shift - buf.data_ptr()) % 16:][:rows.numel()].view(rows.shape)
     moved.copy_(rows)
     assert moved.data_ptr() % 16 == shift
@@ -179,6 +179,42 @@ def test_decode_quant_compiled_matches_reference_and_reads_host_memory_in_place(
         close(out, ref, tol=1e-2)
         for addrs in (host_addr, torch.where(on_host[ids], host_addr, dev_addr), odd.data_ptr() + ids * rows.stride(0)):
             assert torch.equal(experts_by_address_quant(x, addrs, w, lay, variant=variant), out)
+
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("spec", RUNS_TYPES + ["Q4_K,Q4_K,Q6_K", "Q6_K,Q6_K,Q8_0"])
+@pytest.mark.parametrize("T", [1, 8, 16])
+def test_decode_runs_compiled_matches_reference_wherever_the_rows_lie(spec, T):
+    """The runs variant compiled, k=8 on Qwen3-30B-A3B's expert shape: bfloat16 against the float32 oracle, and
+    the same bits from pinned host memory, from 4-aligned and 2-aligned copies (its shifted words instead of its
+    128-bit loads) and from a mix of all four placements, choice by choice."""
+    from moestream.kernels.decode_quant import experts_by_address_quant
+    from moestream.kernels.decode_runs import runs_layout
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    I, H, k, E = 768, 2048, 8, 16
+    lay = layout_of(spec, I, H)
+    assert runs_layout(lay)
+    g = torch.Generator().manual_seed(T)
+    host = random_rows(lay, E, g).pin_memory()
+    rows = host.cuda()
+    assert rows.data_ptr() % 16 == 0 and rows.stride(0) % 16 == 0
+    book = AddressBook()
+    book.add(rows)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).cuda()
+    x = (torch.randn(T, H, generator=g) / H ** 0.5).to(torch.bfloat16).cuda()
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(torch.bfloat16).cuda()
+    step = rows.stride(0)
+    out = experts_by_address_quant(x, rows.data_ptr() + ids * step, w, lay, variant="runs")
+    ref = experts_by_address_reference(x.cpu(), (rows.data_ptr() + ids * step).cpu(), w.cpu(), lay, book=book)
+    assert torch.isfinite(out).all()
+    close(out, ref.cuda(), tol=1e-2)
+    copies = [rows, host, moved_copy(rows, 4), moved_copy(rows, 2)]
+    starts = torch.tensor([c.data_ptr() for c in copies], device="cuda")
+    pick = torch.randint(0, len(copies), ids.shape, generator=g).cuda()
+    for addrs in [starts[i] + ids * step for i in range(1, len(copies))] + [starts[pick] + ids * step]:
+        assert torch.equal(experts_by_address_quant(x, addrs, w, lay, variant="runs"), out)
 
 
 if __name__ == "__main__":

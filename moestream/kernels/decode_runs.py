@@ -3,13 +3,18 @@
     out = experts_by_address_runs(x, addrs, weights, layout)    # x (T, H); addrs, weights (T, k) -> (T, H)
 
 A program's lanes each own a unit of one block (kernels/qruns.py: 16-byte runs of quants, 16 to 64 values of
-one to four sub-blocks) and keep its sums in registers; a tile is UNITS_A_STEP units, one a lane, so every load is
+one to four sub-blocks) and keep its sums in registers; a step is UNITS_A_STEP units, one a lane, so every load is
 a lane's own run and the lanes of a warp read neighbouring runs. Two launches, as "values" has:
 
-- gate and up: program (t k + j, R rows of I): the R rows' units of choice j's gate and up, side by side (one x
-  load serves both), R * BB * NU units a step, NB / BB steps; then silu(g) * u, rounded to x's dtype.
-- down: program (t, R rows of H): the units of all k choices' rows at once (experts are a tile axis, so a token's
-  8 experts load in parallel), weighted and summed over the k choices in a fixed tree order, in float32.
+- gate and up: program (t k + j, R rows of I): the R rows' units of choice j's gate and the same units of its up,
+  in the same lanes (one x load serves both), R * BB * NU units a step, NB / BB steps; then silu(g) * u, rounded
+  to x's dtype (kept as float32 for the down launch, which then reads x without converting).
+- down: program (t, 2R rows of H): the units of all k choices' rows at once (the choices are a tile axis, so a
+  token's 8 experts load in parallel), each lane a unit of row r and of row r + R against one x; weighted and
+  summed over the k choices in a fixed tree order, in float32.
+
+A Q4_K_M token (k=8, I=768, H=2048) is 1536 gate/up programs of 4 rows (a row of 8 blocks in one step) and 256
+down programs of 8 rows (a row of 3 blocks in 3 unrolled steps).
 
 Every byte is read once, by one lane, from wherever it lies; where the compiler can be told that a run is 16-aligned
 (Q4_K and Q5_K in a 16-aligned row) it is one 128-bit load, else aligned words shifted into place. The bits depend
@@ -28,6 +33,7 @@ from .qruns import UNITS, aligned16, runs_available
 UNITS_A_STEP = 128           # units (one a lane) a program reads a step
 WARPS = 4
 ONE = 0x3F800000             # 1.0's bits, passed at run time (kernels/qruns.py's _f)
+UNROLL = 4                   # a row of at most this many steps is read unrolled
 
 
 def runs_layout(layout: ExpertLayout) -> bool:
@@ -73,7 +79,7 @@ if triton is not None:
     def _gate_up_runs(x_ptr, addr_ptr, h_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                       R: tl.constexpr, OG: tl.constexpr, OU: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
                       NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
-                      A16: tl.constexpr):
+                      A16: tl.constexpr, UNR: tl.constexpr):
         """Program (t k + j, R rows of I): choice j's gate and up rows against x[t], then silu(g) * u, rounded
         to x's dtype (stored as float32, which the down launch then reads without converting)."""
         pair = tl.program_id(0)
@@ -85,14 +91,24 @@ if triton is not None:
         c = u % NU
         m = row < I
         a = tl.load(addr_ptr + pair)
-        ga = tl.zeros([L], dtype=tl.float32)
-        ua = tl.zeros([L], dtype=tl.float32)
-        for b0 in range(0, NB, BB):
-            blk = a + (row * RB + (b0 + bi) * TS)                                    # (L,) int64
-            xp = x_ptr + t * H + (b0 + bi) * BS
-            g1, u1 = _dots(blk + OG, blk + OU, c, m, m, xp, (a & 15) == 0, one, QT, A16, True)
-            ga += g1
-            ua += u1
+        al = (a & 15) == 0
+        blk = a + row * RB + bi * TS                                                 # (L,) int64
+        xp = x_ptr + t * H + bi * BS
+        if UNR:                        # a few steps: unrolled, every step's loads issued at once
+            ga, ua = _dots(blk + OG, blk + OU, c, m, m, xp, al, one, QT, A16, True)
+            for b0 in tl.static_range(BB, NB, BB):
+                g1, u1 = _dots(blk + OG + b0 * TS, blk + OU + b0 * TS, c, m, m, xp + b0 * BS, al, one, QT, A16,
+                               True)
+                ga += g1
+                ua += u1
+        else:
+            ga = tl.zeros([L], dtype=tl.float32)
+            ua = tl.zeros([L], dtype=tl.float32)
+            for b0 in range(0, NB, BB):
+                g1, u1 = _dots(blk + OG + b0 * TS, blk + OU + b0 * TS, c, m, m, xp + b0 * BS, al, one, QT, A16,
+                               True)
+                ga += g1
+                ua += u1
         g = tl.sum(tl.reshape(ga, (R, BB * NU)), axis=1)                             # (R,)
         up = tl.sum(tl.reshape(ua, (R, BB * NU)), axis=1)
         h = (g * tl.sigmoid(g) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -103,7 +119,7 @@ if triton is not None:
     def _down_runs(h_ptr, addr_ptr, w_ptr, out_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                    KP: tl.constexpr, R: tl.constexpr, OD: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
                    NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
-                   A16: tl.constexpr):
+                   A16: tl.constexpr, UNR: tl.constexpr):
         """Program (t, 2R rows of H): every choice's down rows against its activation, weighted, summed. A lane
         reads a unit of row r and the same unit of row r + R, against one load of x."""
         t = tl.program_id(0)
@@ -119,14 +135,23 @@ if triton is not None:
         a = _scalar(addr_ptr + t * K + e, em)                                        # (L,) int64
         js = tl.arange(0, KP)
         al = tl.max(tl.load(addr_ptr + t * K + js, mask=js < K, other=0) & 15, axis=0) == 0
-        acc = tl.zeros([L], dtype=tl.float32)
-        acc2 = tl.zeros([L], dtype=tl.float32)
-        for b0 in range(0, NB, BB):
-            blk = a + (OD + row * RB + (b0 + bi) * TS)
-            xp = h_ptr + (t * K + e) * I + (b0 + bi) * BS
-            d1, d2 = _dots(blk, blk + R * RB, c, m, m2, xp, al, one, QT, A16, True)
-            acc += d1
-            acc2 += d2
+        blk = a + (OD + row * RB + bi * TS)
+        xp = h_ptr + (t * K + e) * I + bi * BS
+        if UNR:
+            acc, acc2 = _dots(blk, blk + R * RB, c, m, m2, xp, al, one, QT, A16, True)
+            for b0 in tl.static_range(BB, NB, BB):
+                d1, d2 = _dots(blk + b0 * TS, blk + R * RB + b0 * TS, c, m, m2, xp + b0 * BS, al, one, QT, A16,
+                               True)
+                acc += d1
+                acc2 += d2
+        else:
+            acc = tl.zeros([L], dtype=tl.float32)
+            acc2 = tl.zeros([L], dtype=tl.float32)
+            for b0 in range(0, NB, BB):
+                d1, d2 = _dots(blk + b0 * TS, blk + R * RB + b0 * TS, c, m, m2, xp + b0 * BS, al, one, QT, A16,
+                               True)
+                acc += d1
+                acc2 += d2
         wj = tl.load(w_ptr + t * K + js, mask=js < K, other=0.0).to(tl.float32)
         rows = tl.program_id(1) * 2 * R + tl.arange(0, R)
         y = tl.sum(tl.reshape(acc, (R, KP, BB * NU)), axis=2)                        # (R, KP)
@@ -152,9 +177,10 @@ def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch
     r, bb, g = _tile(qg, H, 1)
     a16 = aligned16(qg, og, rbg) and aligned16(qg, ou, rbg)
     _gate_up_runs[(T * k, triton.cdiv(I, r))](x, addrs, h, ONE, H, I, k, r, og, ou, int(qg), rbg, *g, bb, a16,
-                                              num_warps=WARPS, enable_fp_fusion=True)
+                                              g[0] // bb <= UNROLL, num_warps=WARPS, enable_fp_fusion=True)
     kp = triton.next_power_of_2(k)
     r, bb, d = _tile(qd, I, kp)
     _down_runs[(T, triton.cdiv(H, 2 * r))](h, addrs, weights, out, ONE, H, I, k, kp, r, od, int(qd), rbd, *d, bb,
-                                       aligned16(qd, od, rbd), num_warps=WARPS, enable_fp_fusion=True)
+                                       aligned16(qd, od, rbd), d[0] // bb <= UNROLL, num_warps=WARPS,
+                                       enable_fp_fusion=True)
     return out
