@@ -60,20 +60,13 @@ def _tile(qtype, n_cols: int, per_row: int) -> tuple[int, int, tuple]:
 if triton is not None:
     import triton.language as tl
 
-    from .qruns import _scalar, unit_dots
+    from .qruns import _scalar, unit_dots, unit_words
 
     @triton.jit
     def _dots(blk, blk2, c, m, m2, xp, al, one, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr):
-        """unit_dots with 128-bit loads where the rows' bases are 16-aligned (al, and A16: the runs are then too);
-        the same arithmetic either way."""
-        if A16:
-            if al:
-                d1, d2 = unit_dots(blk, blk2, c, m, m2, xp, one, QT, True, TWO)
-            else:
-                d1, d2 = unit_dots(blk, blk2, c, m, m2, xp, one, QT, False, TWO)
-        else:
-            d1, d2 = unit_dots(blk, blk2, c, m, m2, xp, one, QT, False, TWO)
-        return d1, d2
+        """A step: the units' words (kernels/qruns.py), then their dot products with x."""
+        ws, ws2 = unit_words(blk, blk2, c, m, m2, al, QT, A16, TWO)
+        return unit_dots(ws, ws2, c, m | m2, xp, one, QT, TWO)
 
     @triton.jit
     def _gate_up_runs(x_ptr, addr_ptr, h_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,

@@ -1,6 +1,7 @@
 """GGML blocks read as 16-byte runs of int32 words, one run a lane (Triton): the "runs" decode kernel's formats.
 
-    acc, _ = unit_dots(blk, blk, c, m, m, xp, one, QT, ALIGNED, False)   # (L,) float32: each unit's share
+    ws, ws2 = unit_words(blk, blk2, c, m, m2, al, QT, A16, TWO)     # the units' words, loaded once
+    acc, acc2 = unit_dots(ws, ws2, c, m | m2, xp, one, QT, TWO)     # (L,) float32: each unit's share of a dot
 
 A row of a matrix is blocks; a block is NU units (`UNITS`); a unit is the 16-byte runs of quants one lane owns,
 NP parts of one sub-block each, a part's values 4 w + b (word w, byte b) from its first x (`_xoff`):
@@ -19,7 +20,7 @@ operations (q at the top of the mantissa: exact, no int-to-float conversion), an
 
 with X_p = sum x, made from the same x in the same lane. The scales apply once a part (`alpha_p S_p + beta_p
 X_p`), in the lane: no value leaves its lane before the row's sum. The bits depend on the bytes alone: ALIGNED
-changes the loads, never the arithmetic. The values differ from gguf.quants' (the scales are factored out and
+changes the loads, never the arithmetic (unit_words loads, unit_dots computes). The values differ from gguf.quants' (the scales are factored out and
 the products are fused), so this path is checked against the float32 oracle, not bit for bit.
 
 Q4_K, Q5_K, Q6_K and Q8_0 have runs (`RUN_TYPES`); a layout with any other type keeps the "values" kernel.
@@ -196,16 +197,37 @@ if triton is not None:
         return o
 
     @triton.jit
-    def unit_dots(blk, blk2, c, m, m2, xp, one, QT: tl.constexpr, ALIGNED: tl.constexpr, TWO: tl.constexpr):
-        """(L,) float32 twice: units (blk, c) (L,) (mask m) against x at xp (L,) (pointers to each unit's
-        block's first x, any float type), and (TWO) the units at blk2 (mask m2) of a second matrix or row of the
-        same type against the same x, which each lane then loads once for both."""
+    def unit_words(blk, blk2, c, m, m2, al, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr):
+        """The runs and scale words of units (blk, c) (L,), and (TWO) of the same units at blk2: 128-bit loads
+        where al and A16 say every run is 16-aligned, else aligned words shifted into place. Only the loads
+        differ between the two: the arithmetic that follows (unit_dots) is one piece of code."""
+        if A16:
+            if al:
+                ws = _words(blk, c, m, QT, True)
+                ws2 = ws
+                if TWO:
+                    ws2 = _words(blk2, c, m2, QT, True)
+            else:
+                ws = _words(blk, c, m, QT, False)
+                ws2 = ws
+                if TWO:
+                    ws2 = _words(blk2, c, m2, QT, False)
+        else:
+            ws = _words(blk, c, m, QT, False)
+            ws2 = ws
+            if TWO:
+                ws2 = _words(blk2, c, m2, QT, False)
+        return ws, ws2
+
+    @triton.jit
+    def unit_dots(ws, ws2, c, xm, xp, one, QT: tl.constexpr, TWO: tl.constexpr):
+        """(L,) float32 twice: the units of words ws (unit_words) against x at xp (L,) (pointers to each unit's
+        block's first x, any float type; xm: where to load it), and (TWO) the units of ws2 against the same x,
+        which each lane then loads once for both. Words once loaded serve any number of calls (tokens)."""
         NP: tl.constexpr = 2 if (QT == 12 or QT == 13) else (4 if QT == 14 else 1)
         NW: tl.constexpr = 4 if QT == 14 else 8
-        r0, r1, r2, r3, s0, s1, s2, s3 = _words(blk, c, m, QT, ALIGNED)
-        t0, t1, t2, t3, u0, u1, u2, u3 = r0, r1, r2, r3, s0, s1, s2, s3
-        if TWO:
-            t0, t1, t2, t3, u0, u1, u2, u3 = _words(blk2, c, m2, QT, ALIGNED)
+        r0, r1, r2, r3, s0, s1, s2, s3 = ws
+        t0, t1, t2, t3, u0, u1, u2, u3 = ws2
         b4 = tl.arange(0, 4)[None, :]
         acc = tl.zeros(c.shape, dtype=tl.float32)
         acc2 = tl.zeros(c.shape, dtype=tl.float32)
@@ -215,7 +237,7 @@ if triton is not None:
             sq = tl.zeros([c.shape[0], 4], dtype=tl.float32)
             xs = tl.zeros([c.shape[0], 4], dtype=tl.float32)
             for w in tl.static_range(NW):
-                xv = tl.load(xq[:, None] + 4 * w + b4, mask=(m | m2)[:, None], other=0.0).to(tl.float32)
+                xv = tl.load(xq[:, None] + 4 * w + b4, mask=xm[:, None], other=0.0).to(tl.float32)
                 xs += xv
                 sp += _fields(r0, r1, r2, r3, c, one, p, w, QT) * xv
                 if TWO:
