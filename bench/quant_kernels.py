@@ -110,9 +110,9 @@ if ns.dequant:
     for types in ((Q.Q8_0,) * 3, (Q.Q4_0,) * 3, (Q.Q5_0,) * 3, (Q.Q4_K,) * 3, (Q.Q5_K,) * 3, (Q.Q6_K,) * 3,
                   (Q.IQ4_NL,) * 3, (Q.IQ4_XS,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K)):
         lay = ExpertLayout(I, H, types)
-        rows = rows_of(lay, 64)
+        blocks = rows_of(lay, 64)
         index = torch.randperm(64, device="cuda")[:ns.experts]
-        ms = timed(lambda i: dequantize_rows(rows, index, lay, torch.bfloat16))
+        ms = timed(lambda i: dequantize_rows(blocks, index, lay, torch.bfloat16))
         read, written = ns.experts * lay.nbytes, ns.experts * lay.numel * 2
         print(f"| {name_of(types)} | {read / 1e6:.0f} | {written / 1e6:.0f} | {ms:.3f} | "
               f"{(read + written) / ms / 1e6:.0f} |")

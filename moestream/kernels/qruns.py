@@ -19,9 +19,10 @@ operations (q at the top of the mantissa: exact, no int-to-float conversion), an
     S_p = sum f x = sum x + sum q x / 2**BITS,     so   sum (a q + b) x = a 2**BITS S_p + (b - a 2**BITS) X_p
 
 with X_p = sum x, made from the same x in the same lane. The scales apply once a part (`alpha_p S_p + beta_p
-X_p`), in the lane: no value leaves its lane before the row's sum. The bits depend on the bytes alone: ALIGNED
-changes the loads, never the arithmetic (unit_words loads, unit_dots computes). The values differ from gguf.quants' (the scales are factored out and
-the products are fused), so this path is checked against the float32 oracle, not bit for bit.
+X_p`), in the lane: no value leaves its lane before the row's sum. The bits depend on the bytes alone: the
+alignment changes the loads, never the arithmetic (unit_words loads, unit_dots computes). The values differ from
+gguf.quants' (the scales are factored out and the products are fused), so this path is checked against the
+float32 oracle, not bit for bit.
 
 Q4_K, Q5_K, Q6_K and Q8_0 have runs (`RUN_TYPES`); a layout with any other type keeps the "values" kernel.
 """
