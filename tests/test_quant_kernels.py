@@ -1,7 +1,8 @@
-"""The quantized-expert kernels (kernels/dequant.py, kernels/decode_quant.py) on the CPU, through Triton's
-interpreter (TRITON_INTERPRET=1, in a subprocess, as tests/test_triton_kernels.py does): the dequantizer bit for
-bit against `ExpertLayout.dequantize` (gguf.quants' bits), the decode GEMV against the plain-torch oracle in
-float32; and the same kernels compiled on the GPU (`cuda`-marked)."""
+"""The quantized-expert kernels (kernels/dequant.py, kernels/decode_quant.py, kernels/decode_runs.py) on the CPU,
+through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, as tests/test_triton_kernels.py does): the
+dequantizer bit for bit against `ExpertLayout.dequantize` (gguf.quants' bits), the decode GEMV against the
+plain-torch oracle in float32, and its bits the same wherever the rows lie; and the same kernels compiled on the
+GPU (`cuda`-marked)."""
 from __future__ import annotations
 
 import sys
@@ -18,6 +19,10 @@ DECODE_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q4_0", "Q5_0", "IQ4_N
 DEQUANT = [f"dequant:{t}" for t in TRITON_TYPES] + ["dequant:Q4_K,Q4_K,Q6_K", "dequant:Q5_K,Q5_K,F16",
                                                     "dequant:Q4_K,Q4_K,Q3_K"]
 DECODE = [f"decode:{t}" for t in DECODE_TYPES] + ["decode:Q4_K,Q4_K,Q6_K", "decode:Q8_0,Q4_0,Q5_K"]
+# The "runs" variant (kernels/decode_runs.py) on each type it covers and on Q4_K_M's mixes; a down row of I=768
+# (3 K-quant blocks, Q8_0's 24) is read a block a step.
+RUNS_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0"]
+RUNS = [f"runs:{t}" for t in RUNS_TYPES] + ["runs:Q4_K,Q4_K,Q6_K", "runs:Q6_K,Q6_K,Q8_0"]
 # The scale fields (byte offsets of float16 scales) of each block type: set to finite values in [1e-3, 1].
 SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
           Q.Q6_K: (208,), Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
@@ -53,7 +58,7 @@ def random_rows(layout, n: int, g, pad: int = 32) -> torch.Tensor:
     return torch.cat([rows, torch.randint(0, 256, (n, pad), dtype=torch.uint8, generator=g)], 1)
 
 
-@pytest.mark.parametrize("check", DEQUANT + DECODE)
+@pytest.mark.parametrize("check", DEQUANT + DECODE + RUNS)
 def test_quant_kernel_in_the_interpreter(check):
     pytest.importorskip("triton")
     run_check(__file__, check, timeout=900)
@@ -74,13 +79,16 @@ def dequant_check(spec: str, device="cpu", out_dtypes=(torch.float32, torch.bflo
         assert torch.equal(w13.cpu(), ref13.to(dtype)) and torch.equal(w2.cpu(), ref2.to(dtype)), dtype
 
 
-def decode_check(spec: str, T: int, k: int, seed: int = 0, inter: int = 256):
-    """Against the oracle (float32); the same bits when the rows are read from another copy at other addresses."""
+def decode_check(spec: str, T: int, k: int, seed: int = 0, inter: int = 256, variant: str = "values"):
+    """Against the oracle (float32); the same bits when the rows are read from another copy at other addresses
+    (16-aligned, 4-aligned and odd: the runs variant's 128-bit loads, its shifted words, and both)."""
     from moestream.kernels.decode_quant import decode_quant_available, experts_by_address_quant
+    from moestream.kernels.decode_runs import runs_layout
     from moestream.kernels.reference import AddressBook, experts_by_address_reference
     k_quant = any(t in spec for t in ("_K", "XS"))
     lay = layout_of(spec, inter if k_quant else 96, 256 if k_quant else 64)    # 96: 3 blocks a down row, masked
     assert decode_quant_available(lay)
+    assert variant != "runs" or runs_layout(lay), spec
     E = 6
     g = torch.Generator().manual_seed(seed + T)
     rows = random_rows(lay, E, g)
@@ -94,23 +102,40 @@ def decode_check(spec: str, T: int, k: int, seed: int = 0, inter: int = 256):
     scale = lay.dequantize(rows[:1])[0].std().item() * lay.hidden ** 0.5            # gate x of order 1
     x = torch.randn(T, lay.hidden, generator=g) / scale
     w = torch.softmax(torch.randn(T, k, generator=g), -1)
-    out = experts_by_address_quant(x, addrs, w, lay)
+    out = experts_by_address_quant(x, addrs, w, lay, variant=variant)
     close(out, experts_by_address_reference(x, addrs, w, lay, book=book))
+    if variant == "runs":             # each choice from one of four copies: 16-aligned (two), 4-aligned, odd
+        copies = [rows, other] + [moved_copy(rows, shift) for shift in (4, 1)]
+        pick = torch.randint(0, len(copies), ids.shape, generator=g)
+        pick[:, 0] = 2 + torch.arange(T) % 2      # each token's down rows through the shifted words
+        starts = torch.tensor([c.data_ptr() for c in copies])
+        assert torch.equal(experts_by_address_quant(x, starts[pick] + ids * step, w, lay, variant=variant), out)
+        return
     elsewhere = torch.where(ids % 2 == 0, other.data_ptr() + ids * step, addrs)
     assert torch.equal(experts_by_address_quant(x, elsewhere, w, lay), out)
-    odd = torch.empty(rows.numel() + 1, dtype=torch.uint8)[1:].view(rows.shape)     # rows at odd addresses: the
-    odd.copy_(rows)                                                                 # kernel's unaligned branch
-    book.add(odd)
+    odd = moved_copy(rows, 1)                     # rows at odd addresses: the kernel's unaligned branch
     assert torch.equal(experts_by_address_quant(x, odd.data_ptr() + ids * step, w, lay), out)
+
+
+def moved_copy(rows: torch.Tensor, shift: int) -> torch.Tensor:
+    """A copy of rows (on their device) whose start is `shift` past a multiple of 16."""
+    buf = torch.empty(rows.numel() + 16, dtype=torch.uint8, device=rows.device)
+    moved = buf[(shift - buf.data_ptr()) % 16:][:rows.numel()].view(rows.shape)
+    moved.copy_(rows)
+    assert moved.data_ptr() % 16 == shift
+    return moved
 
 
 def check(name: str):
     kind, spec = name.split(":")
     if kind == "dequant":
         dequant_check(spec)
-    else:
+    elif kind == "decode":
         decode_check(spec, 1, 3, inter=768 if spec == "Q4_K,Q4_K,Q6_K" else 256)    # K-quant down rows masked
         decode_check(spec, 3, 2)
+    else:
+        decode_check(spec, 1, 3, inter=768 if "," in spec else 256, variant="runs")
+        decode_check(spec, 3, 2, seed=1, variant="runs")
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -148,12 +173,48 @@ def test_decode_quant_compiled_matches_reference_and_reads_host_memory_in_place(
     odd.copy_(rows)
     book.add(odd)
     on_host = torch.rand(E, device="cuda") < 0.5
-    for variant in ("subblocks", "values"):
+    for variant in ("subblocks", "values", "runs"):
         out = experts_by_address_quant(x, dev_addr, w, lay, variant=variant)
         assert torch.isfinite(out).all()
         close(out, ref, tol=1e-2)
         for addrs in (host_addr, torch.where(on_host[ids], host_addr, dev_addr), odd.data_ptr() + ids * rows.stride(0)):
             assert torch.equal(experts_by_address_quant(x, addrs, w, lay, variant=variant), out)
+
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("spec", RUNS_TYPES + ["Q4_K,Q4_K,Q6_K", "Q6_K,Q6_K,Q8_0"])
+@pytest.mark.parametrize("T", [1, 8, 16])
+def test_decode_runs_compiled_matches_reference_wherever_the_rows_lie(spec, T):
+    """The runs variant compiled, k=8 on Qwen3-30B-A3B's expert shape: bfloat16 against the float32 oracle, and
+    the same bits from pinned host memory, from 4-aligned and 2-aligned copies (its shifted words instead of its
+    128-bit loads) and from a mix of all four placements, choice by choice."""
+    from moestream.kernels.decode_quant import experts_by_address_quant
+    from moestream.kernels.decode_runs import runs_layout
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    I, H, k, E = 768, 2048, 8, 16
+    lay = layout_of(spec, I, H)
+    assert runs_layout(lay)
+    g = torch.Generator().manual_seed(T)
+    host = random_rows(lay, E, g).pin_memory()
+    rows = host.cuda()
+    assert rows.data_ptr() % 16 == 0 and rows.stride(0) % 16 == 0
+    book = AddressBook()
+    book.add(rows)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).cuda()
+    x = (torch.randn(T, H, generator=g) / H ** 0.5).to(torch.bfloat16).cuda()
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(torch.bfloat16).cuda()
+    step = rows.stride(0)
+    out = experts_by_address_quant(x, rows.data_ptr() + ids * step, w, lay, variant="runs")
+    ref = experts_by_address_reference(x.cpu(), (rows.data_ptr() + ids * step).cpu(), w.cpu(), lay, book=book)
+    assert torch.isfinite(out).all()
+    close(out, ref.cuda(), tol=1e-2)
+    copies = [rows, host, moved_copy(rows, 4), moved_copy(rows, 2)]
+    starts = torch.tensor([c.data_ptr() for c in copies], device="cuda")
+    pick = torch.randint(0, len(copies), ids.shape, generator=g).cuda()
+    for addrs in [starts[i] + ids * step for i in range(1, len(copies))] + [starts[pick] + ids * step]:
+        assert torch.equal(experts_by_address_quant(x, addrs, w, lay, variant="runs"), out)
 
 
 if __name__ == "__main__":

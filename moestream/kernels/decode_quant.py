@@ -12,15 +12,20 @@ The dequantized values are gguf.quants' bits (no fused multiply-add, enable_fp_f
 differs from the float32 oracle only in its summation order; and its result depends only on the bytes read,
 never on where they were. Block shapes follow from the types and the shape alone (no autotuning).
 
-Two variants (`variant=`, default VARIANT below: "values"): "subblocks" takes the scales out of the dot products (kernels/qdots.py:
-per sub-block d sc sum(q x) - dmin m sum(x), sum(x) shared by a program's rows, int32 row offsets from one base,
-no masked blocks: a down row of I=768 is read one block a step) for Q4_K, Q5_K, Q6_K and Q8_0, the other types
-value by value; its bits differ from "values" by float rounding (and fused multiply-adds), still fixed by the
-bytes alone. "values", the first kernel, dequantizes every value to gguf.quants' bits (enable_fp_fusion=False)
-and differs from the float32 oracle only in summation order. Measured on the H200 (bench/quant_kernels.py,
-2026-12-01; T=1, k=8, I=768, H=2048), Q4_K_M rows on the GPU: "values" 122 us, "subblocks" 135 us, bf16 69 us;
-from pinned host memory 1068 / 842 / 1715 us. Both are bound by instructions, not bytes: byte loads, one value a
-thread, and the sub-block sums as cross-thread shuffles (about 5 a value in the compiled PTX).
+Three variants (`variant=`, default VARIANT below: "values"). "runs" (kernels/decode_runs.py, kernels/qruns.py)
+gives each lane whole 16-byte runs of one block's quants, loaded as words (128-bit loads where the row is
+16-aligned), unpacks them with shifts and masks and applies each sub-block's scales once, in the lane, for Q4_K,
+Q5_K, Q6_K and Q8_0 (gate and up of one type); a layout with any other type runs "values". Its bits differ from
+the other two by float rounding, still fixed by the bytes alone. "subblocks" takes the scales out of the dot
+products (kernels/qdots.py: per sub-block d sc sum(q x) - dmin m sum(x), sum(x) shared by a program's rows, int32
+row offsets from one base, no masked blocks: a down row of I=768 is read one block a step) for Q4_K, Q5_K, Q6_K
+and Q8_0, the other types value by value; its bits differ from "values" by float rounding (and fused
+multiply-adds), still fixed by the bytes alone. "values", the first kernel, dequantizes every value to
+gguf.quants' bits (enable_fp_fusion=False) and differs from the float32 oracle only in summation order. Measured
+on the H200 (bench/quant_kernels.py, 2026-12-01; T=1, k=8, I=768, H=2048), Q4_K_M rows on the GPU: "values" 122
+us, "subblocks" 135 us, bf16 69 us; from pinned host memory 1068 / 842 / 1715 us. Both are bound by instructions,
+not bytes: byte loads, one value a thread, and the sub-block sums as cross-thread shuffles (about 5 a value in the
+compiled PTX); "runs" is the answer to that, not yet measured.
 
 Not yet: read-through landing (`landing`, which kernels/decode.py has): a host-read choice is not written to a
 free slot; the caller uploads misses itself.
@@ -41,9 +46,10 @@ WARPS = 4
 # The default kernel. Measured on the H200 (bench/RESULTS.md, 2026-12-01): "subblocks" reads pinned host rows
 # 21-23% faster (Q4_K_M: 842 vs 1068 us a token's 8 experts; no-cache tg 54 vs 43 tok/s) but device rows 8-56%
 # slower (all on the GPU tg 330 vs 401), so "values" stays the default: one kernel for every placement keeps one
-# file's greedy tokens the same whatever the placement. MOESTREAM_DECODE_QUANT=values|subblocks picks one for a
-# whole process (bench/gpu.sh qdecode measures both).
+# file's greedy tokens the same whatever the placement. MOESTREAM_DECODE_QUANT=values|subblocks|runs picks one for
+# a whole process (bench/gpu.sh qdecode measures each).
 VARIANT = os.environ.get("MOESTREAM_DECODE_QUANT", "values")
+VARIANTS = ("values", "subblocks", "runs")
 ROWS = 4                 # subblocks: rows a program reads of each matrix (a gate/up program: 2 x 4 x 1152 bytes
 STEP_VALUES = 1024       # of Q4_K); values of a row a step reads, at most (a step: ROWS x STEP_VALUES values)
 
@@ -171,12 +177,18 @@ def experts_by_address_quant(x: torch.Tensor, addrs: torch.Tensor, weights: torc
                              landing=None, variant: str = VARIANT) -> torch.Tensor:
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
 
-    variant: "subblocks" (kernels/qdots.py: the scales out of the dot products) or "values" (the first kernel:
-    every value dequantized, gguf.quants' bits, then multiplied), kept to compare against."""
+    variant: "runs" (kernels/decode_runs.py: a 16-byte run of quants a lane, for the layouts it covers, "values"
+    for the others), "subblocks" (kernels/qdots.py: the scales out of the dot products) or "values" (the first
+    kernel: every value dequantized, gguf.quants' bits, then multiplied)."""
     if landing is not None:
         raise NotImplementedError("experts_by_address_quant: read-through landing is not implemented yet")
     assert decode_quant_available(layout), layout
-    assert variant in ("subblocks", "values"), variant
+    assert variant in VARIANTS, variant
+    if variant == "runs":
+        from .decode_runs import experts_by_address_runs, runs_layout
+        if runs_layout(layout):
+            return experts_by_address_runs(x, addrs, weights, layout)
+        variant = "values"
     T, H = x.shape
     I, k = layout.inter, addrs.shape[1]
     og, ou, od = layout.offsets

@@ -1,0 +1,252 @@
+"""GGML blocks read as 16-byte runs of int32 words, one run a lane (Triton): the "runs" decode kernel's formats.
+
+    ws, ws2 = unit_words(blk, blk2, c, m, m2, al, QT, A16, TWO)     # the units' words, loaded once
+    acc, acc2 = unit_dots(ws, ws2, c, m | m2, xp, one, QT, TWO)     # (L,) float32: each unit's share of a dot
+
+A row of a matrix is blocks; a block is NU units (`UNITS`); a unit is the 16-byte runs of quants one lane owns,
+NP parts of one sub-block each, a part's values 4 w + b (word w, byte b) from its first x (`_xoff`):
+
+    Q4_K, Q5_K   4 units a block: unit c is qs bytes 32c..32c+31 (2 runs), parts: sub-blocks 2c and 2c + 1
+                 (the low and high nibbles), 32 values each; Q5_K's unit also reads qh (2 runs), shared
+    Q6_K         4 units: unit c = 2h + s is ql's runs 64h + 16s and 64h + 32 + 16s and qh's 128 + 32h + 16s;
+                 parts k = 0..3: sub-blocks 8h + 2k + s, 16 values each
+    Q8_0         1 unit: the 32 int8 (2 runs), one part
+
+A lane loads its runs as words (a 16-byte vector where the compiler knows the run is 16-aligned, ALIGNED; else
+aligned words and a funnel shift, any address), turns each field into the float 1 + q / 2**BITS with two integer
+operations (q at the top of the mantissa: exact, no int-to-float conversion), and multiplies it by x:
+
+    S_p = sum f x = sum x + sum q x / 2**BITS,     so   sum (a q + b) x = a 2**BITS S_p + (b - a 2**BITS) X_p
+
+with X_p = sum x, made from the same x in the same lane. The scales apply once a part (`alpha_p S_p + beta_p
+X_p`), in the lane: no value leaves its lane before the row's sum. The bits depend on the bytes alone: the
+alignment changes the loads, never the arithmetic (unit_words loads, unit_dots computes). The values differ from
+gguf.quants' (the scales are factored out and the products are fused), so this path is checked against the
+float32 oracle, not bit for bit.
+
+Q4_K, Q5_K, Q6_K and Q8_0 have runs (`RUN_TYPES`); a layout with any other type keeps the "values" kernel.
+"""
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as Q
+
+from .qblocks import SHAPES, triton
+
+# type -> (units a block, whether every run is 16-aligned where the block is)
+UNITS = {Q.Q4_K: (4, True), Q.Q5_K: (4, True), Q.Q6_K: (4, False), Q.Q8_0: (1, False)}
+RUN_TYPES = tuple(UNITS)
+
+
+def runs_available(qtype, n: int) -> bool:
+    return triton is not None and qtype in UNITS and n % SHAPES[qtype][0] == 0
+
+
+def aligned16(qtype, offset: int, row_bytes: int) -> bool:
+    """Whether every run of a matrix at `offset` in a 16-aligned expert row is 16-aligned (the vector loads)."""
+    return UNITS[qtype][1] and offset % 16 == 0 and row_bytes % 16 == 0 and SHAPES[qtype][1] % 16 == 0
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _scalar(p, m):
+        """(L,) uint32 at the word pointers p (L,), through an (L, 4) load of which only element 0 is live: its
+        layout is the runs' (L, 4) layout, so nothing moves between lanes."""
+        w = tl.arange(0, 4)[None, :]
+        v = tl.load(p[:, None] + w * 0, mask=m[:, None] & (w == 0), other=0)
+        return tl.sum(v, axis=1)
+
+    @triton.jit
+    def _funnel(lo, hi, sh):
+        """The word sh bits into lo:hi (uint32, sh in 0, 8, 16, 24; hi is 0 where sh is 0): one 64-bit funnel
+        shift on the GPU (SHF.R.U64)."""
+        return ((hi.to(tl.uint64) << 32 | lo.to(tl.uint64)) >> sh.to(tl.uint64)).to(tl.uint32)
+
+    @triton.jit
+    def _word(A, m):
+        """(L,) uint32: the little-endian word at byte addresses A (L,) int64, any alignment."""
+        p = ((A >> 2) << 2).to(tl.pointer_type(tl.uint32))
+        sh = ((A & 3) * 8).to(tl.uint32)
+        lo = _scalar(p, m)
+        hi = _scalar(p + 1, m & (sh != 0))
+        return _funnel(lo, hi, sh)
+
+    @triton.jit
+    def _run(A, m, ALIGNED: tl.constexpr):
+        """(L, 4) uint32: the 4 words at byte addresses A (L,) int64 (16-aligned if ALIGNED, else any)."""
+        w = tl.arange(0, 4)[None, :]
+        if ALIGNED:
+            p = tl.multiple_of(A.to(tl.pointer_type(tl.uint32)), 16)
+            v = tl.load(p[:, None] + w, mask=m[:, None], other=0)
+        else:
+            p = ((A >> 2) << 2).to(tl.pointer_type(tl.uint32))
+            sh = ((A & 3) * 8).to(tl.uint32)[:, None]
+            lo = tl.load(p[:, None] + w, mask=m[:, None], other=0)
+            hi = tl.load(p[:, None] + w + 1, mask=m[:, None] & (sh != 0), other=0)
+            v = _funnel(lo, hi, sh)
+        return v
+
+    @triton.jit
+    def _pick(v, i: tl.constexpr):
+        """Element i of each lane's 4 (v (L, 4) -> (L,)): a register, no data moves."""
+        return tl.sum(tl.where(tl.arange(0, 4)[None, :] == i, v, 0), axis=1)
+
+    @triton.jit
+    def _f(v, s, one, BITS: tl.constexpr):
+        """The BITS-bit fields at bit s of v (uint32, broadcasting) as 1 + q / 2**BITS, float32, exact. `one` is
+        1.0's bits (0x3F800000) as a runtime value: held in a register, the mask-and-set is one LOP3."""
+        P: tl.constexpr = 23 - BITS
+        M: tl.constexpr = ((1 << BITS) - 1) << P
+        return ((((v >> s) << P) & M) | one).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _small(u):
+        """Small non-negative ints (uint32) as float32, exact: 2**23 + u, less 2**23."""
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _half(u):
+        """The float16 in the low 16 bits of u (uint32), as float32."""
+        return (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _int8(u):
+        """The int8 in the low byte of u (uint32), as float32 (exact)."""
+        return _small((u ^ 0x80) & 0xFF) - 128.0
+
+    @triton.jit
+    def _words(blk, c, m, QT: tl.constexpr, ALIGNED: tl.constexpr):
+        """A unit's runs: blk (L,) int64 block addresses, c (L,) the unit in its block. Returns the quants' runs
+        (four (L, 4), repeated where a type has fewer) and its scale words (four (L,))."""
+        if QT == 12 or QT == 13:       # Q4_K, Q5_K: d, dmin | 12 bytes of scales | (qh 32 |) qs 128; unit c is
+            hd = _run(blk, m, ALIGNED)  # the 32 bytes of qs holding sub-blocks 2c (low nibbles) and 2c + 1
+            QS: tl.constexpr = 16 if QT == 12 else 48
+            q0 = _run(blk + QS + 32 * c, m, ALIGNED)
+            q1 = _run(blk + QS + 16 + 32 * c, m, ALIGNED)
+            h0 = q0
+            h1 = q1
+            if QT == 13:               # the fifth bits of all 32 bytes of qh, bit j for sub-block j
+                h0 = _run(blk + 16, m, ALIGNED)
+                h1 = _run(blk + 32, m, ALIGNED)
+            return q0, q1, h0, h1, _pick(hd, 0), _pick(hd, 1), _pick(hd, 2), _pick(hd, 3)
+        elif QT == 14:                 # Q6_K: ql 128 | qh 64 | 16 int8 scales | d; unit c = 2 h + s
+            h = c // 2
+            s = c % 2
+            qa = _run(blk + 64 * h + 16 * s, m, ALIGNED)
+            qb = _run(blk + 64 * h + 32 + 16 * s, m, ALIGNED)
+            qh = _run(blk + 128 + 32 * h + 16 * s, m, ALIGNED)
+            sc0 = _word(blk + 192 + 8 * h, m)
+            sc1 = _word(blk + 196 + 8 * h, m)
+            d = _word(blk + 208, m)
+            return qa, qb, qh, qh, sc0, sc1, d, d
+        else:                          # Q8_0: d | 32 int8, the whole block a unit
+            q0 = _run(blk + 2, m, ALIGNED)
+            q1 = _run(blk + 18, m, ALIGNED)
+            d = _word(blk, m)
+            return q0, q1, q0, q1, d, d, d, d
+
+    @triton.jit
+    def _fields(r0, r1, r2, r3, c, one, p: tl.constexpr, w: tl.constexpr, QT: tl.constexpr):
+        """(L, 4) float32: part p, word w of a unit (its 4 bytes' values, as 1 + q / 2**BITS)."""
+        b8 = 8 * tl.arange(0, 4)[None, :]
+        if QT == 12:                   # Q4_K: word w of the 32 qs bytes; part p: the nibble p of each byte
+            v = _f(_pick(r0 if w < 4 else r1, w % 4)[:, None], b8 + 4 * p, one, 4)
+        elif QT == 13:                 # Q5_K: and bit 2c + p of qh's byte
+            q = (_pick(r0 if w < 4 else r1, w % 4) >> (4 * p)) & 0x0F0F0F0F
+            hb = (_pick(r2 if w < 4 else r3, w % 4) >> (2 * c + p)) & 0x01010101
+            v = _f((q | (hb << 4))[:, None], b8, one, 5)
+        elif QT == 14:                 # Q6_K: part k: nibble k // 2 of ql run k % 2, bits 2k of qh
+            lo = (_pick(r0 if p % 2 == 0 else r1, w) >> (4 * (p // 2))) & 0x0F0F0F0F
+            hi = (_pick(r2, w) >> (2 * p)) & 0x03030303
+            v = _f((lo | (hi << 4))[:, None], b8, one, 6)
+        else:                          # Q8_0: the byte, offset to unsigned
+            v = _f((_pick(r0 if w < 4 else r1, w % 4) ^ 0x80808080)[:, None], b8, one, 8)
+        return v
+
+    @triton.jit
+    def _coefs(s0, s1, s2, s3, c, p: tl.constexpr, QT: tl.constexpr):
+        """(alpha, beta) (L,) of part p: the part's sum is alpha S_p + beta X_p."""
+        if QT == 12 or QT == 13:       # sub-block 2c + p: scale and min bytes 2c + p of the 8 of each
+            scw = tl.where(c < 2, s1 & 0x3F3F3F3F, (s3 & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030))
+            mnw = tl.where(c < 2, s2 & 0x3F3F3F3F, ((s3 >> 4) & 0x0F0F0F0F) | ((s2 >> 2) & 0x30303030))
+            sh = 16 * (c % 2) + 8 * p
+            sc = _small((scw >> sh) & 0xFF)
+            mn = _small((mnw >> sh) & 0xFF)
+            SCALE: tl.constexpr = 16.0 if QT == 12 else 32.0
+            a = SCALE * _half(s0) * sc                     # d sc q - dmin m, q = SCALE (f - 1)
+            b = -(a + _half(s0 >> 16) * mn)
+        elif QT == 14:                 # d sc (q - 32), q = 64 (f - 1); scale byte 8 h + 2 p + s
+            sw = s0 if p < 2 else s1
+            sc = _int8(sw >> (8 * (2 * (p % 2) + c % 2)))
+            a = 64.0 * _half(s2) * sc
+            b = -1.5 * a
+        else:                          # d (u - 128), u = 256 (f - 1)
+            a = 256.0 * _half(s0)
+            b = -1.5 * a
+        return a, b
+
+    @triton.jit
+    def _xoff(c, p: tl.constexpr, QT: tl.constexpr):
+        """(L,) position in its block of part p's first value of unit c (the part's values follow: 4 w + b)."""
+        if QT == 12 or QT == 13:
+            o = 64 * c + 32 * p
+        elif QT == 14:
+            o = 128 * (c // 2) + 16 * (c % 2) + 32 * p
+        else:
+            o = c * 0
+        return o
+
+    @triton.jit
+    def unit_words(blk, blk2, c, m, m2, al, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr):
+        """The runs and scale words of units (blk, c) (L,), and (TWO) of the same units at blk2: 128-bit loads
+        where al and A16 say every run is 16-aligned, else aligned words shifted into place. Only the loads
+        differ between the two: the arithmetic that follows (unit_dots) is one piece of code."""
+        if A16:
+            if al:
+                ws = _words(blk, c, m, QT, True)
+                ws2 = ws
+                if TWO:
+                    ws2 = _words(blk2, c, m2, QT, True)
+            else:
+                ws = _words(blk, c, m, QT, False)
+                ws2 = ws
+                if TWO:
+                    ws2 = _words(blk2, c, m2, QT, False)
+        else:
+            ws = _words(blk, c, m, QT, False)
+            ws2 = ws
+            if TWO:
+                ws2 = _words(blk2, c, m2, QT, False)
+        return ws, ws2
+
+    @triton.jit
+    def unit_dots(ws, ws2, c, xm, xp, one, QT: tl.constexpr, TWO: tl.constexpr):
+        """(L,) float32 twice: the units of words ws (unit_words) against x at xp (L,) (pointers to each unit's
+        block's first x, any float type; xm: where to load it), and (TWO) the units of ws2 against the same x,
+        which each lane then loads once for both. Words once loaded serve any number of calls (tokens)."""
+        NP: tl.constexpr = 2 if (QT == 12 or QT == 13) else (4 if QT == 14 else 1)
+        NW: tl.constexpr = 4 if QT == 14 else 8
+        r0, r1, r2, r3, s0, s1, s2, s3 = ws
+        t0, t1, t2, t3, u0, u1, u2, u3 = ws2
+        b4 = tl.arange(0, 4)[None, :]
+        acc = tl.zeros(c.shape, dtype=tl.float32)
+        acc2 = tl.zeros(c.shape, dtype=tl.float32)
+        for p in tl.static_range(NP):
+            xq = xp + _xoff(c, p, QT)
+            sp = tl.zeros([c.shape[0], 4], dtype=tl.float32)
+            sq = tl.zeros([c.shape[0], 4], dtype=tl.float32)
+            xs = tl.zeros([c.shape[0], 4], dtype=tl.float32)
+            for w in tl.static_range(NW):
+                xv = tl.load(xq[:, None] + 4 * w + b4, mask=xm[:, None], other=0.0).to(tl.float32)
+                xs += xv
+                sp += _fields(r0, r1, r2, r3, c, one, p, w, QT) * xv
+                if TWO:
+                    sq += _fields(t0, t1, t2, t3, c, one, p, w, QT) * xv
+            X = tl.sum(xs, axis=1)
+            a, b = _coefs(s0, s1, s2, s3, c, p, QT)
+            acc += a * tl.sum(sp, axis=1) + b * X
+            if TWO:
+                a, b = _coefs(u0, u1, u2, u3, c, p, QT)
+                acc2 += a * tl.sum(sq, axis=1) + b * X
+        return acc, acc2
