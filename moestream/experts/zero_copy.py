@@ -45,10 +45,11 @@ from .store import ExpertStore
 
 RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
 LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write its misses into, per layer
-LAND_SEVERAL = 8           # ... and a several-token step, which misses more (8 streams at 16000 MiB on the
-                           # reference: 30 misses a step over 24 layers, 105 before the cache warms; see _learn)
-FREQ_DECAY = 0.98          # per step, of the routing counts a too-small pool keeps its hottest experts by
-FILL_PER_STEP = 32         # ... uploading at most this many a step (16 and 64 measured alike once warm)
+LAND_SEVERAL = 4           # ... and a several-token step, which keeps that many slots a layer free for them,
+                           # evicting the layer's least routed experts (an offline replay of 8 and 16 streams' routing
+                           # missed least at 4 of 4 / 8 / 16: each free slot is one the hot set cannot use)
+FREQ_DECAY = 0.98          # per step, of the routing counts several-token steps keep the hottest experts by
+FILL_PER_STEP = 64         # ... uploading at most this many a step (fresh streams warm the pool faster than at 32)
 
 
 class ZeroCopyDecode:
@@ -309,6 +310,7 @@ class ZeroCopyDecode:
             self._keep_reserve()
         else:
             self._keep_hottest(empty, after)     # (the loop above moved nothing: `empty` still holds)
+            self._keep_landing_room(writing)
         per_layer = (time.perf_counter() - t0) / len(self.layers)
         for l in self.layers:
             stats.record(l, host_s=per_layer)
@@ -335,7 +337,7 @@ class ZeroCopyDecode:
         res = self.residency
         desired = np.zeros(self.freq.shape, dtype=bool)
         for l in self.layers:
-            share = res.region_size(l) // self.layers_in_region[res.bounds[l]]
+            share = self._share(l) - self._landing_room()
             top = np.argsort(-self.freq[l], kind="stable")[:share]
             desired[l, top[self.freq[l, top] >= 1.0]] = True
         want = [(self.freq[l, e], l, e) for l in self.layers
@@ -363,6 +365,37 @@ class ZeroCopyDecode:
             (now if slot in empty_before else behind).append((slot, self.store.rows[l][e]))
             self.stats.record(l, uploaded_bytes=self.store.layer_bytes(l), copies=1)
         self._submit(now, behind, after)
+
+    def _share(self, l: int) -> int:
+        """Layer l's equal share of its region's slots (the hottest experts several-token steps keep)."""
+        res = self.residency
+        return res.region_size(l) // self.layers_in_region[res.bounds[l]]
+
+    def _landing_room(self) -> int:
+        """Free slots a layer keeps for several-token steps to land their misses in (0 without read-through or in
+        a pool smaller than a token's experts, where nothing lands)."""
+        return self.n_land_several if self.n_land_several and self._holds_a_step(self.top_k) else 0
+
+    def _keep_landing_room(self, writing) -> None:
+        """Several-token steps: keep _landing_room() slots of each layer's share free, evicting the layer's least
+        routed residents (decayed counts), so that the next step lands what it reads from host memory (at no cost
+        on the link) instead of reading it again at every step. Never a slot a queued step writes (`writing`)."""
+        room = self._landing_room()
+        if not room:
+            return
+        res = self.residency
+        keep_out = set() if writing is None else set(writing[writing >= 0].tolist())
+        for l in self.layers:
+            held = np.flatnonzero(res.slot_of[l] >= 0)
+            over = len(held) - (self._share(l) - room)
+            if over <= 0:
+                continue
+            slots = res.slot_of[l, held]
+            ok = ~res.pinned[slots] & np.array([s not in keep_out for s in slots.tolist()], dtype=bool)
+            held, slots = held[ok], slots[ok]
+            victims = slots[np.argsort(self.freq[l, held], kind="stable")[:over]]
+            for old_l, _ in res.evict(victims):
+                self.stats.record(old_l, evictions=1)
 
     def _holds_a_step(self, n_choices: int) -> bool:
         """Whether the pool holds a step's routed experts (n_choices per host layer): only then are misses worth
