@@ -9,8 +9,11 @@
 #                                            --moe-cache-mib 0 / 8000 / 16000 / 24000 at the same ubatches
 #   bash bench/gpu.sh decode  [BENCH FLAGS]  the decode paths at 16000 MiB, ubatch 2048: the defaults (zero-copy
 #                                            decode) against --no-zero-copy-decode (the plain path, host steps)
-#   bash bench/gpu.sh server  [SERVE FLAGS]  `moestream serve` on the reference GGUF (--cpu-moe, 16000 MiB, -np 8)
-#                                            under 1 / 4 / 8 streaming clients (bench/serve_load.py)
+#   bash bench/gpu.sh server  [SERVE FLAGS]  `moestream serve` on the reference GGUF (--cpu-moe, 16000 MiB, -np 16)
+#                                            under 1 / 2 / 4 / 8 / 16 streaming clients (bench/serve_load.py), then
+#                                            a one-minute soak of it (bench/soak.py --url)
+#   bash bench/gpu.sh parallel [BENCH FLAGS] `moestream bench --parallel 1,2,4,8,16 -npp 512 -ntg 64`: all on the
+#                                            GPU, --cpu-moe at 8000 / 16000 MiB, and Q4_K_M at 4000 MiB
 #   bash bench/gpu.sh profile                a cached prompt's copy and compute streams at ubatch 4096 / 2048
 #                                            (bench/prompt_timeline.py) and a decode step's host/GPU split, all
 #                                            on the GPU and at 16000 / 24000 MiB (bench/decode_steps.py)
@@ -49,7 +52,7 @@ REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
-case "$SUITE" in tests|rows|decode|server|profile|trace|quant|qdecode|kld|all) ;; *) usage ;; esac
+case "$SUITE" in tests|rows|decode|server|parallel|profile|trace|quant|qdecode|kld|all) ;; *) usage ;; esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py > /dev/null 2>&1; then
   echo "error: .carry/ lacks the wheels or make_reference_gguf.py: see the setup notes at the top of $0" >&2; exit 2
 fi
@@ -116,18 +119,28 @@ decode() {         # tg64 after pp4096 prompts, as the cache rows of rows measur
 
 server() {
   reference 15
-  python3 -m moestream serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 8 -c 4096 --port 8080 "$@" \
+  python3 -m moestream serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 16 -c 1024 --port 8080 "$@" \
     > "$OUT/serve.log" 2>&1 &
   local pid=$!
   if healthy 240; then
-    timeout 150 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,8 -p 512 -n 64 -r 2 2>&1 \
+    timeout 150 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 1,2,4,8,16 -p 512 -n 64 -r 2 2>&1 \
       | tee "$OUT/serve_load.md"
+    timeout 110 python3 bench/soak.py --url http://127.0.0.1:8080 --minutes 1.2 --clients 12 2>&1 | tail -25 \
+      | tee "$OUT/soak.md"
     python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8080/metrics').text)" 2> /dev/null \
       | grep "^moestream_" | grep -v "_bucket\|_created" | tee "$OUT/serve_metrics.txt"
   else
     echo "the server did not come up in 240 s:"; tail -20 "$OUT/serve.log"
   fi
   kill $pid; wait $pid
+}
+
+parallel() {       # several sequences decoded together (llama-batched-bench's shape), fresh prompts each
+  quantized $Q4:Q4_K_M
+  local P="--parallel 1,2,4,8,16 -npp 512 -ntg 64 -r 1 -ub 512"
+  bench parallel.md 100 -m $REF $P
+  bench parallel.md 200 -m $REF $P --cpu-moe --moe-cache-mib 16000,8000
+  bench parallel.md 120 -m $Q4 $P --cpu-moe --moe-cache-mib 4000
 }
 
 profile() {
@@ -195,6 +208,7 @@ trace() {          # one prompt of 4096 random ids (the same every run), at ubat
 case "$SUITE" in
 tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
+parallel) parallel ;;
 profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
