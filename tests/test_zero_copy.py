@@ -158,7 +158,7 @@ def test_a_pool_smaller_than_a_step_keeps_each_layers_hottest_experts():
     for l in cache.layers:                      # each layer holds at most its share, and its hottest experts
         held = cache.residency.resident(l)
         assert len(held) <= share
-        top = np.argsort(-cache.zero_copy.freq[l], kind="stable")[:share]
+        top = np.argsort(-cache.zero_copy.hot.freq[l], kind="stable")[:share]
         assert set(held.tolist()) <= set(top.tolist())
     assert reads[-1] < reads[0]
 

@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from .hot_set import HotSet
 from .planner import CachePlanner
 from .provider import row_addresses
 from .residency import CacheTooSmall
@@ -48,8 +49,6 @@ LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write
 LAND_SEVERAL = 4           # ... and a several-token step, which keeps that many slots a layer free for them,
                            # evicting the layer's least routed experts (an offline replay of 8 and 16 streams' routing
                            # missed least at 4 of 4 / 8 / 16: each free slot is one the hot set cannot use)
-FREQ_DECAY = 0.98          # per step, of the routing counts several-token steps keep the hottest experts by
-FILL_PER_STEP = 64         # ... uploading at most this many a step (fresh streams warm the pool faster than at 32)
 
 
 class ZeroCopyDecode:
@@ -74,7 +73,7 @@ class ZeroCopyDecode:
         self.routed_host = dev.pinned_empty((L, max_tokens * top_k), torch.int64)
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
-        self.freq = np.zeros((L, E))                        # decayed decode routings: what several-token steps keep
+        self.hot = HotSet(self.residency, self.stats, store, layers)   # what several-token steps keep
         # Read-through: the layer's free slots a step writes the experts it reads from host into: a one-token step
         # the first n_land of them, a several-token step n_land_several.
         self.n_land = LAND_PER_LAYER if read_through else 0
@@ -262,7 +261,7 @@ class ZeroCopyDecode:
         experts together are often more than the pool holds, and uploading each step's misses then evicts what the
         next step reads (on the reference at 16000 MiB, 8 streams: 105 misses a step, 1 GB uploaded a step, 43 ms a
         step; bench/RESULTS.md, issue 15). It keeps each layer's most routed experts of recent steps instead (decayed
-        counts, FILL_PER_STEP uploads a step: 30 misses, 0.1 GB, 12 ms), which is the union of the streams' hot
+        counts, hot_set.py: 30 misses, 0.1 GB, 12 ms on a warm pool), which is the union of the streams' hot
         sets as far as it fits. So does a pool smaller than one token's routed experts of every host layer. (With
         read-through its misses also land in free slots as they are read: _absorb.)
 
@@ -286,7 +285,7 @@ class ZeroCopyDecode:
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
                 # the rest are looked up too, and miss: they were read from host memory
                 stats.record(l, misses=len(routed_l) - len(wanted))
-            self.freq[l] = self.freq[l] * FREQ_DECAY + counts      # (both ways: the step sizes of a server mix)
+            self.hot.observe(l, counts)          # (both ways: a server's steps change size)
             if not upload:
                 slots = res.slot_of[l, wanted]
                 hit = slots >= 0
@@ -309,8 +308,9 @@ class ZeroCopyDecode:
         if upload:
             self._keep_reserve()
         else:
-            self._keep_hottest(empty, after)     # (the loop above moved nothing: `empty` still holds)
-            self._keep_landing_room(writing)
+            room = self._landing_room()
+            self._submit(*self.hot.fill(empty, room), after)     # (the loop above moved nothing: `empty` holds)
+            self.hot.make_room(room, writing)
         per_layer = (time.perf_counter() - t0) / len(self.layers)
         for l in self.layers:
             stats.record(l, host_s=per_layer)
@@ -328,74 +328,10 @@ class ZeroCopyDecode:
                 for l, _ in res.evict(res.policy.lowest(owned, need)):
                     self.stats.record(l, evictions=1)
 
-    def _keep_hottest(self, empty_before: set, after) -> None:
-        """Several-token steps, or a pool smaller than one token's routed experts: give each layer an equal share
-        of its region and keep there its most routed experts of recent steps (decayed counts), uploading at most
-        FILL_PER_STEP a step.
-        On a skewed routing a few experts per layer take a large part of the routings (REFERENCE.md: the top 10%
-        take 81%), so a pool of one layer's size still saves much of the link."""
-        res = self.residency
-        desired = np.zeros(self.freq.shape, dtype=bool)
-        for l in self.layers:
-            share = self._share(l) - self._landing_room()
-            top = np.argsort(-self.freq[l], kind="stable")[:share]
-            desired[l, top[self.freq[l, top] >= 1.0]] = True
-        want = [(self.freq[l, e], l, e) for l in self.layers
-                for e in np.flatnonzero(desired[l] & (res.slot_of[l] < 0))]
-        want.sort(key=lambda w: -w[0])
-        now, behind = [], []
-        for _, l, e in want[:FILL_PER_STEP]:
-            a, b = res.bounds[l]
-            own = res.owner[a:b]
-            taken = own[:, 0] >= 0
-            keep = np.zeros(b - a, dtype=bool)
-            keep[taken] = desired[own[taken, 0], own[taken, 1]]
-            free = a + np.flatnonzero(~keep & ~res.pinned[a:b])
-            if not len(free):
-                continue
-            slot = int(free[0])
-            if res.owner[slot, 0] >= 0:
-                for old_l, _ in res.evict(np.array([slot])):
-                    self.stats.record(old_l, evictions=1)
-            try:
-                res.ensure(l, np.array([e]))         # takes the lowest empty slot of the region: `slot` or one
-            except CacheTooSmall:                    # emptied earlier
-                continue
-            slot = int(res.slot_of[l, e])
-            (now if slot in empty_before else behind).append((slot, self.store.rows[l][e]))
-            self.stats.record(l, uploaded_bytes=self.store.layer_bytes(l), copies=1)
-        self._submit(now, behind, after)
-
-    def _share(self, l: int) -> int:
-        """Layer l's equal share of its region's slots (the hottest experts several-token steps keep)."""
-        res = self.residency
-        return res.region_size(l) // self.layers_in_region[res.bounds[l]]
-
     def _landing_room(self) -> int:
         """Free slots a layer keeps for several-token steps to land their misses in (0 without read-through or in
         a pool smaller than a token's experts, where nothing lands)."""
         return self.n_land_several if self.n_land_several and self._holds_a_step(self.top_k) else 0
-
-    def _keep_landing_room(self, writing) -> None:
-        """Several-token steps: keep _landing_room() slots of each layer's share free, evicting the layer's least
-        routed residents (decayed counts), so that the next step lands what it reads from host memory (at no cost
-        on the link) instead of reading it again at every step. Never a slot a queued step writes (`writing`)."""
-        room = self._landing_room()
-        if not room:
-            return
-        res = self.residency
-        keep_out = set() if writing is None else set(writing[writing >= 0].tolist())
-        for l in self.layers:
-            held = np.flatnonzero(res.slot_of[l] >= 0)
-            over = len(held) - (self._share(l) - room)
-            if over <= 0:
-                continue
-            slots = res.slot_of[l, held]
-            ok = ~res.pinned[slots] & np.array([s not in keep_out for s in slots.tolist()], dtype=bool)
-            held, slots = held[ok], slots[ok]
-            victims = slots[np.argsort(self.freq[l, held], kind="stable")[:over]]
-            for old_l, _ in res.evict(victims):
-                self.stats.record(old_l, evictions=1)
 
     def _holds_a_step(self, n_choices: int) -> bool:
         """Whether the pool holds a step's routed experts (n_choices per host layer): only then are misses worth

@@ -1,0 +1,99 @@
+"""What zero-copy decode keeps in the pool when a step has several tokens: each layer's most routed experts.
+
+    hot = HotSet(residency, stats, store, layers)
+    hot.observe(layer, counts)                     # a step's routing counts (E,) of one layer, each step
+    now, behind = hot.fill(empty, room)            # copies to make: (slot, host row), into empty slots / evicted ones
+    hot.make_room(room, writing)                   # keep `room` slots a layer free for the next step to land in
+
+Several streams decoded together route more experts than a pool holds, and uploading each step's misses evicts
+what the next step reads (bench/RESULTS.md, issue 15: on the reference at 16000 MiB, 8 streams, 43 ms a step that
+way). So a several-token step uploads no miss. Each layer gets an equal share of its region and keeps there its
+most routed experts of recent steps (counts decayed by FREQ_DECAY a step), at most FILL_PER_STEP uploads a step;
+`room` slots of each share stay free, emptied of the layer's least routed experts, so that the step's kernel lands
+what it reads from host memory (read-through) at no cost on the link. A pool smaller than one token's experts of
+every host layer keeps its experts this way too. On a skewed routing a few experts a layer take most routings
+(REFERENCE.md: the top 10% take 81%), so even a small share saves much of the link.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .residency import CacheTooSmall, Residency
+from .stats import CacheStats
+from .store import ExpertStore
+
+FREQ_DECAY = 0.98          # per step, of the routing counts the hottest experts are chosen by
+FILL_PER_STEP = 64         # uploads a step at most (fresh streams warm the pool faster than at 32)
+
+
+class HotSet:
+    def __init__(self, residency: Residency, stats: CacheStats, store: ExpertStore, layers: list[int]):
+        self.residency, self.stats, self.store, self.layers = residency, stats, store, layers
+        L, E = residency.slot_of.shape
+        self.freq = np.zeros((L, E))                        # decayed routing counts of decode steps
+        bounds = [residency.bounds[l] for l in layers]
+        self.layers_in_region = {b: bounds.count(b) for b in bounds}     # host layers sharing each region
+
+    def observe(self, layer: int, counts: np.ndarray) -> None:
+        """One step's routing counts (E,) of a layer (every step, whatever its size: a server's steps change)."""
+        self.freq[layer] = self.freq[layer] * FREQ_DECAY + counts
+
+    def share(self, layer: int) -> int:
+        """The layer's equal share of its region's slots."""
+        res = self.residency
+        return res.region_size(layer) // self.layers_in_region[res.bounds[layer]]
+
+    def fill(self, empty_before: set, room: int) -> tuple[list, list]:
+        """Upload (at most FILL_PER_STEP, hottest first) the experts of each layer's top (share - room) by decayed
+        counts that are not resident, into free slots or ones whose experts are not in the top: ([(slot, host
+        row)] into slots empty before this step's learning, [(slot, host row)] into slots a queued step may read)."""
+        res = self.residency
+        desired = np.zeros(self.freq.shape, dtype=bool)
+        for l in self.layers:
+            top = np.argsort(-self.freq[l], kind="stable")[:self.share(l) - room]
+            desired[l, top[self.freq[l, top] >= 1.0]] = True
+        want = [(self.freq[l, e], l, e) for l in self.layers
+                for e in np.flatnonzero(desired[l] & (res.slot_of[l] < 0))]
+        want.sort(key=lambda w: -w[0])
+        now, behind = [], []
+        for _, l, e in want[:FILL_PER_STEP]:
+            a, b = res.bounds[l]
+            own = res.owner[a:b]
+            taken = own[:, 0] >= 0
+            keep = np.zeros(b - a, dtype=bool)
+            keep[taken] = desired[own[taken, 0], own[taken, 1]]
+            free = a + np.flatnonzero(~keep & ~res.pinned[a:b])
+            if not len(free):
+                continue
+            slot = int(free[0])
+            if res.owner[slot, 0] >= 0:
+                for old_l, _ in res.evict(np.array([slot])):
+                    self.stats.record(old_l, evictions=1)
+            try:
+                res.ensure(l, np.array([e]))         # takes the lowest empty slot of the region: `slot` or one
+            except CacheTooSmall:                    # emptied earlier
+                continue
+            slot = int(res.slot_of[l, e])
+            (now if slot in empty_before else behind).append((slot, self.store.rows[l][e]))
+            self.stats.record(l, uploaded_bytes=self.store.layer_bytes(l), copies=1)
+        return now, behind
+
+    def make_room(self, room: int, writing) -> None:
+        """Keep `room` slots of each layer's share free, evicting the layer's least routed residents, so that the
+        next step lands what it reads from host memory instead of reading it again at every step. Never a pinned
+        slot, nor one a queued step writes (`writing`: its landing slots, or None)."""
+        if not room:
+            return
+        res = self.residency
+        keep_out = set() if writing is None else set(writing[writing >= 0].tolist())
+        for l in self.layers:
+            held = np.flatnonzero(res.slot_of[l] >= 0)
+            over = len(held) - (self.share(l) - room)
+            if over <= 0:
+                continue
+            slots = res.slot_of[l, held]
+            ok = ~res.pinned[slots] & np.array([s not in keep_out for s in slots.tolist()], dtype=bool)
+            held, slots = held[ok], slots[ok]
+            victims = slots[np.argsort(self.freq[l, held], kind="stable")[:over]]
+            for old_l, _ in res.evict(victims):
+                self.stats.record(old_l, evictions=1)
