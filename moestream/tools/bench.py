@@ -25,7 +25,7 @@ llama-bench's lists too, but each value must mean every layer on the GPU and fla
 here (compat.py). -b, -ub and -t change how prompts are cut and run, so the model loads once for them; each placement is its own load, and each cache size a new cache over the same pinned
 experts (the cache starts empty; the warm-up run fills it). --compare A B loads both configurations
 once and runs them alternately (A, B, A, B, ...) so that drift (clocks, heat, other tenants) cancels in the
-ratio, printed pair by pair.
+ratio, printed pair by pair (bench_compare.py).
 
 --parallel (-npl) B,... decodes B sequences together instead, with -npp/-ntg tokens each, as llama-batched-bench
 does: bench_parallel.py.
@@ -36,14 +36,12 @@ import argparse
 import copy
 import gc
 import itertools
-import shlex
 import statistics
 import sys
 
 import torch
 
 from .. import compat, flags
-from ..argv import Parser
 from ..errors import UserError
 from ..outputs import check_writable
 from ..runtime.generate import token_hash
@@ -292,6 +290,7 @@ def main(a: argparse.Namespace) -> int:
     if a.plot:
         check_writable(a.plot, "--plot")
     if a.compare is not None:
+        from .bench_compare import compare
         return compare(a)
     tests = tests_of(a)
     cols = BENCH_COLS if a.threads else [c for c in BENCH_COLS if c.key != "threads"]
@@ -340,93 +339,4 @@ def main(a: argparse.Namespace) -> int:
     if a.plot:
         report.plot_bench(rows, a.plot)
         print(f"plot: {a.plot}", file=sys.stderr)
-    return 0
-
-
-# --- A/B -----------------------------------------------------------------------------------------------------
-class _Raising(Parser):
-    def error(self, message):                # a value of --compare, not a flag of the command: exit 1
-        raise UserError(f"--compare: {message}")
-
-
-def compare_config(a: argparse.Namespace, spec: str) -> argparse.Namespace:
-    """The bench's engine flags with `spec` (e.g. "--cpu-moe --moe-cache-mib 8000") on top; -m may change too."""
-    p = _Raising(prog="moestream bench --compare", add_help=False)
-    flags.add_engine_arguments(p)
-    base = scalar(a)
-    p.set_defaults(verbose=base.verbose)
-    ns = copy.copy(base)
-    vars(ns).update(vars(p.parse_args(["-m", a.model, *flags.to_argv(flags.to_config(base)), *shlex.split(spec)])))
-    return ns
-
-
-COMPARE_COLS = [
-    Col("test", "test"), Col("pair", "pair"),
-    Col("A t/s", "a_tps", lambda r: f"{r['a_tps']:.2f}"), Col("B t/s", "b_tps", lambda r: f"{r['b_tps']:.2f}"),
-    Col("B/A", "ratio", lambda r: f"{r['ratio']:.4f}" + (f" ± {r['ratio_std']:.4f}" if r["pair"] == "mean" else "")),
-    Col("A up GB", "a_uploaded_gb", lambda r: na(r["a_uploaded_gb"], "{:.3f}")),
-    Col("B up GB", "b_uploaded_gb", lambda r: na(r["b_uploaded_gb"], "{:.3f}")),
-    Col("A hit %", "a_hit_rate", lambda r: na(None if r["a_hit_rate"] is None else 100 * r["a_hit_rate"], "{:.1f}")),
-    Col("B hit %", "b_hit_rate", lambda r: na(None if r["b_hit_rate"] is None else 100 * r["b_hit_rate"], "{:.1f}")),
-]
-
-
-def _pair_row(test: BenchTest, pair, ra: dict, rb: dict) -> dict:
-    a_tps, b_tps = test.n_tokens / ra["seconds"], test.n_tokens / rb["seconds"]
-    up = lambda r: None if r["total"]["uploaded_bytes"] is None else r["total"]["uploaded_bytes"] / 1e9
-    return {"test": test.name, "pair": pair, "a_tps": a_tps, "b_tps": b_tps, "ratio": b_tps / a_tps,
-            "ratio_std": None, "a_uploaded_gb": up(ra), "b_uploaded_gb": up(rb),
-            "a_hit_rate": ra["total"]["hit_rate"], "b_hit_rate": rb["total"]["hit_rate"]}
-
-
-def _bench_flags_after_compare(a: argparse.Namespace) -> None:
-    """--compare A B takes the rest of the line (see add_arguments): parse what follows A and B as bench flags."""
-    if len(a.compare) < 2:
-        raise UserError("--compare takes two quoted sets of engine flags, e.g. "
-                        f"--compare \"--cpu-moe\" \"--cpu-moe --moe-cache-mib 8000\"; got {a.compare}")
-    a.compare, rest = a.compare[:2], a.compare[2:]
-    if rest:
-        p = Parser(prog="moestream bench")
-        add_arguments(p)
-        for act in p._actions:
-            act.required = False
-        p.parse_args(rest, namespace=a)            # sets only the flags given: the namespace keeps the others
-
-
-def compare(a: argparse.Namespace) -> int:
-    _bench_flags_after_compare(a)
-    if a.parallel is not None:                   # given after A B: main could not see it
-        raise UserError("--parallel takes -npp and -ntg (tokens per sequence), not --compare")
-    flag = {"batch_size": "-b", "ubatch_size": "-ub", "n_cpu_moe": "-ncmoe", "moe_cache_mib": "--moe-cache-mib"}
-    swept = [flag[k] for k in SWEPT if len(getattr(a, k, None) or [None]) > 1]
-    if swept:
-        raise UserError(f"--compare runs one configuration per side: give {', '.join(swept)} inside A or B, "
-                        "not as comma lists")
-    tests = tests_of(a)
-    ctx = max(t.n_tokens for t in tests)
-    specs = [compare_config(a, s) for s in a.compare]
-    llms = [load(ns, ctx) for ns in specs]                 # both loaded once, held together
-    rows, stream_md = [], a.output == "md"
-    if stream_md:
-        print(f"A: {a.compare[0]!r}  ({placement(specs[0])})\nB: {a.compare[1]!r}  ({placement(specs[1])})\n")
-        print(report.md_header(COMPARE_COLS), flush=True)
-    for t in tests:
-        for llm in llms if not a.no_warmup else ():
-            t.run(llm, -1)
-        pairs = []
-        for i in range(a.repetitions):
-            ra, rb = t.run(llms[0], i), t.run(llms[1], i)   # A, B, A, B, ...: drift cancels in each pair
-            pairs.append(_pair_row(t, i + 1, ra, rb))
-            if stream_md:
-                print(report.md_row(COMPARE_COLS, pairs[-1]), flush=True)
-        ratios = [r["ratio"] for r in pairs]
-        mean = lambda k: None if any(r[k] is None for r in pairs) else statistics.mean(r[k] for r in pairs)
-        summary = {"test": t.name, "pair": "mean", "a_tps": mean("a_tps"), "b_tps": mean("b_tps"),
-                   "ratio": statistics.mean(ratios), "ratio_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
-                   **{k: mean(k) for k in ("a_uploaded_gb", "b_uploaded_gb", "a_hit_rate", "b_hit_rate")}}
-        if stream_md:
-            print(report.md_row(COMPARE_COLS, summary), flush=True)
-        rows += pairs + [summary]
-    if not stream_md:
-        print(report.render(rows, a.output, COMPARE_COLS))
     return 0
