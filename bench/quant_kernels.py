@@ -138,7 +138,8 @@ print("| types | variant | MB an expert | T=1 | T=8 | host T=1 | host T=8 | vs f
       "|---|---|---|---|---|---|---|---|")
 variants = ns.variants.split(",")
 g = torch.Generator().manual_seed(0)
-for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_K,) * 3):
+for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_K,) * 3,
+              (Q.Q4_0,) * 3):
     if types is None:
         lay = ExpertLayout(I, H)
         rows = (torch.randn(EXPERTS, lay.numel, device="cuda") * H ** -0.5).to(torch.bfloat16)
