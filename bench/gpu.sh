@@ -22,9 +22,10 @@
 #   bash bench/gpu.sh quant   [BENCH FLAGS]  the reference through `moestream quantize` to Q4_K_M and Q8_0 (once per
 #                                            machine, /tmp/ref-q4km.gguf and /tmp/ref-q8.gguf), then their rows: Q4_K_M
 #                                            all on the GPU, --cpu-moe with no cache and with 4000 MiB; Q8_0 --cpu-moe
-#   bash bench/gpu.sh qdecode                the quantized decode kernel's variants (MOESTREAM_DECODE_QUANT=values,
-#                                            subblocks or runs): bench/quant_kernels.py, then the Q4_K_M rows all on the GPU,
-#                                            --cpu-moe with 4000 MiB and with no cache, at ubatch 2048, under each
+#   bash bench/gpu.sh qdecode                the quantized decode kernel's variants: bench/quant_kernels.py (values,
+#                                            subblocks, runs), then the Q4_K_M rows all on the GPU, --cpu-moe with 4000
+#                                            MiB and with no cache, at ubatch 2048, under MOESTREAM_DECODE_QUANT=values
+#                                            and =runs
 #   bash bench/gpu.sh kld                    perplexity's KL divergence of the Q4_K_M and Q8_0 files against the BF16
 #                                            reference, and of a cache state against all on the GPU (0 exactly)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
@@ -165,7 +166,7 @@ qdecode() {
   timeout 300 python3 bench/quant_kernels.py 2>&1 | tee "$OUT/quant_kernels.md"
   quantized $Q4:Q4_K_M
   local v B="-m $Q4 -p 4096 -n 64 -b 4096 -r 2 -ub 2048"
-  for v in values subblocks runs; do
+  for v in values runs; do          # (subblocks' rows: bench/RESULTS.md, 2026-12-01)
     export MOESTREAM_DECODE_QUANT=$v
     echo "## MOESTREAM_DECODE_QUANT=$v" | tee -a "$OUT/bench_qdecode.md"
     bench bench_qdecode.md 60 $B

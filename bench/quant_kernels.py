@@ -1,7 +1,7 @@
 """The quantized-expert kernels on the reference expert shape (I=768, H=2048), one GPU:
 
     python bench/quant_kernels.py [--experts 50] [--reps 50] [--variants values,subblocks,runs] [--no-dequant]
-                                  [--runs-shapes 128x4,256x4,256x8] [--no-graphs]
+                                  [--runs-shapes 128x4,64x2,256x8,128x4r] [--no-graphs]
 
 dequant: kernels/dequant.py's dequantize_rows of 50 experts (a prompt ubatch's routed experts of one layer) to
 bf16, per type; GB/s counts the bytes read (the blocks) and written (bf16 values).
@@ -9,7 +9,8 @@ bf16, per type; GB/s counts the bytes read (the blocks) and written (bf16 values
 decode: one experts_by_address_quant call, k = 8, T = 1 and 8 tokens, every row in device memory and every row in
 pinned host memory (read in place over the link), in each variant of kernels/decode_quant.py, beside
 kernels/decode.py's bf16 experts_by_address on the same shape; "runs AxW" rows are the runs variant with A units a
-program and W warps (decode_runs.UNITS_A_STEP, WARPS; --runs-shapes, the first is the default). Calls cycle
+program and W warps (decode_runs.UNITS_A_STEP, WARPS; --runs-shapes, the default first), "AxWr" with a row's
+block steps in a loop instead of unrolled (decode_runs.UNROLL = 0). Calls cycle
 through disjoint sets of experts (of EXPERTS in all, 384-660 MB), so no call finds the previous calls' rows in the
 60 MB L2: each call reads its rows from HBM or over the link, as a decode step's layer does. The calls run from a
 CUDA graph, as the engine's decode steps do (--no-graphs: one by one, each paying its launches on the host: the
@@ -37,7 +38,7 @@ ap.add_argument("--experts", type=int, default=50)
 ap.add_argument("--reps", type=int, default=50)
 ap.add_argument("--variants", default="values,subblocks,runs")
 ap.add_argument("--dequant", action=argparse.BooleanOptionalAction, default=True)
-ap.add_argument("--runs-shapes", default="128x4", help="runs variant shapes, UNITSxWARPS, comma list")
+ap.add_argument("--runs-shapes", default="128x4", help="runs variant shapes, UNITSxWARPS[r], comma list")
 ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
 ns = ap.parse_args()
 I, H, K = 768, 2048, 8
@@ -90,14 +91,15 @@ def timed(fn, n_inputs: int = 1, graphs: bool = False) -> float:
 
 
 def runs_shaped(x, addrs, w, lay, shape: str):
-    """The runs variant with UNITSxWARPS programs (the module's shape put back after)."""
-    units, warps = (int(v) for v in shape.split("x"))
-    kept = decode_runs.UNITS_A_STEP, decode_runs.WARPS
+    """The runs variant with UNITSxWARPS[r] programs (the module's shape put back after)."""
+    units, warps = (int(v) for v in shape.rstrip("r").split("x"))
+    kept = decode_runs.UNITS_A_STEP, decode_runs.WARPS, decode_runs.UNROLL
     decode_runs.UNITS_A_STEP, decode_runs.WARPS = units, warps
+    decode_runs.UNROLL = 0 if shape.endswith("r") else kept[2]
     try:
         return experts_by_address_quant(x, addrs, w, lay, variant="runs")
     finally:
-        decode_runs.UNITS_A_STEP, decode_runs.WARPS = kept
+        decode_runs.UNITS_A_STEP, decode_runs.WARPS, decode_runs.UNROLL = kept
 
 
 def name_of(types) -> str:
@@ -136,7 +138,8 @@ print("| types | variant | MB an expert | T=1 | T=8 | host T=1 | host T=8 | vs f
       "|---|---|---|---|---|---|---|---|")
 variants = ns.variants.split(",")
 g = torch.Generator().manual_seed(0)
-for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_K,) * 3):
+for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_K,) * 3,
+              (Q.Q4_0,) * 3):
     if types is None:
         lay = ExpertLayout(I, H)
         rows = (torch.randn(EXPERTS, lay.numel, device="cuda") * H ** -0.5).to(torch.bfloat16)

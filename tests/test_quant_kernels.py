@@ -21,7 +21,7 @@ DEQUANT = [f"dequant:{t}" for t in TRITON_TYPES] + ["dequant:Q4_K,Q4_K,Q6_K", "d
 DECODE = [f"decode:{t}" for t in DECODE_TYPES] + ["decode:Q4_K,Q4_K,Q6_K", "decode:Q8_0,Q4_0,Q5_K"]
 # The "runs" variant (kernels/decode_runs.py) on each type it covers and on Q4_K_M's mixes; a down row of I=768
 # (3 K-quant blocks, Q8_0's 24) is read a block a step.
-RUNS_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0"]
+RUNS_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"]
 RUNS = [f"runs:{t}" for t in RUNS_TYPES] + ["runs:Q4_K,Q4_K,Q6_K", "runs:Q6_K,Q6_K,Q8_0"]
 # The scale fields (byte offsets of float16 scales) of each block type: set to finite values in [1e-3, 1].
 SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),

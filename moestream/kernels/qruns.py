@@ -11,6 +11,7 @@ NP parts of one sub-block each, a part's values 4 w + b (word w, byte b) from it
     Q6_K         4 units: unit c = 2h + s is ql's runs 64h + 16s and 64h + 32 + 16s and qh's 128 + 32h + 16s;
                  parts k = 0..3: sub-blocks 8h + 2k + s, 16 values each
     Q8_0         1 unit: the 32 int8 (2 runs), one part
+    Q4_0         1 unit: the 16 bytes of nibbles (1 run), parts: the low nibbles (values 0..15), the high (16..31)
 
 A lane loads its runs as words (a 16-byte vector where the compiler knows the run is 16-aligned, ALIGNED; else
 aligned words and a funnel shift, any address), turns each field into the float 1 + q / 2**BITS with two integer
@@ -24,7 +25,7 @@ alignment changes the loads, never the arithmetic (unit_words loads, unit_dots c
 gguf.quants' (the scales are factored out and the products are fused), so this path is checked against the
 float32 oracle, not bit for bit.
 
-Q4_K, Q5_K, Q6_K and Q8_0 have runs (`RUN_TYPES`); a layout with any other type keeps the "values" kernel.
+Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 have runs (`RUN_TYPES`); a layout with any other type keeps the "values" kernel.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from gguf import GGMLQuantizationType as Q
 from .qblocks import SHAPES, triton
 
 # type -> (units a block, whether every run is 16-aligned where the block is)
-UNITS = {Q.Q4_K: (4, True), Q.Q5_K: (4, True), Q.Q6_K: (4, False), Q.Q8_0: (1, False)}
+UNITS = {Q.Q4_K: (4, True), Q.Q5_K: (4, True), Q.Q6_K: (4, False), Q.Q8_0: (1, False), Q.Q4_0: (1, False)}
 RUN_TYPES = tuple(UNITS)
 
 
@@ -140,6 +141,10 @@ if triton is not None:
             sc1 = _word(blk + 196 + 8 * h, m)
             d = _word(blk + 208, m)
             return qa, qb, qh, qh, sc0, sc1, d, d
+        elif QT == 2:                  # Q4_0: d | 16 bytes, value l's nibble in byte l % 16, the whole block a unit
+            q0 = _run(blk + 2, m, ALIGNED)
+            d = _word(blk, m)
+            return q0, q0, q0, q0, d, d, d, d
         else:                          # Q8_0: d | 32 int8, the whole block a unit
             q0 = _run(blk + 2, m, ALIGNED)
             q1 = _run(blk + 18, m, ALIGNED)
@@ -152,6 +157,8 @@ if triton is not None:
         b8 = 8 * tl.arange(0, 4)[None, :]
         if QT == 12:                   # Q4_K: word w of the 32 qs bytes; part p: the nibble p of each byte
             v = _f(_pick(r0 if w < 4 else r1, w % 4)[:, None], b8 + 4 * p, one, 4)
+        elif QT == 2:                  # Q4_0: word w of the 16 bytes, the nibble p
+            v = _f(_pick(r0, w)[:, None], b8 + 4 * p, one, 4)
         elif QT == 13:                 # Q5_K: and bit 2c + p of qh's byte
             q = (_pick(r0 if w < 4 else r1, w % 4) >> (4 * p)) & 0x0F0F0F0F
             hb = (_pick(r2 if w < 4 else r3, w % 4) >> (2 * c + p)) & 0x01010101
@@ -181,6 +188,9 @@ if triton is not None:
             sc = _int8(sw >> (8 * (2 * (p % 2) + c % 2)))
             a = 64.0 * _half(s2) * sc
             b = -1.5 * a
+        elif QT == 2:                  # d (q - 8), q = 16 (f - 1)
+            a = 16.0 * _half(s0)
+            b = -1.5 * a
         else:                          # d (u - 128), u = 256 (f - 1)
             a = 256.0 * _half(s0)
             b = -1.5 * a
@@ -193,6 +203,8 @@ if triton is not None:
             o = 64 * c + 32 * p
         elif QT == 14:
             o = 128 * (c // 2) + 16 * (c % 2) + 32 * p
+        elif QT == 2:
+            o = c * 0 + 16 * p
         else:
             o = c * 0
         return o
@@ -225,8 +237,8 @@ if triton is not None:
         """(L,) float32 twice: the units of words ws (unit_words) against x at xp (L,) (pointers to each unit's
         block's first x, any float type; xm: where to load it), and (TWO) the units of ws2 against the same x,
         which each lane then loads once for both. Words once loaded serve any number of calls (tokens)."""
-        NP: tl.constexpr = 2 if (QT == 12 or QT == 13) else (4 if QT == 14 else 1)
-        NW: tl.constexpr = 4 if QT == 14 else 8
+        NP: tl.constexpr = 2 if (QT == 12 or QT == 13 or QT == 2) else (4 if QT == 14 else 1)
+        NW: tl.constexpr = 4 if (QT == 14 or QT == 2) else 8
         r0, r1, r2, r3, s0, s1, s2, s3 = ws
         t0, t1, t2, t3, u0, u1, u2, u3 = ws2
         b4 = tl.arange(0, 4)[None, :]
