@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .decode import DOWN, GATE_UP, _block
+
 try:
     import triton
     import triton.language as tl
@@ -35,6 +37,19 @@ except ImportError:          # the CPU build of torch has no Triton: kernels/ref
 
 if triton is not None:
     @triton.jit
+    def _leads(saddr_ptr, p):
+        """Sorted choice p's address, and whether p leads its run of equal addresses (its expert's choices)."""
+        a = tl.load(saddr_ptr + p)
+        return a, (p == 0) | (tl.load(saddr_ptr + p - 1, mask=p > 0, other=0) != a)
+
+    @triton.jit
+    def _members(saddr_ptr, p, a, N, MP: tl.constexpr):
+        """The run that leader p (address a) leads: ms = 0 .. MP-1, which of p + ms are members (MP,), how many."""
+        ms = tl.arange(0, MP)
+        mine = (p + ms < N) & (tl.load(saddr_ptr + p + ms, mask=p + ms < N, other=0) == a)
+        return ms, mine, tl.sum(mine.to(tl.int32), axis=0)
+
+    @triton.jit
     def _gate_up(x_ptr, saddr_ptr, order_ptr, dest_ptr, h_ptr, N, H: tl.constexpr, I: tl.constexpr,
                  K: tl.constexpr, MP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
                  LAND: tl.constexpr):
@@ -42,11 +57,9 @@ if triton is not None:
         against each member's x, then silu(g) * u into the members' rows of h. LAND: a leader whose dest is not 0
         also writes the rows it read there."""
         p = tl.program_id(0)
-        a = tl.load(saddr_ptr + p)
-        if (p == 0) | (tl.load(saddr_ptr + p - 1, mask=p > 0, other=0) != a):        # p leads its run
-            ms = tl.arange(0, MP)
-            mine = (p + ms < N) & (tl.load(saddr_ptr + p + ms, mask=p + ms < N, other=0) == a)    # (MP,) members
-            n = tl.sum(mine.to(tl.int32), axis=0)
+        a, lead = _leads(saddr_ptr, p)
+        if lead:
+            ms, mine, n = _members(saddr_ptr, p, a, N, MP)
             rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
             cols = tl.arange(0, BLOCK_H)
             rmask = rows < I
@@ -85,11 +98,9 @@ if triton is not None:
         """Program (sorted position p, block of H): a leader's rows of its expert's down projection, read once,
         against each member's h, into the members' rows of y (T k, H), float32, unweighted."""
         p = tl.program_id(0)
-        a = tl.load(saddr_ptr + p)
-        if (p == 0) | (tl.load(saddr_ptr + p - 1, mask=p > 0, other=0) != a):        # p leads its run
-            ms = tl.arange(0, MP)
-            mine = (p + ms < N) & (tl.load(saddr_ptr + p + ms, mask=p + ms < N, other=0) == a)    # (MP,) members
-            n = tl.sum(mine.to(tl.int32), axis=0)
+        a, lead = _leads(saddr_ptr, p)
+        if lead:
+            ms, mine, n = _members(saddr_ptr, p, a, N, MP)
             rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
             cols = tl.arange(0, BLOCK_I)
             rmask = rows < H
@@ -127,16 +138,9 @@ if triton is not None:
         tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-# Block shapes, fixed: (BLOCK_I, BLOCK_H, warps) of the gate/up launch, (BLOCK_O, BLOCK_I, warps) of the down
-# launch, (BLOCK, warps) of the combine. The gate/up and down tiles are the one-token kernel's (kernels/decode.py),
-# not measured for this kernel yet.
-GATE_UP = (2, 2048, 4)
-DOWN = (4, 256, 4)
+# Block shapes, fixed: the gate/up and down tiles are the one-token kernel's (kernels/decode.py: GATE_UP, DOWN), not
+# measured for this kernel yet; (BLOCK, warps) of the combine.
 COMBINE = (512, 4)
-
-
-def _block(n: int, want: int) -> int:
-    return min(want, triton.next_power_of_2(n))
 
 
 def landing_dests(saddr: torch.Tensor, order: torch.Tensor, landing) -> torch.Tensor:
