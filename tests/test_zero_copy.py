@@ -11,6 +11,8 @@ from moestream.experts.routing import RouteCallback
 from moestream.kernels.reference import AddressBook, experts_by_address_reference, experts_reference
 from moestream.models.moe import combine
 
+from batched import decode_three
+
 KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True)
 PROMPTS = ["Once upon a time", "The capital of France is"]
 
@@ -129,7 +131,7 @@ def test_cache_under_zero_copy_keeps_its_invariants_and_a_reserve_of_empty_slots
         tok = int(eng.decode([(0, tok, pos)])[0].argmax()) if pos % 3 else (tok * 7 + 11) % 1000
         _check_table(cache)
         cache.residency.check()
-        for (a, b), n in cache.zero_copy.layers_in_region.items():
+        for (a, b), n in cache.zero_copy.hot.layers_in_region.items():
             landed = cache.zero_copy.n_land * n
             if pos > 21:
                 assert (cache.residency.owner[a:b, 0] < 0).sum() >= min(RESERVE + landed, (b - a) // 8) - landed
@@ -239,14 +241,7 @@ def test_a_several_token_step_reads_each_missed_expert_once_and_lands_it():
 def _batched_logits(**kw):
     """Three sequences decoding together for six steps: each step's logits."""
     llm = LLM("synth:tiny", **KW, n_seq=3, **kw)
-    eng = llm.engine
-    for s in range(3):
-        eng.prefill(s, list(range(5 + s, 25 + 2 * s)))
-    toks, outs = [(0, 7, 20), (1, 9, 22), (2, 3, 24)], []
-    for _ in range(6):
-        lg = eng.decode(toks)
-        outs.append(lg.clone())
-        toks = [(s, int(lg[i].argmax()), p + 1) for i, (s, _, p) in enumerate(toks)]
+    outs = decode_three(llm.engine)
     if kw:
         _check_table(llm.engine.host)
         llm.engine.host.residency.check()

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..quant.layout import ExpertLayout
-from .stats import CacheStats
 from .routing import report_route
+from .stats import CacheStats
 from .store import ExpertStore
 
 

@@ -65,8 +65,6 @@ class ZeroCopyDecode:
         self.host_addr = np.zeros((L, E), dtype=np.int64)
         for l, rows in store.rows.items():
             self.host_addr[l] = row_addresses(rows, "cpu").numpy()
-        bounds = [self.residency.bounds[l] for l in layers]
-        self.layers_in_region = {b: bounds.count(b) for b in bounds}     # host layers sharing each region
         self.pool_addr = slots.pool.data_ptr()
         self.table = torch.zeros(L, E, dtype=torch.int64, device=dev.torch)      # read by the captured steps
         self.routed = torch.zeros(L, max_tokens * top_k, dtype=torch.int64, device=dev.torch)   # written by a step
@@ -320,7 +318,7 @@ class ZeroCopyDecode:
         point at them, so the misses learned while that step runs can be copied into them at once, and land
         before the step after it, instead of queuing behind the step in flight."""
         res = self.residency
-        for (a, b), n_layers in sorted(self.layers_in_region.items()):
+        for (a, b), n_layers in sorted(self.hot.layers_in_region.items()):
             keep = min(RESERVE + self.n_land * n_layers, (b - a) // 8)
             owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
             need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
