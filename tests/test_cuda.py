@@ -7,6 +7,8 @@ import torch
 from moestream import LLM
 from moestream.kernels.reference import experts_reference
 
+from batched import decode_three
+
 pytestmark = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -321,16 +323,7 @@ def test_batched_zero_copy_decode_identical_on_every_placement():
     """Three sequences decoding in one step: the same logits all on the GPU, from host memory with no cache, and
     behind a cache, captured and eager."""
     def run(**kw):
-        llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=64, device="cuda", n_seq=3, **kw)
-        eng = llm.engine
-        for s in range(3):
-            eng.prefill(s, list(range(5 + s, 25 + 2 * s)))
-        toks, outs = [(0, 7, 20), (1, 9, 22), (2, 3, 24)], []
-        for _ in range(6):
-            lg = eng.decode(toks)
-            outs.append(lg.clone())
-            toks = [(s, int(lg[i].argmax()), p + 1) for i, (s, _, p) in enumerate(toks)]
-        return outs
+        return decode_three(LLM("synth:tiny:dtype=bfloat16", ctx_size=64, device="cuda", n_seq=3, **kw).engine)
     base = run()
     for kw in ({"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 12}, {"cpu_moe": True, "moe_cache_mib": 12,
                                                                           "cuda_graphs": False}):

@@ -42,20 +42,27 @@ def experts(T, k):
     assert torch.equal(experts_by_address(x, elsewhere, w, I), out)
 
 
+def _landing_rows(E: int, H: int, I: int, n_pool: int, seed: int):
+    """A read-through check's memory: E experts' rows ("device" copies), the same bytes again (host rows), n_pool
+    empty landing slots, an AddressBook of the three for the oracle, and a row's bytes: (generator, rows, host,
+    pool, book, step)."""
+    from moestream.kernels.reference import AddressBook
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(E, 3 * I * H, generator=g)
+    host, pool = rows.clone(), torch.zeros(n_pool, 3 * I * H)
+    book = AddressBook()
+    for t in (rows, host, pool):
+        book.add(t)
+    return g, rows, host, pool, book, rows.stride(0) * rows.element_size()
+
+
 def read_through():
     """A one-token step with landing slots: the choices read from host (address == the expert's host row) write
     their rows into the slots in choice order, the first R of them; the output is unchanged; the oracle agrees."""
     from moestream.kernels.decode import experts_by_address, landing_slots
-    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    from moestream.kernels.reference import experts_by_address_reference
     E, H, I, k = 12, 64, 40, 8
-    g = torch.Generator().manual_seed(5)
-    rows = torch.randn(E, 3 * I * H, generator=g)         # "device" copies
-    host = rows.clone()                                   # host rows: the same bytes elsewhere
-    pool = torch.zeros(3, 3 * I * H)                      # landing slots
-    book = AddressBook()
-    for t in (rows, host, pool):
-        book.add(t)
-    step = rows.stride(0) * rows.element_size()
+    g, rows, host, pool, book, step = _landing_rows(E, H, I, n_pool=3, seed=5)
     ids = torch.randperm(E, generator=g)[:k][None]                                        # (1, k)
     on_host = torch.tensor([True, False, True, True, False, True, False, False])
     addrs = torch.where(on_host, host.data_ptr() + ids * step, rows.data_ptr() + ids * step)
@@ -112,16 +119,9 @@ def grouped_read_through():
     the distinct ones in ascending id, into the slots (landing_slots_grouped), each once; a slot address of 0 is
     nowhere; the output is unchanged; the oracle lands the same."""
     from moestream.kernels.decode import experts_by_address, landing_slots_grouped
-    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    from moestream.kernels.reference import experts_by_address_reference
     E, H, I, T, k = 10, 64, 40, 4, 3
-    g = torch.Generator().manual_seed(7)
-    rows = torch.randn(E, 3 * I * H, generator=g)         # "device" copies
-    host = rows.clone()                                   # host rows: the same bytes elsewhere
-    pool = torch.zeros(5, 3 * I * H)                      # landing slots
-    book = AddressBook()
-    for t in (rows, host, pool):
-        book.add(t)
-    step = rows.stride(0) * rows.element_size()
+    g, rows, host, pool, book, step = _landing_rows(E, H, I, n_pool=5, seed=7)
     ids = torch.tensor([[7, 2, 5], [2, 9, 7], [0, 7, 3], [5, 2, 8]])
     on_host = torch.tensor([e in (2, 3, 5, 7, 8) for e in range(E)])             # as a cache has it, per expert
     addrs = torch.where(on_host[ids], host.data_ptr() + ids * step, rows.data_ptr() + ids * step)
