@@ -91,17 +91,16 @@ def ms(xs) -> str:
     return f"{1e3 * statistics.median(xs):.3f}" if xs else "–"
 
 
-def decode(eng, prompts: list[list[int]], calls: list | None = None) -> tuple[float, list[float]]:
+def decode(eng, prompts: list[list[int]], calls: list | None = None) -> tuple[float, list[float], dict]:
     """Prefill each sequence's prompt, then n greedy steps of all of them together: (seconds for all the steps,
-    each step's wall seconds)."""
+    each step's wall seconds, the counters before the steps: theirs, not the prompts', are the difference)."""
     toks = []
     for s, prompt in enumerate(prompts):
         eng.begin_prompt(s)
         toks.append(int(eng.prefill(s, prompt, 0)[-1].argmax()) if not ns.from_zero else prompt[0])
     start = 0 if ns.from_zero else ns.p
     eng.synchronize()
-    global BEFORE
-    BEFORE = eng.stats()["total"]             # the steps' counters, not the prompts'
+    before = eng.stats()["total"]
     walls = []
     t_all = time.perf_counter()
     for pos in range(start, start + ns.n):
@@ -112,7 +111,7 @@ def decode(eng, prompts: list[list[int]], calls: list | None = None) -> tuple[fl
         toks = lg.argmax(-1).tolist()
         walls.append(time.perf_counter() - t)
     eng.synchronize()
-    return time.perf_counter() - t_all, walls
+    return time.perf_counter() - t_all, walls, before
 
 
 KEYS = ("hits", "misses", "host_reads", "host_read_bytes", "uploaded_bytes", "copies", "landed", "evictions")
@@ -126,8 +125,8 @@ def run(llm, label: str, last: bool, B: int) -> None:
     for rep in range(2):
         CLOCK.clear()
         calls = []
-        total, walls = decode(eng, prompts, calls)
-        after, before = llm.stats()["total"], BEFORE
+        total, walls, before = decode(eng, prompts, calls)
+        after = llm.stats()["total"]
         counts = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in KEYS}
         counts = {k: (f"{v / ns.n / 1e6:.0f} MB/step" if k.endswith("bytes") else f"{v / ns.n:.1f}/step")
                   for k, v in counts.items()}
