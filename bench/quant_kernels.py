@@ -43,8 +43,8 @@ ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
 ns = ap.parse_args()
 I, H, K = 768, 2048, 8
 EXPERTS = 128
-SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
-          Q.Q6_K: (208,), Q.IQ4_XS: (0,)}
+SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2),
+          Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}
 
 
 def rows_of(lay: ExpertLayout, n: int) -> torch.Tensor:
@@ -109,8 +109,8 @@ def name_of(types) -> str:
 if ns.dequant:
     print(f"dequantize_rows: {ns.experts} experts of I={I}, H={H} to bf16\n")
     print("| types | MB read | MB written | ms | GB/s |\n|---|---|---|---|---|")
-    for types in ((Q.Q8_0,) * 3, (Q.Q4_0,) * 3, (Q.Q5_0,) * 3, (Q.Q4_K,) * 3, (Q.Q5_K,) * 3, (Q.Q6_K,) * 3,
-                  (Q.IQ4_NL,) * 3, (Q.IQ4_XS,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K)):
+    for types in ((Q.Q8_0,) * 3, (Q.Q4_0,) * 3, (Q.Q5_0,) * 3, (Q.Q4_1,) * 3, (Q.Q5_1,) * 3, (Q.Q4_K,) * 3,
+                  (Q.Q5_K,) * 3, (Q.Q6_K,) * 3, (Q.IQ4_NL,) * 3, (Q.IQ4_XS,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K)):
         lay = ExpertLayout(I, H, types)
         blocks = rows_of(lay, 64)
         index = torch.randperm(64, device="cuda")[:ns.experts]
@@ -139,7 +139,8 @@ print("| types | variant | MB an expert | T=1 | T=8 | host T=1 | host T=8 | vs f
 variants = ns.variants.split(",")
 g = torch.Generator().manual_seed(0)
 for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_K,) * 3,
-              (Q.Q4_0,) * 3):
+              (Q.Q4_0,) * 3, (Q.Q4_1,) * 3, (Q.Q5_0,) * 3, (Q.Q5_1,) * 3, (Q.IQ4_NL,) * 3, (Q.IQ4_XS,) * 3,
+              (Q.IQ4_XS, Q.IQ4_XS, Q.Q6_K)):
     if types is None:
         lay = ExpertLayout(I, H)
         rows = (torch.randn(EXPERTS, lay.numel, device="cuda") * H ** -0.5).to(torch.bfloat16)

@@ -13,19 +13,21 @@ from gguf import GGMLQuantizationType as Q
 
 from interpreted import close, run_check
 
-TRITON_TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
-DECODE_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q4_0", "Q5_0", "IQ4_NL", "F16", "BF16"]
+TRITON_TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16",
+                "F32"]
+DECODE_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "IQ4_NL", "F16", "BF16"]
 # Every Triton type, and the mixes of the files users download (Q4_K_M: Q6_K down; a float down; a fallback).
 DEQUANT = [f"dequant:{t}" for t in TRITON_TYPES] + ["dequant:Q4_K,Q4_K,Q6_K", "dequant:Q5_K,Q5_K,F16",
                                                     "dequant:Q4_K,Q4_K,Q3_K"]
 DECODE = [f"decode:{t}" for t in DECODE_TYPES] + ["decode:Q4_K,Q4_K,Q6_K", "decode:Q8_0,Q4_0,Q5_K"]
 # The "runs" variant (kernels/decode_runs.py) on each type it covers and on Q4_K_M's mixes; a down row of I=768
-# (3 K-quant blocks, Q8_0's 24) is read a block a step.
-RUNS_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"]
-RUNS = [f"runs:{t}" for t in RUNS_TYPES] + ["runs:Q4_K,Q4_K,Q6_K", "runs:Q6_K,Q6_K,Q8_0"]
+# (3 K-quant blocks, Q8_0's 24) is read a block a step. "kv4": its IQ4 codebook on each of the 16 codes.
+RUNS_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
+RUNS = [f"runs:{t}" for t in RUNS_TYPES] + ["runs:Q4_K,Q4_K,Q6_K", "runs:Q6_K,Q6_K,Q8_0", "runs:Q5_0,Q5_0,IQ4_NL",
+                                            "kv4"]
 # The scale fields (byte offsets of float16 scales) of each block type: set to finite values in [1e-3, 1].
-SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
-          Q.Q6_K: (208,), Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
+SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2),
+          Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
 
 
 def layout_of(spec: str, inter: int, hidden: int):
@@ -126,7 +128,35 @@ def moved_copy(rows: torch.Tensor, shift: int) -> torch.Tensor:
     return moved
 
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    from moestream.kernels.qruns import _kv4
+
+    @triton.jit
+    def _codebook(out_ptr, one):
+        """out (32,) float32: _kv4 of the codes 0..15 as low nibbles (out[:16]), then as high ones."""
+        i = tl.arange(0, 32)
+        v = (i % 16).to(tl.uint32) * 0x11111111                # the code in every nibble of the word
+        tl.store(out_ptr + i, _kv4(v, (4 * (i // 16) + 8 * (i % 4)).to(tl.uint32), one))
+
+
+def kv4_check(device="cpu"):
+    """The runs kernels' IQ4 codebook (qruns._kv4: a rounded quartic) is kvalues exactly, code by code."""
+    from moestream.kernels.decode_runs import ONE
+    from moestream.kernels.qblocks import KVALUES
+    out = torch.empty(32, device=device)
+    _codebook[(1,)](out, ONE)
+    assert torch.equal(out.cpu(), torch.tensor(KVALUES * 2, dtype=torch.float32)), out
+
+
 def check(name: str):
+    if name == "kv4":
+        return kv4_check()
     kind, spec = name.split(":")
     if kind == "dequant":
         dequant_check(spec)
@@ -184,7 +214,8 @@ def test_decode_quant_compiled_matches_reference_and_reads_host_memory_in_place(
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("spec", RUNS_TYPES + ["Q4_K,Q4_K,Q6_K", "Q6_K,Q6_K,Q8_0"])
+@pytest.mark.parametrize("spec", RUNS_TYPES + ["Q4_K,Q4_K,Q6_K", "Q6_K,Q6_K,Q8_0", "IQ4_XS,IQ4_XS,Q6_K",
+                                                "Q5_0,Q5_0,IQ4_NL"])
 @pytest.mark.parametrize("T", [1, 8, 16])
 def test_decode_runs_compiled_matches_reference_wherever_the_rows_lie(spec, T):
     """The runs variant compiled, k=8 on Qwen3-30B-A3B's expert shape: bfloat16 against the float32 oracle, and
@@ -215,6 +246,13 @@ def test_decode_runs_compiled_matches_reference_wherever_the_rows_lie(spec, T):
     pick = torch.randint(0, len(copies), ids.shape, generator=g).cuda()
     for addrs in [starts[i] + ids * step for i in range(1, len(copies))] + [starts[pick] + ids * step]:
         assert torch.equal(experts_by_address_quant(x, addrs, w, lay, variant="runs"), out)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_runs_codebook_compiled_is_exact():
+    """Compiled, the quartic's multiply-adds fused: the same 16 codes, exactly."""
+    kv4_check("cuda")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ except ImportError:
 SHAPES = {
     Q.F32: (32, 128, 1, 32), Q.F16: (32, 64, 1, 32), Q.BF16: (32, 64, 1, 32),
     Q.Q8_0: (32, 34, 1, 32), Q.Q4_0: (32, 18, 2, 16), Q.Q5_0: (32, 22, 2, 16), Q.IQ4_NL: (32, 18, 2, 16),
+    Q.Q4_1: (32, 20, 2, 16), Q.Q5_1: (32, 24, 2, 16),
     Q.Q4_K: (256, 144, 8, 32), Q.Q5_K: (256, 176, 8, 32), Q.Q6_K: (256, 210, 16, 16), Q.IQ4_XS: (256, 136, 8, 32),
 }
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)     # IQ4_NL's and IQ4_XS's
@@ -97,6 +98,14 @@ if triton is not None:
             hi = (_u8(p + 2 + i // 8, m) >> (i % 8)) & 1
             q = (((_u8(p + 6 + l, m) >> (4 * j)) & 15) | (hi << 4)) - 16
             v = _f16(p, m) * q.to(tl.float32)
+        elif QT == 3:          # Q4_1: d, m, 16 bytes as Q4_0's; d q + m
+            q = (_u8(p + 4 + l, m) >> (4 * j)) & 15
+            v = _f16(p, m) * q.to(tl.float32) + _f16(p + 2, m)
+        elif QT == 7:          # Q5_1: d, m, qh, 16 bytes as Q5_0's; d q + m
+            i = 16 * j + l
+            hi = (_u8(p + 4 + i // 8, m) >> (i % 8)) & 1
+            q = ((_u8(p + 8 + l, m) >> (4 * j)) & 15) | (hi << 4)
+            v = _f16(p, m) * q.to(tl.float32) + _f16(p + 2, m)
         elif QT == 20:         # IQ4_NL: Q4_0's nibbles through the non-linear table
             q = (_u8(p + 2 + l, m) >> (4 * j)) & 15
             v = _f16(p, m) * tl.load(kv_ptr + q)

@@ -12,6 +12,11 @@ NP parts of one sub-block each, a part's values 4 w + b (word w, byte b) from it
                  parts k = 0..3: sub-blocks 8h + 2k + s, 16 values each
     Q8_0         1 unit: the 32 int8 (2 runs), one part
     Q4_0         1 unit: the 16 bytes of nibbles (1 run), parts: the low nibbles (values 0..15), the high (16..31)
+    Q5_0         1 unit: Q4_0's run and the word qh (bit i: value i's fifth bit), the same parts
+    Q4_1, Q5_1   as Q4_0 and Q5_0, each block's m added (d q + m)
+    IQ4_NL       1 unit: Q4_0's run and parts, each nibble a codebook index (`_kv4`)
+    IQ4_XS       4 units: unit c is qs bytes 32c..32c+31 (2 runs: sub-blocks 2c and 2c + 1), parts k = 0..3: the
+                 low and high nibbles of run k // 2, 16 values each, codebook indices
 
 A lane loads its runs as words (a 16-byte vector where the compiler knows the run is 16-aligned, ALIGNED; else
 aligned words and a funnel shift, any address), turns each field into the float 1 + q / 2**BITS with two integer
@@ -25,7 +30,17 @@ alignment changes the loads, never the arithmetic (unit_words loads, unit_dots c
 gguf.quants' (the scales are factored out and the products are fused), so this path is checked against the
 float32 oracle, not bit for bit.
 
-Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 have runs (`RUN_TYPES`); a layout with any other type keeps the "values" kernel.
+IQ4_NL's and IQ4_XS's values are d kvalues[q] (IQ4_XS: d (ls - 32) kvalues[q], ls a sub-block's 6-bit scale), a
+codebook that is not affine in q: `_kv4` makes each kvalues[q] from its nibble alone, exactly, in the lane, with
+the two integer operations of 1 + q / 16 and five float ones: a quartic in f = 1 + q / 16 whose error on the 16
+codes is under 0.434, rounded to the integer by adding 1.5 * 2**23 (where a float32's ulp is 1), less 1.5 * 2**23.
+Then S_p = sum kvalues[q] x, beta_p = 0 and no X_p. The alternatives cost more: a load of the table a value
+(a memory instruction each), tl.gather (shuffles), or llama.cpp's byte permutes (PRMT: inline assembly, which
+Triton's interpreter does not run, and in the compiled SASS libdevice's __nv_byte_perm took more instructions
+than the quartic).
+
+Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS have runs (`RUN_TYPES`); a layout with any other
+type keeps the "values" kernel.
 """
 from __future__ import annotations
 
@@ -34,7 +49,8 @@ from gguf import GGMLQuantizationType as Q
 from .qblocks import SHAPES, triton
 
 # type -> (units a block, whether every run is 16-aligned where the block is)
-UNITS = {Q.Q4_K: (4, True), Q.Q5_K: (4, True), Q.Q6_K: (4, False), Q.Q8_0: (1, False), Q.Q4_0: (1, False)}
+UNITS = {Q.Q4_K: (4, True), Q.Q5_K: (4, True), Q.Q6_K: (4, False), Q.Q8_0: (1, False), Q.Q4_0: (1, False),
+         Q.Q4_1: (1, False), Q.Q5_0: (1, False), Q.Q5_1: (1, False), Q.IQ4_NL: (1, False), Q.IQ4_XS: (4, False)}
 RUN_TYPES = tuple(UNITS)
 
 
@@ -117,6 +133,24 @@ if triton is not None:
         return _small((u ^ 0x80) & 0xFF) - 128.0
 
     @triton.jit
+    def _kv4(v, s, one):
+        """IQ4's codebook (kernels/qblocks.py's KVALUES) at the nibbles at bit s of v (uint32, broadcasting), as
+        float32, exact: the quartic in f = 1 + q / 16 (Horner, fused: no rounding but the last), its float32
+        coefficients fitted to the 16 codes within 0.434 (the rounding's margin holds fused or not), rounded to the
+        integer in the binade of 1.5 * 2**23, where a float32's ulp is 1, which then leaves."""
+        f = _f(v, s, one, 4)
+        y = tl.fma(f, 103.93415832519531, -288.38604736328125)
+        y = tl.fma(y, f, -109.67660522460938)
+        y = tl.fma(y, f, 1055.56103515625)
+        y = tl.fma(y, f, 12582024.0)                  # 1.5 * 2**23 - 888
+        return y - 12582912.0
+
+    @triton.jit
+    def _spread(u):
+        """The low 4 bits of u (uint32) to bits 0, 8, 16 and 24 (bit b to 8 b): one multiply, one mask."""
+        return ((u & 0xF) * 0x204081) & 0x01010101
+
+    @triton.jit
     def _words(blk, c, m, QT: tl.constexpr, ALIGNED: tl.constexpr):
         """A unit's runs: blk (L,) int64 block addresses, c (L,) the unit in its block. Returns the quants' runs
         (four (L, 4), repeated where a type has fewer) and its scale words (four (L,))."""
@@ -141,10 +175,26 @@ if triton is not None:
             sc1 = _word(blk + 196 + 8 * h, m)
             d = _word(blk + 208, m)
             return qa, qb, qh, qh, sc0, sc1, d, d
-        elif QT == 2:                  # Q4_0: d | 16 bytes, value l's nibble in byte l % 16, the whole block a unit
+        elif QT == 2 or QT == 20:      # Q4_0, IQ4_NL: d | 16 bytes, value l's nibble in byte l % 16; a block a unit
             q0 = _run(blk + 2, m, ALIGNED)
             d = _word(blk, m)
             return q0, q0, q0, q0, d, d, d, d
+        elif QT == 3:                  # Q4_1: d, m | 16 bytes as Q4_0's
+            q0 = _run(blk + 4, m, ALIGNED)
+            dm = _word(blk, m)
+            return q0, q0, q0, q0, dm, dm, dm, dm
+        elif QT == 6 or QT == 7:       # Q5_0: d | qh (4 bytes) | 16 bytes as Q4_0's; Q5_1: d, m | qh | 16 bytes
+            QS: tl.constexpr = 6 if QT == 6 else 8
+            q0 = _run(blk + QS, m, ALIGNED)
+            dm = _word(blk, m)
+            qh = tl.where(tl.arange(0, 4)[None, :] == 0, _word(blk + QS - 4, m)[:, None], 0)   # (L, 4): a run's form
+            return q0, q0, qh, qh, dm, dm, dm, dm
+        elif QT == 23:                 # IQ4_XS: d, scales_h (u16) | scales_l (4 bytes) | qs 128; unit c is the
+            q0 = _run(blk + 8 + 32 * c, m, ALIGNED)      # 32 bytes of qs holding sub-blocks 2c and 2c + 1
+            q1 = _run(blk + 24 + 32 * c, m, ALIGNED)
+            hd = _word(blk, m)
+            sl = _word(blk + 4, m)
+            return q0, q1, q0, q1, hd, sl, hd, hd
         else:                          # Q8_0: d | 32 int8, the whole block a unit
             q0 = _run(blk + 2, m, ALIGNED)
             q1 = _run(blk + 18, m, ALIGNED)
@@ -157,8 +207,15 @@ if triton is not None:
         b8 = 8 * tl.arange(0, 4)[None, :]
         if QT == 12:                   # Q4_K: word w of the 32 qs bytes; part p: the nibble p of each byte
             v = _f(_pick(r0 if w < 4 else r1, w % 4)[:, None], b8 + 4 * p, one, 4)
-        elif QT == 2:                  # Q4_0: word w of the 16 bytes, the nibble p
+        elif QT == 2 or QT == 3:       # Q4_0, Q4_1: word w of the 16 bytes, the nibble p
             v = _f(_pick(r0, w)[:, None], b8 + 4 * p, one, 4)
+        elif QT == 20:                 # IQ4_NL: Q4_0's nibbles through the codebook
+            v = _kv4(_pick(r0, w)[:, None], b8 + 4 * p, one)
+        elif QT == 23:                 # IQ4_XS: part k: nibble k % 2 of run k // 2, word w
+            v = _kv4(_pick(r0 if p < 2 else r1, w)[:, None], b8 + 4 * (p % 2), one)
+        elif QT == 6 or QT == 7:       # Q5_0, Q5_1: and qh's bits 16 p + 4 w .. + 3, one a byte
+            q = (_pick(r0, w) >> (4 * p)) & 0x0F0F0F0F
+            v = _f((q | (_spread(_pick(r2, 0) >> (16 * p + 4 * w)) << 4))[:, None], b8, one, 5)
         elif QT == 13:                 # Q5_K: and bit 2c + p of qh's byte
             q = (_pick(r0 if w < 4 else r1, w % 4) >> (4 * p)) & 0x0F0F0F0F
             hb = (_pick(r2 if w < 4 else r3, w % 4) >> (2 * c + p)) & 0x01010101
@@ -191,6 +248,21 @@ if triton is not None:
         elif QT == 2:                  # d (q - 8), q = 16 (f - 1)
             a = 16.0 * _half(s0)
             b = -1.5 * a
+        elif QT == 6:                  # d (q - 16), q = 32 (f - 1)
+            a = 32.0 * _half(s0)
+            b = -1.5 * a
+        elif QT == 3 or QT == 7:       # d q + m, q = 2**BITS (f - 1)
+            SCALE: tl.constexpr = 16.0 if QT == 3 else 32.0
+            a = SCALE * _half(s0)
+            b = _half(s0 >> 16) - a
+        elif QT == 20:                 # d kvalues[q]: S_p is sum kvalues[q] x, and no X_p (b unused)
+            a = _half(s0)
+            b = a
+        elif QT == 23:                 # sub-block j = 2c + k // 2: d (ls - 32), ls = 4 bits of scales_l byte c
+            sh = 4 * (p // 2)          # (nibble j % 2), 2 of scales_h (bits 2 j)
+            ls = ((s1 >> (8 * c + sh)) & 0xF) | (((s0 >> (16 + 4 * c + p // 2 * 2)) & 0x3) << 4)
+            a = _half(s0) * (_small(ls) - 32.0)
+            b = a
         else:                          # d (u - 128), u = 256 (f - 1)
             a = 256.0 * _half(s0)
             b = -1.5 * a
@@ -203,7 +275,9 @@ if triton is not None:
             o = 64 * c + 32 * p
         elif QT == 14:
             o = 128 * (c // 2) + 16 * (c % 2) + 32 * p
-        elif QT == 2:
+        elif QT == 23:
+            o = 64 * c + 16 * p
+        elif QT == 2 or QT == 3 or QT == 6 or QT == 7 or QT == 20:
             o = c * 0 + 16 * p
         else:
             o = c * 0
@@ -237,8 +311,9 @@ if triton is not None:
         """(L,) float32 twice: the units of words ws (unit_words) against x at xp (L,) (pointers to each unit's
         block's first x, any float type; xm: where to load it), and (TWO) the units of ws2 against the same x,
         which each lane then loads once for both. Words once loaded serve any number of calls (tokens)."""
-        NP: tl.constexpr = 2 if (QT == 12 or QT == 13 or QT == 2) else (4 if QT == 14 else 1)
-        NW: tl.constexpr = 4 if (QT == 14 or QT == 2) else 8
+        NP: tl.constexpr = 1 if QT == 8 else (4 if (QT == 14 or QT == 23) else 2)   # parts of a unit
+        NW: tl.constexpr = 8 if (QT == 8 or QT == 12 or QT == 13) else 4           # words of a part
+        SX: tl.constexpr = QT != 20 and QT != 23          # whether a part's alpha S + beta X needs X (beta != 0)
         r0, r1, r2, r3, s0, s1, s2, s3 = ws
         t0, t1, t2, t3, u0, u1, u2, u3 = ws2
         b4 = tl.arange(0, 4)[None, :]
@@ -251,14 +326,21 @@ if triton is not None:
             xs = tl.zeros([c.shape[0], 4], dtype=tl.float32)
             for w in tl.static_range(NW):
                 xv = tl.load(xq[:, None] + 4 * w + b4, mask=xm[:, None], other=0.0).to(tl.float32)
-                xs += xv
+                if SX:
+                    xs += xv
                 sp += _fields(r0, r1, r2, r3, c, one, p, w, QT) * xv
                 if TWO:
                     sq += _fields(t0, t1, t2, t3, c, one, p, w, QT) * xv
             X = tl.sum(xs, axis=1)
             a, b = _coefs(s0, s1, s2, s3, c, p, QT)
-            acc += a * tl.sum(sp, axis=1) + b * X
+            if SX:
+                acc += a * tl.sum(sp, axis=1) + b * X
+            else:
+                acc += a * tl.sum(sp, axis=1)
             if TWO:
                 a, b = _coefs(u0, u1, u2, u3, c, p, QT)
-                acc2 += a * tl.sum(sq, axis=1) + b * X
+                if SX:
+                    acc2 += a * tl.sum(sq, axis=1) + b * X
+                else:
+                    acc2 += a * tl.sum(sq, axis=1)
         return acc, acc2
