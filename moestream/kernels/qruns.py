@@ -187,8 +187,7 @@ if triton is not None:
             QS: tl.constexpr = 6 if QT == 6 else 8
             q0 = _run(blk + QS, m, ALIGNED)
             dm = _word(blk, m)
-            qh = tl.where(tl.arange(0, 4)[None, :] == 0, _word(blk + QS - 4, m)[:, None], 0)   # (L, 4): a run's form
-            return q0, q0, qh, qh, dm, dm, dm, dm
+            return q0, q0, q0, q0, dm, _word(blk + QS - 4, m), dm, dm      # qh: scale word s1
         elif QT == 23:                 # IQ4_XS: d, scales_h (u16) | scales_l (4 bytes) | qs 128; unit c is the
             q0 = _run(blk + 8 + 32 * c, m, ALIGNED)      # 32 bytes of qs holding sub-blocks 2c and 2c + 1
             q1 = _run(blk + 24 + 32 * c, m, ALIGNED)
@@ -202,8 +201,9 @@ if triton is not None:
             return q0, q1, q0, q1, d, d, d, d
 
     @triton.jit
-    def _fields(r0, r1, r2, r3, c, one, p: tl.constexpr, w: tl.constexpr, QT: tl.constexpr):
-        """(L, 4) float32: part p, word w of a unit (its 4 bytes' values, as 1 + q / 2**BITS)."""
+    def _fields(r0, r1, r2, r3, s1, c, one, p: tl.constexpr, w: tl.constexpr, QT: tl.constexpr):
+        """(L, 4) float32: part p, word w of a unit (its 4 bytes' values, as 1 + q / 2**BITS; IQ4: kvalues[q]),
+        from its runs r0..r3 and (Q5_0, Q5_1: qh) its scale word s1."""
         b8 = 8 * tl.arange(0, 4)[None, :]
         if QT == 12:                   # Q4_K: word w of the 32 qs bytes; part p: the nibble p of each byte
             v = _f(_pick(r0 if w < 4 else r1, w % 4)[:, None], b8 + 4 * p, one, 4)
@@ -215,7 +215,7 @@ if triton is not None:
             v = _kv4(_pick(r0 if p < 2 else r1, w)[:, None], b8 + 4 * (p % 2), one)
         elif QT == 6 or QT == 7:       # Q5_0, Q5_1: and qh's bits 16 p + 4 w .. + 3, one a byte
             q = (_pick(r0, w) >> (4 * p)) & 0x0F0F0F0F
-            v = _f((q | (_spread(_pick(r2, 0) >> (16 * p + 4 * w)) << 4))[:, None], b8, one, 5)
+            v = _f((q | (_spread(s1 >> (16 * p + 4 * w)) << 4))[:, None], b8, one, 5)
         elif QT == 13:                 # Q5_K: and bit 2c + p of qh's byte
             q = (_pick(r0 if w < 4 else r1, w % 4) >> (4 * p)) & 0x0F0F0F0F
             hb = (_pick(r2 if w < 4 else r3, w % 4) >> (2 * c + p)) & 0x01010101
@@ -328,9 +328,9 @@ if triton is not None:
                 xv = tl.load(xq[:, None] + 4 * w + b4, mask=xm[:, None], other=0.0).to(tl.float32)
                 if SX:
                     xs += xv
-                sp += _fields(r0, r1, r2, r3, c, one, p, w, QT) * xv
+                sp += _fields(r0, r1, r2, r3, s1, c, one, p, w, QT) * xv
                 if TWO:
-                    sq += _fields(t0, t1, t2, t3, c, one, p, w, QT) * xv
+                    sq += _fields(t0, t1, t2, t3, u1, c, one, p, w, QT) * xv
             X = tl.sum(xs, axis=1)
             a, b = _coefs(s0, s1, s2, s3, c, p, QT)
             if SX:
