@@ -135,9 +135,9 @@ if triton is not None:
     @triton.jit
     def _kv4(v, s, one):
         """IQ4's codebook (kernels/qblocks.py's KVALUES) at the nibbles at bit s of v (uint32, broadcasting), as
-        float32, exact: the quartic in f = 1 + q / 16 (Horner, fused: no rounding but the last), its float32
-        coefficients fitted to the 16 codes within 0.434 (the rounding's margin holds fused or not), rounded to the
-        integer in the binade of 1.5 * 2**23, where a float32's ulp is 1, which then leaves."""
+        float32, exact: the quartic in f = 1 + q / 16 (Horner), its float32 coefficients fitted to the 16 codes
+        within 0.434 (a margin that holds with the multiply-adds fused or not), plus 1.5 * 2**23 in its last
+        coefficient: the sum rounds to the integer there (a float32's ulp is 1), and the subtraction is exact."""
         f = _f(v, s, one, 4)
         y = tl.fma(f, 103.93415832519531, -288.38604736328125)
         y = tl.fma(y, f, -109.67660522460938)
@@ -255,7 +255,7 @@ if triton is not None:
             SCALE: tl.constexpr = 16.0 if QT == 3 else 32.0
             a = SCALE * _half(s0)
             b = _half(s0 >> 16) - a
-        elif QT == 20:                 # d kvalues[q]: S_p is sum kvalues[q] x, and no X_p (b unused)
+        elif QT == 20:                 # d kvalues[q]: S_p is sum kvalues[q] x, and no X_p (b unused: SX)
             a = _half(s0)
             b = a
         elif QT == 23:                 # sub-block j = 2c + k // 2: d (ls - 32), ls = 4 bits of scales_l byte c
