@@ -64,3 +64,36 @@ def test_hybrid_model_on_cuda_bit_identical_across_placements():
         outs.append((logits, llm.generate(prompt, max_tokens=12).token_ids))
     for logits, ids in outs[1:]:
         assert torch.equal(logits, outs[0][0]) and ids == outs[0][1]
+
+
+def _two_streams(**kw) -> list[torch.Tensor]:
+    """Every logits row of a script of two sequences on synth:tiny-next: one alone, a second one joining (the
+    step of two sequences is captured then, on their states), the first alone again; after the server's
+    captures of every batch size and span (warm_up_decode) where warm is set."""
+    warm = kw.pop("warm", False)
+    eng = LLM("synth:tiny-next", ctx_size=512, n_seq=2, device="cuda", **kw).engine
+    if warm:
+        eng.warm_up_decode(2)
+    a, b = list(range(3, 40)), list(range(50, 61))
+    out = [eng.prefill(0, a)]
+    for i in range(4):
+        out.append(eng.decode([(0, 7 + i, len(a) + i)]))
+    out.append(eng.prefill(1, b))
+    for i in range(4):
+        out.append(eng.decode([(0, 20 + i, len(a) + 4 + i), (1, 30 + i, len(b) + i)]))
+    for i in range(3):
+        out.append(eng.decode([(0, 40 + i, len(a) + 8 + i)]))
+    return [t.float().cpu() for t in out]
+
+
+@needs_fla
+@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}])
+def test_hybrid_decode_graphs_give_the_eager_bits(kw):
+    """A hybrid model's decode steps replayed as CUDA graphs give the bits of eager steps, also when a graph is
+    captured in the middle of two sequences' decode (its warm-up runs on their states, kv.kept puts them back) and
+    after the server's captures of every size up front."""
+    assert type(LLM("synth:tiny-next", ctx_size=64, device="cuda", **kw).engine.decoder).__name__ == "GraphDecode"
+    eager = _two_streams(cuda_graphs=False, **kw)
+    for warm in (False, True):
+        graphs = _two_streams(warm=warm, **kw)
+        assert all(torch.equal(x, y) for x, y in zip(eager, graphs)), warm
