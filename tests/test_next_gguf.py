@@ -173,14 +173,20 @@ def test_q8_0_decodes_the_same_tokens_with_and_without_a_cache(q35, tmp_path):
     _same_tokens_placed_anywhere(str(path))
 
 
-def test_moestream_quantize_q4_k_m_keeps_k_quant_experts(tmp_path):
-    """A Qwen3.5-MoE whose rows are whole 256-blocks (synth-drawn weights of tiny-next's shapes), through the CLI."""
+def _q4_k_m(tmp_path, device: str = "cpu"):
+    """(a synth Qwen3.5-MoE of tiny-next's shapes, whose rows are whole 256-blocks, and its Q4_K_M GGUF's path),
+    written F32 and quantized by the CLI's `moestream quantize`."""
     from moestream.cli import main
     from moestream.loading.synth import SynthSource
     nxt = SynthSource.from_spec("tiny-next")
     src = SynthSource(nxt.config.replace(family="qwen3_5_moe"), tokenizer=nxt.tokenizer, router_scale=3.0)
     write_gguf(src, tmp_path / "f32.gguf")
-    assert main(["quantize", str(tmp_path / "f32.gguf"), str(tmp_path / "q4.gguf"), "Q4_K_M", "--device", "cpu"]) == 0
+    assert main(["quantize", str(tmp_path / "f32.gguf"), str(tmp_path / "q4.gguf"), "Q4_K_M", "--device", device]) == 0
+    return src, str(tmp_path / "q4.gguf")
+
+
+def test_moestream_quantize_q4_k_m_keeps_k_quant_experts(tmp_path):
+    src, _ = _q4_k_m(tmp_path)
     reader = gguf.GGUFReader(tmp_path / "q4.gguf")
     assert reader.fields["general.architecture"].contents() == ARCH
     types = {t.name: t.tensor_type for t in reader.tensors}
@@ -220,6 +226,7 @@ def _rewrite(src: str, out, change: dict) -> str:
     ({"ssm.time_step_rank": None}, "lacks metadata key qwen35moe.ssm.time_step_rank"),
     ({"ssm.inner_size": 33}, "qwen35moe.ssm.inner_size 33 for ssm.time_step_rank 4"),
     ({"full_attention_interval": 0}, "qwen35moe.full_attention_interval 0"),
+    ({"ssm.group_count": 3}, "4 linear value heads are not a multiple of 3 key heads"),
     ({"ssm.group_count": 1}, "tensor blk.0.attn_qkv.weight has shape (128, 64) but the file's metadata make it "
                              "(96, 64)"),
 ])
@@ -236,3 +243,20 @@ def test_multi_token_prediction_blocks_are_not_read(q35, tmp_path):
     n = GGUFSource(f32).config.n_layers
     path = _rewrite(f32, tmp_path / "mtp.gguf", {f"{ARCH}.block_count": n + 1, f"{ARCH}.nextn_predict_layers": 1})
     assert GGUFSource(path).config == GGUFSource(f32).config
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_q4_k_m_on_cuda_bit_identical_across_placements(tmp_path):
+    """The Q4_K_M file on CUDA (quantized experts through the Triton decode kernels): the same logits bits and
+    greedy tokens with every expert on the GPU and behind caches of two sizes."""
+    _, path = _q4_k_m(tmp_path, device="cuda")
+    prompt = ids(37, seed=5)
+    outs = []
+    for kw in ({}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}):
+        llm = LLM(path, ctx_size=128, device="cuda", **kw)
+        assert llm.engine.quantized
+        logits = llm.engine.prefill(0, prompt, 0, all_logits=True).float().cpu()
+        outs.append((logits, llm.generate(prompt, max_tokens=12, ignore_eos=True).token_ids))
+    for logits, tokens in outs[1:]:
+        assert torch.equal(logits, outs[0][0]) and tokens == outs[0][1]
