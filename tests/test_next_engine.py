@@ -304,15 +304,15 @@ def test_forwards_kept_apart_from_every_sequence_leave_the_states_as_they_were(h
 
 
 def test_writing_a_hybrid_model_is_refused_in_one_line(tmp_path):
-    """Not yet: an HF directory of either family (its values would need turning back into HF's), a GGUF of
-    Qwen3.5-MoE (llama.cpp's qwen35moe reorders the value heads), a GGUF whose layer types no interval says."""
+    """Not yet: an HF directory of either family (its values would need turning back into HF's), a GGUF whose
+    layer types no interval says (of either family: Qwen3.5-MoE's qwen35moe GGUF is tests/test_next_gguf.py's)."""
     from moestream.loading.gguf_write import write_gguf
     from moestream.loading.hf import write_hf
     from moestream.loading.synth import SynthSource
     nxt = SynthSource.from_spec("tiny-next")
-    q35 = SynthSource(nxt.config.replace(family="qwen3_5_moe"))
     odd = SynthSource(nxt.config.replace(layer_types=("full_attention", "linear_attention") * 2))
-    for write, src, out in ((write_hf, nxt, tmp_path / "hf"), (write_gguf, q35, tmp_path / "a.gguf"),
+    odd35 = SynthSource(odd.config.replace(family="qwen3_5_moe"))
+    for write, src, out in ((write_hf, nxt, tmp_path / "hf"), (write_gguf, odd35, tmp_path / "a.gguf"),
                             (write_gguf, odd, tmp_path / "b.gguf")):
         with pytest.raises(UserError, match="not supported yet|full_attention_interval") as e:
             write(src, out)
