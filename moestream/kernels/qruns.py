@@ -65,12 +65,16 @@ if triton is not None:
         return ((hi.to(tl.uint64) << 32 | lo.to(tl.uint64)) >> sh.to(tl.uint64)).to(tl.uint32)
 
     @triton.jit
-    def _word(A, m):
-        """(L,) uint32: the little-endian word at byte addresses A (L,) int64, any alignment."""
+    def _word(A, m, N: tl.constexpr):
+        """(L,) uint32: the little-endian word at byte addresses A (L,) int64, any alignment, of which the low N
+        bytes are wanted (the rest are 0 where no wanted byte is in the second aligned word). The second word is
+        read only where it holds a wanted byte: a block's last field (Q6_K's d) may end a buffer, and the word past
+        it may not be mapped (an illegal address on the GPU: Qwen3-Next's 512 Q4_K_M experts fill whole 2 MiB
+        segments). A word that holds a wanted byte lies inside the buffer's mapped pages."""
         p = ((A >> 2) << 2).to(tl.pointer_type(tl.uint32))
         sh = ((A & 3) * 8).to(tl.uint32)
         lo = _scalar(p, m)
-        hi = _scalar(p + 1, m & (sh != 0))
+        hi = _scalar(p + 1, m & (sh + 8 * N > 32))
         return _funnel(lo, hi, sh)
 
     @triton.jit
@@ -137,18 +141,18 @@ if triton is not None:
             qa = _run(blk + 64 * h + 16 * s, m, ALIGNED)
             qb = _run(blk + 64 * h + 32 + 16 * s, m, ALIGNED)
             qh = _run(blk + 128 + 32 * h + 16 * s, m, ALIGNED)
-            sc0 = _word(blk + 192 + 8 * h, m)
-            sc1 = _word(blk + 196 + 8 * h, m)
-            d = _word(blk + 208, m)
+            sc0 = _word(blk + 192 + 8 * h, m, 4)
+            sc1 = _word(blk + 196 + 8 * h, m, 4)
+            d = _word(blk + 208, m, 2)
             return qa, qb, qh, qh, sc0, sc1, d, d
         elif QT == 2:                  # Q4_0: d | 16 bytes, value l's nibble in byte l % 16, the whole block a unit
             q0 = _run(blk + 2, m, ALIGNED)
-            d = _word(blk, m)
+            d = _word(blk, m, 2)
             return q0, q0, q0, q0, d, d, d, d
         else:                          # Q8_0: d | 32 int8, the whole block a unit
             q0 = _run(blk + 2, m, ALIGNED)
             q1 = _run(blk + 18, m, ALIGNED)
-            d = _word(blk, m)
+            d = _word(blk, m, 2)
             return q0, q1, q0, q1, d, d, d, d
 
     @triton.jit
