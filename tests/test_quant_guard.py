@@ -16,8 +16,8 @@ import torch
 from interpreted import run_check
 
 # Q6_K's d is its block's last 2 bytes: a block ending a page has it at a word's high half (the case that read the
-# word past it); Q8_0 and Q4_0 end in quants, Q4_K with a row of 16-aligned runs.
-SPECS = ["Q4_K,Q4_K,Q6_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"]
+# word past it: Q4_K_M's down rows); Q8_0's block ends in quants read as unaligned runs of words.
+SPECS = ["Q4_K,Q4_K,Q6_K", "Q8_0"]
 
 
 def guarded(rows: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap]:
