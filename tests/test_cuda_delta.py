@@ -56,7 +56,7 @@ def test_fla_recurrent_matches_the_reference():
 def test_fla_step_with_its_norms_and_gates_inside_matches_the_reference(B):
     """The decode step from the raw projections (q, k not normed, a and b before their activations): fla's kernel
     with the norms and gates inside against recurrent_step, the torch ops and the reference recurrence."""
-    fla = pick_delta_kernels(torch.device("cuda"), torch.bfloat16)
+    fla = pick_delta_kernels(torch.device("cuda"), torch.bfloat16, "fla-fused")
     g = torch.Generator(device="cuda").manual_seed(3)
     r = lambda *s: torch.randn(*s, generator=g, device="cuda")
     nk, nv, dk, dv = 2, 4, 64, 64
@@ -74,7 +74,7 @@ def test_fla_step_with_its_norms_and_gates_inside_matches_the_reference(B):
 
 @needs_fla
 def test_the_norm_gate_kernel_matches_the_reference():
-    fla = pick_delta_kernels(torch.device("cuda"), torch.bfloat16)
+    fla = pick_delta_kernels(torch.device("cuda"), torch.bfloat16, "fla-fused")
     g = torch.Generator(device="cuda").manual_seed(4)
     for shape in ((3, 1, 4, 128), (1, 37, 4, 96)):          # a decode step; a prompt, a row not a power of two
         x, z = (torch.randn(*shape, generator=g, device="cuda") * 2).bfloat16(), torch.randn(*shape, generator=g,
@@ -110,23 +110,25 @@ def _two_streams(**kw) -> list[torch.Tensor]:
     if warm:
         eng.warm_up_decode(2)
     a, b = list(range(3, 40)), list(range(50, 61))
-    out = [eng.prefill(0, a)]
-    for i in range(4):
-        out.append(eng.decode([(0, 7 + i, len(a) + i)]))
+    out = [eng.prefill(0, a)]            # (a replayed graph's logits are its buffer, which the next replay of
+    for i in range(4):                   # its size overwrites: each step's are copied out at once)
+        out.append(eng.decode([(0, 7 + i, len(a) + i)]).float().cpu())
     out.append(eng.prefill(1, b))
     for i in range(4):
-        out.append(eng.decode([(0, 20 + i, len(a) + 4 + i), (1, 30 + i, len(b) + i)]))
+        out.append(eng.decode([(0, 20 + i, len(a) + 4 + i), (1, 30 + i, len(b) + i)]).float().cpu())
     for i in range(3):
-        out.append(eng.decode([(0, 40 + i, len(a) + 8 + i)]))
+        out.append(eng.decode([(0, 40 + i, len(a) + 8 + i)]).float().cpu())
     return [t.float().cpu() for t in out]
 
 
 @needs_fla
+@pytest.mark.parametrize("delta", ["fla", "fla-fused"])
 @pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}])
-def test_hybrid_decode_graphs_give_the_eager_bits(kw):
+def test_hybrid_decode_graphs_give_the_eager_bits(kw, delta, monkeypatch):
     """A hybrid model's decode steps replayed as CUDA graphs give the bits of eager steps, also when a graph is
     captured in the middle of two sequences' decode (its warm-up runs on their states, kv.kept puts them back) and
-    after the server's captures of every size up front."""
+    after the server's captures of every size up front; with either of fla's decode steps."""
+    monkeypatch.setenv("MOESTREAM_DELTA", delta)
     assert type(LLM(TINY_BF16, ctx_size=64, device="cuda", **kw).engine.decoder).__name__ == "GraphDecode"
     eager = _two_streams(cuda_graphs=False, **kw)
     for warm in (False, True):

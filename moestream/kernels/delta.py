@@ -6,16 +6,17 @@
 On the CPU, and where fla-core is not installed: the plain-torch references (models/deltanet.py, the oracle). On
 CUDA with fla-core (flash-linear-attention's Triton kernels, `pip install fla-core`): its chunk_gated_delta_rule
 for prompts and fused_recurrent_gated_delta_rule for decode steps, behind adapters with the references'
-signatures (tests/test_cuda_delta.py holds them to the references). A decode step hands fla the projections as
-they come: the q/k L2 norms, beta's sigmoid and the decay gate run inside its recurrence (fla's
-use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, given A_log = log(-ssm_a)), a dozen and
-a half launches fewer a layer. The gated output norm is one Triton kernel here (_norm_gate: float32, one program
-a row, a fixed shape, so its bits do not depend on tuning; fla's own autotunes its warps). The causal conv stays
-torch's depthwise conv1d on every device: with 4 taps it is a small part of a layer.
+signatures (tests/test_cuda_delta.py holds them to the references), the q/k L2 norms, beta's sigmoid, the decay
+gate and the gated output norm as torch ops around them. The causal conv stays torch's depthwise conv1d on every
+device: with 4 taps it is a small part of a layer.
 
-MOESTREAM_DELTA=torch keeps the references on CUDA too; MOESTREAM_DELTA=fla-unfused takes fla's two kernels with
-the norms, gates and output norm as torch ops around them (the step before the fusion, for measuring it). No
-kernel here uses atomics, so a forward's bits do not depend on the expert cache.
+MOESTREAM_DELTA=fla-fused hands a decode step's projections to fla as they come: the norms and gates run inside
+its recurrence (fla's use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, given A_log =
+log(-ssm_a)), and the gated output norm is one Triton kernel here (_norm_gate: float32, one program a row, a
+fixed shape, so its bits do not depend on tuning; fla's own autotunes its warps): a dozen and a half launches
+fewer a layer. It is not the default until it is measured on the GPU (bench/RESULTS.md). MOESTREAM_DELTA=torch
+keeps the references on CUDA too. No kernel here uses atomics, so a forward's bits do not depend on the expert
+cache.
 """
 from __future__ import annotations
 
@@ -97,12 +98,13 @@ def norm_gate_triton(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: flo
     return y.view(x.shape)
 
 
-def pick_delta_kernels(device: torch.device, dtype: torch.dtype):
-    """The DeltaNet kernels for this device and dtype: fla's on CUDA where it is installed, else the references."""
+def pick_delta_kernels(device: torch.device, dtype: torch.dtype, want: str | None = None):
+    """The DeltaNet kernels for this device and dtype: fla's on CUDA where it is installed, else the references.
+    want: fla (the default), fla-fused or torch; None: MOESTREAM_DELTA's, or fla."""
     from ..models.deltanet import TORCH, DeltaKernels, causal_conv1d
-    want = os.environ.get("MOESTREAM_DELTA", "fla")
+    want = want or os.environ.get("MOESTREAM_DELTA", "fla")
     if torch.device(device).type != "cuda" or want == "torch" or not fla_available() or triton is None:
         return TORCH
-    if want == "fla-unfused":
-        return DeltaKernels("fla-unfused", causal_conv1d, _fla_chunk, _fla_recurrent)
-    return DeltaKernels("fla", causal_conv1d, _fla_chunk, _fla_recurrent, _fla_step, norm_gate_triton)
+    if want == "fla-fused":
+        return DeltaKernels("fla-fused", causal_conv1d, _fla_chunk, _fla_recurrent, _fla_step, norm_gate_triton)
+    return DeltaKernels("fla", causal_conv1d, _fla_chunk, _fla_recurrent)
