@@ -28,6 +28,12 @@
 #                                            and =runs
 #   bash bench/gpu.sh kld                    perplexity's KL divergence of the Q4_K_M and Q8_0 files against the BF16
 #                                            reference, and of a cache state against all on the GPU (0 exactly)
+#   bash bench/gpu.sh next    [BENCH FLAGS]  the Qwen3-Next reference (make_reference_next_gguf.py, 12 layers, BF16,
+#                                            40.8 GB, and its Q4_K_M by moestream quantize, 12.4 GB; once per machine,
+#                                            after removing the Qwen3-30B files: both pairs do not fit the 64 GB disk),
+#                                            then issue 17's rows: BF16 all on the GPU and --cpu-moe at 0 / 8000 /
+#                                            16000 MiB (and 16000 with --prefetch-first-all, --no-prefetch); Q4_K_M
+#                                            all on the GPU, at 4000 MiB (ubatch 2048 / 4096) and with no cache
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -37,7 +43,7 @@
 #
 # Setup, once per checkout: the GPU machine lacks the server's packages and gguf, and the reference model's writer
 # lives outside the repository, so both travel in .carry/ (ignored by git, carried to the machine):
-#   mkdir -p .carry && cp ../shared/wheels-gpu/*.whl ../shared/bench/make_reference_gguf.py .carry/
+#   mkdir -p .carry && cp ../shared/wheels-gpu/*.whl ../shared/bench/make_reference_*gguf.py .carry/
 #   echo /.carry/ >> "$(git rev-parse --git-common-dir)/info/exclude"
 # Then run a suite on the GPU machine from the repository root, with .carry/ carried along (the device tool's
 # `carry: [".carry"]`), e.g. the command `bash bench/gpu.sh all`. The script installs the wheels into /tmp/site and
@@ -53,8 +59,8 @@ REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
-case "$SUITE" in tests|rows|decode|server|parallel|profile|trace|quant|qdecode|kld|all) ;; *) usage ;; esac
-if ! ls .carry/*.whl .carry/make_reference_gguf.py > /dev/null 2>&1; then
+case "$SUITE" in tests|rows|decode|server|parallel|profile|trace|quant|qdecode|kld|next|all) ;; *) usage ;; esac
+if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
   echo "error: .carry/ lacks the wheels or make_reference_gguf.py: see the setup notes at the top of $0" >&2; exit 2
 fi
 if [ ! -f "$SITE/.installed" ]; then
@@ -187,6 +193,28 @@ kld() {            # 16 chunks of 512 random ids (the reference has no tokenizer
     timeout 120 $P -m $Q4 -f /tmp/kld_ids.txt --kl-divergence-base /tmp/q4.kld 2>&1 | tail -1
     timeout 120 $P -m $Q4 --kl-divergence-base /tmp/q4.kld --kl-divergence --cpu-moe --moe-cache-mib 4000 2>&1 | grep -v "Δp" | tail -14
   } | tee "$OUT/kld.md"
+}
+
+next() {           # issue 17's rows on the Qwen3-Next reference
+  local N=/tmp/next.gguf NQ=/tmp/next-q4km.gguf t
+  rm -f $REF $Q4 $Q8                 # (40.8 + 12.4 GB beside 31.2 + 9.5 + 16.6 would not fit)
+  if [ ! -f $N ]; then
+    t=$SECONDS; timeout 240 python3 .carry/make_reference_next_gguf.py $N.part 12 2>&1 | tail -1 && mv $N.part $N
+    echo "Qwen3-Next reference written in $((SECONDS - t)) s"
+  fi
+  if [ ! -f $NQ ]; then
+    t=$SECONDS; timeout 300 python3 -m moestream quantize $N $NQ.part Q4_K_M 2>&1 | tail -1 && mv $NQ.part $NQ
+    echo "Q4_K_M written in $((SECONDS - t)) s: $(stat -c %s $NQ 2> /dev/null) bytes"
+  fi
+  sync
+  local B="-p 4096 -n 64 -b 4096 -r 2 -ub 2048"
+  bench next_bf16.md 90 -m $N $B
+  bench next_bf16.md 160 -m $N $B --cpu-moe --moe-cache-mib 0,8000,16000
+  bench next_bf16.md 80 -m $N $B --cpu-moe --moe-cache-mib 16000 --prefetch-first-all
+  bench next_bf16.md 80 -m $N $B --cpu-moe --moe-cache-mib 16000 --no-prefetch
+  bench next_q4km.md 60 -m $NQ $B
+  bench next_q4km.md 90 -m $NQ -p 4096 -n 64 -b 4096 -r 2 -ub 2048,4096 --cpu-moe --moe-cache-mib 4000
+  bench next_q4km.md 70 -m $NQ $B --cpu-moe
 }
 
 trace() {          # one prompt of 4096 random ids (the same every run), at ubatch 2048, then 64 tokens

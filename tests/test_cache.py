@@ -246,3 +246,20 @@ def test_a_pool_in_regions_changes_no_logits(monkeypatch):
     assert len({b for b in llm.engine.host.residency.bounds}) > 1
     assert torch.equal(llm.logits(ids), want)
     llm.engine.host.residency.check()
+
+
+def test_copying_ahead_takes_no_more_than_the_layers_region_holds(monkeypatch):
+    """A pool in regions smaller than a layer's experts (Qwen3-Next's 512 experts at 4000 MiB of Q4_K_M): copying
+    the next layer's experts ahead (here every one of them, --prefetch-first-all) takes what fits in that layer's
+    region, not what the whole pool has free (it raised CacheTooSmall), and changes no logits."""
+    import moestream.experts.planner as planner_mod
+    ids = _prompt(70, 3)
+    want = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128).logits(ids)
+    monkeypatch.setattr(planner_mod, "REGION_SLOTS", 10)
+    llm = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128, cpu_moe=True, moe_cache_mib=15,
+              prefetch_first_all=True, prefetch_min_batch=8)
+    res = llm.engine.host.residency
+    assert max(b - a for a, b in res.bounds) < llm.engine.cfg.n_experts < llm.engine.host.n_slots
+    assert torch.equal(llm.logits(ids), want)
+    assert llm.engine.stats()["total"]["prefetched"] > 0
+    res.check()

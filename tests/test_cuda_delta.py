@@ -8,9 +8,10 @@ import torch.nn.functional as F
 
 from moestream import LLM
 from moestream.kernels.delta import fla_available, pick_delta_kernels
-from moestream.models.deltanet import TORCH, l2norm
+from moestream.models.deltanet import TORCH, gated_rms_norm, l2norm, recurrent_step
 
 pytestmark = pytest.mark.cuda
+TINY_BF16 = "synth:tiny-next:dtype=bfloat16"        # (float32 decodes eagerly: the decode kernels take 16-bit)
 needs_fla = pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core")
 
 
@@ -51,16 +52,85 @@ def test_fla_recurrent_matches_the_reference():
 
 
 @needs_fla
+@pytest.mark.parametrize("B", [1, 3])
+def test_fla_step_with_its_norms_and_gates_inside_matches_the_reference(B):
+    """The decode step from the raw projections (q, k not normed, a and b before their activations): fla's kernel
+    with the norms and gates inside against recurrent_step, the torch ops and the reference recurrence."""
+    fla = pick_delta_kernels(torch.device("cuda"), torch.bfloat16, "fla-fused")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")
+    nk, nv, dk, dv = 2, 4, 64, 64
+    q, k, v = (r(B, 1, nk, dk) * 3).bfloat16(), (r(B, 1, nk, dk) * 3).bfloat16(), r(B, 1, nv, dv).bfloat16()
+    a, b = r(B, 1, nv).bfloat16(), r(B, 1, nv).bfloat16()
+    ssm_a, dt_bias = -torch.arange(1, nv + 1, device="cuda", dtype=torch.float32), r(nv) * 0.5
+    state = r(B, nv, dk, dv) * 0.1
+    for s0 in (None, state):
+        o, S = fla.step(q, k, v, a, b, ssm_a, dt_bias, s0)
+        o_ref, S_ref = recurrent_step(q, k, v, a, b, ssm_a, dt_bias, s0)
+        assert o.dtype == v.dtype and o.shape == v.shape and S.dtype == torch.float32
+        assert torch.allclose(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2), (o.float() - o_ref.float()).abs().max()
+        assert torch.allclose(S, S_ref, atol=1e-3, rtol=1e-3), (S - S_ref).abs().max()
+
+
+@needs_fla
+def test_the_norm_gate_kernel_matches_the_reference():
+    fla = pick_delta_kernels(torch.device("cuda"), torch.bfloat16, "fla-fused")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for shape in ((3, 1, 4, 128), (1, 37, 4, 96)):          # a decode step; a prompt, a row not a power of two
+        x, z = (torch.randn(*shape, generator=g, device="cuda") * 2).bfloat16(), torch.randn(*shape, generator=g,
+                                                                                         device="cuda").bfloat16()
+        w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device="cuda")).bfloat16()
+        y, want = fla.norm_gate(x, z, w, 1e-6), gated_rms_norm(x, z, w, 1e-6)
+        assert y.dtype == x.dtype and y.shape == x.shape
+        assert torch.allclose(y.float(), want.float(), atol=2e-2, rtol=2e-2), (y.float() - want.float()).abs().max()
+
+
+@needs_fla
 def test_hybrid_model_on_cuda_bit_identical_across_placements():
     """synth:tiny-next in bf16 on CUDA (fla's kernels): the same logits bits and greedy tokens all on the GPU and
     with its experts in host memory behind caches of two sizes."""
     prompt = list(range(3, 40))
     outs = []
     for kw in ({}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}):
-        llm = LLM("synth:tiny-next", ctx_size=128, device="cuda", **kw)
+        llm = LLM(TINY_BF16, ctx_size=128, device="cuda", **kw)
         assert llm.engine.model.delta.name == "fla"
         eng = llm.engine
         logits = eng.prefill(0, prompt, 0, all_logits=True).float().cpu()
         outs.append((logits, llm.generate(prompt, max_tokens=12).token_ids))
     for logits, ids in outs[1:]:
         assert torch.equal(logits, outs[0][0]) and ids == outs[0][1]
+
+
+def _two_streams(**kw) -> list[torch.Tensor]:
+    """Every logits row of a script of two sequences on synth:tiny-next: one alone, a second one joining (the
+    step of two sequences is captured then, on their states), the first alone again; after the server's
+    captures of every batch size and span (warm_up_decode) where warm is set."""
+    warm = kw.pop("warm", False)
+    eng = LLM(TINY_BF16, ctx_size=512, n_seq=2, device="cuda", **kw).engine
+    if warm:
+        eng.warm_up_decode(2)
+    a, b = list(range(3, 40)), list(range(50, 61))
+    out = [eng.prefill(0, a)]            # (a replayed graph's logits are its buffer, which the next replay of
+    for i in range(4):                   # its size overwrites: each step's are copied out at once)
+        out.append(eng.decode([(0, 7 + i, len(a) + i)]).float().cpu())
+    out.append(eng.prefill(1, b))
+    for i in range(4):
+        out.append(eng.decode([(0, 20 + i, len(a) + 4 + i), (1, 30 + i, len(b) + i)]).float().cpu())
+    for i in range(3):
+        out.append(eng.decode([(0, 40 + i, len(a) + 8 + i)]).float().cpu())
+    return [t.float().cpu() for t in out]
+
+
+@needs_fla
+@pytest.mark.parametrize("delta", ["fla", "fla-fused"])
+@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}])
+def test_hybrid_decode_graphs_give_the_eager_bits(kw, delta, monkeypatch):
+    """A hybrid model's decode steps replayed as CUDA graphs give the bits of eager steps, also when a graph is
+    captured in the middle of two sequences' decode (its warm-up runs on their states, kv.kept puts them back) and
+    after the server's captures of every size up front; with either of fla's decode steps."""
+    monkeypatch.setenv("MOESTREAM_DELTA", delta)
+    assert type(LLM(TINY_BF16, ctx_size=64, device="cuda", **kw).engine.decoder).__name__ == "GraphDecode"
+    eager = _two_streams(cuda_graphs=False, **kw)
+    for warm in (False, True):
+        graphs = _two_streams(warm=warm, **kw)
+        assert all(torch.equal(x, y) for x, y in zip(eager, graphs)), warm

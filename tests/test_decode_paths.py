@@ -2,6 +2,7 @@
 kernels, the zero-copy expert kernel), and what they report to the route observers."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moestream import LLM
@@ -151,3 +152,55 @@ def test_a_step_longer_than_a_zero_copy_step_runs_as_several():
     pieces = torch.cat([run(steps[:MAX_TOKENS], eng.kv.span(3)), run(steps[MAX_TOKENS:], eng.kv.span(3))])
     assert torch.equal(logits.argmax(-1), pieces.argmax(-1))
     assert torch.allclose(logits, pieces, atol=1e-5)
+
+
+class _Replayed:
+    """A CUDA graph's stand-in on the CPU (runtime/graphs.py's record): each replay runs the recorded step again
+    over the same static inputs, which the decode path rewrites before it, and overwrites the same buffer."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+def _replaying_on_the_cpu(monkeypatch, eng) -> None:
+    """Make eng's decode path GraphDecode with CUDA graphs stood in for: what the captured path does around its
+    graphs (static inputs, warm-ups under kv.kept, the positions of recurrent states) runs on the CPU."""
+    from moestream.runtime import graphs
+    from moestream.runtime.decode import GraphDecode
+
+    def record(fn, pool):
+        with eng.kv.kept():             # a capture runs nothing: this dry run only makes the buffer, then is undone
+            out = fn().clone()
+        return _Replayed(fn, out), out, pool
+    step_inputs = graphs.step_inputs
+    monkeypatch.setattr(graphs, "record", record)
+    monkeypatch.setattr(graphs, "warm_up", lambda dev, fn, times=1: [fn() for _ in range(times)])
+    monkeypatch.setattr(graphs, "step_inputs", lambda steps, pinned: step_inputs(steps, False))
+    eng.decoder = GraphDecode(eng)
+
+
+@pytest.mark.parametrize("model", ["synth:tiny", "synth:tiny-next"])
+@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 1}])
+def test_captured_steps_replayed_give_the_eager_bits(monkeypatch, model, kw):
+    """Two sequences, one decoding alone, then both (the step of two is captured in the middle of their decode: a
+    hybrid model's warm-up runs on their recurrent states), then the first alone again; and the same after the
+    server's captures of every size (warm_up_decode): the captured path's bits are the eager path's."""
+    def script(replayed: bool, warm: bool = False) -> list[torch.Tensor]:
+        eng = LLM(model, device="cpu", ctx_size=128, n_seq=2, zero_copy_decode=True, **kw).engine
+        if replayed:
+            _replaying_on_the_cpu(monkeypatch, eng)
+            if warm:
+                eng.warm_up_decode(2)
+        a, b = list(range(3, 30)), list(range(40, 51))
+        out = [eng.prefill(0, a)]
+        out += [eng.decode([(0, 7 + i, len(a) + i)]).clone() for i in range(3)]
+        out.append(eng.prefill(1, b))
+        out += [eng.decode([(0, 20 + i, len(a) + 3 + i), (1, 30 + i, len(b) + i)]).clone() for i in range(3)]
+        out += [eng.decode([(0, 40 + i, len(a) + 6 + i)]).clone() for i in range(2)]
+        return out
+    eager = script(False)
+    for warm in (False, True):
+        assert all(torch.equal(x, y) for x, y in zip(eager, script(True, warm))), warm

@@ -34,7 +34,7 @@ OPTIONS = {
 
 
 # The hybrid families (Qwen3-Next, Qwen3.5-MoE) are read from HF checkpoints, not written as them yet (write_hf
-# refuses them; Qwen3-Next has its GGUF form): tests/test_next_family.py and tests/test_next_engine.py test them.
+# refuses them; both have their GGUF form): tests/test_next_family.py, test_next_engine.py and test_next_gguf.py.
 ENGINE_FAMILIES = [name for name, f in FAMILIES.items() if not f.hybrid]
 
 

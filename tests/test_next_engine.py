@@ -51,7 +51,7 @@ def test_the_engine_holds_kv_for_attention_layers_only(hybrid_checkpoint):
     assert sorted(eng.kv.conv) == sorted(eng.kv.ssm) == cfg.linear_layers == [0, 2]
     assert eng.kv.conv[0].shape == (3, 2 * 2 * 16 + 4 * 8, 3) and eng.kv.ssm[0].shape == (3, 4, 16, 8)
     assert eng.kv.ssm[0].dtype == torch.float32 and eng.model.w["blk.0.ssm_a"].dtype == torch.float32
-    assert type(eng.decoder).__name__ == "EagerDecode" and not eng.model.capturable
+    assert type(eng.decoder).__name__ == "EagerDecode" and eng.model.capturable      # graphs on CUDA only
     assert eng.reuses_prefix_exactly_only
 
 
@@ -268,30 +268,51 @@ def test_decode_steps_take_the_fused_norms_and_top_k_not_the_fused_attention(hyb
     assert plain == fused and {"add_rms_norm", "route_topk"} == set(calls)
 
 
-def test_a_hybrid_model_decodes_eagerly_where_graphs_would_be_captured():
+def test_a_hybrid_model_decodes_in_graphs_where_other_families_do():
     """Where another family's decode steps replay CUDA graphs (CUDA, graphs on, all experts on the device), a
-    hybrid model's run eagerly (choose_decode on a stand-in engine: the choice only, nothing is captured)."""
+    hybrid model's do too (choose_decode on a stand-in engine: the choice only, nothing is captured; the captured
+    steps themselves are tests/test_cuda_delta.py's)."""
     import types
     from moestream.models.hybrid import HybridTransformer
     from moestream.models.transformer import MoETransformer
-    from moestream.runtime.decode import EagerDecode, GraphDecode, choose_decode
-    for model, want in ((HybridTransformer, EagerDecode), (MoETransformer, GraphDecode)):
+    from moestream.runtime.decode import GraphDecode, choose_decode
+    for model in (HybridTransformer, MoETransformer):
         eng = types.SimpleNamespace(ecfg=types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=True)),
                                     device=types.SimpleNamespace(is_cuda=True), model=model, kernel=object(),
                                     host=None, quantized=False, decode_kernel=None)
-        assert type(choose_decode(eng)) is want
+        assert type(choose_decode(eng)) is GraphDecode
+
+
+def test_forwards_kept_apart_from_every_sequence_leave_the_states_as_they_were(hybrid_checkpoint):
+    """kv.kept(): the steps of a graph's warm-up and the server's captures run at positions past the sequences'
+    own (where their KV writes are not read) on sequences that hold states, and leave every state and position as
+    it was: what follows gives the same bits as without them."""
+    _, path, _ = hybrid_checkpoint
+    a, b = ids(10, seed=11), ids(6, seed=12)
+
+    def run(interlude: bool):
+        eng = LLM(path, n_seq=2, **KW).engine
+        eng.prefill(0, a)
+        eng.prefill(1, b)
+        if interlude:
+            with eng.kv.kept():
+                eng.decode([(0, 5, 40), (1, 6, 30)])         # positions neither sequence's state is at
+                eng.prefill(1, a[:4], start=17)
+        return eng.decode([(0, 7, len(a)), (1, 8, len(b))]), eng.decode([(0, 9, len(a) + 1)])
+    plain, kept = run(False), run(True)
+    assert all(torch.equal(x, y) for x, y in zip(plain, kept))
 
 
 def test_writing_a_hybrid_model_is_refused_in_one_line(tmp_path):
-    """Not yet: an HF directory of either family (its values would need turning back into HF's), a GGUF of
-    Qwen3.5-MoE (llama.cpp's qwen35moe reorders the value heads), a GGUF whose layer types no interval says."""
+    """Not yet: an HF directory of either family (its values would need turning back into HF's), a GGUF whose
+    layer types no interval says (of either family: Qwen3.5-MoE's qwen35moe GGUF is tests/test_next_gguf.py's)."""
     from moestream.loading.gguf_write import write_gguf
     from moestream.loading.hf import write_hf
     from moestream.loading.synth import SynthSource
     nxt = SynthSource.from_spec("tiny-next")
-    q35 = SynthSource(nxt.config.replace(family="qwen3_5_moe"))
     odd = SynthSource(nxt.config.replace(layer_types=("full_attention", "linear_attention") * 2))
-    for write, src, out in ((write_hf, nxt, tmp_path / "hf"), (write_gguf, q35, tmp_path / "a.gguf"),
+    odd35 = SynthSource(odd.config.replace(family="qwen3_5_moe"))
+    for write, src, out in ((write_hf, nxt, tmp_path / "hf"), (write_gguf, odd35, tmp_path / "a.gguf"),
                             (write_gguf, odd, tmp_path / "b.gguf")):
         with pytest.raises(UserError, match="not supported yet|full_attention_interval") as e:
             write(src, out)

@@ -114,9 +114,9 @@ def decode_check(spec: str, T: int, k: int, seed: int = 0, inter: int = 256, var
         assert torch.equal(experts_by_address_quant(x, starts[pick] + ids * step, w, lay, variant=variant), out)
         return
     elsewhere = torch.where(ids % 2 == 0, other.data_ptr() + ids * step, addrs)
-    assert torch.equal(experts_by_address_quant(x, elsewhere, w, lay), out)
+    assert torch.equal(experts_by_address_quant(x, elsewhere, w, lay, variant=variant), out)
     odd = moved_copy(rows, 1)                     # rows at odd addresses: the kernel's unaligned branch
-    assert torch.equal(experts_by_address_quant(x, odd.data_ptr() + ids * step, w, lay), out)
+    assert torch.equal(experts_by_address_quant(x, odd.data_ptr() + ids * step, w, lay, variant=variant), out)
 
 
 def moved_copy(rows: torch.Tensor, shift: int) -> torch.Tensor:

@@ -221,7 +221,8 @@ class PromptPath:
         room = self.prefetch.max_inflight_mib * (1 << 20) - self.slots.queue.speculative_inflight()
         n = min(len(experts), max(0, room // self.store.expert_bytes))
         self.slots.refresh_pins()
-        n = min(n, int((~res.pinned).sum()) - 1)
+        a, b = res.bounds[layer]            # the layer's region of the pool: the slots it can take (not the pool's)
+        n = min(n, int((~res.pinned[a:b]).sum()) - 1)
         if n <= 0:
             return 0
         experts = experts[:n]

@@ -12,7 +12,7 @@ The dequantized values are gguf.quants' bits (no fused multiply-add, enable_fp_f
 differs from the float32 oracle only in its summation order; and its result depends only on the bytes read,
 never on where they were. Block shapes follow from the types and the shape alone (no autotuning).
 
-Three variants (`variant=`, default VARIANT below: "values"). "runs" (kernels/decode_runs.py, kernels/qruns.py)
+Three variants (`variant=`, default VARIANT below: "runs"). "runs" (kernels/decode_runs.py, kernels/qruns.py)
 gives each lane whole 16-byte runs of one block's quants, loaded as words (128-bit loads where the row is
 16-aligned), unpacks them with shifts and masks and applies each sub-block's scales once, in the lane, for Q4_K,
 Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL and IQ4_XS (qruns.RUN_TYPES; gate and up of one type); a layout with any
@@ -26,7 +26,8 @@ gguf.quants' bits (enable_fp_fusion=False) and differs from the float32 oracle o
 on the H200 (bench/quant_kernels.py, 2026-12-01; T=1, k=8, I=768, H=2048), Q4_K_M rows on the GPU: "values" 122
 us, "subblocks" 135 us, bf16 69 us; from pinned host memory 1068 / 842 / 1715 us. Both are bound by instructions,
 not bytes: byte loads, one value a thread, and the sub-block sums as cross-thread shuffles (about 5 a value in the
-compiled PTX); "runs" is the answer to that, not yet measured.
+compiled PTX); "runs" is the answer to that: 33 us from device memory and 719 us from pinned host (bench/RESULTS.md,
+issue 14, stop 15), and the default.
 
 Not yet: read-through landing (`landing`, which kernels/decode.py has): a host-read choice is not written to a
 free slot; the caller uploads misses itself.
@@ -44,12 +45,12 @@ from .qdots import SUBBLOCK_TYPES, step_blocks
 
 TILE = 4096              # values a program decodes per step (rows x blocks x block); fixed, so are the bits
 WARPS = 4
-# The default kernel. Measured on the H200 (bench/RESULTS.md, 2026-12-01): "subblocks" reads pinned host rows
-# 21-23% faster (Q4_K_M: 842 vs 1068 us a token's 8 experts; no-cache tg 54 vs 43 tok/s) but device rows 8-56%
-# slower (all on the GPU tg 330 vs 401), so "values" stays the default: one kernel for every placement keeps one
-# file's greedy tokens the same whatever the placement. MOESTREAM_DECODE_QUANT=values|subblocks|runs picks one for
-# a whole process (bench/gpu.sh qdecode measures each).
-VARIANT = os.environ.get("MOESTREAM_DECODE_QUANT", "values")
+# The default kernel. Measured on the H200 (bench/RESULTS.md, 2026-12-01), the reference's Q4_K_M at ubatch 2048,
+# tg64 tok/s: "runs" 489 all on the GPU, 329 at --cpu-moe --moe-cache-mib 4000, 57 with no cache, against "values"'
+# 381 / 259 / 40, with the same greedy tokens. One kernel for every placement keeps one file's greedy tokens the same
+# whatever the placement; a layout of a type "runs" does not cover takes "values" on every placement alike.
+# MOESTREAM_DECODE_QUANT=values|subblocks|runs picks one for a whole process (bench/gpu.sh qdecode measures each).
+VARIANT = os.environ.get("MOESTREAM_DECODE_QUANT", "runs")
 VARIANTS = ("values", "subblocks", "runs")
 ROWS = 4                 # subblocks: rows a program reads of each matrix (a gate/up program: 2 x 4 x 1152 bytes
 STEP_VALUES = 1024       # of Q4_K); values of a row a step reads, at most (a step: ROWS x STEP_VALUES values)

@@ -81,12 +81,16 @@ if triton is not None:
         return ((hi.to(tl.uint64) << 32 | lo.to(tl.uint64)) >> sh.to(tl.uint64)).to(tl.uint32)
 
     @triton.jit
-    def _word(A, m):
-        """(L,) uint32: the little-endian word at byte addresses A (L,) int64, any alignment."""
+    def _word(A, m, N: tl.constexpr):
+        """(L,) uint32: the little-endian word at byte addresses A (L,) int64, any alignment, of which the low N
+        bytes are wanted (the rest are 0 where no wanted byte is in the second aligned word). The second word is
+        read only where it holds a wanted byte: a block's last field (Q6_K's d) may end a buffer, and the word past
+        it may not be mapped (an illegal address on the GPU: Qwen3-Next's 512 Q4_K_M experts fill whole 2 MiB
+        segments). A word that holds a wanted byte lies inside the buffer's mapped pages."""
         p = ((A >> 2) << 2).to(tl.pointer_type(tl.uint32))
         sh = ((A & 3) * 8).to(tl.uint32)
         lo = _scalar(p, m)
-        hi = _scalar(p + 1, m & (sh != 0))
+        hi = _scalar(p + 1, m & (sh + 8 * N > 32))
         return _funnel(lo, hi, sh)
 
     @triton.jit
@@ -171,33 +175,33 @@ if triton is not None:
             qa = _run(blk + 64 * h + 16 * s, m, ALIGNED)
             qb = _run(blk + 64 * h + 32 + 16 * s, m, ALIGNED)
             qh = _run(blk + 128 + 32 * h + 16 * s, m, ALIGNED)
-            sc0 = _word(blk + 192 + 8 * h, m)
-            sc1 = _word(blk + 196 + 8 * h, m)
-            d = _word(blk + 208, m)
+            sc0 = _word(blk + 192 + 8 * h, m, 4)
+            sc1 = _word(blk + 196 + 8 * h, m, 4)
+            d = _word(blk + 208, m, 2)
             return qa, qb, qh, qh, sc0, sc1, d, d
         elif QT == 2 or QT == 20:      # Q4_0, IQ4_NL: d | 16 bytes, value l's nibble in byte l % 16; a block a unit
             q0 = _run(blk + 2, m, ALIGNED)
-            d = _word(blk, m)
+            d = _word(blk, m, 2)
             return q0, q0, q0, q0, d, d, d, d
         elif QT == 3:                  # Q4_1: d, m | 16 bytes as Q4_0's
             q0 = _run(blk + 4, m, ALIGNED)
-            dm = _word(blk, m)
+            dm = _word(blk, m, 4)
             return q0, q0, q0, q0, dm, dm, dm, dm
         elif QT == 6 or QT == 7:       # Q5_0: d | qh (4 bytes) | 16 bytes as Q4_0's; Q5_1: d, m | qh | 16 bytes
             QS: tl.constexpr = 6 if QT == 6 else 8
             q0 = _run(blk + QS, m, ALIGNED)
-            dm = _word(blk, m)
-            return q0, q0, q0, q0, dm, _word(blk + QS - 4, m), dm, dm      # qh: scale word s1
+            dm = _word(blk, m, 4)
+            return q0, q0, q0, q0, dm, _word(blk + QS - 4, m, 4), dm, dm   # qh: scale word s1
         elif QT == 23:                 # IQ4_XS: d, scales_h (u16) | scales_l (4 bytes) | qs 128; unit c is the
             q0 = _run(blk + 8 + 32 * c, m, ALIGNED)      # 32 bytes of qs holding sub-blocks 2c and 2c + 1
             q1 = _run(blk + 24 + 32 * c, m, ALIGNED)
-            hd = _word(blk, m)
-            sl = _word(blk + 4, m)
+            hd = _word(blk, m, 4)
+            sl = _word(blk + 4, m, 4)
             return q0, q1, q0, q1, hd, sl, hd, hd
         else:                          # Q8_0: d | 32 int8, the whole block a unit
             q0 = _run(blk + 2, m, ALIGNED)
             q1 = _run(blk + 18, m, ALIGNED)
-            d = _word(blk, m)
+            d = _word(blk, m, 2)
             return q0, q1, q0, q1, d, d, d, d
 
     @triton.jit

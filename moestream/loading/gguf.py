@@ -9,12 +9,15 @@ Tensor types: every type of quant/types.py. Dense tensors (attention, norms, emb
 float (F32, F16 and BF16 as they are, quantized types dequantized to float32); expert stacks are also handed out
 as their raw blocks (`expert_types`, `expert_bytes`), which the engine keeps quantized from the file to the slot.
 Architectures: the families' `gguf_arch` in models/families.py (qwen3moe, qwen2moe and olmoe, which llama.cpp
-stores without permuting Q and K; qwen3next, whose tensors hold the values the math takes, 1 + w norms and
-ssm_a = -exp(A_log), as llama.cpp's converter writes them, whose ffn_norm is spelled post_attention_norm, and whose
-ssm_in is split into attn_qkv and attn_gate, fused back here; ssm_ba is HF's, grouped by key head).
-A qwen3next file's DeltaNet shape is in its ssm.* keys (conv_kernel, state_size: dk, group_count: key heads,
+stores without permuting Q and K; the hybrid qwen3next and qwen35moe, whose tensors hold the values the math takes,
+1 + w norms and ssm_a = -exp(A_log), as llama.cpp's converter writes them, and whose ffn_norm is spelled
+post_attention_norm; qwen3next's ssm_in is split into attn_qkv and attn_gate, fused back here, its ssm_ba is HF's,
+grouped by key head; qwen35moe's value heads are tiled, grouped back here: models/next_names.py).
+A hybrid file's DeltaNet shape is in its ssm.* keys (conv_kernel, state_size: dk, group_count: key heads,
 time_step_rank: value heads, inner_size: value heads x dv), its layer types in full_attention_interval (every
-N-th layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count.
+N-th layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count; qwen35moe's
+rope.dimension_sections (multimodal RoPE) do not matter to text. Blocks past block_count - nextn_predict_layers
+(Qwen3.5's multi-token prediction layers) are not read.
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ from gguf import GGUFValueType
 from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import BY_GGUF_ARCH
-from ..models.names import EXPERT_STACKS
-from ..models.next_names import fuse_qkvz
+from ..models.names import EXPERT_STACKS, canonical_shape, dense_names
+from ..models.next_names import fuse_qkvz, reorder_v_heads
 from ..quant.types import FLOAT, LOADABLE, names, type_size, block_size
 
 # HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
@@ -130,7 +133,7 @@ class GGUFSource:
 
     def _config(self) -> ModelConfig:
         fam = BY_GGUF_ARCH[self.arch]
-        n_layers = self._key("block_count")
+        n_layers = self._key("block_count") - self._key("nextn_predict_layers", 0)     # less the MTP blocks
         if "token_embd.weight" not in self._tensors:
             raise UserError(f"GGUF {str(self.path)!r} lacks tensor token_embd.weight: is the file complete?")
         dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors)
@@ -177,14 +180,20 @@ class GGUFSource:
         )
 
     def _hybrid_options(self, n_layers: int, head_dim: int) -> dict:
-        """A qwen3next file's ModelConfig fields of the DeltaNet and gated attention layers."""
+        """A hybrid file's (qwen3next, qwen35moe) ModelConfig fields of the DeltaNet and gated attention layers."""
         step = self._key("full_attention_interval", 4)
-        nv = self._key("ssm.time_step_rank")
+        nv, inner = self._key("ssm.time_step_rank"), self._key("ssm.inner_size")
+        for bad, what in ((not isinstance(step, int) or step < 1, f"full_attention_interval {step!r}"),
+                          (not isinstance(nv, int) or nv < 1 or not isinstance(inner, int) or inner % nv,
+                           f"ssm.inner_size {inner!r} for ssm.time_step_rank {nv!r} value heads")):
+            if bad:
+                raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.{what}, which makes no model; convert "
+                                "it again with a current llama.cpp")
         return dict(layer_types=tuple("linear_attention" if (i + 1) % step else "full_attention"
                                       for i in range(n_layers)),
                     linear_num_key_heads=self._key("ssm.group_count"), linear_num_value_heads=nv,
                     linear_key_head_dim=self._key("ssm.state_size"),
-                    linear_value_head_dim=self._key("ssm.inner_size") // nv,
+                    linear_value_head_dim=inner // nv,
                     linear_conv_kernel=self._key("ssm.conv_kernel"),
                     partial_rotary_factor=self._key("rope.dimension_count", head_dim // 4) / head_dim,
                     attn_output_gate=True, zero_centred_norm=True)
@@ -236,7 +245,18 @@ class GGUFSource:
         out = _to_torch(t.data, t.tensor_type)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             out = out.reshape(1, -1)       # llama.cpp stores the shared expert's gate as (H,)
+        want = self._dense_shapes.get(name)
+        if want is not None and tuple(out.shape) != want:
+            raise UserError(f"GGUF {str(self.path)!r}: tensor {self._file_name(name)} has shape {tuple(out.shape)} "
+                            f"but the file's metadata make it {want}: the file is damaged or its keys are wrong")
+        if BY_GGUF_ARCH[self.arch].gguf_tiled_v:       # qwen35moe: value heads tiled in the file, grouped here
+            out = reorder_v_heads(self.config, name, out, tiled=False)
         return out
+
+    @cached_property
+    def _dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The torch shape the config gives each non-expert tensor (what tensor() checks a file's against)."""
+        return {n: canonical_shape(self.config, n) for n in dense_names(self.config)}
 
     def _stack(self, layer: int, stack: str):
         t = self._tensors.get(f"blk.{layer}.{stack}.weight")

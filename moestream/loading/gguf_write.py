@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import FAMILIES
 from ..models.names import EXPERT_STACKS, gguf_name, gguf_tensors
-from ..models.next_names import split_qkvz
+from ..models.next_names import reorder_v_heads, split_qkvz
 from .gguf import EOS_IDS_KEY, ROPE_KEYS
 
 TypeOf = Callable[[str, tuple[int, ...]], Q]      # (tensor name, torch shape as stored) -> its GGML type
@@ -96,7 +96,9 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
 
 
 def _add_hybrid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
-    """qwen3next's keys: the DeltaNet's shape (ssm.*), the attention layers' interval, the rotary width."""
+    """qwen3next's and qwen35moe's keys: the DeltaNet's shape (ssm.*), the attention layers' interval, the rotary
+    width; qwen35moe's multimodal RoPE sections too. (llama.cpp's loaders take a value head's dv as dk,
+    ssm.state_size: a model whose dv differs is read back by moestream only.)"""
     step = cfg.attention_layers[0] + 1 if cfg.attention_layers else cfg.n_layers + 1
     want = tuple("linear_attention" if (i + 1) % step else "full_attention" for i in range(cfg.n_layers))
     if cfg.layer_types != want:
@@ -109,6 +111,8 @@ def _add_hybrid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
     w.add_ssm_inner_size(cfg.linear_num_value_heads * cfg.linear_value_head_dim)
     w.add_rope_dimension_count(cfg.rotary_dim)
+    if FAMILIES[cfg.family].gguf_rope_sections:
+        w.add_rope_dimension_sections(list(FAMILIES[cfg.family].gguf_rope_sections))
 
 
 def _add_tensor_info(w: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtype: Q) -> None:
@@ -207,6 +211,8 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
             if tuple(t.shape) != shape:
                 raise UserError(f"tensor {name} has shape {tuple(t.shape)} but the config makes it {shape}: "
                                 "the checkpoint does not match its config")
+            if FAMILIES[cfg.family].gguf_tiled_v:       # llama.cpp's qwen35moe: the value heads tiled
+                t = reorder_v_heads(cfg, name, t, tiled=True)
         w.write_tensor_data(_encode(t, qtype, device))
 
 

@@ -166,15 +166,33 @@ def _project(x: torch.Tensor, lw: dict, cfg: ModelConfig):
     return mixed, z, b, a
 
 
+def _gates(a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor):
+    """beta = sigmoid(b) and the log-decay g = ssm_a * softplus(a + dt_bias) (float32, <= 0), from (B, T, nv) each."""
+    return torch.sigmoid(b), ssm_a.float() * F.softplus(a.float() + dt_bias)
+
+
+def recurrent_step(q, k, v, a, b, ssm_a, dt_bias, state=None, scale=None):
+    """A decode step's delta rule from the projections as they come: q, k (B, T, nk, dk) not yet L2-normed, v (B,
+    T, nv, dv), a and b (B, T, nv) before their activations, ssm_a and ssm_dt.bias (nv,) -> out, final state (as
+    recurrent_gated_delta_rule's): the oracle of a DeltaKernels' `step`, whose kernel norms and gates inside the
+    recurrence."""
+    beta, g = _gates(a, b, ssm_a, dt_bias)
+    return recurrent_gated_delta_rule(l2norm(q.float()), l2norm(k.float()), v, g, beta, state, scale)
+
+
 @dataclass(frozen=True)
 class DeltaKernels:
     """The seam where a DeltaNet layer's kernels are chosen (kernels/delta.py: pick_delta_kernels), each with the
     signature of its plain-torch reference here: the causal conv (causal_conv1d), the delta rule over a prompt
-    (chunk_gated_delta_rule) and over one token per sequence (recurrent_gated_delta_rule)."""
+    (chunk_gated_delta_rule), over one token per sequence (recurrent_gated_delta_rule), optionally the same from
+    the raw projections (recurrent_step's: decode steps; None: the norms and gates as torch ops, then
+    `recurrent`), and the gated output norm (gated_rms_norm)."""
     name: str
     conv: Callable
     chunk: Callable
     recurrent: Callable
+    step: Callable | None = None
+    norm_gate: Callable = gated_rms_norm
 
 
 TORCH = DeltaKernels("torch", causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule)
@@ -194,15 +212,17 @@ def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaStat
     mixed, z, b, a = _project(x, lw, cfg)
     mixed, conv = kernels.conv(mixed, lw["ssm_conv1d.weight"], None if state is None else state.conv)
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
-    q = l2norm(q.reshape(B, T, nk, dk).float())
-    k = l2norm(k.reshape(B, T, nk, dk).float())
-    v = v.reshape(B, T, nv, dv)
-    beta = torch.sigmoid(b)
-    g = lw["ssm_a"].float() * F.softplus(a.float() + lw["ssm_dt.bias"])            # (B, T, nv), <= 0
+    q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
+    ssm0 = None if state is None else state.ssm
     recurrent = mode == "recurrent" or (mode == "auto" and T == 1)
-    if recurrent:
-        o, ssm = kernels.recurrent(q, k, v, g, beta, None if state is None else state.ssm)
+    if recurrent and kernels.step is not None:      # norms and gates inside the step's kernel
+        o, ssm = kernels.step(q, k, v, a, b, lw["ssm_a"], lw["ssm_dt.bias"], ssm0)
     else:
-        o, ssm = kernels.chunk(q, k, v, g, beta, None if state is None else state.ssm, chunk_size)
-    o = gated_rms_norm(o, z, lw["ssm_norm.weight"], cfg.rms_norm_eps)             # (B, T, nv, dv)
+        beta, g = _gates(a, b, lw["ssm_a"], lw["ssm_dt.bias"])                  # (B, T, nv), g <= 0
+        q, k = l2norm(q.float()), l2norm(k.float())
+        if recurrent:
+            o, ssm = kernels.recurrent(q, k, v, g, beta, ssm0)
+        else:
+            o, ssm = kernels.chunk(q, k, v, g, beta, ssm0, chunk_size)
+    o = kernels.norm_gate(o, z, lw["ssm_norm.weight"], cfg.rms_norm_eps)       # (B, T, nv, dv)
     return F.linear(o.reshape(B, T, nv * dv), lw["ssm_out.weight"]), DeltaState(conv, ssm)

@@ -57,6 +57,9 @@ class Family:
     gguf_renames: tuple[tuple[str, str], ...] = ()    # (canonical, GGUF) layer suffixes where llama.cpp's
                                      # architecture spells a tensor otherwise (qwen3next: post_attention_norm)
     gguf_split_qkvz: bool = False    # GGUF holds ssm_in as attn_qkv + attn_gate (models/next_names.py split_qkvz)
+    gguf_tiled_v: bool = False       # GGUF holds the DeltaNet's value heads tiled, not grouped by key head
+                                     # (llama.cpp's qwen35moe: models/next_names.py reorder_v_heads)
+    gguf_rope_sections: tuple[int, ...] = ()   # rope.dimension_sections to write (qwen35moe's loader requires them)
 
 
 # Canonical name -> HF name of the tensors outside the layers, spelled alike by every family.
@@ -89,6 +92,8 @@ HF_LAYER = {
 }
 
 _QWEN_EXPERTS: tuple[ExpertSpelling, ...] = (("mlp.experts", "gate_proj", "up_proj", "down_proj"),)
+# llama.cpp's hybrid architectures (qwen3next, qwen35moe) call the FFN's norm post_attention_norm.
+_POST_ATTENTION_NORM = (("ffn_norm.weight", "post_attention_norm.weight"),)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Per-head QK-norm; dense layers where mlp_only_layers / decoder_sparse_step say.
@@ -138,19 +143,23 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            qk_norm="head",
            gguf_arch="qwen3next", gguf_norm_topk=True,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True,
-           gguf_renames=(("ffn_norm.weight", "post_attention_norm.weight"),), gguf_split_qkvz=True),
+           gguf_renames=_POST_ATTENTION_NORM, gguf_split_qkvz=True),
     # Qwen3-Next's math with split DeltaNet projections, top-k always renormalised, every layer MoE; config.json
     # nests the text model's keys under text_config (the text-only form transformers saves is qwen3_5_moe_text).
-    # llama.cpp's architecture is qwen35moe (it reorders the value heads: see models/next_names.py).
+    # llama.cpp's architecture qwen35moe has qwen3next's keys and names, the split projections as they are, the
+    # value heads tiled (models/next_names.py), and rope.dimension_sections: multimodal RoPE's, which text's
+    # positions (alike on every axis) make plain RoPE; its converter's default, as every checkpoint ships them.
     Family("qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe",
            ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "qwen35moe"),
            experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=False,
            norm_topk_prob=True, attn_bias=False, hf_bias_key="attention_bias",
            shared_expert_key="shared_expert_intermediate_size", clip_qkv_key=None, hf_extra=(),
            qk_norm="head",
-           gguf_arch=None, gguf_norm_topk=True,
+           gguf_arch="qwen35moe", gguf_norm_topk=True,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True,
-           hf_text_prefixes=("model.language_model.", "model.")),
+           hf_text_prefixes=("model.language_model.", "model."),
+           gguf_renames=_POST_ATTENTION_NORM, gguf_tiled_v=True,
+           gguf_rope_sections=(11, 11, 10, 0)),
 )}
 
 # config.json's `architectures[0]` or `model_type` -> family.

@@ -25,10 +25,11 @@ from .transformer import Batch, MoETransformer
 
 
 class HybridTransformer(MoETransformer):
-    # Not captured in CUDA graphs yet: the engine checks and advances each sequence's position on the host around
-    # every forward (HybridCache.begin / end), which a replayed graph would skip, and the state updates inside a
-    # captured step are not validated. Decode steps run eagerly (runtime/decode.py's choose_decode).
-    capturable = False
+    # Decode steps are captured in CUDA graphs like MoETransformer's: the states are gathered and written back by
+    # the step's device tensor of sequences (no host sync); the engine checks and advances each sequence's position
+    # around every replay (runtime/decode.py's GraphDecode), and a graph's warm-up leaves the states as they were
+    # (HybridCache.kept).
+    capturable = True
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                  delta: DeltaKernels = TORCH):

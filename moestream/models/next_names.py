@@ -31,9 +31,10 @@ Names are llama.cpp's (gguf.constants, MODEL_ARCH.QWEN3NEXT / QWEN35MOE), values
 llama.cpp's converter stores, so both sources give the same numbers (norms and ssm_a stay float32). GGUF differs
 from this in two places: llama.cpp's qwen3next converter writes ssm_in as attn_qkv + attn_gate with the heads
 ungrouped (split_qkvz / fuse_qkvz below: loading/gguf.py fuses them back, gguf_write.py splits), and its qwen35moe
-converter reorders the value heads from grouped by key head to tiled (v head j*nk + h for h's j-th), in attn_qkv's
-v rows, attn_gate, ssm_beta, ssm_alpha, ssm_a, ssm_dt, the conv's v channels and ssm_out's columns: a qwen35moe
-reader (not written yet) undoes that. MTP layers (mtp.*) and the vision tower are not read.
+converter reorders the value heads from grouped by key head (v head h*r + j is key head h's j-th of r) to tiled
+(j*nk + h), in attn_qkv's v rows, attn_gate, ssm_beta, ssm_alpha, ssm_a, ssm_dt, the conv's v channels and
+ssm_out's columns (reorder_v_heads below: loading/gguf.py groups them back, gguf_write.py tiles). MTP layers
+(mtp.*; in a GGUF the blocks past block_count - nextn_predict_layers) and the vision tower are not read.
 """
 from __future__ import annotations
 
@@ -140,3 +141,28 @@ def fuse_qkvz(cfg: ModelConfig, qkv: torch.Tensor, gate: torch.Tensor) -> torch.
     q, k, v = qkv.split([nk * dk, nk * dk, nk * parts[2]])
     heads = [t.reshape(nk, -1, H) for t in (q, k, v, gate)]                     # (nk, part, H) each
     return torch.cat(heads, dim=1).reshape(-1, H)
+
+
+# --- llama.cpp's qwen35moe order of the DeltaNet's value heads: tiled, so that ggml broadcasts the q/k heads over
+# them (key head h serves value heads h, h + nk, h + 2nk, ...) where HF groups them (h*r .. h*r + r-1).
+# Canonical suffix -> (dim, index of the first value head's first row or column, one head's width).
+def _v_heads(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    qk, dv = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return {"attn_qkv.weight": (0, qk, dv), "ssm_conv1d.weight": (0, qk, dv), "attn_gate.weight": (0, 0, dv),
+            "ssm_out.weight": (1, 0, dv), "ssm_beta.weight": (0, 0, 1), "ssm_alpha.weight": (0, 0, 1),
+            "ssm_a": (0, 0, 1), "ssm_dt.bias": (0, 0, 1)}
+
+
+def reorder_v_heads(cfg: ModelConfig, name: str, t: torch.Tensor, tiled: bool) -> torch.Tensor:
+    """Canonical tensor `name` (a layer's suffix or `blk.N.` name) with its value heads turned from grouped by key
+    head to tiled (tiled=True: what a qwen35moe file holds) or back (tiled=False); other tensors as they are.
+    Only rows or columns move, so the values are the same bits."""
+    spec = _v_heads(cfg).get(name.split(".", 2)[2] if name.startswith("blk.") else name)
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if spec is None or nk == nv:
+        return t
+    dim, start, width = spec
+    heads = t.narrow(dim, start, t.shape[dim] - start)
+    now = (nk, nv // nk) if tiled else (nv // nk, nk)           # the two head axes in the order they are now
+    moved = heads.reshape(*t.shape[:dim], *now, width, *t.shape[dim + 1:]).transpose(dim, dim + 1)
+    return torch.cat([t.narrow(dim, 0, start), moved.reshape(heads.shape)], dim=dim)

@@ -96,15 +96,19 @@ class GraphDecode(DecodePath):
         return self.engine.host is not None
 
     def _step(self, steps, span: int, by_address, fused, observed: bool) -> torch.Tensor:
-        host = self.engine.host
-        if host is not None:                        # as the eager forward tells it (the cache's clock and state)
-            host.begin_ubatch(steps[0][0], len(steps), False)
-        return self.graphs.run(steps, span, by_address, fused)
+        eng = self.engine
+        if eng.host is not None:                    # as the eager forward tells it (the cache's clock and state)
+            eng.host.begin_ubatch(steps[0][0], len(steps), False)
+        segments = [Segment(s, p, 1) for s, _, p in steps]
+        eng.kv.begin(segments)                      # as around an eager forward: a recurrent state's position
+        logits = self.graphs.run(steps, span, by_address, fused)
+        eng.kv.end(segments)
+        return logits
 
 
 def choose_decode(engine) -> DecodePath:
     """GraphDecode where a step can be captured: CUDA graphs on (--no-cuda-graphs), a model whose steps may be
-    captured (not yet a hybrid one: models/hybrid.py says why), an expert kernel with no host sync (the reference
+    captured, an expert kernel with no host sync (the reference
     kernel reads its slot counts back), and no host step inside a step (every float expert on the GPU, or
     zero-copy decode); else EagerDecode. Zero-copy decode's expert kernel runs in eager steps alike."""
     eng = engine

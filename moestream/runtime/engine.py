@@ -201,6 +201,19 @@ class Engine:
         path = self.decoder if self.decoder.takes(len(steps)) else self.eager
         return path.run(steps, span)
 
+    def warm_up_decode(self, n_seq: int) -> None:
+        """Capture the decode graphs of 1..n_seq sequences at every span now, rather than in the middle of serving
+        (a capture stalls every running request): steps of token 0 at each span's last position on sequences
+        0..n_seq-1. They belong to no sequence (kv.kept: a recurrent state is put back; KV writes land where no
+        request has been yet). Nothing to do where decode steps are not captured."""
+        if not self.decoder.captures:
+            return
+        with self.kv.kept():
+            for span in self.kv.spans():
+                for b in range(1, n_seq + 1):
+                    self.decode([(i, 0, span - 1) for i in range(b)])
+        self.synchronize()
+
     @property
     def reuses_prefix_exactly_only(self) -> bool:
         """Whether a sequence's cache can only be continued, not cut back (a hybrid model's recurrent states)."""

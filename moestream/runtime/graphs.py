@@ -8,6 +8,9 @@ work. Replaying a captured graph launches them all at once. One graph per batch 
 holds no host step, so its experts are either all on the GPU or read where they lie (zero-copy decode, whose
 address tables are written before each replay, outside the graph).
 
+A hybrid model's step updates each sequence's recurrent state in place, inside the graph; the engine checks and
+advances the states' positions on the host around each replay (GraphDecode), as around an eager forward.
+
 Attention in a graph spans a fixed number of keys (KVCache.span: a power of two, the mask hides positions past
 each token's own), since a graph cannot change shapes between replays; eager decode steps use the same span.
 """
@@ -69,11 +72,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, B: int, span: int, by_address, fused):
         eng = self.engine
-        dev = eng.device.torch
         inputs, batch = static_decode_batch(eng, B, span, by_address, fused)
-        warm_up(dev, lambda: eng.model.forward(batch, eng.kv, eng.experts, eng.kernel), times=2)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = eng.model.forward(batch, eng.kv, eng.experts, eng.kernel)
-        self.pool = graph.pool()
+        step = lambda: eng.model.forward(batch, eng.kv, eng.experts, eng.kernel)
+        with eng.kv.kept():             # the warm-up's steps run on real sequences' recurrent states (hybrids)
+            warm_up(eng.device.torch, step, times=2)
+        graph, logits, self.pool = record(step, self.pool)
         return graph, inputs, batch, logits
+
+
+def record(fn, pool):
+    """(graph, fn's output buffer, the graph's memory pool): fn captured as a CUDA graph (nothing runs yet; each
+    replay runs it and overwrites the buffer). tests/test_decode_paths.py stands in for it on the CPU."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out, graph.pool()

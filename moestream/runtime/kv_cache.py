@@ -13,6 +13,8 @@ or at 0 (which empties the state), and reusable_prefix keeps only an exact conti
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..errors import UserError
@@ -68,6 +70,12 @@ class KVCache:
     def end(self, segments) -> None:
         """After that forward completed."""
 
+    @contextmanager
+    def kept(self):
+        """Within it, forwards that belong to no sequence (a CUDA graph's warm-up) leave every sequence's cache as it
+        was. A KV cache needs nothing: their writes land in the last position, rewritten before it is read."""
+        yield
+
     def reusable_prefix(self, cached: list[int], prompt: list[int]) -> int:
         """How many leading tokens of `prompt` a sequence holding `cached` (the tokens in its cache, from position
         0) keeps: their common prefix, less one where the prompt is all cached (a forward needs a token to run)."""
@@ -86,6 +94,7 @@ class HybridCache(KVCache):
         self.conv = {i: torch.zeros(conv, dtype=dtype, device=device) for i in cfg.linear_layers}
         self.ssm = {i: torch.zeros(ssm, dtype=torch.float32, device=device) for i in cfg.linear_layers}
         self.length: list[int | None] = [0] * n_seq
+        self._kept = False          # inside kept(): forwards of no sequence, positions neither checked nor advanced
 
     @staticmethod
     def state_shapes(cfg, n_seq: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -111,7 +120,7 @@ class HybridCache(KVCache):
                                 "takes one segment of a sequence at a time")
             seen.add(s.seq)
             at = self.length[s.seq]
-            if s.start != 0 and s.start != at:
+            if s.start != 0 and s.start != at and not self._kept:
                 where = "is unknown (a forward failed)" if at is None else f"is at position {at}"
                 raise UserError(f"sequence {s.seq}'s recurrent state {where}: a segment must continue it there or "
                                 f"start again at 0, not at position {s.start} (a Gated DeltaNet state cannot be "
@@ -121,6 +130,8 @@ class HybridCache(KVCache):
         """check(), then empty the states of sequences starting again. Until end(), the states of these sequences
         are marked unknown: a forward that fails half way leaves them to be started again."""
         self.check(segments)
+        if self._kept:
+            return
         for s in segments:
             if s.start == 0:
                 for i in self.conv:
@@ -129,8 +140,30 @@ class HybridCache(KVCache):
             self.length[s.seq] = None
 
     def end(self, segments) -> None:
+        if self._kept:
+            return
         for s in segments:
             self.length[s.seq] = s.start + s.n
+
+    @contextmanager
+    def kept(self):
+        """Forwards within it belong to no sequence (CUDA graph warm-ups, the server's captures before serving): they
+        may run at any position, and each sequence's states and position are put back afterwards (the states are
+        copied aside: a few MiB a sequence and layer). Re-entrant: the outermost one saves and restores."""
+        if self._kept:
+            yield
+            return
+        saved = ({i: t.clone() for i, t in self.conv.items()}, {i: t.clone() for i, t in self.ssm.items()})
+        length = list(self.length)
+        self._kept = True
+        try:
+            yield
+        finally:
+            self._kept = False
+            for now, before in zip((self.conv, self.ssm), saved):
+                for i, t in now.items():
+                    t.copy_(before[i])
+            self.length = length
 
     def reusable_prefix(self, cached: list[int], prompt: list[int]) -> int:
         """len(cached) where the prompt extends it by at least one token (an exact continuation), else 0."""

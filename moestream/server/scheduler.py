@@ -230,14 +230,11 @@ class Scheduler:
 
     def _warm_up(self) -> None:
         """Capture the CUDA graphs of every decode batch size and span now rather than in the middle of serving (a
-        capture stalls every running request). The steps write positions no request has yet. --no-warmup: none."""
-        if not self.warm_up or not self.engine.decoder.captures:
+        capture stalls every running request; Engine.warm_up_decode). --no-warmup: none."""
+        if not self.warm_up:
             return
         try:
-            for span in self.engine.kv.spans():             # each decode span, written at its last position
-                for b in range(1, len(self.slots) + 1):
-                    self.engine.decode([(i, 0, span - 1) for i in range(b)])
-            self.engine.synchronize()
+            self.engine.warm_up_decode(len(self.slots))
         except Exception:                    # serving can still try: each batch size is captured when first needed
             log.exception("decode warm-up failed")
 
