@@ -15,8 +15,8 @@ never on where they were. Block shapes follow from the types and the shape alone
 Three variants (`variant=`, default VARIANT below: "runs"). "runs" (kernels/decode_runs.py, kernels/qruns.py)
 gives each lane whole 16-byte runs of one block's quants, loaded as words (128-bit loads where the row is
 16-aligned), unpacks them with shifts and masks and applies each sub-block's scales once, in the lane, for Q4_K,
-Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL and IQ4_XS (qruns.RUN_TYPES; gate and up of one type); a layout with any
-other type runs "values". Its bits differ from the other two by float rounding, still fixed by the bytes alone.
+Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS (qruns.RUN_TYPES; gate and up of one type); a layout
+with any other type runs "values". Its bits differ from the other two by float rounding, still fixed by the bytes alone.
 "subblocks" takes the scales out of the dot
 products (kernels/qdots.py: per sub-block d sc sum(q x) - dmin m sum(x), sum(x) shared by a program's rows, int32
 row offsets from one base, no masked blocks: a down row of I=768 is read one block a step) for Q4_K, Q5_K, Q6_K
