@@ -1,6 +1,8 @@
 """A shared test driver: three sequences of one engine decoding together, greedy, step by step."""
 from __future__ import annotations
 
+import torch
+
 
 def decode_three(eng, n_steps: int = 6) -> list:
     """Prefill three sequences (prompts of 20, 22 and 24 ids), then n_steps decode steps of all three at once, each
@@ -12,4 +14,18 @@ def decode_three(eng, n_steps: int = 6) -> list:
         lg = eng.decode(toks)
         outs.append(lg.clone())
         toks = [(s, int(lg[i].argmax()), p + 1) for i, (s, _, p) in enumerate(toks)]
+    return outs
+
+
+def join_and_leave(eng) -> list:
+    """Sequence 0 decodes alone, sequence 1 joins it (the step of two is first run, or captured, in the middle of
+    0's decode, on both sequences' states), then 0 decodes alone again: every prompt's and step's logits, copied
+    out at once (a replayed CUDA graph's logits are its buffer, which the next replay of its size overwrites)."""
+    out = lambda t: t.to("cpu", torch.float32, copy=True)
+    a, b = list(range(3, 30)), list(range(40, 51))
+    outs = [out(eng.prefill(0, a))]
+    outs += [out(eng.decode([(0, 7 + i, len(a) + i)])) for i in range(3)]
+    outs.append(out(eng.prefill(1, b)))
+    outs += [out(eng.decode([(0, 20 + i, len(a) + 3 + i), (1, 30 + i, len(b) + i)])) for i in range(3)]
+    outs += [out(eng.decode([(0, 40 + i, len(a) + 6 + i)])) for i in range(2)]
     return outs

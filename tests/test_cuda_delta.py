@@ -10,6 +10,8 @@ from moestream import LLM
 from moestream.kernels.delta import fla_available, pick_delta_kernels
 from moestream.models.deltanet import TORCH, gated_rms_norm, l2norm, recurrent_step
 
+from batched import join_and_leave
+
 pytestmark = pytest.mark.cuda
 TINY_BF16 = "synth:tiny-next:dtype=bfloat16"        # (float32 decodes eagerly: the decode kernels take 16-bit)
 needs_fla = pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core")
@@ -102,23 +104,13 @@ def test_hybrid_model_on_cuda_bit_identical_across_placements():
 
 
 def _two_streams(**kw) -> list[torch.Tensor]:
-    """Every logits row of a script of two sequences on synth:tiny-next: one alone, a second one joining (the
-    step of two sequences is captured then, on their states), the first alone again; after the server's
-    captures of every batch size and span (warm_up_decode) where warm is set."""
+    """tests/batched.py's join_and_leave on synth:tiny-next in bf16; after the server's captures of every batch size
+    and span (warm_up_decode) where warm is set."""
     warm = kw.pop("warm", False)
     eng = LLM(TINY_BF16, ctx_size=512, n_seq=2, device="cuda", **kw).engine
     if warm:
         eng.warm_up_decode(2)
-    a, b = list(range(3, 40)), list(range(50, 61))
-    out = [eng.prefill(0, a)]            # (a replayed graph's logits are its buffer, which the next replay of
-    for i in range(4):                   # its size overwrites: each step's are copied out at once)
-        out.append(eng.decode([(0, 7 + i, len(a) + i)]).float().cpu())
-    out.append(eng.prefill(1, b))
-    for i in range(4):
-        out.append(eng.decode([(0, 20 + i, len(a) + 4 + i), (1, 30 + i, len(b) + i)]).float().cpu())
-    for i in range(3):
-        out.append(eng.decode([(0, 40 + i, len(a) + 8 + i)]).float().cpu())
-    return [t.float().cpu() for t in out]
+    return join_and_leave(eng)
 
 
 @needs_fla

@@ -8,6 +8,8 @@ import torch
 from moestream import LLM
 from moestream.kernels.reference import experts_reference
 
+from batched import join_and_leave
+
 KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True)
 PROMPTS = ["Once upon a time", "The capital of France is"]
 
@@ -194,13 +196,7 @@ def test_captured_steps_replayed_give_the_eager_bits(monkeypatch, model, kw):
             _replaying_on_the_cpu(monkeypatch, eng)
             if warm:
                 eng.warm_up_decode(2)
-        a, b = list(range(3, 30)), list(range(40, 51))
-        out = [eng.prefill(0, a)]
-        out += [eng.decode([(0, 7 + i, len(a) + i)]).clone() for i in range(3)]
-        out.append(eng.prefill(1, b))
-        out += [eng.decode([(0, 20 + i, len(a) + 3 + i), (1, 30 + i, len(b) + i)]).clone() for i in range(3)]
-        out += [eng.decode([(0, 40 + i, len(a) + 6 + i)]).clone() for i in range(2)]
-        return out
+        return join_and_leave(eng)
     eager = script(False)
     for warm in (False, True):
         assert all(torch.equal(x, y) for x, y in zip(eager, script(True, warm))), warm
