@@ -12,22 +12,21 @@ The dequantized values are gguf.quants' bits (no fused multiply-add, enable_fp_f
 differs from the float32 oracle only in its summation order; and its result depends only on the bytes read,
 never on where they were. Block shapes follow from the types and the shape alone (no autotuning).
 
-Three variants (`variant=`, default VARIANT below: "runs"). "runs" (kernels/decode_runs.py, kernels/qruns.py)
-gives each lane whole 16-byte runs of one block's quants, loaded as words (128-bit loads where the row is
-16-aligned), unpacks them with shifts and masks and applies each sub-block's scales once, in the lane, for Q4_K,
-Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS (qruns.RUN_TYPES; gate and up of one type); a layout
-with any other type runs "values". Its bits differ from the other two by float rounding, still fixed by the bytes alone.
-"subblocks" takes the scales out of the dot
-products (kernels/qdots.py: per sub-block d sc sum(q x) - dmin m sum(x), sum(x) shared by a program's rows, int32
-row offsets from one base, no masked blocks: a down row of I=768 is read one block a step) for Q4_K, Q5_K, Q6_K
-and Q8_0, the other types value by value; its bits differ from "values" by float rounding (and fused
-multiply-adds), still fixed by the bytes alone. "values", the first kernel, dequantizes every value to
-gguf.quants' bits (enable_fp_fusion=False) and differs from the float32 oracle only in summation order. Measured
-on the H200 (bench/quant_kernels.py, 2026-12-01; T=1, k=8, I=768, H=2048), Q4_K_M rows on the GPU: "values" 122
-us, "subblocks" 135 us, bf16 69 us; from pinned host memory 1068 / 842 / 1715 us. Both are bound by instructions,
-not bytes: byte loads, one value a thread, and the sub-block sums as cross-thread shuffles (about 5 a value in the
-compiled PTX); "runs" is the answer to that: 33 us from device memory and 719 us from pinned host (bench/RESULTS.md,
-issue 14, stop 15), and the default.
+Three variants (`variant=`, default VARIANT below: "runs"). "runs" (kernels/decode_runs.py, kernels/qruns.py) gives
+each lane whole 16-byte runs of one block's quants, loaded as words (128-bit loads where the row is 16-aligned),
+unpacks them with shifts and masks and applies each sub-block's scales once, in the lane, for Q4_K, Q5_K, Q6_K,
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS (qruns.RUN_TYPES; gate and up of one type); a layout with any other
+type runs "values". Its bits differ from the other two by float rounding, still fixed by the bytes alone.
+"subblocks" takes the scales out of the dot products (kernels/qdots.py: per sub-block d sc sum(q x) - dmin m sum(x),
+sum(x) shared by a program's rows, int32 row offsets from one base, no masked blocks: a down row of I=768 is read
+one block a step) for Q4_K, Q5_K, Q6_K and Q8_0, the other types value by value; its bits differ from "values" by
+float rounding (and fused multiply-adds), still fixed by the bytes alone. "values", the first kernel, dequantizes
+every value to gguf.quants' bits (enable_fp_fusion=False) and differs from the float32 oracle only in summation
+order. Measured on the H200 (bench/quant_kernels.py, 2026-12-01; T=1, k=8, I=768, H=2048), Q4_K_M rows on the GPU:
+"values" 122 us, "subblocks" 135 us, bf16 69 us; from pinned host memory 1068 / 842 / 1715 us. Both are bound by
+instructions, not bytes: byte loads, one value a thread, and the sub-block sums as cross-thread shuffles (about 5 a
+value in the compiled PTX); "runs" is the answer to that: 33 us from device memory and 719 us from pinned host
+(bench/RESULTS.md, issue 14, stop 15), and the default.
 
 Not yet: read-through landing (`landing`, which kernels/decode.py has): a host-read choice is not written to a
 free slot; the caller uploads misses itself.
