@@ -88,9 +88,35 @@ def test_the_norm_gate_kernel_matches_the_reference():
 
 
 @needs_fla
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5_moe"])
+def test_the_in_place_step_kernel_matches_the_reference(layout):
+    """kernels/delta.py's one-launch decode step, compiled, bf16, at Qwen3-Next's head shapes (16 key heads, 2 value
+    heads each, 128 x 128 states), against step_in_place on the same inputs; twice the same bits."""
+    from moestream.kernels.delta import step_in_place_triton
+    from moestream.models.deltanet import step_in_place
+    from test_delta_step import case
+    cfg, lw, x, proj, conv, ssm, rows = case(layout, torch.Generator().manual_seed(5), nk=16, r=2, dk=128, dv=128,
+                                             n_seq=6, B=3)
+    lw = {n: (t.cuda() if n == "ssm_a" else t.cuda().bfloat16()) for n, t in lw.items()}
+    proj = [t.cuda().bfloat16() for t in proj]
+    conv, ssm, rows = conv.cuda().bfloat16(), ssm.cuda(), rows.cuda()
+    outs = []
+    for _ in range(2):
+        c, S = conv.clone(), ssm.clone()
+        outs.append((step_in_place_triton(*proj, c, S, rows, lw, 1e-6), c, S))
+    c_ref, S_ref = conv.clone(), ssm.clone()
+    want = step_in_place(*proj, c_ref, S_ref, rows, lw, 1e-6)
+    got, c, S = outs[0]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+    assert torch.equal(c, c_ref)                             # the conv window: inputs shifted, no arithmetic
+    assert torch.allclose(got.float(), want.float(), atol=3e-2, rtol=3e-2), (got.float() - want.float()).abs().max()
+    assert torch.allclose(S, S_ref, atol=1e-3, rtol=1e-3), (S - S_ref).abs().max()
+
+
+@needs_fla
 def test_hybrid_model_on_cuda_bit_identical_across_placements():
     """synth:tiny-next in bf16 on CUDA (fla's kernels): the same logits bits and greedy tokens all on the GPU and
-    with its experts in host memory behind caches of two sizes."""
+    with its experts in host memory behind caches of two sizes (fla's prompts, the in-place decode step)."""
     prompt = list(range(3, 40))
     outs = []
     for kw in ({}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}):
@@ -114,7 +140,7 @@ def _two_streams(**kw) -> list[torch.Tensor]:
 
 
 @needs_fla
-@pytest.mark.parametrize("delta", ["fla", "fla-fused"])
+@pytest.mark.parametrize("delta", ["fla", "fla-recurrent", "fla-fused"])
 @pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}])
 def test_hybrid_decode_graphs_give_the_eager_bits(kw, delta, monkeypatch):
     """A hybrid model's decode steps replayed as CUDA graphs give the bits of eager steps, also when a graph is

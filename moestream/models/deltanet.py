@@ -144,26 +144,34 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     return (w * normed * F.silu(z.float())).to(x.dtype)
 
 
-def _project(x: torch.Tensor, lw: dict, cfg: ModelConfig):
-    """The input projections in either family's layout -> mixed q|k|v (B, T, C) (the conv's input), z (B, T, nv,
-    dv), b and a (B, T, nv), each value head's in transformers' order (grouped by key head)."""
+def _projections(x: torch.Tensor, lw: dict, cfg: ModelConfig):
+    """The input projections in either family's layout, as views grouped by key head: q, k (B, T, nk, dk) and v,
+    z (B, T, nk, r, dv) (v before the conv), b and a (B, T, nk, r); value head j of key head h is head h r + j, in
+    transformers' order."""
     B, T, _ = x.shape
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
     if "ssm_in.weight" in lw:           # qwen3_next: [q k v.. z..] per key head
         qkvz = F.linear(x, lw["ssm_in.weight"]).view(B, T, nk, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-        z = z.reshape(B, T, nv, dv)
     else:                               # qwen3_5_moe (and llama.cpp's qwen3next since it splits ssm_in)
-        mixed = F.linear(x, lw["attn_qkv.weight"])                                 # (B, T, C)
-        z = F.linear(x, lw["attn_gate.weight"]).view(B, T, nv, dv)
+        q, k, v = F.linear(x, lw["attn_qkv.weight"]).split([nk * dk, nk * dk, nv * dv], dim=-1)
+        q, k, v = q.view(B, T, nk, dk), k.view(B, T, nk, dk), v.view(B, T, nk, r * dv)
+        z = F.linear(x, lw["attn_gate.weight"]).view(B, T, nk, r * dv)
     if "ssm_ba.weight" in lw:           # [b.. a..] per key head
         b, a = F.linear(x, lw["ssm_ba.weight"]).view(B, T, nk, 2 * r).split([r, r], dim=-1)
-        b, a = b.reshape(B, T, nv), a.reshape(B, T, nv)
     else:
         b, a = F.linear(x, lw["ssm_beta.weight"]), F.linear(x, lw["ssm_alpha.weight"])
-    return mixed, z, b, a
+        b, a = b.view(B, T, nk, r), a.view(B, T, nk, r)
+    return q, k, v.unflatten(-1, (r, dv)), z.unflatten(-1, (r, dv)), b, a
+
+
+def _project(x: torch.Tensor, lw: dict, cfg: ModelConfig):
+    """The input projections -> mixed q|k|v (B, T, C) (the conv's input), z (B, T, nv, dv), b and a (B, T, nv)."""
+    B, T, _ = x.shape
+    q, k, v, z, b, a = _projections(x, lw, cfg)
+    mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+    return mixed, z.reshape(B, T, -1, z.shape[-1]), b.reshape(B, T, -1), a.reshape(B, T, -1)
 
 
 def _gates(a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor):
@@ -180,22 +188,46 @@ def recurrent_step(q, k, v, a, b, ssm_a, dt_bias, state=None, scale=None):
     return recurrent_gated_delta_rule(l2norm(q.float()), l2norm(k.float()), v, g, beta, state, scale)
 
 
+def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float) -> torch.Tensor:
+    """A decode step of B sequences from their projections (_projections' views of one token each: q, k (B, nk,
+    dk), v, z (B, nk, r, dv), b, a (B, nk, r)), whose states are rows `rows` (B,) of one layer's cache tensors, conv
+    (n_seq, C, K-1) and ssm (n_seq, nv, dk, dv) float32, both updated in place -> the gated, normed output (B, nv
+    dv), ready for ssm_out. The conv, gates, norms, recurrence and output norm of gated_deltanet at T = 1: the
+    oracle of a DeltaKernels' `in_place` (kernels/delta.py's one-launch step)."""
+    B, nk, dk = q.shape
+    r, dv = v.shape[2], v.shape[3]
+    nv = nk * r
+    mixed = torch.cat([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], dim=-1)[:, None]   # (B, 1, C)
+    mixed, conv_after = causal_conv1d(mixed, lw["ssm_conv1d.weight"], conv[rows])
+    qc, kc, vc = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    beta, g = _gates(a.reshape(B, 1, nv), b.reshape(B, 1, nv), lw["ssm_a"], lw["ssm_dt.bias"])
+    o, ssm_after = recurrent_gated_delta_rule(l2norm(qc.view(B, 1, nk, dk).float()),
+                                              l2norm(kc.view(B, 1, nk, dk).float()), vc.view(B, 1, nv, dv), g,
+                                              beta, ssm[rows])
+    conv[rows], ssm[rows] = conv_after, ssm_after
+    return gated_rms_norm(o, z.reshape(B, 1, nv, dv), lw["ssm_norm.weight"], eps).reshape(B, nv * dv)
+
+
 @dataclass(frozen=True)
 class DeltaKernels:
     """The seam where a DeltaNet layer's kernels are chosen (kernels/delta.py: pick_delta_kernels), each with the
     signature of its plain-torch reference here: the causal conv (causal_conv1d), the delta rule over a prompt
     (chunk_gated_delta_rule), over one token per sequence (recurrent_gated_delta_rule), optionally the same from
     the raw projections (recurrent_step's: decode steps; None: the norms and gates as torch ops, then
-    `recurrent`), and the gated output norm (gated_rms_norm)."""
+    `recurrent`), the gated output norm (gated_rms_norm), and optionally a whole decode step on the cache's
+    states in place (step_in_place's: the engine's decode steps; None: gather the states, gated_deltanet, write
+    them back)."""
     name: str
     conv: Callable
     chunk: Callable
     recurrent: Callable
     step: Callable | None = None
     norm_gate: Callable = gated_rms_norm
+    in_place: Callable | None = None
 
 
-TORCH = DeltaKernels("torch", causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule)
+TORCH = DeltaKernels("torch", causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule,
+                     in_place=step_in_place)
 
 
 def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaState | None = None,
@@ -226,3 +258,12 @@ def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaStat
             o, ssm = kernels.chunk(q, k, v, g, beta, ssm0, chunk_size)
     o = kernels.norm_gate(o, z, lw["ssm_norm.weight"], cfg.rms_norm_eps)       # (B, T, nv, dv)
     return F.linear(o.reshape(B, T, nv * dv), lw["ssm_out.weight"]), DeltaState(conv, ssm)
+
+
+def deltanet_step(x: torch.Tensor, lw: dict, cfg: ModelConfig, conv: torch.Tensor, ssm: torch.Tensor,
+                  rows: torch.Tensor, in_place: Callable = step_in_place) -> torch.Tensor:
+    """A decode step of B sequences, x (B, H) one token each, whose states are rows `rows` of the layer's cache
+    tensors conv and ssm (updated in place) -> y (B, H). `in_place`: step_in_place or a kernel with its signature."""
+    q, k, v, z, b, a = (t[:, 0] for t in _projections(x[:, None], lw, cfg))
+    o = in_place(q, k, v, z, b, a, conv, ssm, rows, lw, cfg.rms_norm_eps)       # (B, nv dv)
+    return F.linear(o, lw["ssm_out.weight"])

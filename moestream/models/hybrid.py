@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .deltanet import TORCH, DeltaKernels, DeltaState, gated_deltanet
+from .deltanet import TORCH, DeltaKernels, DeltaState, deltanet_step, gated_deltanet
 from .gated_attention import partial_rope
 from .layers import rms_norm
 from .transformer import Batch, MoETransformer
@@ -68,6 +68,8 @@ class HybridTransformer(MoETransformer):
         conv, ssm = kv.conv[layer], kv.ssm[layer]                  # (n_seq, C, kernel-1), (n_seq, nv, dk, dv)
         if batch.is_decode:             # one token of each of B distinct sequences: one recurrent step, batched
             rows = batch.seq_ids
+            if self.delta.in_place is not None:     # the states updated where they lie
+                return deltanet_step(x, lw, self.cfg, conv, ssm, rows, self.delta.in_place)
             y, st = gated_deltanet(x[:, None], lw, self.cfg, DeltaState(conv[rows], ssm[rows]),
                                    kernels=self.delta)                       # (B, 1, H)
             conv[rows], ssm[rows] = st.conv, st.ssm
