@@ -57,6 +57,23 @@ def test_the_oracle_is_gated_deltanets_decode_step(layout):
     assert torch.equal(conv, conv_want) and torch.equal(ssm, ssm_want)
 
 
+@pytest.mark.parametrize("ba", [True, False])
+def test_fused_projections_give_the_split_layouts_views(ba):
+    """fuse_projections' one weight (the split layout: attn_qkv, attn_gate, then ssm_ba grouped by key head, or
+    ssm_beta and ssm_alpha) gives the views the separate weights give."""
+    from moestream.models.deltanet import _projections, fuse_projections
+    cfg, lw, x, want, *_ = case("qwen3_5_moe", torch.Generator().manual_seed(3))
+    if ba:                              # ssm_ba: [b_h.. a_h..] per key head, as llama.cpp's qwen3next writes it
+        nk, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        b, a = lw.pop("ssm_beta.weight").view(nk, r, -1), lw.pop("ssm_alpha.weight").view(nk, r, -1)
+        lw["ssm_ba.weight"] = torch.cat([b, a], dim=1).reshape(2 * nk * r, -1)
+        want = [t[:, 0] for t in _projections(x, lw, cfg)]
+    fuse_projections(lw, cfg)
+    assert set(lw) & {"attn_qkv.weight", "attn_gate.weight", "ssm_ba.weight", "ssm_beta.weight"} == set()
+    for got, w in zip((t[:, 0] for t in _projections(x, lw, cfg)), want):
+        assert got.shape == w.shape and torch.allclose(got, w, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5_moe"])
 def test_step_in_place_kernel_in_the_interpreter(layout):
     pytest.importorskip("triton")

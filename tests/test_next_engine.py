@@ -50,7 +50,7 @@ def test_the_engine_holds_kv_for_attention_layers_only(hybrid_checkpoint):
     assert len(eng.kv.k) == len(cfg.attention_layers) == 2
     assert sorted(eng.kv.conv) == sorted(eng.kv.ssm) == cfg.linear_layers == [0, 2]
     assert eng.kv.conv[0].shape == (3, 2 * 2 * 16 + 4 * 8, 3) and eng.kv.ssm[0].shape == (3, 4, 16, 8)
-    assert eng.kv.ssm[0].dtype == torch.float32 and eng.model.w["blk.0.ssm_a"].dtype == torch.float32
+    assert eng.kv.ssm[0].dtype == torch.float32 and eng.model.layers[0]["ssm_a"].dtype == torch.float32
     assert type(eng.decoder).__name__ == "EagerDecode" and eng.model.capturable      # graphs on CUDA only
     assert eng.reuses_prefix_exactly_only
 

@@ -19,6 +19,7 @@ Weights (`lw`: one layer's canonical names, models/next_names.py; V = nv*dv, K =
     ssm_in.weight (2K + 2V, H)   qwen3_next: q, k, v, z fused, grouped by key head ([q_h k_h v_h.. z_h..] per h)
     ssm_ba.weight (2nv, H)       qwen3_next: b, a fused, grouped by key head ([b_h.. a_h..] per h)
     attn_qkv.weight (C, H), attn_gate.weight (V, H), ssm_beta.weight / ssm_alpha.weight (nv, H)   qwen3_5_moe
+    ssm_proj.weight (2K + 2V + 2nv, H)   the split layout's four as one (fuse_projections, at load): q|k|v, z, b, a
     ssm_conv1d.weight (C, K) or HF's (C, 1, K)    ssm_a (nv,) float32    ssm_dt.bias (nv,)
     ssm_norm.weight (dv,) (a plain RMSNorm weight, not zero-centred)     ssm_out.weight (H, V)
 Value head j reads key head j // (nv/nk), as transformers' repeat_interleave does.
@@ -144,6 +145,22 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     return (w * normed * F.silu(z.float())).to(x.dtype)
 
 
+def fuse_projections(lw: dict, cfg: ModelConfig) -> None:
+    """The split layout's input projections (attn_qkv, attn_gate, and ssm_ba or ssm_beta and ssm_alpha) as one
+    weight, ssm_proj (2K + 2V + 2nv, H): rows q|k|v, z, then b and a in value-head order; one GEMM (a decode
+    step's one launch) instead of three or four. The HF qwen3_next layout's ssm_in and ssm_ba stay as they are."""
+    if "attn_qkv.weight" not in lw:
+        return
+    nk, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    if "ssm_ba.weight" in lw:           # [b.. a..] per key head -> all b, then all a
+        ba = lw.pop("ssm_ba.weight")
+        b, a = ba.view(nk, 2, r, ba.shape[-1]).unbind(1)
+        b, a = b.reshape(nk * r, -1), a.reshape(nk * r, -1)
+    else:
+        b, a = lw.pop("ssm_beta.weight"), lw.pop("ssm_alpha.weight")
+    lw["ssm_proj.weight"] = torch.cat([lw.pop("attn_qkv.weight"), lw.pop("attn_gate.weight"), b, a])
+
+
 def _projections(x: torch.Tensor, lw: dict, cfg: ModelConfig):
     """The input projections in either family's layout, as views grouped by key head: q, k (B, T, nk, dk) and v,
     z (B, T, nk, r, dv) (v before the conv), b and a (B, T, nk, r); value head j of key head h is head h r + j, in
@@ -151,6 +168,10 @@ def _projections(x: torch.Tensor, lw: dict, cfg: ModelConfig):
     B, T, _ = x.shape
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    if "ssm_proj.weight" in lw:         # fuse_projections' one weight
+        q, k, v, z, b, a = F.linear(x, lw["ssm_proj.weight"]).split([nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], -1)
+        q, k, v, z = q.view(B, T, nk, dk), k.view(B, T, nk, dk), v.view(B, T, nk, r * dv), z.view(B, T, nk, r * dv)
+        return q, k, v.unflatten(-1, (r, dv)), z.unflatten(-1, (r, dv)), b.view(B, T, nk, r), a.view(B, T, nk, r)
     if "ssm_in.weight" in lw:           # qwen3_next: [q k v.. z..] per key head
         qkvz = F.linear(x, lw["ssm_in.weight"]).view(B, T, nk, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .deltanet import TORCH, DeltaKernels, DeltaState, deltanet_step, gated_deltanet
+from .deltanet import TORCH, DeltaKernels, DeltaState, deltanet_step, fuse_projections, gated_deltanet
 from .gated_attention import partial_rope
 from .layers import rms_norm
 from .transformer import Batch, MoETransformer
@@ -37,6 +37,8 @@ class HybridTransformer(MoETransformer):
         self.delta = delta
         self.linear = set(cfg.linear_layers)
         self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
+        for i in self.linear:
+            fuse_projections(self.layers[i], cfg)
 
     def _fuses_attention(self, fused) -> bool:
         """The fused decode attention has no output gate nor partial rotary: attention runs eagerly (the fused

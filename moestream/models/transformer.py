@@ -71,7 +71,8 @@ class MoETransformer:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor]):
         self.cfg = cfg
-        self.w = weights
+        # the layers' tensors live in self.layers only: what __init__ concatenates there does not keep its parts
+        self.w = {n: t for n, t in weights.items() if not n.startswith("blk.")}
         self.layers = [{k[len(f"blk.{i}."):]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
                        for i in range(cfg.n_layers)]
         for lw in self.layers:          # q, k and v in one GEMM: one launch and one pass over x instead of three
