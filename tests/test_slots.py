@@ -132,3 +132,23 @@ def test_speculative_copies_are_claimed_once():
     assert slots.claim(plan.slots[:1]) == 1 and slots.claim(plan.slots) == 1 and slots.claim(plan.slots) == 0
     _load(store, planner, slots, 0, [3])                        # a demand copy marks nothing
     assert not slots.prefetched.any()
+
+
+def test_copy_experts_copies_runs_of_consecutive_experts_and_slots_at_once():
+    """copy_experts gives each slot its expert's bytes, as one copy per run of consecutive experts into
+    consecutive slots (and per row where the layer's rows are narrower than the pool's, each run still one copy)."""
+    rows = {0: torch.arange(10 * 4, dtype=torch.uint8).view(10, 4),          # layer 0: rows as wide as the pool
+            1: 100 + torch.arange(10 * 3, dtype=torch.uint8).view(10, 3)}   # layer 1: narrower
+    store = ExpertStore(rows, ExpertLayout(1, 1))
+    planner = CachePlanner(12, 2, 10, "lfru", store.expert_bytes)
+    slots = SlotPool(store, planner.residency, Device("cpu"))
+    calls = []
+    submit = slots.queue.submit
+    slots.queue.submit = lambda pairs, *a, **kw: calls.append(len(pairs)) or submit(pairs, *a, **kw)
+    misses = [(2, 0), (3, 1), (4, 2), (7, 5), (9, 6), (8, 9), (5, 10)]     # runs: 2-4 -> 0-2; 7; 9; 8; 5
+    for layer in (0, 1):
+        slots.copy_experts(layer, misses, speculative=False)
+        w = rows[layer].shape[1]
+        for e, s in misses:
+            assert torch.equal(slots.pool[s, :w], rows[layer][e]), (layer, e, s)
+    assert calls == [5, 5]

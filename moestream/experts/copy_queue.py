@@ -6,8 +6,8 @@
 
 One stream keeps copies in order, so waiting for batch n waits for every batch before it too. Speculative bytes in
 flight are bounded by the caller (`speculative_inflight()`), so a demand miss never queues behind more than that.
-`pending()` counts the copies not yet done (an event after each), so a caller can keep the stream fed one copy at
-a time. On the CPU copies run inline and every call is a no-op.
+`pending_bytes()` counts the bytes of the copies not yet done (an event after each), so a caller can keep the
+stream fed a copy at a time. On the CPU copies run inline and every call is a no-op.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class CopyQueue:
         self.seq = 0                                                     # last submitted batch
         self.done = 0                                                    # every batch <= done has completed
         self.spec = deque()                                              # (seq, nbytes) speculative in flight
-        self.marks = deque()                                             # (seq, event after each copy) not done
+        self.marks = deque()                                 # (seq, event after each copy, its bytes) not done
 
     def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, speculative: bool,
                after=None) -> int:
@@ -43,7 +43,7 @@ class CopyQueue:
                 dst.copy_(src, non_blocking=True)
                 mark = torch.cuda.Event()
                 mark.record(self.stream)
-                self.marks.append((self.seq, mark))
+                self.marks.append((self.seq, mark, dst.numel() * dst.element_size()))
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.events[self.seq] = ev
@@ -64,12 +64,12 @@ class CopyQueue:
                 queue.popleft()
         return self.done
 
-    def pending(self) -> int:
-        """Copies queued and not done yet."""
+    def pending_bytes(self) -> int:
+        """Bytes of the copies queued and not done yet."""
         self.poll()
         while self.marks and self.marks[0][1].query():
             self.marks.popleft()
-        return len(self.marks)
+        return sum(m[2] for m in self.marks)
 
     def speculative_inflight(self) -> int:
         self.poll()

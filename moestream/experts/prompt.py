@@ -168,9 +168,7 @@ class PromptPath:
         if n_used or wasted:
             self.stats.record(layer, prefetch_used=n_used, prefetch_wasted=wasted)
         if plan.misses:
-            src = self.store.rows[layer]
-            self.slots.submit([(s, src[e]) for e, s in plan.misses], len(plan.misses) * self.store.layer_bytes(layer),
-                              speculative=False)
+            self.slots.copy_experts(layer, plan.misses, speculative=False)
         self.slots.hand_out(layer, plan.slots)
 
     def _read_back(self, counts: torch.Tensor) -> np.ndarray:
@@ -193,7 +191,7 @@ class PromptPath:
         experts of the layers after the next one (`fill`, most likely first) up to that. False once there is
         nothing to copy."""
         eb = self.store.expert_bytes
-        room = (FILL_LOW_BYTES if low is None else low) - self.slots.queue.pending() * eb
+        room = (FILL_LOW_BYTES if low is None else low) - self.slots.queue.pending_bytes()
         if room < eb:
             return True
         while self.fill:
@@ -225,13 +223,12 @@ class PromptPath:
         n = min(n, int((~res.pinned[a:b]).sum()) - 1)
         if n <= 0:
             return 0
-        experts = experts[:n]
+        experts = np.sort(experts[:n])      # (one batch: its order is not a priority; ascending, it copies in runs)
         plan = res.ensure(layer, experts)
         victims = np.array([s for _, s in plan.misses], dtype=np.int64)
         wasted = self.slots.claim(victims)
-        src = self.store.rows[layer]
         nbytes = len(plan.misses) * self.store.layer_bytes(layer)
-        self.slots.submit([(s, src[e]) for e, s in plan.misses], nbytes, speculative=True)
+        self.slots.copy_experts(layer, plan.misses, speculative=True)
         self.stats.record(layer, evictions=len(plan.evicted), uploaded_bytes=nbytes, copies=len(plan.misses),
                           prefetched=len(plan.misses), prefetched_bytes=nbytes, prefetch_wasted=wasted)
         return len(plan.misses)

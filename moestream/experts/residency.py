@@ -80,7 +80,8 @@ class Residency:
             if len(victims) < len(need):
                 taken = self.policy.lowest(free[owned], len(need) - len(victims))
                 plan.evicted = self.evict(taken)
-                victims = np.concatenate([victims, taken])
+                # in slot order: ascending experts then fill runs of consecutive slots, each run one copy
+                victims = np.sort(np.concatenate([victims, taken]))
             self.policy.forget(victims)
             self.owner[victims, 0] = layer
             self.owner[victims, 1] = need
@@ -100,9 +101,9 @@ class Residency:
 
     def evict(self, slots: np.ndarray) -> list[tuple[int, int]]:
         """Empty these slots (owned, unpinned): the (layer, expert) pairs that lost their slot."""
-        gone = [(int(l), int(e)) for l, e in self.owner[slots]]
-        for l, e in gone:
-            self.slot_of[l, e] = -1
+        le = self.owner[slots]                                              # (n, 2): layer, expert
+        self.slot_of[le[:, 0], le[:, 1]] = -1
+        gone = list(zip(*le.T.tolist())) if len(le) else []
         self.owner[slots] = -1
         self.policy.forget(slots)
         return gone

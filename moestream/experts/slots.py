@@ -2,6 +2,7 @@
 
     slots = SlotPool(store, planner.residency, device)
     seq = slots.submit([(slot, store.rows[layer][e])], store.expert_bytes, speculative=False)   # one copy batch
+    seq = slots.copy_experts(layer, [(e, slot), ...], speculative=True)     # the same from the layer's rows, in runs
     slots.hand_out(layer, plan.slots)    # compute waits for their copies; they stay pinned until it has read them
     lut = slots.upload_table(layer, slots.table(layer))      # (E,) each expert's slot in the layer's region
     y = kernel(x, lut[ids], *slots.layer_weights(layer))
@@ -34,6 +35,8 @@ from .residency import Residency
 from .store import ExpertStore
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
+RUN_BYTES = 32 << 20                      # copy_experts: at most this much in one copy (the copy stream's
+                                          # progress is seen a copy at a time)
 
 
 class SlotPool:
@@ -44,6 +47,7 @@ class SlotPool:
         width = max(r.shape[1] for r in store.rows.values())            # a slot holds the widest layer's row
         self.pool = torch.empty(n_slots, width, dtype=any_rows.dtype, device=device.torch)   # (S, row)
         self.layouts = store.layouts
+        self.store_rows = store.rows
         # Each host layer's region of the pool, as its rows (quantized layouts read only their own row's bytes).
         self.regions = {l: (self.pool[a:b, :store.rows[l].shape[1]], a) for l, (a, b) in enumerate(residency.bounds)
                         if l in store.rows}
@@ -72,6 +76,29 @@ class SlotPool:
         self.ready[slots] = seq
         if speculative:
             self.prefetched[slots] = True
+        return seq
+
+    def copy_experts(self, layer: int, misses: list[tuple[int, int]], speculative: bool) -> int:
+        """Copy the (expert, slot) pairs of one layer from its host rows, as submit does: one copy for each run of
+        consecutive experts into consecutive slots (up to RUN_BYTES), not one an expert. A prompt's misses are
+        mostly such runs, and each copy costs the host some microseconds. Returns the batch's sequence number."""
+        rows = self.store_rows[layer]                                        # (E, row) pinned
+        pairs = np.asarray(misses, dtype=np.int64).reshape(-1, 2)
+        pairs = pairs[np.argsort(pairs[:, 1], kind="stable")]               # by slot
+        e, s = pairs[:, 0], pairs[:, 1]
+        row_bytes = rows.shape[1] * rows.element_size()
+        cap = max(1, RUN_BYTES // row_bytes)
+        starts = np.flatnonzero(np.r_[True, (np.diff(s) != 1) | (np.diff(e) != 1)])
+        ends = np.r_[starts[1:], len(s)]
+        copies = []
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            for c in range(a, b, cap):          # (a slot narrower than the pool's rows: torch stages the copy)
+                n = min(cap, b - c)
+                copies.append((self.pool[s[c]:s[c] + n, :rows.shape[1]], rows[e[c]:e[c] + n]))
+        seq = self.queue.submit(copies, len(s) * row_bytes, speculative=speculative)
+        self.ready[s] = seq
+        if speculative:
+            self.prefetched[s] = True
         return seq
 
     def landed(self, slots: np.ndarray | None = None) -> np.ndarray:
