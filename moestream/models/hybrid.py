@@ -39,20 +39,28 @@ class HybridTransformer(MoETransformer):
         self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
 
     def _fuses_attention(self, fused) -> bool:
-        """The fused decode attention has no output gate nor partial rotary: attention runs eagerly (the fused
-        add + RMSNorm and top-k still run where the step has them)."""
-        return False
+        """A decode step's gated attention runs as the fused kernels (kernels/fused.py's gated_qk_rope_kv and
+        decode_attention with its gate): they take the interleaved gates, the partial rotary and the per-head
+        norms every hybrid family has."""
+        return fused is not None
 
     def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
         if layer in self.linear:
             return self._deltanet(x, lw, layer, batch, kv)
-        return self._gated_attention(x, lw, self.kv_slot[layer], batch, kv, cos, sin, mask)
+        return self._gated_attention(x, lw, self.kv_slot[layer], batch, kv, cos, sin, mask, fused)
 
-    def _gated_attention(self, x, lw, slot: int, batch: Batch, kv, cos, sin, mask) -> torch.Tensor:
-        """x (T, H) -> (T, H); cos, sin (T, rotary_dim). Keys and values go to KV layer `slot`."""
+    def _gated_attention(self, x, lw, slot: int, batch: Batch, kv, cos, sin, mask, fused=None) -> torch.Tensor:
+        """x (T, H) -> (T, H); cos, sin (T, rotary_dim). Keys and values go to KV layer `slot`. A fused decode step
+        (fused: kernels.fused) runs norms, rotary, cache writes, attention and gate in three launches."""
         cfg = self.cfg
         T, nh, nkv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = F.linear(x, lw["attn_qkv.weight"])                             # (T, nh 2hd + 2 nkv hd)
+        if self._fuses_attention(fused):
+            q, gate = fused.gated_qk_rope_kv(qkv, lw["attn_qk_norm.weight"], cfg.rms_norm_eps, cos, sin,
+                                             kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions, nh, nkv)
+            o = fused.decode_attention(q, kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions,
+                                       batch.kv_len or kv.ctx, gate)        # (T, nh, hd), gated
+            return F.linear(o.reshape(T, nh * hd), lw["attn_output.weight"])
         qg, k, v = qkv.split([2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, gate = qg.view(T, nh, 2 * hd).chunk(2, dim=-1)                    # (T, nh, hd) each: [q_h | gate_h]
         q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
