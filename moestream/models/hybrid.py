@@ -10,7 +10,9 @@ the routed experts and the shared expert are MoETransformer's, through the same 
 i, conv[i] (n_seq, C, kernel-1) and ssm[i] (n_seq, nv, dk, dv) float32: row s is sequence s's state, read at each
 segment's sequence and written back. The cache checks positions and resets restarted sequences before the forward
 (HybridCache.begin); the model only computes. A prompt runs the chunked delta rule, one segment at a time; a
-decode step (every segment one token) runs the recurrent form over all its sequences at once.
+decode step (every segment one token) runs the recurrent form over all its sequences at once, and its gated
+attention, where the step carries the fused kernels (CUDA), as kernels/fused.py's gated_qk_rope_kv and
+decode_attention with the gates.
 """
 from __future__ import annotations
 
