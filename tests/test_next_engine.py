@@ -251,35 +251,11 @@ def test_an_unsupported_layer_type_or_option_is_one_line(tmp_path):
         assert named in str(e.value) and "\n" not in str(e.value)
 
 
-def _stand_in_gated_attention(fused, calls: list):
-    """kernels/fused.py's gated attention (gated_qk_rope_kv, decode_attention with a gate) as plain torch with
-    _gated_attention's eager math, added to test_decode_paths' stand-ins; each call counted in `calls`."""
-    from moestream.models.gated_attention import partial_rope
-    from moestream.models.layers import decode_attention as attend, rms_norm
-
-    def gated_qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv):
-        calls.append("gated_qk_rope_kv")
-        T, hd = qkv.shape[0], k_cache.shape[-1]
-        qg, k, v = qkv.split([2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, gate = qg.view(T, nh, 2 * hd).chunk(2, dim=-1)                    # (T, nh, hd) each
-        k_cache[seq_ids, :, positions] = partial_rope(rms_norm(k.view(T, nkv, hd), qk_norm[hd:], eps), cos, sin)
-        v_cache[seq_ids, :, positions] = v.view(T, nkv, hd)
-        return partial_rope(rms_norm(q, qk_norm[:hd], eps), cos, sin), gate
-
-    def decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate=None):
-        calls.append("decode_attention")
-        mask = torch.arange(n)[None, :] <= positions[:, None]                # (B, n)
-        o = attend(q, k_cache[seq_ids, :, :n], v_cache[seq_ids, :, :n], mask)
-        return o * torch.sigmoid(gate)
-    fused.gated_qk_rope_kv, fused.decode_attention = gated_qk_rope_kv, decode_attention
-    return fused
-
-
 def test_decode_steps_take_the_fused_kernels_the_gated_attention_among_them(hybrid_checkpoint):
     """On CUDA a decode step runs the fused add + RMSNorm, top-k and gated attention (Triton); stand-ins with the
     eager ops' math take their place here (the kernels themselves: tests/test_triton_kernels.py's gated_attention
     and hybrid_decode, in Triton's interpreter)."""
-    from test_decode_paths import _stand_in_fused
+    from test_decode_paths import _stand_in_fused, _stand_in_gated_attention
     _, path, _ = hybrid_checkpoint
 
     def run(fused):
