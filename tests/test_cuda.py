@@ -258,6 +258,41 @@ def test_fused_qk_rope_kv_matches_the_eager_ops(norm):
 
 
 @needs_cuda
+@pytest.mark.parametrize("nh,nkv,hd,rd", [(16, 2, 256, 64), (6, 2, 64, 12)])
+def test_fused_gated_attention_matches_the_eager_ops(nh, nkv, hd, rd):
+    """Qwen3-Next's gated attention in a decode step (its heads, 256 wide with rotary on 64; a group of 3 and a
+    rotary width not a power of two): gated_qk_rope_kv and decode_attention with the gates, in bf16, against
+    models/hybrid.py's ops in float32; only each token's own (sequence, position) rows of the caches change."""
+    from moestream.kernels.fused import decode_attention, gated_qk_rope_kv
+    from moestream.models.gated_attention import partial_rope
+    from moestream.models.layers import decode_attention as attend, rms_norm
+    T, n_seq, ctx, n, eps, bf = 3, 4, 512, 256, 1e-6, torch.bfloat16
+    qkv = torch.randn(T, (2 * nh + 2 * nkv) * hd, device="cuda").to(bf)     # per head [q_h | gate_h], then k, v
+    w = (1 + 0.3 * torch.randn(2 * hd, device="cuda")).to(bf)                # the q then the k norm, as loaded
+    ang = torch.rand(T, rd // 2, device="cuda") * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(bf), torch.cat([ang.sin()] * 2, -1).to(bf)     # (T, rd)
+    seq, pos = torch.tensor([2, 0, 3], device="cuda"), torch.tensor([5, n - 1, 63], device="cuda")
+    kc = torch.randn(n_seq, nkv, ctx, hd, device="cuda").to(bf)
+    vc = torch.randn_like(kc)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q, gate = gated_qk_rope_kv(qkv, w, eps, cos, sin, kc, vc, seq, pos, nh, nkv)
+    o = decode_attention(q, kc, vc, seq, pos, n, gate)
+    qg, rk, rv = qkv.split([2 * nh * hd, nkv * hd, nkv * hd], -1)
+    rq, rg = qg.float().view(T, nh, 2 * hd).chunk(2, -1)
+    rq = partial_rope(rms_norm(rq, w[:hd].float(), eps), cos.float(), sin.float())
+    rk = partial_rope(rms_norm(rk.float().view(T, nkv, hd), w[hd:].float(), eps), cos.float(), sin.float())
+    assert torch.equal(gate.float(), rg)
+    assert (q.float() - rq).abs().max() < 0.05 * rq.abs().max()
+    assert (kc[seq, :, pos].float() - rk).abs().max() < 0.05 * rk.abs().max()
+    assert torch.equal(vc[seq, :, pos], rv.view(T, nkv, hd))
+    mask = torch.arange(n, device="cuda")[None, :] <= pos[:, None]
+    ref = attend(q.float(), kc[seq, :, :n].float(), vc[seq, :, :n].float(), mask) * torch.sigmoid(rg)
+    assert (o.float() - ref).abs().max() < 0.02 * ref.abs().max()
+    kc[seq, :, pos], vc[seq, :, pos] = kc0[seq, :, pos], vc0[seq, :, pos]
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)         # nothing else written
+
+
+@needs_cuda
 @pytest.mark.parametrize("k,E,renorm", [(8, 128, True), (6, 60, True), (2, 8, False)])
 def test_fused_route_topk_matches_route(k, E, renorm):
     from moestream.kernels.fused import route_topk

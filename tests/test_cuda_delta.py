@@ -15,6 +15,7 @@ from batched import join_and_leave
 pytestmark = pytest.mark.cuda
 TINY_BF16 = "synth:tiny-next:dtype=bfloat16"        # (float32 decodes eagerly: the decode kernels take 16-bit)
 needs_fla = pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _inputs(B, T, nk, nv, dk, dv, seed=0):
@@ -127,6 +128,33 @@ def test_hybrid_model_on_cuda_bit_identical_across_placements():
         outs.append((logits, llm.generate(prompt, max_tokens=12).token_ids))
     for logits, ids in outs[1:]:
         assert torch.equal(logits, outs[0][0]) and ids == outs[0][1]
+
+
+@needs_cuda
+def test_hybrid_fused_decode_close_to_the_eager_decode(monkeypatch):
+    """synth:tiny-next in bf16, two sequences decoding together: steps with the fused kernels (the gated attention's
+    among them: one gated_qk_rope_kv per attention layer and step) against the same steps with torch's ops, within
+    bf16's tolerance; the prompts, which run no fused kernel, bit for bit."""
+    from moestream.kernels import fused
+    calls = []
+    gated = fused.gated_qk_rope_kv
+    monkeypatch.setattr(fused, "gated_qk_rope_kv", lambda *a: (calls.append(1), gated(*a))[1])
+
+    def run(with_fused: bool) -> list[torch.Tensor]:
+        eng = LLM(TINY_BF16, ctx_size=128, n_seq=2, device="cuda").engine
+        assert eng.fused is fused
+        if not with_fused:
+            eng.fused = None
+        out = [eng.prefill(0, list(range(3, 30))).float().cpu(), eng.prefill(1, list(range(40, 51))).float().cpu()]
+        return out + [eng.decode([(0, 7 + i, 27 + i), (1, 30 + i, 11 + i)]).float().cpu() for i in range(4)]
+    eager = run(False)
+    assert not calls
+    out = run(True)
+    assert len(calls) >= 2                  # each attention layer's (at least once: a captured step replays it)
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    for a, b in zip(out[2:], eager[2:]):
+        assert (a - b).abs().max() < 0.05 * b.abs().max()
+        assert (a - b).norm() < 0.02 * b.norm()
 
 
 def _two_streams(**kw) -> list[torch.Tensor]:

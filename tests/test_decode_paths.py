@@ -43,6 +43,30 @@ def _stand_in_fused(calls: list):
     return types.SimpleNamespace(add_rms_norm=add_rms_norm, route_topk=route_topk)
 
 
+def _stand_in_gated_attention(fused, calls: list):
+    """kernels/fused.py's gated attention (gated_qk_rope_kv, decode_attention with a gate) as plain torch with
+    _gated_attention's eager math, added to _stand_in_fused's; each call counted in `calls`."""
+    from moestream.models.gated_attention import partial_rope
+    from moestream.models.layers import decode_attention as attend, rms_norm
+
+    def gated_qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv):
+        calls.append("gated_qk_rope_kv")
+        T, hd = qkv.shape[0], k_cache.shape[-1]
+        qg, k, v = qkv.split([2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, gate = qg.view(T, nh, 2 * hd).chunk(2, dim=-1)                    # (T, nh, hd) each
+        k_cache[seq_ids, :, positions] = partial_rope(rms_norm(k.view(T, nkv, hd), qk_norm[hd:], eps), cos, sin)
+        v_cache[seq_ids, :, positions] = v.view(T, nkv, hd)
+        return partial_rope(rms_norm(q, qk_norm[:hd], eps), cos, sin), gate
+
+    def decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate=None):
+        calls.append("decode_attention")
+        mask = torch.arange(n)[None, :] <= positions[:, None]                # (B, n)
+        o = attend(q, k_cache[seq_ids, :, :n], v_cache[seq_ids, :, :n], mask)
+        return o * torch.sigmoid(gate)
+    fused.gated_qk_rope_kv, fused.decode_attention = gated_qk_rope_kv, decode_attention
+    return fused
+
+
 def test_a_family_the_fused_attention_does_not_take_still_decodes(tmp_path):
     """OLMoE keeps eager attention in a fused decode step, and gets its mask. The fused kernels are Triton (CUDA):
     here stand-ins with the eager ops' math take the place of the ones OLMoE uses."""

@@ -251,21 +251,23 @@ def test_an_unsupported_layer_type_or_option_is_one_line(tmp_path):
         assert named in str(e.value) and "\n" not in str(e.value)
 
 
-def test_decode_steps_take_the_fused_norms_and_top_k_not_the_fused_attention(hybrid_checkpoint):
-    """On CUDA a decode step runs the fused add + RMSNorm and top-k (Triton); stand-ins with the eager ops' math
-    take their place here. The fused attention (no output gate, full rotary) is never asked for."""
-    from test_decode_paths import _stand_in_fused
+def test_decode_steps_take_the_fused_kernels_the_gated_attention_among_them(hybrid_checkpoint):
+    """On CUDA a decode step runs the fused add + RMSNorm, top-k and gated attention (Triton); stand-ins with the
+    eager ops' math take their place here (the kernels themselves: tests/test_triton_kernels.py's gated_attention
+    and hybrid_decode, in Triton's interpreter)."""
+    from test_decode_paths import _stand_in_fused, _stand_in_gated_attention
     _, path, _ = hybrid_checkpoint
 
     def run(fused):
         llm = LLM(path, zero_copy_decode=True, **KW)
         calls = []
         if fused:
-            llm.engine.fused = _stand_in_fused(calls)
+            llm.engine.fused = _stand_in_gated_attention(_stand_in_fused(calls), calls)
         out = llm.generate(ids(12, seed=10), max_tokens=6, ignore_eos=True).token_ids
         return out, calls
     (plain, _), (fused, calls) = run(False), run(True)
-    assert plain == fused and {"add_rms_norm", "route_topk"} == set(calls)
+    assert plain == fused
+    assert {"add_rms_norm", "route_topk", "gated_qk_rope_kv", "decode_attention"} == set(calls)
 
 
 def test_a_hybrid_model_decodes_in_graphs_where_other_families_do():

@@ -13,7 +13,7 @@ from interpreted import close, run_check
 
 CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "experts_grouped_shared",
           "experts_grouped_unshared", "experts_grouped_read_through", "qk_rope_kv", "route_topk", "add_rms_norm",
-          "decode_attention", "norm_gate"]
+          "decode_attention", "norm_gate", "gated_attention", "hybrid_decode"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -142,6 +142,102 @@ def grouped_read_through():
     assert torch.equal(experts_by_address(x, addrs, w, I, (ids, host_tab, land)), plain)
 
 
+def gated_attention(nh, nkv, hd, rd, n=256):
+    """A hybrid model's gated-attention layer in a decode step of three sequences (models/hybrid.py's
+    _gated_attention), through the fused kernels against its eager path: the kernels' q (normed, rotated on the
+    first rd dims, the rest passed through), the keys and values written to the cache, and nothing else written;
+    decode_attention's gated output; the layer's output."""
+    from moestream.config import ModelConfig
+    from moestream.kernels import fused
+    from moestream.models.gated_attention import partial_rope
+    from moestream.models.hybrid import HybridTransformer
+    from moestream.models.layers import decode_attention, rms_norm, rope_tables
+    from moestream.models.transformer import Batch, Segment
+    from moestream.runtime.kv_cache import KVCache
+    H, n_seq, eps = 64, 4, 1e-6
+    cfg = ModelConfig(family="qwen3_next", vocab_size=8, hidden_size=H, n_layers=1, n_heads=nh, n_kv_heads=nkv,
+                      head_dim=hd, n_experts=2, n_experts_used=1, moe_intermediate_size=8, qk_norm="head",
+                      rms_norm_eps=eps, layer_types=("full_attention",), partial_rotary_factor=rd / hd,
+                      attn_output_gate=True, zero_centred_norm=True)
+    assert cfg.rotary_dim == rd
+    g = torch.Generator().manual_seed(hd + rd)
+    r = lambda *s: torch.randn(*s, generator=g)
+    w = {"token_embd.weight": r(8, H), "blk.0.attn_q.weight": r(2 * nh * hd, H) * H ** -0.5,
+         "blk.0.attn_k.weight": r(nkv * hd, H) * H ** -0.5, "blk.0.attn_v.weight": r(nkv * hd, H) * H ** -0.5,
+         "blk.0.attn_output.weight": r(H, nh * hd) * (nh * hd) ** -0.5,
+         "blk.0.attn_q_norm.weight": 1 + 0.3 * r(hd), "blk.0.attn_k_norm.weight": 1 + 0.3 * r(hd)}
+    model = HybridTransformer(cfg, w, rope_tables(cfg, n, "cpu"))
+    lw = model.layers[0]
+    seq, pos = [2, 0, 3], [5, n - 1, 63]           # early, at the span's end, at a chunk's edge
+    batch = Batch.make([Segment(s, p, 1) for s, p in zip(seq, pos)], [1, 2, 3], "cpu", kv_len=n)
+    x, cos, sin = r(3, H), model.cos[batch.positions], model.sin[batch.positions]         # (3, H), (3, rd)
+    caches = []
+    for _ in range(2):
+        kv = KVCache(1, n_seq, n, nkv, hd, torch.float32, "cpu")
+        kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=torch.Generator().manual_seed(0)))
+        kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=torch.Generator().manual_seed(1)))
+        caches.append(kv)
+    eager_kv, fused_kv = caches
+    k0, v0 = fused_kv.k[0].clone(), fused_kv.v[0].clone()
+
+    qkv = torch.nn.functional.linear(x, lw["attn_qkv.weight"])
+    q, gate = fused.gated_qk_rope_kv(qkv, lw["attn_qk_norm.weight"], eps, cos, sin, fused_kv.k[0], fused_kv.v[0],
+                                     batch.seq_ids, batch.positions, nh, nkv)
+    rq, rg = qkv[:, :2 * nh * hd].view(3, nh, 2 * hd).chunk(2, -1)
+    rk, rv = qkv[:, 2 * nh * hd:].view(3, 2, nkv, hd).unbind(1)
+    rq = partial_rope(rms_norm(rq, lw["attn_q_norm.weight"], eps), cos, sin)
+    close(q, rq)
+    close(q[..., rd:], rms_norm(qkv[:, :2 * nh * hd].view(3, nh, 2 * hd)[..., :hd], lw["attn_q_norm.weight"],
+                                eps)[..., rd:])                        # the unrotated dims: the norm alone
+    assert torch.equal(gate, rg)
+    s_, p_ = batch.seq_ids, batch.positions
+    close(fused_kv.k[0][s_, :, p_], partial_rope(rms_norm(rk, lw["attn_k_norm.weight"], eps), cos, sin))
+    assert torch.equal(fused_kv.v[0][s_, :, p_], rv)
+    written_k, written_v = fused_kv.k[0][s_, :, p_].clone(), fused_kv.v[0][s_, :, p_].clone()
+    fused_kv.k[0][s_, :, p_], fused_kv.v[0][s_, :, p_] = k0[s_, :, p_], v0[s_, :, p_]
+    assert torch.equal(fused_kv.k[0], k0) and torch.equal(fused_kv.v[0], v0)            # nothing else written
+    fused_kv.k[0][s_, :, p_], fused_kv.v[0][s_, :, p_] = written_k, written_v
+
+    mask = torch.arange(n)[None, :] <= p_[:, None]                                        # (3, n)
+    o = fused.decode_attention(q, fused_kv.k[0], fused_kv.v[0], s_, p_, n, gate)
+    plain = decode_attention(q, fused_kv.k[0][s_], fused_kv.v[0][s_], mask)
+    close(o, plain * torch.sigmoid(rg))
+    close(fused.decode_attention(q, fused_kv.k[0], fused_kv.v[0], s_, p_, n), plain)      # no gate: as before
+
+    fused_kv.k[0].copy_(k0)
+    fused_kv.v[0].copy_(v0)
+    out = model._gated_attention(x, lw, 0, Batch.make(batch.segments, [1, 2, 3], "cpu", kv_len=n, fused=fused),
+                                 fused_kv, cos, sin, None, fused)
+    want = model._gated_attention(x, lw, 0, batch, eager_kv, cos, sin, mask)
+    close(out, want)
+    close(fused_kv.k[0], eager_kv.k[0])
+    assert torch.equal(fused_kv.v[0], eager_kv.v[0])
+
+
+def hybrid_decode():
+    """synth:tiny-next's decode steps (tests/batched.py's join_and_leave) with every fused kernel, the gated
+    attention's among them, against its eager steps; prompts run none."""
+    import types
+    from batched import join_and_leave
+    from moestream import LLM
+    from moestream.kernels import fused
+
+    def run(with_fused: bool):
+        eng, calls = LLM("synth:tiny-next", device="cpu", ctx_size=128, n_seq=2).engine, []
+        assert eng.fused is None                    # no CUDA: the engine leaves them out; here they are put in
+        if with_fused:
+            counted = lambda name: lambda *a: (calls.append(name), getattr(fused, name)(*a))[1]
+            eng.fused = types.SimpleNamespace(**{n: counted(n) for n in ("gated_qk_rope_kv", "decode_attention",
+                                                                           "add_rms_norm", "route_topk")})
+        return join_and_leave(eng), calls
+    (eager, _), (out, calls) = run(False), run(True)
+    steps = 8                                       # join_and_leave's decode steps
+    assert calls.count("gated_qk_rope_kv") == calls.count("decode_attention") == 2 * steps   # 2 attention layers
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[4], eager[4])                  # the prompts
+    for a, b in zip(out, eager):
+        close(a, b)
+
+
 def check(name):
     from moestream.kernels import fused
     from moestream.models.layers import apply_rope, decode_attention, rms_norm
@@ -212,6 +308,11 @@ def check(name):
             y = norm_gate_triton(x, z, w, 1e-6)
             assert y.shape == x.shape and y.dtype == x.dtype
             close(y, gated_rms_norm(x, z, w, 1e-6))
+    elif name == "gated_attention":    # Qwen3-Next's heads (256 wide, rotary on 64); a rotary width not a power of two
+        gated_attention(16, 2, 256, 64)
+        gated_attention(6, 2, 32, 12)
+    elif name == "hybrid_decode":
+        hybrid_decode()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     q = qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
     o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n)
+    q, gate = gated_qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
+    o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate)     # o * sigmoid(gate), one rounding
     weights, ids = route_topk(logits, k, renormalise, dtype)
     h, normed = add_rms_norm(h, delta, w, eps)
 
@@ -9,7 +11,9 @@ A decode token's layer is a few GEMVs and a few dozen tiny kernels (norms, rotar
 attention's matmuls, masks and softmax, top-k), each a few microseconds for almost no bytes; these kernels replace
 about thirty of them per layer. They compute in float32 and round once, so their bits differ from the eager ops
 they replace (models/layers.py, models/moe.py: their oracles in tests/test_cuda.py); every placement of the
-experts uses them alike for decode steps, so a cached decode still gives the all-GPU bits.
+experts uses them alike for decode steps, so a cached decode still gives the all-GPU bits. gated_qk_rope_kv and a
+gate given to decode_attention are the gated attention of Qwen3-Next and Qwen3.5-MoE (models/hybrid.py): q heads
+interleaved with their output gates, rotary on the first rotary_dim dims of each head.
 """
 from __future__ import annotations
 
@@ -60,6 +64,43 @@ if triton is not None:
                 dst = kc_ptr + ((seq * NKV + (h - NH)) * CTX + pos) * HD
             tl.store(dst + i, o1.to(q_ptr.dtype.element_ty))
             tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _gated_qk_rope_kv(qkv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, eps,
+                          NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
+                          CTX: tl.constexpr):
+        """_qk_rope_kv for a gated-attention row [q_0 | gate_0 | ... | q_NH-1 | gate_NH-1 | k heads | v heads],
+        each part HD wide: a query or key head normalised (w: the q then the k norm weights) and rotated on its
+        first RD dims (NEOX halves of RD, the other dims passed through: models/gated_attention.py's partial_rope),
+        the key into the cache; a value head copied into the cache. The gates are left where they are."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, HD)
+        # head h's place in its row: a query head after h (q, gate) pairs, a key or value head after all NH pairs
+        start = tl.where(h < NH, 2 * h * HD, (NH + h) * HD)
+        row = qkv_ptr + t * (2 * NH + 2 * NKV) * HD + start
+        seq = tl.load(seq_ptr + t)
+        pos = tl.load(pos_ptr + t)
+        if h >= NH + NKV:                                   # a value head: into the cache as it is
+            tl.store(vc_ptr + ((seq * NKV + (h - NH - NKV)) * CTX + pos) * HD + d, tl.load(row + d))
+        else:
+            rot = d < RD
+            first = d < RD // 2
+            pair = tl.where(first, d + RD // 2, d - RD // 2)     # the other element of d's rotated pair
+            x = tl.load(row + d).to(tl.float32)
+            xp = tl.load(row + pair, mask=rot, other=0.0).to(tl.float32)
+            w = w_ptr + (h >= NH).to(tl.int32) * HD
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
+            x = x * r * tl.load(w + d).to(tl.float32)
+            xp = xp * r * tl.load(w + pair, mask=rot, other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
+            o = tl.where(rot, x * c + tl.where(first, -xp, xp) * s, x)
+            if h < NH:
+                dst = q_ptr + (t * NH + h) * HD
+            else:
+                dst = kc_ptr + ((seq * NKV + (h - NH)) * CTX + pos) * HD
+            tl.store(dst + d, o.to(q_ptr.dtype.element_ty))
 
     @triton.jit
     def _route_topk(logit_ptr, w_ptr, id_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
@@ -116,9 +157,11 @@ if triton is not None:
         tl.store(po_ptr + (part * GP + g[:, None]) * HD + d[None, :], o)
 
     @triton.jit
-    def _attn_combine(po_ptr, pm_ptr, pl_ptr, out_ptr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-                      G: tl.constexpr, GP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-        """Program (b, query head): the splits' partial softmaxes merged, in split order."""
+    def _attn_combine(po_ptr, pm_ptr, pl_ptr, out_ptr, gate_ptr, gate_b, gate_h, NH: tl.constexpr,
+                      NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, SPLITS: tl.constexpr,
+                      SP: tl.constexpr, GATE: tl.constexpr):
+        """Program (b, query head): the splits' partial softmaxes merged, in split order; with GATE, times
+        sigmoid of the head's gate (at gate_ptr + b gate_b + h gate_h) before the one rounding."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         kvh = h // G
@@ -133,6 +176,8 @@ if triton is not None:
         big = tl.max(m, axis=0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))
         out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * l, axis=0)
+        if GATE:
+            out = out * tl.sigmoid(tl.load(gate_ptr + b * gate_b + h * gate_h + d).to(tl.float32))
         tl.store(out_ptr + (b * NH + h) * HD + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
@@ -170,6 +215,23 @@ def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos:
     return q
 
 
+def gated_qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+                     nh: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk_rope_kv for gated attention: qkv (T, nh 2hd + 2 nkv hd), each q head followed by its gate ([q_h | gate_h],
+    then the k and the v heads), rotated by cos, sin (T, rd), rd <= hd, on each head's first rd dims; qk_norm (2 hd,)
+    the q then the k weights as loaded (1 + w of a zero-centred norm). -> q (T, nh, hd) and the gates (T, nh, hd), a
+    view into qkv, for decode_attention's `gate`."""
+    T = qkv.shape[0]
+    hd = k_cache.shape[-1]
+    q = torch.empty(T, nh, hd, dtype=qkv.dtype, device=qkv.device)
+    _gated_qk_rope_kv[(T, nh + 2 * nkv)](qkv, qk_norm, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache,
+                                         seq_ids, positions, eps, nh, nkv, hd, cos.shape[-1], k_cache.shape[2],
+                                         num_warps=1)
+    gate = qkv[:, :2 * nh * hd].view(T, nh, 2 * hd)[..., hd:]                # (T, nh, hd), rows 2 hd apart
+    return q, gate
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
     """(h + delta, RMSNorm(h + delta) * w) for h, delta (T, H): one launch."""
     T, H = h.shape
@@ -182,11 +244,12 @@ ATTN_CHUNK = 64               # keys per program of a decode step's attention (t
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
-                     positions: torch.Tensor, n: int) -> torch.Tensor:
+                     positions: torch.Tensor, n: int, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, nh, hd) against the first n keys of each token's sequence in the caches (n_seq, nkv, ctx, hd), up to
     and including its position -> (B, nh, hd). Split over chunks of keys (flash-decoding): one launch computes
     every chunk's partial softmax, a second merges them; float32 scores and sums, the probabilities rounded to the
-    cache's dtype for the product with the values (as flash attention does)."""
+    cache's dtype for the product with the values (as flash attention does). gate (B, nh, hd), any strides but a
+    unit last one (gated_qk_rope_kv's view): the merge multiplies each output by sigmoid(gate) in float32."""
     B, nh, hd = q.shape
     nkv, ctx = k_cache.shape[1], k_cache.shape[2]
     G = nh // nkv
@@ -198,8 +261,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _attn_split[(B, nkv, splits)](q.contiguous(), k_cache, v_cache, seq_ids, positions, po, pm, pl, hd ** -0.5,
                                   nh, nkv, hd, ctx, G, GP, ATTN_CHUNK, splits, num_warps=4)
     out = torch.empty_like(q)
-    _attn_combine[(B, nh)](po, pm, pl, out, nh, nkv, hd, G, GP, splits, triton.next_power_of_2(splits),
-                           num_warps=4)
+    gated = gate is not None
+    if gated and gate.stride(-1) != 1:
+        raise ValueError(f"decode_attention: the gate's last dim must be contiguous, strides {gate.stride()}")
+    _attn_combine[(B, nh)](po, pm, pl, out, gate if gated else out, gate.stride(0) if gated else 0,
+                           gate.stride(1) if gated else 0, nh, nkv, hd, G, GP, splits, triton.next_power_of_2(splits),
+                           gated, num_warps=4)
     return out
 
 

@@ -10,7 +10,9 @@ the routed experts and the shared expert are MoETransformer's, through the same 
 i, conv[i] (n_seq, C, kernel-1) and ssm[i] (n_seq, nv, dk, dv) float32: row s is sequence s's state, read at each
 segment's sequence and written back. The cache checks positions and resets restarted sequences before the forward
 (HybridCache.begin); the model only computes. A prompt runs the chunked delta rule, one segment at a time; a
-decode step (every segment one token) runs the recurrent form over all its sequences at once.
+decode step (every segment one token) runs the recurrent form over all its sequences at once, and its gated
+attention, where the step carries the fused kernels (CUDA), as kernels/fused.py's gated_qk_rope_kv and
+decode_attention with the gates.
 """
 from __future__ import annotations
 
@@ -41,20 +43,28 @@ class HybridTransformer(MoETransformer):
             fuse_projections(self.layers[i], cfg)
 
     def _fuses_attention(self, fused) -> bool:
-        """The fused decode attention has no output gate nor partial rotary: attention runs eagerly (the fused
-        add + RMSNorm and top-k still run where the step has them)."""
-        return False
+        """A decode step's gated attention runs as the fused kernels (kernels/fused.py's gated_qk_rope_kv and
+        decode_attention with its gate): they take the interleaved gates, the partial rotary and the per-head
+        norms every hybrid family has."""
+        return fused is not None
 
     def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
         if layer in self.linear:
             return self._deltanet(x, lw, layer, batch, kv)
-        return self._gated_attention(x, lw, self.kv_slot[layer], batch, kv, cos, sin, mask)
+        return self._gated_attention(x, lw, self.kv_slot[layer], batch, kv, cos, sin, mask, fused)
 
-    def _gated_attention(self, x, lw, slot: int, batch: Batch, kv, cos, sin, mask) -> torch.Tensor:
-        """x (T, H) -> (T, H); cos, sin (T, rotary_dim). Keys and values go to KV layer `slot`."""
+    def _gated_attention(self, x, lw, slot: int, batch: Batch, kv, cos, sin, mask, fused=None) -> torch.Tensor:
+        """x (T, H) -> (T, H); cos, sin (T, rotary_dim). Keys and values go to KV layer `slot`. A fused decode step
+        (fused: kernels.fused) runs norms, rotary, cache writes, attention and gate in three launches."""
         cfg = self.cfg
         T, nh, nkv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = F.linear(x, lw["attn_qkv.weight"])                             # (T, nh 2hd + 2 nkv hd)
+        if self._fuses_attention(fused):
+            q, gate = fused.gated_qk_rope_kv(qkv, lw["attn_qk_norm.weight"], cfg.rms_norm_eps, cos, sin,
+                                             kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions, nh, nkv)
+            o = fused.decode_attention(q, kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions,
+                                       batch.kv_len or kv.ctx, gate)        # (T, nh, hd), gated
+            return F.linear(o.reshape(T, nh * hd), lw["attn_output.weight"])
         qg, k, v = qkv.split([2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, gate = qg.view(T, nh, 2 * hd).chunk(2, dim=-1)                    # (T, nh, hd) each: [q_h | gate_h]
         q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
