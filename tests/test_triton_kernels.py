@@ -1,4 +1,4 @@
-"""The Triton kernels (kernels/decode.py, kernels/fused.py) on the CPU, through Triton's interpreter
+"""The Triton kernels (kernels/decode.py, kernels/fused.py, kernels/shared_expert.py) on the CPU, through Triton's interpreter
 (TRITON_INTERPRET=1, in a subprocess: the flag is read when the kernels are defined), against their plain-torch
 oracles in float32. The interpreter runs the kernels' own indexing, masks, pointer arithmetic and reductions, so a
 wrong index or mask fails here; the cuda tests check the same kernels compiled, in bfloat16, on the GPU."""
@@ -13,7 +13,7 @@ from interpreted import close, run_check
 
 CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "experts_grouped_shared",
           "experts_grouped_unshared", "experts_grouped_read_through", "qk_rope_kv", "route_topk", "add_rms_norm",
-          "decode_attention", "norm_gate"]
+          "decode_attention", "norm_gate", "shared_expert"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -212,6 +212,36 @@ def check(name):
             y = norm_gate_triton(x, z, w, 1e-6)
             assert y.shape == x.shape and y.dtype == x.dtype
             close(y, gated_rms_norm(x, z, w, 1e-6))
+    elif name == "shared_expert":      # kernels/shared_expert.py against models/moe.py's torch form
+        shared()
+
+
+def shared():
+    """The shared expert of a decode step of 1, 3 and 8 tokens, H and I not powers of two (the masks), with the
+    default blocks (one tile a row) and small ones (the loops over H and I run three times, the last part-full),
+    against `_shared`'s torch form; `out` is read, not written."""
+    import types
+    from moestream.kernels.shared_expert import shared_expert
+    from moestream.models.moe import _shared
+    H, I = 76, 42
+    g = torch.Generator().manual_seed(3)
+    lw = {"ffn_gate_shexp.weight": torch.randn(I, H, generator=g) * H ** -0.5,
+          "ffn_up_shexp.weight": torch.randn(I, H, generator=g) * H ** -0.5,
+          "ffn_down_shexp.weight": torch.randn(H, I, generator=g) * I ** -0.5,
+          "ffn_gate_inp_shexp.weight": torch.randn(1, H, generator=g) * H ** -0.5}
+    cfg = types.SimpleNamespace(shared_expert_intermediate_size=I)
+    small = ((4, 32, 1), (8, 16, 1))
+    for T in (1, 3, 8):
+        x, out = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+        kept = out.clone()
+        want = _shared(x, lw, cfg, out)
+        for config in (None, small):
+            y = shared_expert(x, *(lw[n] for n in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                                                    "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")), out,
+                              *(() if config is None else (config,)))
+            assert y.shape == out.shape and y.dtype == out.dtype
+            close(y, want)
+        assert torch.equal(out, kept)
 
 
 if __name__ == "__main__":
