@@ -19,6 +19,7 @@ At Qwen3-Next's shapes (H = 2048, I = 512, bf16) with the blocks below: (a) has 
 read per call: the weights once, 3 I H + H elements (6 MiB + 4 KiB in bf16), whatever T is; then x and out (T H
 each), h written and read back (T I float32: 16 KiB at T = 8), s, and the result written (T H): about 6.1 MiB at
 T = 8. Two launches (plus the three torch.empty of h, s and the result, which launch nothing).
+bench/shared_expert.py times it against the torch form, and other block shapes (--configs).
 
 The numerics contract: no atomics, fixed block shapes (no autotuning), every sum in an order set by the shapes, so
 a call's bits depend only on its inputs' values and shapes (not on where the tensors lie). They are not torch's
