@@ -252,8 +252,8 @@ def test_an_unsupported_layer_type_or_option_is_one_line(tmp_path):
 
 
 def test_decode_steps_take_the_fused_norms_and_top_k_not_the_fused_attention(hybrid_checkpoint):
-    """On CUDA a decode step runs the fused add + RMSNorm and top-k (Triton); stand-ins with the eager ops' math
-    take their place here. The fused attention (no output gate, full rotary) is never asked for."""
+    """On CUDA a decode step runs the fused add + RMSNorm, top-k and shared expert (Triton); stand-ins with the
+    eager ops' math take their place here. The fused attention (no output gate, full rotary) is never asked for."""
     from test_decode_paths import _stand_in_fused
     _, path, _ = hybrid_checkpoint
 
@@ -265,7 +265,7 @@ def test_decode_steps_take_the_fused_norms_and_top_k_not_the_fused_attention(hyb
         out = llm.generate(ids(12, seed=10), max_tokens=6, ignore_eos=True).token_ids
         return out, calls
     (plain, _), (fused, calls) = run(False), run(True)
-    assert plain == fused and {"add_rms_norm", "route_topk"} == set(calls)
+    assert plain == fused and {"add_rms_norm", "route_topk", "shared_expert"} == set(calls)
 
 
 def test_a_hybrid_model_decodes_in_graphs_where_other_families_do():
