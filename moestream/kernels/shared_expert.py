@@ -5,8 +5,8 @@ dense MLP that every token runs besides its routed experts.
     # y = out + sigmoid(x gate_inp^T) * down(silu(gate x) * up x), (T, H) in out's dtype
 
 models/moe.py's `_shared` is the torch form and the oracle; decode steps on CUDA (the batch's `fused`) take this.
-Torch's form is three cuBLAS GEMVs on a handful of CTAs each (a 512 x 2048 bf16 GEMV at about 370 GB/s) and six
-elementwise launches. Here:
+Torch's form is nine launches: three cuBLAS GEMVs on a handful of CTAs each (a 512 x 2048 bf16 GEMV at about
+370 GB/s on the H200), the gate's GEMV and five elementwise ops. Here:
 
 - launch (a), grid (cdiv(I, BLOCK_I) + 1,): program p < cdiv(I, BLOCK_I) reads rows [p BLOCK_I, + BLOCK_I) of gate
   and up once, a tile of (BLOCK_I, BLOCK_H) at a time, and applies each tile to every token in turn (the tokens'
