@@ -375,3 +375,38 @@ def test_read_through_keeps_the_hash_and_lands_experts():
         llm = LLM(spec, ctx_size=256, device="cuda", cpu_moe=True, read_through=True, **kw)
         assert llm.generate(prompt, max_tokens=32, ignore_eos=True).sha256 == want, kw
         assert llm.stats()["total"]["landed"] > 0, kw
+
+
+@needs_cuda
+@pytest.mark.parametrize("T,H,I,dtype", [(1, 2048, 512, torch.bfloat16), (3, 2048, 512, torch.bfloat16),
+                                         (8, 2048, 512, torch.bfloat16), (16, 2048, 512, torch.bfloat16),
+                                         (5, 2048, 5632, torch.bfloat16), (3, 1000, 200, torch.bfloat16),
+                                         (4, 2048, 512, torch.float32)])
+def test_fused_shared_expert_matches_the_torch_form_and_keeps_its_bits(T, H, I, dtype):
+    """kernels/shared_expert.py against models/moe.py's torch form (Qwen3-Next's shapes, Qwen1.5-MoE's wider
+    one, sizes not powers of two, float32): within the activations' rounding of a float32 oracle; the same bits
+    on a second call and with `out` (and x) at other addresses."""
+    import types
+    from moestream.kernels.shared_expert import shared_expert
+    from moestream.models.moe import _shared
+    g = torch.Generator(device="cuda").manual_seed(T * 7 + I)
+    names = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
+    shapes = ((I, H), (I, H), (H, I), (1, H))
+    lw = {n: (torch.randn(*s, device="cuda", generator=g) * s[1] ** -0.5).to(dtype) for n, s in zip(names, shapes)}
+    x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+    out = (torch.randn(T, H, device="cuda", generator=g) * 0.1).to(dtype)
+    cfg = types.SimpleNamespace(shared_expert_intermediate_size=I)
+    y = shared_expert(x, *(lw[n] for n in names), out)
+    ref = _shared(x.float(), {n: w.float() for n, w in lw.items()}, cfg, out.float())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    assert y.dtype == dtype and y.shape == (T, H) and torch.isfinite(y).all()
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    assert rel < tol, rel
+    eager = _shared(x, lw, cfg, out)                             # torch's own form, in the activations' dtype
+    assert ((y.float() - eager.float()).norm() / ref.norm()).item() < 2 * tol
+    assert torch.equal(shared_expert(x, *(lw[n] for n in names), out), y)
+    big = torch.empty(3, T + 5, H, dtype=dtype, device="cuda")
+    big[2, 5:] = out                                             # the same values at another address
+    bx = torch.empty_like(big)
+    bx[1, 3:T + 3] = x
+    assert torch.equal(shared_expert(bx[1, 3:T + 3], *(lw[n] for n in names), big[2, 5:]), y)

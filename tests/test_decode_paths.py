@@ -23,10 +23,10 @@ def test_which_families_take_the_fused_decode_attention(checkpoint):
 
 
 def _stand_in_fused(calls: list):
-    """The fused kernels OLMoE uses (add + RMSNorm, softmax + top-k) as plain torch with the eager ops' math: the
-    Triton ones run only on CUDA. Each call is counted in `calls`."""
+    """The fused kernels OLMoE and Qwen3-Next use (add + RMSNorm, softmax + top-k, the shared expert) as plain torch
+    with the eager ops' math: the Triton ones run only on CUDA. Each call is counted in `calls`."""
     import types
-    from moestream.models.layers import rms_norm
+    from moestream.models.layers import rms_norm, swiglu
 
     def add_rms_norm(h, delta, w, eps):
         calls.append("add_rms_norm")
@@ -40,7 +40,11 @@ def _stand_in_fused(calls: list):
         if renorm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(dtype), ids
-    return types.SimpleNamespace(add_rms_norm=add_rms_norm, route_topk=route_topk)
+
+    def shared_expert(x, gate, up, down, gate_inp, out):
+        calls.append("shared_expert")
+        return out + torch.sigmoid(torch.nn.functional.linear(x, gate_inp)) * swiglu(x, gate, up, down)
+    return types.SimpleNamespace(add_rms_norm=add_rms_norm, route_topk=route_topk, shared_expert=shared_expert)
 
 
 def _stand_in_gated_attention(fused, calls: list):
@@ -108,6 +112,28 @@ def test_every_decode_path_takes_the_fused_kernels(tmp_path):
     _, n_zero_copy = run(cpu_moe=True, moe_cache_mib=1, zero_copy_decode=True)
     assert n_cached == n_dev == n_zero_copy > 0
     assert all(torch.equal(a, b) for a, b in zip(cached, dev))
+
+
+@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 1, "zero_copy_decode": False},
+                                {"cpu_moe": True, "moe_cache_mib": 1}])
+def test_decode_steps_take_the_fused_shared_expert(kw):
+    """A family with a shared expert (Qwen3-Next) runs it fused in each MoE layer of a decode step, on every path
+    (experts on the device, fetched through a cache, read in place), and in no prompt ubatch; the stand-in's
+    torch math gives the unfused tokens."""
+    def run(fused):
+        llm = LLM("synth:tiny-next", ctx_size=64, device="cpu", **kw)
+        calls = []
+        if fused:
+            llm.engine.fused = _stand_in_fused(calls)
+        eng, n_moe = llm.engine, len(llm.model_config.moe_layers)
+        tok, toks = int(eng.prefill(0, list(range(3, 15)))[-1].argmax()), []
+        assert "shared_expert" not in calls
+        for pos in range(12, 16):
+            tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+            toks.append(tok)
+        assert calls.count("shared_expert") == (4 * n_moe if fused else 0)
+        return toks
+    assert run(True) == run(False)
 
 
 def test_the_decode_path_is_chosen_once_from_the_placement():

@@ -252,9 +252,9 @@ def test_an_unsupported_layer_type_or_option_is_one_line(tmp_path):
 
 
 def test_decode_steps_take_the_fused_kernels_the_gated_attention_among_them(hybrid_checkpoint):
-    """On CUDA a decode step runs the fused add + RMSNorm, top-k and gated attention (Triton); stand-ins with the
-    eager ops' math take their place here (the kernels themselves: tests/test_triton_kernels.py's gated_attention
-    and hybrid_decode, in Triton's interpreter)."""
+    """On CUDA a decode step runs the fused add + RMSNorm, top-k, shared expert and gated attention (Triton);
+    stand-ins with the eager ops' math take their place here (the kernels themselves: tests/test_triton_kernels.py's
+    gated_attention, hybrid_decode and shared_expert, in Triton's interpreter)."""
     from test_decode_paths import _stand_in_fused, _stand_in_gated_attention
     _, path, _ = hybrid_checkpoint
 
@@ -267,7 +267,7 @@ def test_decode_steps_take_the_fused_kernels_the_gated_attention_among_them(hybr
         return out, calls
     (plain, _), (fused, calls) = run(False), run(True)
     assert plain == fused
-    assert {"add_rms_norm", "route_topk", "gated_qk_rope_kv", "decode_attention"} == set(calls)
+    assert {"add_rms_norm", "route_topk", "shared_expert", "gated_qk_rope_kv", "decode_attention"} == set(calls)
 
 
 def test_a_hybrid_model_decodes_in_graphs_where_other_families_do():

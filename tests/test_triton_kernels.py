@@ -1,4 +1,4 @@
-"""The Triton kernels (kernels/decode.py, kernels/fused.py) on the CPU, through Triton's interpreter
+"""The Triton kernels (kernels/decode.py, kernels/fused.py, kernels/shared_expert.py) on the CPU, through Triton's interpreter
 (TRITON_INTERPRET=1, in a subprocess: the flag is read when the kernels are defined), against their plain-torch
 oracles in float32. The interpreter runs the kernels' own indexing, masks, pointer arithmetic and reductions, so a
 wrong index or mask fails here; the cuda tests check the same kernels compiled, in bfloat16, on the GPU."""
@@ -13,7 +13,7 @@ from interpreted import close, run_check
 
 CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "experts_grouped_shared",
           "experts_grouped_unshared", "experts_grouped_read_through", "qk_rope_kv", "route_topk", "add_rms_norm",
-          "decode_attention", "norm_gate", "gated_attention", "hybrid_decode"]
+          "decode_attention", "norm_gate", "gated_attention", "hybrid_decode", "shared_expert"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -216,7 +216,7 @@ def gated_attention(nh, nkv, hd, rd, n=256):
 
 def hybrid_decode():
     """synth:tiny-next's decode steps (tests/batched.py's join_and_leave) with every fused kernel, the gated
-    attention's among them, against its eager steps; prompts run none."""
+    attention's and the shared expert's among them, against its eager steps; prompts run none."""
     import types
     from batched import join_and_leave
     from moestream import LLM
@@ -228,11 +228,13 @@ def hybrid_decode():
         if with_fused:
             counted = lambda name: lambda *a: (calls.append(name), getattr(fused, name)(*a))[1]
             eng.fused = types.SimpleNamespace(**{n: counted(n) for n in ("gated_qk_rope_kv", "decode_attention",
-                                                                           "add_rms_norm", "route_topk")})
+                                                                           "add_rms_norm", "route_topk",
+                                                                           "shared_expert")})
         return join_and_leave(eng), calls
     (eager, _), (out, calls) = run(False), run(True)
     steps = 8                                       # join_and_leave's decode steps
     assert calls.count("gated_qk_rope_kv") == calls.count("decode_attention") == 2 * steps   # 2 attention layers
+    assert calls.count("shared_expert") == 4 * steps                                       # every layer's MoE
     assert torch.equal(out[0], eager[0]) and torch.equal(out[4], eager[4])                  # the prompts
     for a, b in zip(out, eager):
         close(a, b)
@@ -313,6 +315,36 @@ def check(name):
         gated_attention(6, 2, 32, 12)
     elif name == "hybrid_decode":
         hybrid_decode()
+    elif name == "shared_expert":      # kernels/shared_expert.py against models/moe.py's torch form
+        shared()
+
+
+def shared():
+    """The shared expert of a decode step of 1, 3 and 8 tokens, H and I not powers of two (the masks), with the
+    default blocks (one tile a row) and small ones (the loops over H and I run three times, the last part-full),
+    against `_shared`'s torch form; `out` is read, not written."""
+    import types
+    from moestream.kernels.shared_expert import shared_expert
+    from moestream.models.moe import _shared
+    H, I = 76, 42
+    g = torch.Generator().manual_seed(3)
+    lw = {"ffn_gate_shexp.weight": torch.randn(I, H, generator=g) * H ** -0.5,
+          "ffn_up_shexp.weight": torch.randn(I, H, generator=g) * H ** -0.5,
+          "ffn_down_shexp.weight": torch.randn(H, I, generator=g) * I ** -0.5,
+          "ffn_gate_inp_shexp.weight": torch.randn(1, H, generator=g) * H ** -0.5}
+    cfg = types.SimpleNamespace(shared_expert_intermediate_size=I)
+    small = ((4, 32, 1), (8, 16, 1))
+    for T in (1, 3, 8):
+        x, out = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+        kept = out.clone()
+        want = _shared(x, lw, cfg, out)
+        for config in (None, small):
+            y = shared_expert(x, *(lw[n] for n in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                                                    "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")), out,
+                              *(() if config is None else (config,)))
+            assert y.shape == out.shape and y.dtype == out.dtype
+            close(y, want)
+        assert torch.equal(out, kept)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .shared_expert import shared_expert  # noqa: F401  (a decode step's shared expert, carried with the others)
+
 try:
     import triton
     import triton.language as tl

@@ -57,13 +57,14 @@ def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
 
 
 def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,
-                guess=None, by_address=None) -> torch.Tensor:
+                guess=None, by_address=None, fused=None) -> torch.Tensor:
     """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert.
-    `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies."""
+    `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies.
+    `fused` (kernels.fused, decode steps on CUDA): the shared expert in two launches, on every path alike."""
     if by_address is not None:
         land = provider.landing(layer, ids)
         out = by_address(x, provider.addresses(layer, ids), weights, provider.layout(layer), land)
-        return _shared(x, lw, cfg, out)
+        return _shared(x, lw, cfg, out, fused)
     w = provider.fetch(layer, ids, guess)
     if isinstance(w, ExpertWeights):
         y = w.run(kernel, x)                                             # (T, k, H)
@@ -75,14 +76,17 @@ def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provide
             tok, j = member.nonzero(as_tuple=True)
             y[tok, j] = wave.run(kernel, x[tok], wave.slots[tok, j].unsqueeze(1))[:, 0]
     provider.experts_launched(layer)               # the cache copies the next layer's experts ahead from here
-    return _shared(x, lw, cfg, combine(y, weights))
+    return _shared(x, lw, cfg, combine(y, weights), fused)
 
 
-def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor) -> torch.Tensor:
-    """Add the sigmoid-gated shared expert, where the family has one."""
+def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor, fused=None) -> torch.Tensor:
+    """Add the sigmoid-gated shared expert, where the family has one. The torch form is the fused kernel's
+    oracle (kernels/shared_expert.py: float32 sums rounded once, so not these bits)."""
     if cfg.shared_expert_intermediate_size:
-        shared = swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"])
-        out = out + torch.sigmoid(F.linear(x, lw["ffn_gate_inp_shexp.weight"])) * shared
+        gate, up, down = lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"]
+        if fused is not None:               # a decode step on CUDA: two launches instead of nine
+            return fused.shared_expert(x, gate, up, down, lw["ffn_gate_inp_shexp.weight"], out)
+        out = out + torch.sigmoid(F.linear(x, lw["ffn_gate_inp_shexp.weight"])) * swiglu(x, gate, up, down)
     return out
 
 

@@ -112,7 +112,7 @@ class MoETransformer:
                 delta = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
             else:
                 weights, ids, guess = moe_route(m, lw, i, cfg, experts, batch.observer, self.next_routers[i], fused)
-                delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address)
+                delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused)
         h = h + delta
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                             # (R, V)
