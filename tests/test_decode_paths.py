@@ -124,7 +124,7 @@ def test_decode_steps_take_the_fused_shared_expert(kw):
         llm = LLM("synth:tiny-next", ctx_size=64, device="cpu", **kw)
         calls = []
         if fused:
-            llm.engine.fused = _stand_in_fused(calls)
+            llm.engine.fused = _stand_in_gated_attention(_stand_in_fused(calls), calls)
         eng, n_moe = llm.engine, len(llm.model_config.moe_layers)
         tok, toks = int(eng.prefill(0, list(range(3, 15)))[-1].argmax()), []
         assert "shared_expert" not in calls
