@@ -12,12 +12,10 @@ head runs the conv of its channels, SiLU, the q/k L2 norms, beta's sigmoid, the 
 value heads and the gated output norm, reading and writing its sequence's conv window and state where the cache
 keeps them (no gather, no write-back). It computes in float32 and rounds where torch's ops round.
 
-The variants before it stay selectable (MOESTREAM_DELTA): fla-recurrent runs fla's fused_recurrent_gated_delta_rule
-with the norms, gates and conv as torch ops around it, on gathered states; fla-fused hands the projections to
-that kernel as they come (fla's use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, given
-A_log = log(-ssm_a)) and runs the gated output norm as one Triton kernel here (_norm_gate). torch keeps the
-references on CUDA too. No kernel here uses atomics, and none is autotuned but fla's, so a forward's bits do not
-depend on the expert cache.
+MOESTREAM_DELTA=fla-recurrent keeps the step before it: fla's fused_recurrent_gated_delta_rule with the norms,
+gates and conv as torch ops around it, on gathered states (bench/RESULTS.md measured the two: a Qwen3-Next decode
+step of 2.87 ms against 1.69). torch keeps the references on CUDA too. No kernel here uses atomics, so a forward's
+bits do not depend on the expert cache.
 """
 from __future__ import annotations
 
@@ -62,41 +60,6 @@ def _fla_recurrent(q, k, v, g, beta, state=None, scale=None):
                                             initial_state=None if state is None else state.float().contiguous(),
                                             output_final_state=True)
     return o.to(dt), S.float()
-
-
-def _fla_step(q, k, v, a, b, ssm_a, dt_bias, state=None, scale=None):
-    """recurrent_step's signature (models/deltanet.py: q, k not yet normed, a and b before their activations) over
-    fla's fused recurrent kernel, which norms and gates inside the recurrence."""
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-    o, S = fused_recurrent_gated_delta_rule(
-        q.contiguous(), k.contiguous(), v.contiguous(), g=a.contiguous(), beta=b.contiguous(), scale=scale,
-        initial_state=None if state is None else state.float().contiguous(), output_final_state=True,
-        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-        A_log=torch.log(-ssm_a.float()), dt_bias=dt_bias.float().contiguous())
-    return o.to(v.dtype), S.float()
-
-
-if triton is not None:
-    @triton.jit
-    def _norm_gate(x_ptr, z_ptr, w_ptr, y_ptr, eps, D: tl.constexpr, DP: tl.constexpr):
-        """Program r: row r of x (its RMS over D in float32) times w, gated by silu of z's row r, rounded once."""
-        r = tl.program_id(0)
-        i = tl.arange(0, DP)
-        m = i < D
-        x = tl.load(x_ptr + r * D + i, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + r * D + i, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
-        y = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * w * (z * tl.sigmoid(z))
-        tl.store(y_ptr + r * D + i, y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-def norm_gate_triton(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """gated_rms_norm's signature (models/deltanet.py): x, z (..., D), w (D,) -> (..., D) in x's dtype."""
-    D = x.shape[-1]
-    xs, zs = x.reshape(-1, D).contiguous(), z.reshape(-1, D).contiguous()
-    y = torch.empty_like(xs)
-    _norm_gate[(xs.shape[0],)](xs, zs, w.contiguous(), y, eps, D=D, DP=triton.next_power_of_2(D), num_warps=1)
-    return y.view(x.shape)
 
 
 if triton is not None:
@@ -188,13 +151,11 @@ def step_in_place_triton(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float
 
 def pick_delta_kernels(device: torch.device, dtype: torch.dtype, want: str | None = None):
     """The DeltaNet kernels for this device and dtype: fla's on CUDA where it is installed, else the references.
-    want: fla (the default), fla-recurrent, fla-fused or torch; None: MOESTREAM_DELTA's, or fla."""
+    want: fla (the default), fla-recurrent or torch; None: MOESTREAM_DELTA's, or fla."""
     from ..models.deltanet import TORCH, DeltaKernels, causal_conv1d
     want = want or os.environ.get("MOESTREAM_DELTA", "fla")
     if torch.device(device).type != "cuda" or want == "torch" or not fla_available() or triton is None:
         return TORCH
-    if want == "fla-fused":
-        return DeltaKernels("fla-fused", causal_conv1d, _fla_chunk, _fla_recurrent, _fla_step, norm_gate_triton)
     if want == "fla-recurrent":
         return DeltaKernels("fla-recurrent", causal_conv1d, _fla_chunk, _fla_recurrent)
     return DeltaKernels("fla", causal_conv1d, _fla_chunk, _fla_recurrent, in_place=step_in_place_triton)

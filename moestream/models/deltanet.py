@@ -200,15 +200,6 @@ def _gates(a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch
     return torch.sigmoid(b), ssm_a.float() * F.softplus(a.float() + dt_bias)
 
 
-def recurrent_step(q, k, v, a, b, ssm_a, dt_bias, state=None, scale=None):
-    """A decode step's delta rule from the projections as they come: q, k (B, T, nk, dk) not yet L2-normed, v (B,
-    T, nv, dv), a and b (B, T, nv) before their activations, ssm_a and ssm_dt.bias (nv,) -> out, final state (as
-    recurrent_gated_delta_rule's): the oracle of a DeltaKernels' `step`, whose kernel norms and gates inside the
-    recurrence."""
-    beta, g = _gates(a, b, ssm_a, dt_bias)
-    return recurrent_gated_delta_rule(l2norm(q.float()), l2norm(k.float()), v, g, beta, state, scale)
-
-
 def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float) -> torch.Tensor:
     """A decode step of B sequences from their projections (_projections' views of one token each: q, k (B, nk,
     dk), v, z (B, nk, r, dv), b, a (B, nk, r)), whose states are rows `rows` (B,) of one layer's cache tensors, conv
@@ -233,17 +224,13 @@ def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float) -> to
 class DeltaKernels:
     """The seam where a DeltaNet layer's kernels are chosen (kernels/delta.py: pick_delta_kernels), each with the
     signature of its plain-torch reference here: the causal conv (causal_conv1d), the delta rule over a prompt
-    (chunk_gated_delta_rule), over one token per sequence (recurrent_gated_delta_rule), optionally the same from
-    the raw projections (recurrent_step's: decode steps; None: the norms and gates as torch ops, then
-    `recurrent`), the gated output norm (gated_rms_norm), and optionally a whole decode step on the cache's
-    states in place (step_in_place's: the engine's decode steps; None: gather the states, gated_deltanet, write
-    them back)."""
+    (chunk_gated_delta_rule), over one token per sequence (recurrent_gated_delta_rule), and optionally a whole
+    decode step on the cache's states in place (step_in_place's: the engine's decode steps; None: gather the
+    states, gated_deltanet, write them back)."""
     name: str
     conv: Callable
     chunk: Callable
     recurrent: Callable
-    step: Callable | None = None
-    norm_gate: Callable = gated_rms_norm
     in_place: Callable | None = None
 
 
@@ -268,16 +255,13 @@ def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaStat
     q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
     ssm0 = None if state is None else state.ssm
     recurrent = mode == "recurrent" or (mode == "auto" and T == 1)
-    if recurrent and kernels.step is not None:      # norms and gates inside the step's kernel
-        o, ssm = kernels.step(q, k, v, a, b, lw["ssm_a"], lw["ssm_dt.bias"], ssm0)
+    beta, g = _gates(a, b, lw["ssm_a"], lw["ssm_dt.bias"])                      # (B, T, nv), g <= 0
+    q, k = l2norm(q.float()), l2norm(k.float())
+    if recurrent:
+        o, ssm = kernels.recurrent(q, k, v, g, beta, ssm0)
     else:
-        beta, g = _gates(a, b, lw["ssm_a"], lw["ssm_dt.bias"])                  # (B, T, nv), g <= 0
-        q, k = l2norm(q.float()), l2norm(k.float())
-        if recurrent:
-            o, ssm = kernels.recurrent(q, k, v, g, beta, ssm0)
-        else:
-            o, ssm = kernels.chunk(q, k, v, g, beta, ssm0, chunk_size)
-    o = kernels.norm_gate(o, z, lw["ssm_norm.weight"], cfg.rms_norm_eps)       # (B, T, nv, dv)
+        o, ssm = kernels.chunk(q, k, v, g, beta, ssm0, chunk_size)
+    o = gated_rms_norm(o, z, lw["ssm_norm.weight"], cfg.rms_norm_eps)          # (B, T, nv, dv)
     return F.linear(o.reshape(B, T, nv * dv), lw["ssm_out.weight"]), DeltaState(conv, ssm)
 
 
