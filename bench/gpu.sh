@@ -33,7 +33,8 @@
 #                                            after removing the Qwen3-30B files: both pairs do not fit the 64 GB disk),
 #                                            then issue 17's rows: BF16 all on the GPU and --cpu-moe at 0 / 8000 /
 #                                            16000 MiB (and 16000 with --prefetch-first-all, --no-prefetch); Q4_K_M
-#                                            all on the GPU, at 4000 MiB (ubatch 2048 / 4096) and with no cache
+#                                            all on the GPU, at 4000 MiB (ubatch 2048 / 4096) and with no cache;
+#                                            then a Q4_K_M decode step's kernels (bench/step_profile.py)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -215,6 +216,7 @@ next() {           # issue 17's rows on the Qwen3-Next reference
   bench next_q4km.md 60 -m $NQ $B
   bench next_q4km.md 90 -m $NQ -p 4096 -n 64 -b 4096 -r 2 -ub 2048,4096 --cpu-moe --moe-cache-mib 4000
   bench next_q4km.md 70 -m $NQ $B --cpu-moe
+  timeout 150 python3 bench/step_profile.py $NQ -n 16 --top 40 2>&1 | grep -v Warning > "$OUT/step_profile.md"
 }
 
 trace() {          # one prompt of 4096 random ids (the same every run), at ubatch 2048, then 64 tokens
