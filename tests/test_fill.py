@@ -52,8 +52,8 @@ def test_the_fill_waits_while_the_copy_stream_still_has_work():
     c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e4=2)])
 
     class Busy:
-        def pending(self):
-            return prompt_mod.FILL_LOW_BYTES // c.store.expert_bytes + 1
+        def pending_bytes(self):
+            return prompt_mod.FILL_LOW_BYTES + c.store.expert_bytes
 
     queue, c.slots.queue = c.slots.queue, Busy()
     assert c.prompt._fill() and c.residency.slot_of[2, 4] < 0           # keeps waiting, copies nothing yet
@@ -70,7 +70,7 @@ def test_once_a_layer_is_launched_the_next_layer_goes_ahead_then_the_fill_if_the
 
     busy = _cache()
     busy.prepare(0, _counts(e0=5), [_counts(e2=1, e3=4), _counts(e4=2, e5=6)])
-    busy.slots.queue.pending = lambda: prompt_mod.FILL_LAUNCH_BYTES // busy.store.expert_bytes
+    busy.slots.queue.pending_bytes = lambda: prompt_mod.FILL_LAUNCH_BYTES
     busy.experts_launched(0)
     assert (busy.residency.slot_of[1, [2, 3]] >= 0).all() and (busy.residency.slot_of[2] < 0).all()
 
