@@ -170,29 +170,41 @@ def _projections(x: torch.Tensor, lw: dict, cfg: ModelConfig):
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
     if "ssm_proj.weight" in lw:         # fuse_projections' one weight
         q, k, v, z, b, a = F.linear(x, lw["ssm_proj.weight"]).split([nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], -1)
-        q, k, v, z = q.view(B, T, nk, dk), k.view(B, T, nk, dk), v.view(B, T, nk, r * dv), z.view(B, T, nk, r * dv)
-        return q, k, v.unflatten(-1, (r, dv)), z.unflatten(-1, (r, dv)), b.view(B, T, nk, r), a.view(B, T, nk, r)
-    if "ssm_in.weight" in lw:           # qwen3_next: [q k v.. z..] per key head
-        qkvz = F.linear(x, lw["ssm_in.weight"]).view(B, T, nk, 2 * dk + 2 * r * dv)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-    else:                               # qwen3_5_moe (and llama.cpp's qwen3next since it splits ssm_in)
-        q, k, v = F.linear(x, lw["attn_qkv.weight"]).split([nk * dk, nk * dk, nv * dv], dim=-1)
-        q, k, v = q.view(B, T, nk, dk), k.view(B, T, nk, dk), v.view(B, T, nk, r * dv)
-        z = F.linear(x, lw["attn_gate.weight"]).view(B, T, nk, r * dv)
-    if "ssm_ba.weight" in lw:           # [b.. a..] per key head
-        b, a = F.linear(x, lw["ssm_ba.weight"]).view(B, T, nk, 2 * r).split([r, r], dim=-1)
     else:
-        b, a = F.linear(x, lw["ssm_beta.weight"]), F.linear(x, lw["ssm_alpha.weight"])
-        b, a = b.view(B, T, nk, r), a.view(B, T, nk, r)
-    return q, k, v.unflatten(-1, (r, dv)), z.unflatten(-1, (r, dv)), b, a
+        if "ssm_in.weight" in lw:       # qwen3_next: [q k v.. z..] per key head
+            qkvz = F.linear(x, lw["ssm_in.weight"]).view(B, T, nk, 2 * dk + 2 * r * dv)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        else:                           # qwen3_5_moe (and llama.cpp's qwen3next since it splits ssm_in)
+            q, k, v = F.linear(x, lw["attn_qkv.weight"]).split([nk * dk, nk * dk, nv * dv], dim=-1)
+            z = F.linear(x, lw["attn_gate.weight"])
+        if "ssm_ba.weight" in lw:       # [b.. a..] per key head
+            b, a = F.linear(x, lw["ssm_ba.weight"]).view(B, T, nk, 2 * r).split([r, r], dim=-1)
+        else:
+            b, a = F.linear(x, lw["ssm_beta.weight"]), F.linear(x, lw["ssm_alpha.weight"])
+    return (q.view(B, T, nk, dk), k.view(B, T, nk, dk), v.view(B, T, nk, r, dv), z.view(B, T, nk, r, dv),
+            b.view(B, T, nk, r), a.view(B, T, nk, r))
 
 
-def _project(x: torch.Tensor, lw: dict, cfg: ModelConfig):
-    """The input projections -> mixed q|k|v (B, T, C) (the conv's input), z (B, T, nv, dv), b and a (B, T, nv)."""
-    B, T, _ = x.shape
-    q, k, v, z, b, a = _projections(x, lw, cfg)
-    mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-    return mixed, z.reshape(B, T, -1, z.shape[-1]), b.reshape(B, T, -1), a.reshape(B, T, -1)
+def _mixer(q, k, v, z, b, a, lw: dict, eps: float, state: DeltaState | None, recurrent: bool,
+           kernels: "DeltaKernels", chunk_size: int = 64) -> tuple[torch.Tensor, DeltaState]:
+    """The layer after its input projections (_projections' views, (B, T, ..) each) from `state` (None: empty):
+    the conv, the gates, the q/k norms, the delta rule (recurrent or chunked) and the gated output norm -> (B, T,
+    nv, dv), the state after."""
+    B, T, nk, dk = q.shape
+    r, dv = v.shape[-2:]
+    nv = nk * r
+    mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)   # (B, T, C)
+    mixed, conv = kernels.conv(mixed, lw["ssm_conv1d.weight"], None if state is None else state.conv)
+    q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
+    ssm0 = None if state is None else state.ssm
+    beta, g = _gates(a.reshape(B, T, nv), b.reshape(B, T, nv), lw["ssm_a"], lw["ssm_dt.bias"])   # g <= 0
+    q, k = l2norm(q.float()), l2norm(k.float())
+    if recurrent:
+        o, ssm = kernels.recurrent(q, k, v, g, beta, ssm0)
+    else:
+        o, ssm = kernels.chunk(q, k, v, g, beta, ssm0, chunk_size)
+    return gated_rms_norm(o, z.reshape(B, T, nv, dv), lw["ssm_norm.weight"], eps), DeltaState(conv, ssm)
 
 
 def _gates(a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor):
@@ -200,24 +212,17 @@ def _gates(a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch
     return torch.sigmoid(b), ssm_a.float() * F.softplus(a.float() + dt_bias)
 
 
-def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float) -> torch.Tensor:
+def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float, kernels=None) -> torch.Tensor:
     """A decode step of B sequences from their projections (_projections' views of one token each: q, k (B, nk,
     dk), v, z (B, nk, r, dv), b, a (B, nk, r)), whose states are rows `rows` (B,) of one layer's cache tensors, conv
     (n_seq, C, K-1) and ssm (n_seq, nv, dk, dv) float32, both updated in place -> the gated, normed output (B, nv
     dv), ready for ssm_out. The conv, gates, norms, recurrence and output norm of gated_deltanet at T = 1: the
-    oracle of a DeltaKernels' `in_place` (kernels/delta.py's one-launch step)."""
-    B, nk, dk = q.shape
-    r, dv = v.shape[2], v.shape[3]
-    nv = nk * r
-    mixed = torch.cat([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], dim=-1)[:, None]   # (B, 1, C)
-    mixed, conv_after = causal_conv1d(mixed, lw["ssm_conv1d.weight"], conv[rows])
-    qc, kc, vc = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
-    beta, g = _gates(a.reshape(B, 1, nv), b.reshape(B, 1, nv), lw["ssm_a"], lw["ssm_dt.bias"])
-    o, ssm_after = recurrent_gated_delta_rule(l2norm(qc.view(B, 1, nk, dk).float()),
-                                              l2norm(kc.view(B, 1, nk, dk).float()), vc.view(B, 1, nv, dv), g,
-                                              beta, ssm[rows])
-    conv[rows], ssm[rows] = conv_after, ssm_after
-    return gated_rms_norm(o, z.reshape(B, 1, nv, dv), lw["ssm_norm.weight"], eps).reshape(B, nv * dv)
+    oracle of a DeltaKernels' `in_place` (kernels/delta.py's one-launch step). kernels: the conv and recurrence
+    between the gather and the write-back (None: the references)."""
+    o, st = _mixer(*(t[:, None] for t in (q, k, v, z, b, a)), lw, eps, DeltaState(conv[rows], ssm[rows]),
+                   recurrent=True, kernels=kernels or TORCH)
+    conv[rows], ssm[rows] = st.conv, st.ssm
+    return o.reshape(q.shape[0], -1)
 
 
 @dataclass(frozen=True)
@@ -225,8 +230,8 @@ class DeltaKernels:
     """The seam where a DeltaNet layer's kernels are chosen (kernels/delta.py: pick_delta_kernels), each with the
     signature of its plain-torch reference here: the causal conv (causal_conv1d), the delta rule over a prompt
     (chunk_gated_delta_rule), over one token per sequence (recurrent_gated_delta_rule), and optionally a whole
-    decode step on the cache's states in place (step_in_place's: the engine's decode steps; None: gather the
-    states, gated_deltanet, write them back)."""
+    decode step on the cache's states in place (step_in_place's: the engine's decode steps; None: step_in_place
+    itself around this conv and recurrence, which gathers the states and writes them back)."""
     name: str
     conv: Callable
     chunk: Callable
@@ -247,22 +252,9 @@ def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaStat
     mode: auto (recurrent for T = 1, chunked otherwise, as transformers chooses), chunk or recurrent.
     kernels: the conv and delta-rule implementations (plain torch by default)."""
     B, T, _ = x.shape
-    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed, z, b, a = _project(x, lw, cfg)
-    mixed, conv = kernels.conv(mixed, lw["ssm_conv1d.weight"], None if state is None else state.conv)
-    q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
-    q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
-    ssm0 = None if state is None else state.ssm
     recurrent = mode == "recurrent" or (mode == "auto" and T == 1)
-    beta, g = _gates(a, b, lw["ssm_a"], lw["ssm_dt.bias"])                      # (B, T, nv), g <= 0
-    q, k = l2norm(q.float()), l2norm(k.float())
-    if recurrent:
-        o, ssm = kernels.recurrent(q, k, v, g, beta, ssm0)
-    else:
-        o, ssm = kernels.chunk(q, k, v, g, beta, ssm0, chunk_size)
-    o = gated_rms_norm(o, z, lw["ssm_norm.weight"], cfg.rms_norm_eps)          # (B, T, nv, dv)
-    return F.linear(o.reshape(B, T, nv * dv), lw["ssm_out.weight"]), DeltaState(conv, ssm)
+    o, st = _mixer(*_projections(x, lw, cfg), lw, cfg.rms_norm_eps, state, recurrent, kernels, chunk_size)
+    return F.linear(o.reshape(B, T, -1), lw["ssm_out.weight"]), st
 
 
 def deltanet_step(x: torch.Tensor, lw: dict, cfg: ModelConfig, conv: torch.Tensor, ssm: torch.Tensor,

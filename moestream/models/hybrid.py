@@ -16,11 +16,13 @@ decode_attention with the gates.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .deltanet import TORCH, DeltaKernels, DeltaState, deltanet_step, fuse_projections, gated_deltanet
+from .deltanet import TORCH, DeltaKernels, DeltaState, deltanet_step, fuse_projections, gated_deltanet, step_in_place
 from .gated_attention import partial_rope
 from .layers import rms_norm
 from .transformer import Batch, MoETransformer
@@ -37,6 +39,8 @@ class HybridTransformer(MoETransformer):
                  delta: DeltaKernels = TORCH):
         super().__init__(cfg, weights, rope)        # attention layers: q (with its gate), k, v as one attn_qkv
         self.delta = delta
+        # a decode step on the cache's states: the kernels' own, or the reference's gather and write-back around them
+        self.in_place = delta.in_place or functools.partial(step_in_place, kernels=delta)
         self.linear = set(cfg.linear_layers)
         self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
         for i in self.linear:
@@ -79,13 +83,7 @@ class HybridTransformer(MoETransformer):
         """x (T, H) -> (T, H), each segment's sequence's state read from its row of the cache and written back."""
         conv, ssm = kv.conv[layer], kv.ssm[layer]                  # (n_seq, C, kernel-1), (n_seq, nv, dk, dv)
         if batch.is_decode:             # one token of each of B distinct sequences: one recurrent step, batched
-            rows = batch.seq_ids
-            if self.delta.in_place is not None:     # the states updated where they lie
-                return deltanet_step(x, lw, self.cfg, conv, ssm, rows, self.delta.in_place)
-            y, st = gated_deltanet(x[:, None], lw, self.cfg, DeltaState(conv[rows], ssm[rows]),
-                                   kernels=self.delta)                       # (B, 1, H)
-            conv[rows], ssm[rows] = st.conv, st.ssm
-            return y[:, 0]
+            return deltanet_step(x, lw, self.cfg, conv, ssm, batch.seq_ids, self.in_place)
         outs, r = [], 0
         for s in batch.segments:        # a prompt chunk: the chunked rule, from where the sequence's state is
             rows = slice(s.seq, s.seq + 1)
