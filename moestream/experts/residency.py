@@ -103,7 +103,7 @@ class Residency:
         """Empty these slots (owned, unpinned): the (layer, expert) pairs that lost their slot."""
         le = self.owner[slots]                                              # (n, 2): layer, expert
         self.slot_of[le[:, 0], le[:, 1]] = -1
-        gone = list(zip(*le.T.tolist())) if len(le) else []
+        gone = list(zip(*le.T.tolist()))
         self.owner[slots] = -1
         self.policy.forget(slots)
         return gone

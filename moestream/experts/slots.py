@@ -71,12 +71,8 @@ class SlotPool:
         `after` (the slots' last readers), if given. A speculative batch (a prefetch) counts against the queue's
         in-flight bound and marks its slots `prefetched`. Returns the batch's sequence number."""
         slots = np.array([s for s, _ in copies], dtype=np.int64)
-        seq = self.queue.submit([(self.pool[s, :src.shape[0]], src) for s, src in copies], nbytes, speculative=speculative,
-                                after=after)
-        self.ready[slots] = seq
-        if speculative:
-            self.prefetched[slots] = True
-        return seq
+        return self._queue([(self.pool[s, :src.shape[0]], src) for s, src in copies], slots, nbytes, speculative,
+                           after)
 
     def copy_experts(self, layer: int, misses: list[tuple[int, int]], speculative: bool) -> int:
         """Copy the (expert, slot) pairs of one layer from its host rows, as submit does: one copy for each run of
@@ -95,10 +91,15 @@ class SlotPool:
             for c in range(a, b, cap):          # (a slot narrower than the pool's rows: torch stages the copy)
                 n = min(cap, b - c)
                 copies.append((self.pool[s[c]:s[c] + n, :rows.shape[1]], rows[e[c]:e[c] + n]))
-        seq = self.queue.submit(copies, len(s) * row_bytes, speculative=speculative)
-        self.ready[s] = seq
+        return self._queue(copies, s, len(s) * row_bytes, speculative)
+
+    def _queue(self, copies: list[tuple[torch.Tensor, torch.Tensor]], slots: np.ndarray, nbytes: int,
+               speculative: bool, after=None) -> int:
+        """Queue the (pool rows, host rows) copies as one batch, the slots they fill marked as filled by it."""
+        seq = self.queue.submit(copies, nbytes, speculative=speculative, after=after)
+        self.ready[slots] = seq
         if speculative:
-            self.prefetched[s] = True
+            self.prefetched[slots] = True
         return seq
 
     def landed(self, slots: np.ndarray | None = None) -> np.ndarray:
