@@ -97,32 +97,33 @@ def test_hybrid_model_on_cuda_bit_identical_across_placements():
 
 
 @needs_cuda
-def test_hybrid_fused_decode_close_to_the_eager_decode(monkeypatch):
-    """synth:tiny-next in bf16, two sequences decoding together: steps with the fused kernels (the gated attention's
-    among them: one gated_qk_rope_kv per attention layer and step) against the same steps with torch's ops, within
-    bf16's tolerance; the prompts, which run no fused kernel, bit for bit."""
+def test_hybrid_fused_decode_as_close_to_float32_as_the_eager_decode(monkeypatch):
+    """synth:tiny-next's bf16 weights, two sequences decoding together: steps with the fused kernels (the gated
+    attention's among them: one gated_qk_rope_kv per attention layer and step) are as close to the same weights run
+    in float32 as the same steps with torch's bf16 ops are (within 1.5x their error: both round in other places, so
+    neither is the other's bits); the prompts, which run no fused kernel, equal bit for bit."""
     from moestream.kernels import fused
     calls = []
     gated = fused.gated_qk_rope_kv
     monkeypatch.setattr(fused, "gated_qk_rope_kv", lambda *a: (calls.append(1), gated(*a))[1])
 
-    def run(with_fused: bool) -> list[torch.Tensor]:
+    def run(with_fused: bool, dtype: str = "bfloat16") -> list[torch.Tensor]:
         # the torch ops' steps run eagerly: on CUDA in bf16 an engine always has the fused kernels, and no path
         # captures a graph of steps without them
-        eng = LLM(TINY_BF16, ctx_size=128, n_seq=2, device="cuda", cuda_graphs=with_fused).engine
-        assert eng.fused is fused
+        eng = LLM(TINY_BF16, ctx_size=128, n_seq=2, device="cuda", cuda_graphs=with_fused, dtype=dtype).engine
         if not with_fused:
             eng.fused = None
         out = [eng.prefill(0, list(range(3, 30))).float().cpu(), eng.prefill(1, list(range(40, 51))).float().cpu()]
         return out + [eng.decode([(0, 7 + i, 27 + i), (1, 30 + i, 11 + i)]).float().cpu() for i in range(4)]
+    truth = run(False, "float32")
     eager = run(False)
     assert not calls
     out = run(True)
     assert len(calls) >= 2                  # each attention layer's (at least once: a captured step replays it)
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
-    for a, b in zip(out[2:], eager[2:]):
-        assert (a - b).abs().max() < 0.05 * b.abs().max()
-        assert (a - b).norm() < 0.02 * b.norm()
+    for a, b, t in zip(out[2:], eager[2:], truth[2:]):
+        assert (a - t).norm() <= 1.5 * (b - t).norm() + 1e-3 * t.norm()
+        assert (a - t).abs().max() < 0.1 * t.abs().max()
 
 
 def _two_streams(**kw) -> list[torch.Tensor]:

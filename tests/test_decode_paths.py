@@ -23,28 +23,39 @@ def test_which_families_take_the_fused_decode_attention(checkpoint):
 
 
 def _stand_in_fused(calls: list):
-    """The fused kernels OLMoE and Qwen3-Next use (add + RMSNorm, softmax + top-k, the shared expert) as plain torch
-    with the eager ops' math: the Triton ones run only on CUDA. Each call is counted in `calls`."""
+    """The fused kernels OLMoE and Qwen3-Next use (add + RMSNorm, the GEMVs with and without it, the router's add,
+    norm, softmax and top-k, the shared expert) as plain torch with the eager ops' math: the Triton ones run only on
+    CUDA. Each call is counted in `calls`."""
     import types
     from moestream.models.layers import rms_norm, swiglu
+    from moestream.models.moe import route
 
     def add_rms_norm(h, delta, w, eps):
         calls.append("add_rms_norm")
         h = h + delta
         return h, rms_norm(h, w, eps)
 
-    def route_topk(logits, k, renorm, dtype):
-        calls.append("route_topk")
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, k, dim=-1)
-        if renorm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(dtype), ids
+    def linear(x, w, bias=None):
+        calls.append("linear")
+        return torch.nn.functional.linear(x, w, bias)
+
+    def norm_linear(h, delta, nw, eps, w, bias=None):
+        calls.append("norm_linear")
+        h = h + delta
+        x = rms_norm(h, nw, eps)
+        return h, x, torch.nn.functional.linear(x, w, bias)
+
+    def norm_route(h, delta, nw, eps, router, k, renorm, dtype):
+        calls.append("norm_route")
+        h = h + delta
+        x = rms_norm(h, nw, eps)
+        return (h, x, *route(x, router, k, renorm))
 
     def shared_expert(x, gate, up, down, gate_inp, out):
         calls.append("shared_expert")
         return out + torch.sigmoid(torch.nn.functional.linear(x, gate_inp)) * swiglu(x, gate, up, down)
-    return types.SimpleNamespace(add_rms_norm=add_rms_norm, route_topk=route_topk, shared_expert=shared_expert)
+    return types.SimpleNamespace(add_rms_norm=add_rms_norm, linear=linear, norm_linear=norm_linear,
+                                 norm_route=norm_route, shared_expert=shared_expert)
 
 
 def _stand_in_gated_attention(fused, calls: list):

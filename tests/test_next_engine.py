@@ -267,7 +267,7 @@ def test_decode_steps_take_the_fused_kernels_the_gated_attention_among_them(hybr
         return out, calls
     (plain, _), (fused, calls) = run(False), run(True)
     assert plain == fused
-    assert {"add_rms_norm", "route_topk", "shared_expert", "gated_qk_rope_kv", "decode_attention"} == set(calls)
+    assert {"norm_linear", "linear", "norm_route", "shared_expert", "gated_qk_rope_kv", "decode_attention"} <= set(calls)
 
 
 def test_a_hybrid_model_decodes_in_graphs_where_other_families_do():

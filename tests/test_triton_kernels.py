@@ -12,7 +12,7 @@ import torch
 from interpreted import close, run_check
 
 CHECKS = ["experts_one_token", "experts_several_tokens", "experts_read_through", "experts_grouped_shared",
-          "experts_grouped_unshared", "experts_grouped_read_through", "qk_rope_kv", "route_topk", "add_rms_norm",
+          "experts_grouped_unshared", "experts_grouped_read_through", "qk_rope_kv", "add_rms_norm",
           "decode_attention", "gated_attention", "hybrid_decode", "shared_expert"]
 
 
@@ -228,8 +228,8 @@ def hybrid_decode():
         if with_fused:
             counted = lambda name: lambda *a: (calls.append(name), getattr(fused, name)(*a))[1]
             eng.fused = types.SimpleNamespace(**{n: counted(n) for n in ("gated_qk_rope_kv", "decode_attention",
-                                                                           "add_rms_norm", "route_topk",
-                                                                           "shared_expert")})
+                                                                           "add_rms_norm", "linear", "norm_linear",
+                                                                           "norm_route", "shared_expert")})
         return join_and_leave(eng), calls
     (eager, _), (out, calls) = run(False), run(True)
     steps = 8                                       # join_and_leave's decode steps
@@ -243,7 +243,6 @@ def hybrid_decode():
 def check(name):
     from moestream.kernels import fused
     from moestream.models.layers import apply_rope, decode_attention, rms_norm
-    from moestream.models.moe import route
     g = torch.Generator().manual_seed(1)
     if name == "experts_one_token":
         experts(1, 8)
@@ -281,13 +280,6 @@ def check(name):
             assert torch.equal(vc[seq, :, pos], rv)
             kc[seq, :, pos], vc[seq, :, pos] = kc0[seq, :, pos], vc0[seq, :, pos]
             assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
-    elif name == "route_topk":
-        for k, E, renorm in ((8, 128, True), (6, 60, True), (2, 8, False)):
-            x, router = torch.randn(5, 16, generator=g), torch.randn(E, 16, generator=g)
-            w, ids = fused.route_topk(torch.nn.functional.linear(x, router), k, renorm, torch.float32)
-            rw, rids = route(x, router, k, renorm)
-            assert torch.equal(ids, rids)
-            close(w, rw)
     elif name == "add_rms_norm":
         h, d, w = torch.randn(3, 48, generator=g), torch.randn(3, 48, generator=g), torch.rand(48, generator=g)
         new_h, normed = fused.add_rms_norm(h, d, w, 1e-6)

@@ -4,8 +4,10 @@
     o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n)
     q, gate = gated_qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
     o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate)     # o * sigmoid(gate), one rounding
-    weights, ids = route_topk(logits, k, renormalise, dtype)
     h, normed = add_rms_norm(h, delta, w, eps)
+    y = linear(x, w, bias)                                      # kernels/gemv.py, carried here with the others:
+    h, normed, y = norm_linear(h, delta, nw, eps, w, bias)      # one token's GEMV, the add and norm before it,
+    h, normed, weights, ids = norm_route(h, delta, nw, eps, router, k, renormalise, dtype)   # and the router's
 
 A decode token's layer is a few GEMVs and a few dozen tiny kernels (norms, rotary embedding, cache writes, the
 attention's matmuls, masks and softmax, top-k), each a few microseconds for almost no bytes; these kernels replace
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .gemv import linear, norm_linear, norm_route  # noqa: F401  (a decode step's GEMVs, carried with the others)
 from .shared_expert import shared_expert  # noqa: F401  (a decode step's shared expert, carried with the others)
 
 try:
@@ -103,30 +106,6 @@ if triton is not None:
             else:
                 dst = kc_ptr + ((seq * NKV + (h - NH)) * CTX + pos) * HD
             tl.store(dst + d, o.to(q_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _route_topk(logit_ptr, w_ptr, id_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
-                    KP: tl.constexpr, RENORM: tl.constexpr):
-        """Program t: softmax over the E logits in float32, the K largest (ties to the lower id), renormalised."""
-        t = tl.program_id(0)
-        e = tl.arange(0, EP)
-        x = tl.load(logit_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=0))
-        p = p / tl.sum(p, axis=0)
-        p = tl.where(e < E, p, -1.0)
-        j = tl.arange(0, KP)
-        ws = tl.zeros([KP], dtype=tl.float32)
-        ids = tl.zeros([KP], dtype=tl.int64)
-        for n in tl.static_range(K):
-            best = tl.max(p, axis=0)
-            idx = tl.min(tl.where(p == best, e, EP), axis=0)
-            ws = tl.where(j == n, best, ws)
-            ids = tl.where(j == n, idx.to(tl.int64), ids)
-            p = tl.where(e == idx, -1.0, p)
-        if RENORM:
-            ws = ws / tl.sum(ws, axis=0)
-        tl.store(w_ptr + t * K + j, ws.to(w_ptr.dtype.element_ty), mask=j < K)
-        tl.store(id_ptr + t * K + j, ids, mask=j < K)
 
     @triton.jit
     def _attn_split(q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, scale,
@@ -270,13 +249,3 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                            gate.stride(1) if gated else 0, nh, nkv, hd, G, GP, splits, triton.next_power_of_2(splits),
                            gated, num_warps=4)
     return out
-
-
-def route_topk(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype):
-    """logits (T, E) -> (T, k) weights (dtype) and int64 ids: softmax, top-k, optionally renormalised."""
-    T, E = logits.shape
-    w = torch.empty(T, k, dtype=dtype, device=logits.device)
-    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
-    _route_topk[(T,)](logits, w, ids, E, triton.next_power_of_2(E), k, triton.next_power_of_2(k), renormalise,
-                      num_warps=1)
-    return w, ids

@@ -161,15 +161,17 @@ def fuse_projections(lw: dict, cfg: ModelConfig) -> None:
     lw["ssm_proj.weight"] = torch.cat([lw.pop("attn_qkv.weight"), lw.pop("attn_gate.weight"), b, a])
 
 
-def _projections(x: torch.Tensor, lw: dict, cfg: ModelConfig):
+def _projections(x: torch.Tensor, lw: dict, cfg: ModelConfig, proj: torch.Tensor | None = None):
     """The input projections in either family's layout, as views grouped by key head: q, k (B, T, nk, dk) and v,
     z (B, T, nk, r, dv) (v before the conv), b and a (B, T, nk, r); value head j of key head h is head h r + j, in
-    transformers' order."""
+    transformers' order. proj (B, T, N): x's product with fuse_projections' one weight, where the caller made it."""
     B, T, _ = x.shape
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
     if "ssm_proj.weight" in lw:         # fuse_projections' one weight
-        q, k, v, z, b, a = F.linear(x, lw["ssm_proj.weight"]).split([nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], -1)
+        if proj is None:
+            proj = F.linear(x, lw["ssm_proj.weight"])
+        q, k, v, z, b, a = proj.split([nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], -1)
     else:
         if "ssm_in.weight" in lw:       # qwen3_next: [q k v.. z..] per key head
             qkvz = F.linear(x, lw["ssm_in.weight"]).view(B, T, nk, 2 * dk + 2 * r * dv)
@@ -258,9 +260,13 @@ def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaStat
 
 
 def deltanet_step(x: torch.Tensor, lw: dict, cfg: ModelConfig, conv: torch.Tensor, ssm: torch.Tensor,
-                  rows: torch.Tensor, in_place: Callable = step_in_place) -> torch.Tensor:
+                  rows: torch.Tensor, in_place: Callable = step_in_place, proj: torch.Tensor | None = None,
+                  linear: Callable = F.linear) -> torch.Tensor:
     """A decode step of B sequences, x (B, H) one token each, whose states are rows `rows` of the layer's cache
-    tensors conv and ssm (updated in place) -> y (B, H). `in_place`: step_in_place or a kernel with its signature."""
-    q, k, v, z, b, a = (t[:, 0] for t in _projections(x[:, None], lw, cfg))
+    tensors conv and ssm (updated in place) -> y (B, H). `in_place`: step_in_place or a kernel with its signature;
+    proj (B, N): x's input projection where the caller made it; `linear`: the output projection's (F.linear's
+    signature: kernels/gemv.py's on a fused step)."""
+    p = None if proj is None else proj[:, None]
+    q, k, v, z, b, a = (t[:, 0] for t in _projections(x[:, None], lw, cfg, p))
     o = in_place(q, k, v, z, b, a, conv, ssm, rows, lw, cfg.rms_norm_eps)       # (B, nv dv)
-    return F.linear(o, lw["ssm_out.weight"])
+    return linear(o, lw["ssm_out.weight"])

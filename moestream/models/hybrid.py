@@ -52,23 +52,29 @@ class HybridTransformer(MoETransformer):
         norms every hybrid family has."""
         return fused is not None
 
-    def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
-        if layer in self.linear:
-            return self._deltanet(x, lw, layer, batch, kv)
-        return self._gated_attention(x, lw, self.kv_slot[layer], batch, kv, cos, sin, mask, fused)
+    def in_proj(self, lw, layer) -> str | None:
+        if layer in self.linear:        # the split layout's projections, one weight since fuse_projections
+            return "ssm_proj" if "ssm_proj.weight" in lw else None
+        return "attn_qkv"
 
-    def _gated_attention(self, x, lw, slot: int, batch: Batch, kv, cos, sin, mask, fused=None) -> torch.Tensor:
+    def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
+        if layer in self.linear:
+            return self._deltanet(x, lw, layer, batch, kv, fused, proj)
+        return self._gated_attention(x, lw, self.kv_slot[layer], batch, kv, cos, sin, mask, fused, proj)
+
+    def _gated_attention(self, x, lw, slot: int, batch: Batch, kv, cos, sin, mask, fused=None,
+                         proj=None) -> torch.Tensor:
         """x (T, H) -> (T, H); cos, sin (T, rotary_dim). Keys and values go to KV layer `slot`. A fused decode step
         (fused: kernels.fused) runs norms, rotary, cache writes, attention and gate in three launches."""
         cfg = self.cfg
         T, nh, nkv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = F.linear(x, lw["attn_qkv.weight"])                             # (T, nh 2hd + 2 nkv hd)
+        qkv = proj if proj is not None else F.linear(x, lw["attn_qkv.weight"])    # (T, nh 2hd + 2 nkv hd)
         if self._fuses_attention(fused):
             q, gate = fused.gated_qk_rope_kv(qkv, lw["attn_qk_norm.weight"], cfg.rms_norm_eps, cos, sin,
                                              kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions, nh, nkv)
             o = fused.decode_attention(q, kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions,
                                        batch.kv_len or kv.ctx, gate)        # (T, nh, hd), gated
-            return F.linear(o.reshape(T, nh * hd), lw["attn_output.weight"])
+            return fused.linear(o.reshape(T, nh * hd), lw["attn_output.weight"])
         qg, k, v = qkv.split([2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, gate = qg.view(T, nh, 2 * hd).chunk(2, dim=-1)                    # (T, nh, hd) each: [q_h | gate_h]
         q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
@@ -79,11 +85,12 @@ class HybridTransformer(MoETransformer):
         o = o.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
         return F.linear(o, lw["attn_output.weight"])
 
-    def _deltanet(self, x, lw, layer: int, batch: Batch, kv) -> torch.Tensor:
+    def _deltanet(self, x, lw, layer: int, batch: Batch, kv, fused=None, proj=None) -> torch.Tensor:
         """x (T, H) -> (T, H), each segment's sequence's state read from its row of the cache and written back."""
         conv, ssm = kv.conv[layer], kv.ssm[layer]                  # (n_seq, C, kernel-1), (n_seq, nv, dk, dv)
         if batch.is_decode:             # one token of each of B distinct sequences: one recurrent step, batched
-            return deltanet_step(x, lw, self.cfg, conv, ssm, batch.seq_ids, self.in_place)
+            return deltanet_step(x, lw, self.cfg, conv, ssm, batch.seq_ids, self.in_place, proj,
+                                 F.linear if fused is None else fused.linear)
         outs, r = [], 0
         for s in batch.segments:        # a prompt chunk: the chunked rule, from where the sequence's state is
             rows = slice(s.seq, s.seq + 1)

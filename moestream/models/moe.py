@@ -33,19 +33,19 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, observer=None,
-              next_routers: tuple = (), fused=None):
+              next_routers: tuple = (), routed=None):
     """The router half of the MoE block: (T, k) weights and ids, and the lookahead guesses (or None).
 
     `observer` (a RouteObserver, experts/routing.py), if given, sees each ubatch's routing (for traces and stats),
     and the next layer's guess too if it has `wants_guess`.
-    `fused` (kernels.fused, decode steps on CUDA): the softmax, top-k and renormalisation in one kernel.
+    `routed`: the (T, k) weights and ids where the step computed them already (a fused decode step: kernels.fused's
+    norm_route, the norm, router, softmax, top-k and renormalisation in one launch).
     Lookahead: `next_routers` are the routers of the MoE layers after this one. Where the provider asks
     (`lookahead_layers`: how many layers ahead), each applied to this layer's input guesses that layer's experts,
     so their copies start before its own routing is known. The guesses: a tuple of (T, k) ids, nearest layer first.
     """
-    if fused is not None:       # a decode step on CUDA: softmax, top-k and renormalise in one launch
-        weights, ids = fused.route_topk(F.linear(x, lw["ffn_gate_inp.weight"]), cfg.n_experts_used,
-                                        cfg.norm_topk_prob, x.dtype)
+    if routed is not None:
+        weights, ids = routed
     else:
         weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
     ahead = min(provider.lookahead_layers(layer, x.shape[0]), len(next_routers)) if next_routers else 0

@@ -105,14 +105,21 @@ class MoETransformer:
             mask = torch.arange(n, device=h.device)[None, :] <= batch.positions[:, None]      # (B, n)
         delta = None                    # the last block's output, not yet added to the residual stream h
         for i, lw in enumerate(self.layers):
-            h, a = self._add_norm(h, delta, lw["attn_norm.weight"], fused)
-            delta = self.mix(a, lw, i, batch, kv, cos, sin, mask, fused)
-            h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
+            h, a, proj = self._norm_project(h, delta, lw, i, fused)
+            delta = self.mix(a, lw, i, batch, kv, cos, sin, mask, fused, proj)
             if i in cfg.dense_layers:
+                h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
                 delta = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
+                continue
+            routed = None
+            if fused is not None:       # a decode step: the add, norm, router and top-k in one launch
+                h, m, *routed = fused.norm_route(h, delta, lw["ffn_norm.weight"], cfg.rms_norm_eps,
+                                                 lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob,
+                                                 h.dtype)
             else:
-                weights, ids, guess = moe_route(m, lw, i, cfg, experts, batch.observer, self.next_routers[i], fused)
-                delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused)
+                h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
+            weights, ids, guess = moe_route(m, lw, i, cfg, experts, batch.observer, self.next_routers[i], routed)
+            delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused)
         h = h + delta
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                             # (R, V)
@@ -126,26 +133,40 @@ class MoETransformer:
         h = h + delta
         return h, rms_norm(h, w, self.cfg.rms_norm_eps)
 
-    def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
+    def _norm_project(self, h, delta, lw, layer, fused):
+        """The residual add and the mixer's norm: (h, the normed x, None); in a one-token fused step, with the
+        mixer's input projection (`in_proj`) in the same launch: (h, x, the projection of x)."""
+        w = self.in_proj(lw, layer)
+        if fused is None or delta is None or h.shape[0] != 1 or w is None:
+            return (*self._add_norm(h, delta, lw["attn_norm.weight"], fused), None)
+        return fused.norm_linear(h, delta, lw["attn_norm.weight"], self.cfg.rms_norm_eps, lw[f"{w}.weight"],
+                                 lw.get(f"{w}.bias"))
+
+    def in_proj(self, lw, layer) -> str | None:
+        """The name of the one projection layer `layer`'s mixer applies to its input first (None: not one)."""
+        return "attn_qkv"
+
+    def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
         """Layer `layer`'s token mixer on the normed residual stream x (T, H) -> (T, H): attention here; a
-        hybrid model's (models/hybrid.py) is attention or a Gated DeltaNet by layer type."""
-        return self.attention(x, lw, layer, batch, kv, cos, sin, mask, fused)
+        hybrid model's (models/hybrid.py) is attention or a Gated DeltaNet by layer type. proj: the mixer's input
+        projection of x, where the step computed it with the norm (_norm_project)."""
+        return self.attention(x, lw, layer, batch, kv, cos, sin, mask, fused, proj)
 
     def _fuses_attention(self, fused) -> bool:
         """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, and
         no clipping (OLMoE's whole-projection norm and clip_qkv run as eager ops, with the mask)."""
         return fused is not None and self.cfg.qk_norm in ("none", "head") and not self.cfg.clip_qkv
 
-    def attention(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None) -> torch.Tensor:
+    def attention(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
-        qkv = F.linear(x, lw["attn_qkv.weight"], lw.get("attn_qkv.bias"))   # (T, (nh + 2 nkv) hd)
-        if self._fuses_attention(fused):
+        qkv = proj if proj is not None else F.linear(x, lw["attn_qkv.weight"], lw.get("attn_qkv.bias"))
+        if self._fuses_attention(fused):                                     # qkv (T, (nh + 2 nkv) hd)
             q = fused.qk_rope_kv(qkv, lw.get("attn_qk_norm.weight"), cfg.rms_norm_eps, cos, sin, kv.k[layer],
                                  kv.v[layer], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads)
             n = batch.kv_len or kv.ctx
             o = fused.decode_attention(q, kv.k[layer], kv.v[layer], batch.seq_ids, batch.positions, n)
-            return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
+            return fused.linear(o.reshape(T, -1), lw["attn_output.weight"])
         q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
                              cfg.n_kv_heads * cfg.head_dim], dim=-1)
         if cfg.qk_norm == "full":

@@ -1,0 +1,204 @@
+"""A decode step's matrix-vector products (Triton, CUDA), with the residual add and RMSNorm before them fused in,
+and the MoE router's softmax and top-k after its product.
+
+    y = linear(x, w, bias)                                  # x (T, K) -> (T, N); one token: this module's GEMV
+    h, normed, y = norm_linear(h, delta, nw, eps, w, bias)  # y = linear(RMSNorm(h + delta) * nw, w, bias)
+    h, normed, weights, ids = norm_route(h, delta, nw, eps, router, k, renormalise, dtype)
+
+A one-token decode layer is a few GEMVs between tiny kernels, and each launch costs a few microseconds of gaps and
+ramp-up for a few megabytes: the Qwen3-30B-A3B reference's step had 14 launches a layer (bench/RESULTS.md, stop 17).
+Here the add and norm before the mixer's input projection run in the projection's programs (each recomputes the
+row's norm, a few KiB from L2, and program 0 writes the new residual stream and the normed row), and the MoE
+block's add, norm, router product, softmax, top-k and renormalisation are one launch: programs of a few experts'
+logits each, the last of a token's programs to finish (an atomic count, reset by it) runs the softmax and top-k on
+all of them. The count only elects which program does the top-k; every logit is one program's fixed-order sum, so
+the bits do not depend on the order programs run in.
+
+Products are float32 sums of bf16 products in a fixed order per output (a program's tile of K, then its lanes), the
+normed row rounded to its dtype first as the eager ops round it; the results differ from cuBLAS's bits (oracles:
+the torch ops, tests/test_gemv.py), and every expert placement runs the same kernels, so the numerics contract
+holds. linear and norm_linear take this path for one token (a several-token step reads cuBLAS's GEMMs, which read
+each weight once for all tokens); norm_route serves any number of tokens (a router is a few hundred KiB).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+KB = 512                     # a program's tile of K a step
+ROUTE_EXPERTS = 4            # experts a router program computes (Qwen3-30B-A3B's 128: 32 programs a token)
+MIN_PROGRAMS = 256           # a GEMV's rows a program shrink from 16 to 8 to 4 until it has this many programs
+
+
+if triton is not None:
+    @triton.jit
+    def _normed(x_ptr, d_ptr, nw_ptr, k, km, r, DELTA: tl.constexpr):
+        """The normed row's values at k: RMSNorm(x + d) * nw rounded to x's dtype, as float32."""
+        s = tl.load(x_ptr + k, mask=km, other=0.0)
+        if DELTA:
+            s = s + tl.load(d_ptr + k, mask=km, other=0.0)
+        y = s.to(tl.float32) * r * tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+        return y.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _norm_prologue(x_ptr, d_ptr, nw_ptr, hout_ptr, nout_ptr, eps, write, K: tl.constexpr, KP: tl.constexpr,
+                       DELTA: tl.constexpr):
+        """The row's reciprocal RMS; where `write`, the new residual stream x + d and the normed row stored."""
+        i = tl.arange(0, KP)
+        ok = i < K
+        s = tl.load(x_ptr + i, mask=ok, other=0.0)
+        if DELTA:
+            s = s + tl.load(d_ptr + i, mask=ok, other=0.0)
+        sf = s.to(tl.float32)
+        r = tl.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
+        if write:
+            tl.store(hout_ptr + i, s, mask=ok)
+            y = sf * r * tl.load(nw_ptr + i, mask=ok, other=0.0).to(tl.float32)
+            tl.store(nout_ptr + i, y.to(nout_ptr.dtype.element_ty), mask=ok)
+        return r
+
+    @triton.jit
+    def _rows_dot(x_ptr, d_ptr, nw_ptr, w_ptr, n, nm, r, K: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr,
+                  NORM: tl.constexpr, DELTA: tl.constexpr):
+        """(BN,) float32: rows n of w (N, K) against x (the normed row where NORM)."""
+        acc = tl.zeros([BN, KB], dtype=tl.float32)
+        rows = n.to(tl.int64)[:, None] * K
+        for k0 in range(0, K, KB):
+            k = k0 + tl.arange(0, KB)
+            km = k < K
+            if NORM:
+                xv = _normed(x_ptr, d_ptr, nw_ptr, k, km, r, DELTA)
+            else:
+                xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += w.to(tl.float32) * xv[None, :]
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _gemv(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, hout_ptr, nout_ptr, eps, N, K: tl.constexpr,
+              KP: tl.constexpr, NORM: tl.constexpr, DELTA: tl.constexpr, BIAS: tl.constexpr, BN: tl.constexpr,
+              KB: tl.constexpr):
+        """Program p: outputs [p BN, (p + 1) BN) of one token's y = w x (+ b), x normed first where NORM."""
+        pid = tl.program_id(0)
+        r = 1.0
+        if NORM:
+            r = _norm_prologue(x_ptr, d_ptr, nw_ptr, hout_ptr, nout_ptr, eps, pid == 0, K, KP, DELTA)
+        n = pid * BN + tl.arange(0, BN)
+        nm = n < N
+        y = _rows_dot(x_ptr, d_ptr, nw_ptr, w_ptr, n, nm, r, K, BN, KB, NORM, DELTA)
+        if BIAS:
+            y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+
+    @triton.jit
+    def _norm_route(x_ptr, d_ptr, nw_ptr, r_ptr, lg_ptr, cnt_ptr, w_ptr, id_ptr, hout_ptr, nout_ptr, eps, E,
+                    K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, EP: tl.constexpr,
+                    TOPK: tl.constexpr, TKP: tl.constexpr, RENORM: tl.constexpr, NPROG: tl.constexpr):
+        """Program (t, p): token t's add and norm, the logits of experts [p EB, (p + 1) EB) in float32; the last
+        of t's NPROG programs to finish: softmax, the TOPK largest (ties to the lower id), renormalised."""
+        t = tl.program_id(0)
+        pid = tl.program_id(1)
+        xt, dt = x_ptr + t * K, d_ptr + t * K
+        r = _norm_prologue(xt, dt, nw_ptr, hout_ptr + t * K, nout_ptr + t * K, eps, pid == 0, K, KP, True)
+        e = pid * EB + tl.arange(0, EB)
+        em = e < E
+        tl.store(lg_ptr + t * E + e, _rows_dot(xt, dt, nw_ptr, r_ptr, e, em, r, K, EB, KB, True, True), mask=em)
+        tl.debug_barrier()              # every lane's logits stored before the count says so (release, gpu scope)
+        if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
+            ee = tl.arange(0, EP)
+            x = tl.load(lg_ptr + t * E + ee, mask=ee < E, other=float("-inf"), volatile=True)
+            p = tl.exp(x - tl.max(x, axis=0))
+            p = p / tl.sum(p, axis=0)
+            p = tl.where(ee < E, p, -1.0)
+            j = tl.arange(0, TKP)
+            ws = tl.zeros([TKP], dtype=tl.float32)
+            ids = tl.zeros([TKP], dtype=tl.int64)
+            for n in tl.static_range(TOPK):
+                best = tl.max(p, axis=0)
+                idx = tl.min(tl.where(p == best, ee, EP), axis=0)
+                ws = tl.where(j == n, best, ws)
+                ids = tl.where(j == n, idx.to(tl.int64), ids)
+                p = tl.where(ee == idx, -1.0, p)
+            if RENORM:
+                ws = ws / tl.sum(ws, axis=0)
+            tl.store(w_ptr + t * TOPK + j, ws.to(w_ptr.dtype.element_ty), mask=j < TOPK)
+            tl.store(id_ptr + t * TOPK + j, ids, mask=j < TOPK)
+            tl.store(cnt_ptr + t, 0)    # ready for the next launch (a graph's replays reuse the count)
+
+
+def _rows_a_program(n: int) -> int:
+    bn = 16
+    while bn > 4 and triton.cdiv(n, bn) < MIN_PROGRAMS:
+        bn //= 2
+    return bn
+
+
+def _launch_gemv(x, delta, nw, eps, w, bias, norm: bool):
+    T, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or not w.is_contiguous():
+        raise ValueError(f"gemv: weight {tuple(w.shape)} (contiguous) against x {tuple(x.shape)}")
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    h, normed = (torch.empty_like(x), torch.empty_like(x)) if norm else (x, x)
+    bn = _rows_a_program(N)
+    _gemv[(triton.cdiv(N, bn),)](x, x if delta is None else delta.contiguous(), x if nw is None else nw, w,
+                                 w if bias is None else bias, y, h, normed, eps, N, K, triton.next_power_of_2(K),
+                                 norm, delta is not None, bias is not None, bn, min(KB, triton.next_power_of_2(K)),
+                                 num_warps=4)
+    return h, normed, y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for x (T, K): one token through this module's GEMV, several through cuBLAS."""
+    if x.shape[0] != 1:
+        return F.linear(x, w, bias)
+    return _launch_gemv(x.contiguous(), None, None, 0.0, w, bias, norm=False)[2]
+
+
+def norm_linear(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: float, w: torch.Tensor,
+                bias: torch.Tensor | None = None):
+    """(h + delta, its RMSNorm * nw, linear(that, w, bias)) for one token h, delta (1, K): one launch."""
+    if h.shape[0] != 1:
+        raise ValueError(f"norm_linear takes one token, got {h.shape[0]}")
+    return _launch_gemv(h.contiguous(), delta, nw, eps, w, bias, norm=True)
+
+
+MAX_ROUTED = 4096            # tokens a norm_route launch takes (a decode step has at most kernels/decode.MAX_TOKENS)
+_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def _election_counts(device: torch.device) -> torch.Tensor:
+    """norm_route's counts on `device`: zeros, each reset by the program that finishes its token. Allocated once
+    (a captured graph keeps the pointer; a graph's warm-up, eager, allocates it before any capture) and shared by
+    the device's decode steps, which one engine runs one after another on one stream."""
+    cnt = _counts.get(device)
+    if cnt is None:
+        cnt = _counts[device] = torch.zeros(MAX_ROUTED, dtype=torch.int32, device=device)
+    return cnt
+
+
+def norm_route(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: float, router: torch.Tensor, k: int,
+               renormalise: bool, dtype: torch.dtype):
+    """h, delta (T, K), router (E, K) -> (h + delta, its RMSNorm * nw, (T, k) weights (dtype), (T, k) int64 ids):
+    the MoE block's add, norm, router, softmax, top-k and renormalisation in one launch."""
+    T, K = h.shape
+    E = router.shape[0]
+    h_new, normed = torch.empty_like(h), torch.empty_like(h)
+    logits = torch.empty(T, E, dtype=torch.float32, device=h.device)
+    w = torch.empty(T, k, dtype=dtype, device=h.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=h.device)
+    if T > MAX_ROUTED:
+        raise ValueError(f"norm_route takes at most {MAX_ROUTED} tokens, got {T}")
+    cnt = _election_counts(h.device)
+    nprog = triton.cdiv(E, ROUTE_EXPERTS)
+    _norm_route[(T, nprog)](h.contiguous(), delta.contiguous(), nw, router, logits, cnt, w, ids, h_new, normed, eps,
+                            E, K, triton.next_power_of_2(K), ROUTE_EXPERTS, min(KB, triton.next_power_of_2(K)),
+                            triton.next_power_of_2(E), k, triton.next_power_of_2(k), renormalise, nprog,
+                            num_warps=4)
+    return h_new, normed, w, ids
