@@ -306,7 +306,7 @@ def test_norm_route_matches_the_eager_route(T, k, E, renorm):
     h, d = (torch.randn(T, H, device="cuda", generator=g).bfloat16() for _ in range(2))
     nw = torch.rand(H, device="cuda", generator=g).bfloat16()
     router = (torch.randn(E, H, device="cuda", generator=g) * 0.05).bfloat16()
-    h2, x, w, ids = norm_route(h, d, nw, 1e-6, router, k, renorm, torch.bfloat16)
+    h2, x, w, ids, _ = norm_route(h, d, nw, 1e-6, router, k, renorm, torch.bfloat16)
     assert torch.equal(h2, h + d)
     ref = rms_norm(h + d, nw, 1e-6)
     assert (x.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()

@@ -45,11 +45,17 @@ def _stand_in_fused(calls: list):
         x = rms_norm(h, nw, eps)
         return h, x, torch.nn.functional.linear(x, w, bias)
 
-    def norm_route(h, delta, nw, eps, router, k, renorm, dtype):
+    def norm_route(h, delta, nw, eps, router, k, renorm, dtype, table=None):
         calls.append("norm_route")
         h = h + delta
         x = rms_norm(h, nw, eps)
-        return (h, x, *route(x, router, k, renorm))
+        w, ids = route(x, router, k, renorm)
+        if table is None:
+            return h, x, w, ids, None
+        tab, routed = table
+        if routed is not None:
+            routed[:ids.numel()] = ids.reshape(-1)
+        return h, x, w, ids, tab[ids]
 
     def shared_expert(x, gate, up, down, gate_inp, out):
         calls.append("shared_expert")

@@ -68,15 +68,26 @@ def norm_route():
     for T, E, K, k, renorm in ((1, 128, 256, 8, True), (5, 60, 96, 4, False), (3, 10, 1100, 2, True)):
         h, d = torch.randn(T, K, generator=g), torch.randn(T, K, generator=g)
         nw, router = torch.randn(K, generator=g), torch.randn(E, K, generator=g)
-        h2, normed, w, ids = gemv.norm_route(h, d, nw, 1e-6, router, k, renorm, torch.float32)
+        h2, normed, w, ids, _ = gemv.norm_route(h, d, nw, 1e-6, router, k, renorm, torch.float32)
         assert torch.equal(h2, h + d)
         close(normed, _rms(h + d, nw, 1e-6))
         rw, rids = _route_ref(h, d, nw, router, k, renorm)
         assert torch.equal(ids, rids)
         close(w, rw)
-        again = gemv.norm_route(h, d, nw, 1e-6, router, k, renorm, torch.float32)
+        tab, kept = torch.randint(0, 1 << 40, (E,), generator=g), torch.full((T * k + 3,), -1)
+        again = gemv.norm_route(h, d, nw, 1e-6, router, k, renorm, torch.float32, (tab, kept))
         assert torch.equal(again[2], w) and torch.equal(again[3], ids)
+        assert torch.equal(again[4], tab[ids]) and torch.equal(kept[:T * k], ids.reshape(-1))
+        assert (kept[T * k:] == -1).all()
+        assert norm_route_addrs_none(gemv, h, d, nw, router, k, renorm, tab)
         assert not gemv._election_counts(h.device).any()
+
+
+def norm_route_addrs_none(gemv, h, d, nw, router, k, renorm, tab) -> bool:
+    """No table: no addresses; a table without a row for the ids: the addresses alone."""
+    plain = gemv.norm_route(h, d, nw, 1e-6, router, k, renorm, torch.float32)
+    only = gemv.norm_route(h, d, nw, 1e-6, router, k, renorm, torch.float32, (tab, None))
+    return plain[4] is None and torch.equal(only[4], tab[plain[3]])
 
 
 def norm_route_ties():
@@ -88,7 +99,7 @@ def norm_route_ties():
     router[9] = router[4]
     h = (router[4] * 5)[None]                                  # experts 4 and 9 lead, tied
     d = torch.zeros(1, K)
-    _, _, w, ids = gemv.norm_route(h, d, torch.ones(K), 1e-6, router, 3, False, torch.float32)
+    _, _, w, ids, _ = gemv.norm_route(h, d, torch.ones(K), 1e-6, router, 3, False, torch.float32)
     assert ids[0, :2].tolist() == [4, 9] and w[0, 0] == w[0, 1]
 
 

@@ -93,8 +93,8 @@ class ExpertCache(ExpertProvider):
         self.prompt.experts_launched(layer)
 
     # --- zero-copy decode (experts/zero_copy.py) ---------------------------------------------------------------
-    def addresses(self, layer: int, ids):
-        return self.zero_copy.addresses(layer, ids)
+    def address_table(self, layer: int):
+        return self.zero_copy.address_table(layer)
 
     def layout(self, layer: int):
         return self.store.layouts[layer]

@@ -10,6 +10,7 @@ Zero-copy decode asks instead where each routed expert's row lies (device or pin
 kernel reads it there (kernels/decode.py):
 
     addrs = provider.addresses(layer, ids)     # (T, k) int64 addresses, without touching the host
+    table, routed = provider.address_table(layer)  # what `addresses` reads and writes (a fused router's launch)
 """
 from __future__ import annotations
 
@@ -69,9 +70,19 @@ class ExpertProvider:
         """ids (T, k) routed expert ids -> the weights and each choice's slot (or the cache's Waves)."""
         raise NotImplementedError
 
-    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """ids (T, k) -> (T, k) int64 addresses of each routed expert's row, for a zero-copy decode step."""
+    def address_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A zero-copy decode step's view of the layer: (E,) int64 device addresses of each expert's row (where
+        the step reads it), and a flat int64 device row the step writes its (T, k) ids into for the host (None:
+        the provider keeps none). Device tensors the provider rewrites in place, so a captured step reads them."""
         raise NotImplementedError
+
+    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T, k) -> (T, k) int64 addresses of each routed expert's row, for a zero-copy decode step; the ids
+        kept where address_table says (a fused step does both in its router's launch: kernels/gemv.py)."""
+        table, routed = self.address_table(layer)
+        if routed is not None:
+            routed[:ids.numel()].copy_(ids.reshape(-1))
+        return table[ids]
 
     def layout(self, layer: int) -> ExpertLayout:
         """How the layer's expert rows read (quant/layout.py): what a by-address kernel needs to read one."""
@@ -112,8 +123,8 @@ class ResidentExperts(ExpertProvider):
         self.rows, self.layouts = rows, layouts          # layer -> (E, row) on the device, and its layout
         self.addr = {l: row_addresses(r, r.device) for l, r in rows.items()}
 
-    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        return self.addr[layer][ids]
+    def address_table(self, layer: int):
+        return self.addr[layer], None
 
     def layout(self, layer: int) -> ExpertLayout:
         return self.layouts[layer]
@@ -142,15 +153,14 @@ class UploadPerUbatch(ExpertProvider):
         self.rows_of = {l: i for i, l in enumerate(sorted(store.rows))}
         self.routed = None                           # (host layers, MAX_TOKENS k): a zero-copy step's ids, on device
 
-    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+    def address_table(self, layer: int):
         """Zero-copy decode with no cache: every routed expert is read from host memory, in place. The ids are
-        kept for end_decode_step (a device copy into a fixed buffer: a captured step rewrites it each replay)."""
+        kept for end_decode_step (in a fixed buffer: a captured step rewrites it each replay)."""
         if self.routed is None:
             from ..kernels.decode import MAX_TOKENS
             self.routed = torch.zeros(len(self.rows_of), MAX_TOKENS * self.top_k, dtype=torch.int64,
-                                      device=ids.device)
-        self.routed[self.rows_of[layer], :ids.numel()].copy_(ids.reshape(-1))
-        return self.addr[layer][ids]
+                                      device=self.buf.device)
+        return self.addr[layer], self.routed[self.rows_of[layer]]
 
     def layout(self, layer: int) -> ExpertLayout:
         return self.store.layouts[layer]
@@ -193,8 +203,8 @@ class LayerRouter(ExpertProvider):
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         return self.by_layer[layer].lookahead_layers(layer, n_tokens)
 
-    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        return self.by_layer[layer].addresses(layer, ids)
+    def address_table(self, layer: int):
+        return self.by_layer[layer].address_table(layer)
 
     def landing(self, layer: int, ids: torch.Tensor):
         return self.by_layer[layer].landing(layer, ids)

@@ -2,7 +2,7 @@
 
     zc = ZeroCopyDecode(slots, planner, store, layers, max_tokens=16, top_k=8)      # over the cache's pool
     zc.begin_step()                      # the address table (layer, expert) -> slot or host row, onto the device
-    addrs = zc.addresses(layer, ids)     # inside the (captured) step: (T, k) addresses; the ids are kept
+    table, routed = zc.address_table(layer)   # inside the (captured) step: the addresses table[ids]; ids kept in routed
     zc.end_step(n_tokens)                # after the step is queued: learn from the previous step's routing
 
 A decode step then needs no host decision: the whole step is one CUDA graph, and a miss costs its bytes over the
@@ -86,13 +86,13 @@ class ZeroCopyDecode:
         self.current = 0                                    # the staging buffer of the queued step's table
         self.next = None                                    # Prepared: the next step's table, or None
 
-    def addresses(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """ids (T, k) -> (T, k) addresses; keeps the ids for the host (graph-safe: device copies only)."""
-        self.routed[layer, :ids.numel()].copy_(ids.reshape(-1))
-        return self.table[layer][ids]
+    def address_table(self, layer: int):
+        """The layer's row of the step's table, and its row of routed, where the step keeps its ids for the host
+        (graph-safe: the step writes them on the device)."""
+        return self.table[layer], self.routed[layer]
 
     def replay_route(self, layer: int, ids: np.ndarray) -> None:
-        """ids (T, k): the layer's routing of the current step, kept as `addresses` keeps it (a trace replay,
+        """ids (T, k): the layer's routing of the current step, kept as a step keeps it in routed (a trace replay,
         where no kernel runs)."""
         self.routed[layer, :ids.size] = torch.from_numpy(ids.astype(np.int64).reshape(-1))
 

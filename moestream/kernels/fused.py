@@ -7,7 +7,7 @@
     h, normed = add_rms_norm(h, delta, w, eps)
     y = linear(x, w, bias)                                      # kernels/gemv.py, carried here with the others:
     h, normed, y = norm_linear(h, delta, nw, eps, w, bias)      # one token's GEMV, the add and norm before it,
-    h, normed, weights, ids = norm_route(h, delta, nw, eps, router, k, renormalise, dtype)   # and the router's
+    h, normed, weights, ids, addrs = norm_route(h, delta, nw, eps, router, k, renormalise, dtype, table)  # router
 
 A decode token's layer is a few GEMVs and a few dozen tiny kernels (norms, rotary embedding, cache writes, the
 attention's matmuls, masks and softmax, top-k), each a few microseconds for almost no bytes; these kernels replace

@@ -3,7 +3,7 @@ and the MoE router's softmax and top-k after its product.
 
     y = linear(x, w, bias)                                  # x (T, K) -> (T, N); one token: this module's GEMV
     h, normed, y = norm_linear(h, delta, nw, eps, w, bias)  # y = linear(RMSNorm(h + delta) * nw, w, bias)
-    h, normed, weights, ids = norm_route(h, delta, nw, eps, router, k, renormalise, dtype)
+    h, normed, weights, ids, addrs = norm_route(h, delta, nw, eps, router, k, renormalise, dtype, table)
 
 A one-token decode layer is a few GEMVs between tiny kernels, and each launch costs a few microseconds of gaps and
 ramp-up for a few megabytes: the Qwen3-30B-A3B reference's step had 14 launches a layer (bench/RESULTS.md, stop 17).
@@ -97,11 +97,13 @@ if triton is not None:
         tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _norm_route(x_ptr, d_ptr, nw_ptr, r_ptr, lg_ptr, cnt_ptr, w_ptr, id_ptr, hout_ptr, nout_ptr, eps, E,
-                    K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, EP: tl.constexpr,
-                    TOPK: tl.constexpr, TKP: tl.constexpr, RENORM: tl.constexpr, NPROG: tl.constexpr):
+    def _norm_route(x_ptr, d_ptr, nw_ptr, r_ptr, lg_ptr, cnt_ptr, w_ptr, id_ptr, hout_ptr, nout_ptr, tab_ptr,
+                    addr_ptr, routed_ptr, eps, E, K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr,
+                    KB: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, RENORM: tl.constexpr,
+                    NPROG: tl.constexpr, TABLE: tl.constexpr, ROUTED: tl.constexpr):
         """Program (t, p): token t's add and norm, the logits of experts [p EB, (p + 1) EB) in float32; the last
-        of t's NPROG programs to finish: softmax, the TOPK largest (ties to the lower id), renormalised."""
+        of t's NPROG programs to finish: softmax, the TOPK largest (ties to the lower id), renormalised; where
+        TABLE, each choice's address from the table (and where ROUTED, the ids kept flat for the host too)."""
         t = tl.program_id(0)
         pid = tl.program_id(1)
         xt, dt = x_ptr + t * K, d_ptr + t * K
@@ -129,6 +131,10 @@ if triton is not None:
                 ws = ws / tl.sum(ws, axis=0)
             tl.store(w_ptr + t * TOPK + j, ws.to(w_ptr.dtype.element_ty), mask=j < TOPK)
             tl.store(id_ptr + t * TOPK + j, ids, mask=j < TOPK)
+            if TABLE:
+                tl.store(addr_ptr + t * TOPK + j, tl.load(tab_ptr + ids, mask=j < TOPK), mask=j < TOPK)
+            if ROUTED:
+                tl.store(routed_ptr + t * TOPK + j, ids, mask=j < TOPK)
             tl.store(cnt_ptr + t, 0)    # ready for the next launch (a graph's replays reuse the count)
 
 
@@ -184,21 +190,26 @@ def _election_counts(device: torch.device) -> torch.Tensor:
 
 
 def norm_route(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: float, router: torch.Tensor, k: int,
-               renormalise: bool, dtype: torch.dtype):
-    """h, delta (T, K), router (E, K) -> (h + delta, its RMSNorm * nw, (T, k) weights (dtype), (T, k) int64 ids):
-    the MoE block's add, norm, router, softmax, top-k and renormalisation in one launch."""
+               renormalise: bool, dtype: torch.dtype, table: tuple | None = None):
+    """h, delta (T, K), router (E, K) -> (h + delta, its RMSNorm * nw, (T, k) weights (dtype), (T, k) int64 ids,
+    (T, k) int64 addresses or None): the MoE block's add, norm, router, softmax, top-k and renormalisation in one
+    launch. table: a zero-copy step's (the expert rows' addresses (E,), a flat int64 row to keep the ids in, or
+    None) from the provider's address_table; the addresses are table[ids]."""
     T, K = h.shape
     E = router.shape[0]
+    if T > MAX_ROUTED:
+        raise ValueError(f"norm_route takes at most {MAX_ROUTED} tokens, got {T}")
     h_new, normed = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(T, E, dtype=torch.float32, device=h.device)
     w = torch.empty(T, k, dtype=dtype, device=h.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=h.device)
-    if T > MAX_ROUTED:
-        raise ValueError(f"norm_route takes at most {MAX_ROUTED} tokens, got {T}")
-    cnt = _election_counts(h.device)
+    tab, routed = table if table is not None else (None, None)
+    addrs = None if tab is None else torch.empty(T, k, dtype=torch.int64, device=h.device)
     nprog = triton.cdiv(E, ROUTE_EXPERTS)
-    _norm_route[(T, nprog)](h.contiguous(), delta.contiguous(), nw, router, logits, cnt, w, ids, h_new, normed, eps,
-                            E, K, triton.next_power_of_2(K), ROUTE_EXPERTS, min(KB, triton.next_power_of_2(K)),
-                            triton.next_power_of_2(E), k, triton.next_power_of_2(k), renormalise, nprog,
+    _norm_route[(T, nprog)](h.contiguous(), delta.contiguous(), nw, router, logits, _election_counts(h.device), w,
+                            ids, h_new, normed, ids if tab is None else tab, ids if addrs is None else addrs,
+                            ids if routed is None else routed, eps, E, K, triton.next_power_of_2(K), ROUTE_EXPERTS,
+                            min(KB, triton.next_power_of_2(K)), triton.next_power_of_2(E), k,
+                            triton.next_power_of_2(k), renormalise, nprog, tab is not None, routed is not None,
                             num_warps=4)
-    return h_new, normed, w, ids
+    return h_new, normed, w, ids, addrs

@@ -57,13 +57,16 @@ def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider,
 
 
 def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,
-                guess=None, by_address=None, fused=None) -> torch.Tensor:
+                guess=None, by_address=None, fused=None, addrs=None) -> torch.Tensor:
     """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert.
-    `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies.
-    `fused` (kernels.fused, decode steps on CUDA): the shared expert in two launches, on every path alike."""
+    `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies (addrs
+    (T, k), where the router's launch looked them up already). `fused` (kernels.fused, decode steps on CUDA): the
+    shared expert in two launches, on every path alike."""
     if by_address is not None:
         land = provider.landing(layer, ids)
-        out = by_address(x, provider.addresses(layer, ids), weights, provider.layout(layer), land)
+        if addrs is None:
+            addrs = provider.addresses(layer, ids)
+        out = by_address(x, addrs, weights, provider.layout(layer), land)
         return _shared(x, lw, cfg, out, fused)
     w = provider.fetch(layer, ids, guess)
     if isinstance(w, ExpertWeights):

@@ -111,15 +111,16 @@ class MoETransformer:
                 h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
                 delta = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
                 continue
-            routed = None
-            if fused is not None:       # a decode step: the add, norm, router and top-k in one launch
-                h, m, *routed = fused.norm_route(h, delta, lw["ffn_norm.weight"], cfg.rms_norm_eps,
-                                                 lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob,
-                                                 h.dtype)
+            routed = addrs = None
+            if fused is not None:       # a decode step: the add, norm, router, top-k and addresses in one launch
+                table = experts.address_table(i) if by_address is not None else None
+                h, m, *routed, addrs = fused.norm_route(h, delta, lw["ffn_norm.weight"], cfg.rms_norm_eps,
+                                                        lw["ffn_gate_inp.weight"], cfg.n_experts_used,
+                                                        cfg.norm_topk_prob, h.dtype, table)
             else:
                 h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
             weights, ids, guess = moe_route(m, lw, i, cfg, experts, batch.observer, self.next_routers[i], routed)
-            delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused)
+            delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs)
         h = h + delta
         h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                             # (R, V)
