@@ -342,18 +342,22 @@ def test_gemv_matches_the_eager_linear(N, K):
 
 
 @needs_cuda
-def test_fused_decode_step_close_to_the_eager_ops():
-    """The first decode logits with the fused kernels against torch's ops (the same model and prompt)."""
-    def first(fused):
-        llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=128, device="cuda")
+def test_fused_decode_step_as_close_to_float32_as_the_eager_ops():
+    """The first decode logits of eight prompts with the fused kernels and with torch's bf16 ops, against the same
+    bf16 weights run in float32: the fused step is as close (within 1.5x: both round, in other places, and its
+    router's float32 logits may pick another expert at a near-tie than the eager bf16 ones, or than float32)."""
+    def first(fused: bool, dtype: str = "bfloat16") -> torch.Tensor:
+        llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=128, device="cuda", dtype=dtype)
         if not fused:
             llm.engine.fused = None
-        eng = llm.engine
-        eng.prefill(0, list(range(3, 40)))
-        return eng.decode([(0, 11, 37)]).clone()
-    a, b = first(True), first(False)
-    assert (a - b).abs().max() < 0.05 * b.abs().max()
-    assert int(a.argmax()) == int(b.argmax())
+        eng, out = llm.engine, []
+        for s in range(8):
+            eng.prefill(0, list(range(3 + s, 40 + s)))
+            out.append(eng.decode([(0, 11 + s, 37)]).float())
+        return torch.cat(out)
+    truth = first(False, "float32")
+    fused, eager = first(True) - truth, first(False) - truth
+    assert fused.norm() <= 1.5 * eager.norm() + 1e-3 * truth.norm()
 
 
 @needs_cuda

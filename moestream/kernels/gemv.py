@@ -9,16 +9,19 @@ A one-token decode layer is a few GEMVs between tiny kernels, and each launch co
 ramp-up for a few megabytes: the Qwen3-30B-A3B reference's step had 14 launches a layer (bench/RESULTS.md, stop 17).
 Here the add and norm before the mixer's input projection run in the projection's programs (each recomputes the
 row's norm, a few KiB from L2, and program 0 writes the new residual stream and the normed row), and the MoE
-block's add, norm, router product, softmax, top-k and renormalisation are one launch: programs of a few experts'
-logits each, the last of a token's programs to finish (an atomic count, reset by it) runs the softmax and top-k on
-all of them. The count only elects which program does the top-k; every logit is one program's fixed-order sum, so
-the bits do not depend on the order programs run in.
+block's add, norm, router product, softmax, top-k, renormalisation and address lookup are one launch: one-warp
+programs of one or a few experts' logits each, the last of a token's programs to finish (an atomic count, reset by
+it) runs the softmax and top-k on all of them. The count only elects which program does the top-k; every logit is
+one program's fixed-order sum, so the bits do not depend on the order programs run in.
 
-Products are float32 sums of bf16 products in a fixed order per output (a program's tile of K, then its lanes), the
-normed row rounded to its dtype first as the eager ops round it; the results differ from cuBLAS's bits (oracles:
-the torch ops, tests/test_gemv.py), and every expert placement runs the same kernels, so the numerics contract
-holds. linear and norm_linear take this path for one token (a several-token step reads cuBLAS's GEMMs, which read
-each weight once for all tokens); norm_route serves any number of tokens (a router is a few hundred KiB).
+A program reads whole rows of the weight in one load (TILE weights at most), not a loop over K: a loop's loads
+wait on each other, and the first version, 512 columns a step, took 12.8 us for a 5120 x 2048 projection where
+cuBLAS takes 8 (bench/RESULTS.md, stop 17). Products are float32 sums of bf16 products in a fixed order per output
+(the lanes' shares, then across lanes), the normed row rounded to its dtype first as the eager ops round it; the
+bits differ from cuBLAS's (oracles: the torch ops, tests/test_gemv.py), and every expert placement runs the same
+kernels, so the numerics contract holds. linear and norm_linear take this path for one token (a several-token step
+reads cuBLAS's GEMMs, which read each weight once for all tokens); norm_route serves any number of tokens (a
+router is a few hundred KiB).
 """
 from __future__ import annotations
 
@@ -31,67 +34,48 @@ try:
 except ImportError:
     triton = None
 
-KB = 512                     # a program's tile of K a step
-ROUTE_EXPERTS = 4            # experts a router program computes (Qwen3-30B-A3B's 128: 32 programs a token)
-MIN_PROGRAMS = 256           # a GEMV's rows a program shrink from 16 to 8 to 4 until it has this many programs
+TILE = 8192                  # weights a program reads at once: whole rows, one load each, no loop to wait on
+MIN_PROGRAMS = 512           # a GEMV's rows a program halve until it has this many programs (or one row)
+ROUTE_WARPS = 1              # the router's programs: one warp each, so its norm and top-k reduce in shuffles
 
 
 if triton is not None:
     @triton.jit
-    def _normed(x_ptr, d_ptr, nw_ptr, k, km, r, DELTA: tl.constexpr):
-        """The normed row's values at k: RMSNorm(x + d) * nw rounded to x's dtype, as float32."""
+    def _normed_row(x_ptr, d_ptr, nw_ptr, hout_ptr, nout_ptr, eps, write, K: tl.constexpr, KP: tl.constexpr,
+                    NORM: tl.constexpr, DELTA: tl.constexpr):
+        """(KP,) float32: the whole row x (+ d), RMS-normed and times nw where NORM, rounded to x's dtype as the
+        eager ops round it; where `write`, the new residual stream x + d and the normed row stored."""
+        k = tl.arange(0, KP)
+        km = k < K
         s = tl.load(x_ptr + k, mask=km, other=0.0)
         if DELTA:
             s = s + tl.load(d_ptr + k, mask=km, other=0.0)
-        y = s.to(tl.float32) * r * tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-        return y.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-    @triton.jit
-    def _norm_prologue(x_ptr, d_ptr, nw_ptr, hout_ptr, nout_ptr, eps, write, K: tl.constexpr, KP: tl.constexpr,
-                       DELTA: tl.constexpr):
-        """The row's reciprocal RMS; where `write`, the new residual stream x + d and the normed row stored."""
-        i = tl.arange(0, KP)
-        ok = i < K
-        s = tl.load(x_ptr + i, mask=ok, other=0.0)
-        if DELTA:
-            s = s + tl.load(d_ptr + i, mask=ok, other=0.0)
         sf = s.to(tl.float32)
-        r = tl.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
-        if write:
-            tl.store(hout_ptr + i, s, mask=ok)
-            y = sf * r * tl.load(nw_ptr + i, mask=ok, other=0.0).to(tl.float32)
-            tl.store(nout_ptr + i, y.to(nout_ptr.dtype.element_ty), mask=ok)
-        return r
+        if NORM:
+            r = tl.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
+            y = (sf * r * tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if write:
+                tl.store(hout_ptr + k, s, mask=km)
+                tl.store(nout_ptr + k, y, mask=km)
+            sf = y.to(tl.float32)
+        return sf
 
     @triton.jit
-    def _rows_dot(x_ptr, d_ptr, nw_ptr, w_ptr, n, nm, r, K: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr,
-                  NORM: tl.constexpr, DELTA: tl.constexpr):
-        """(BN,) float32: rows n of w (N, K) against x (the normed row where NORM)."""
-        acc = tl.zeros([BN, KB], dtype=tl.float32)
-        rows = n.to(tl.int64)[:, None] * K
-        for k0 in range(0, K, KB):
-            k = k0 + tl.arange(0, KB)
-            km = k < K
-            if NORM:
-                xv = _normed(x_ptr, d_ptr, nw_ptr, k, km, r, DELTA)
-            else:
-                xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc += w.to(tl.float32) * xv[None, :]
-        return tl.sum(acc, axis=1)
+    def _rows_dot(w_ptr, xv, n, nm, K: tl.constexpr, KP: tl.constexpr):
+        """(BN,) float32: whole rows n of w (N, K) against xv (KP,), in one load."""
+        k = tl.arange(0, KP)
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
+        return tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
 
     @triton.jit
     def _gemv(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, hout_ptr, nout_ptr, eps, N, K: tl.constexpr,
-              KP: tl.constexpr, NORM: tl.constexpr, DELTA: tl.constexpr, BIAS: tl.constexpr, BN: tl.constexpr,
-              KB: tl.constexpr):
+              KP: tl.constexpr, NORM: tl.constexpr, DELTA: tl.constexpr, BIAS: tl.constexpr, BN: tl.constexpr):
         """Program p: outputs [p BN, (p + 1) BN) of one token's y = w x (+ b), x normed first where NORM."""
         pid = tl.program_id(0)
-        r = 1.0
-        if NORM:
-            r = _norm_prologue(x_ptr, d_ptr, nw_ptr, hout_ptr, nout_ptr, eps, pid == 0, K, KP, DELTA)
+        xv = _normed_row(x_ptr, d_ptr, nw_ptr, hout_ptr, nout_ptr, eps, pid == 0, K, KP, NORM, DELTA)
         n = pid * BN + tl.arange(0, BN)
         nm = n < N
-        y = _rows_dot(x_ptr, d_ptr, nw_ptr, w_ptr, n, nm, r, K, BN, KB, NORM, DELTA)
+        y = _rows_dot(w_ptr, xv, n, nm, K, KP)
         if BIAS:
             y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
         tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
@@ -99,18 +83,18 @@ if triton is not None:
     @triton.jit
     def _norm_route(x_ptr, d_ptr, nw_ptr, r_ptr, lg_ptr, cnt_ptr, w_ptr, id_ptr, hout_ptr, nout_ptr, tab_ptr,
                     addr_ptr, routed_ptr, eps, E, K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr,
-                    KB: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, RENORM: tl.constexpr,
+                    EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, RENORM: tl.constexpr,
                     NPROG: tl.constexpr, TABLE: tl.constexpr, ROUTED: tl.constexpr):
         """Program (t, p): token t's add and norm, the logits of experts [p EB, (p + 1) EB) in float32; the last
         of t's NPROG programs to finish: softmax, the TOPK largest (ties to the lower id), renormalised; where
         TABLE, each choice's address from the table (and where ROUTED, the ids kept flat for the host too)."""
         t = tl.program_id(0)
         pid = tl.program_id(1)
-        xt, dt = x_ptr + t * K, d_ptr + t * K
-        r = _norm_prologue(xt, dt, nw_ptr, hout_ptr + t * K, nout_ptr + t * K, eps, pid == 0, K, KP, True)
+        xv = _normed_row(x_ptr + t * K, d_ptr + t * K, nw_ptr, hout_ptr + t * K, nout_ptr + t * K, eps, pid == 0,
+                         K, KP, True, True)
         e = pid * EB + tl.arange(0, EB)
         em = e < E
-        tl.store(lg_ptr + t * E + e, _rows_dot(xt, dt, nw_ptr, r_ptr, e, em, r, K, EB, KB, True, True), mask=em)
+        tl.store(lg_ptr + t * E + e, _rows_dot(r_ptr, xv, e, em, K, KP), mask=em)
         tl.debug_barrier()              # every lane's logits stored before the count says so (release, gpu scope)
         if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
             ee = tl.arange(0, EP)
@@ -138,9 +122,10 @@ if triton is not None:
             tl.store(cnt_ptr + t, 0)    # ready for the next launch (a graph's replays reuse the count)
 
 
-def _rows_a_program(n: int) -> int:
-    bn = 16
-    while bn > 4 and triton.cdiv(n, bn) < MIN_PROGRAMS:
+def _rows_a_program(n: int, kp: int) -> int:
+    """Rows a GEMV program reads: TILE weights at most, halved until the GEMV has MIN_PROGRAMS programs."""
+    bn = max(1, TILE // kp)
+    while bn > 1 and triton.cdiv(n, bn) < MIN_PROGRAMS:
         bn //= 2
     return bn
 
@@ -152,11 +137,11 @@ def _launch_gemv(x, delta, nw, eps, w, bias, norm: bool):
         raise ValueError(f"gemv: weight {tuple(w.shape)} (contiguous) against x {tuple(x.shape)}")
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     h, normed = (torch.empty_like(x), torch.empty_like(x)) if norm else (x, x)
-    bn = _rows_a_program(N)
+    kp = triton.next_power_of_2(K)
+    bn = _rows_a_program(N, kp)
     _gemv[(triton.cdiv(N, bn),)](x, x if delta is None else delta.contiguous(), x if nw is None else nw, w,
-                                 w if bias is None else bias, y, h, normed, eps, N, K, triton.next_power_of_2(K),
-                                 norm, delta is not None, bias is not None, bn, min(KB, triton.next_power_of_2(K)),
-                                 num_warps=4)
+                                 w if bias is None else bias, y, h, normed, eps, N, K, kp, norm, delta is not None,
+                                 bias is not None, bn, num_warps=4)
     return h, normed, y
 
 
@@ -205,11 +190,12 @@ def norm_route(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: floa
     ids = torch.empty(T, k, dtype=torch.int64, device=h.device)
     tab, routed = table if table is not None else (None, None)
     addrs = None if tab is None else torch.empty(T, k, dtype=torch.int64, device=h.device)
-    nprog = triton.cdiv(E, ROUTE_EXPERTS)
+    kp = triton.next_power_of_2(K)
+    eb = max(1, min(triton.next_power_of_2(E), 2048 // kp))       # experts a program: 2048 weights a warp
+    nprog = triton.cdiv(E, eb)
     _norm_route[(T, nprog)](h.contiguous(), delta.contiguous(), nw, router, logits, _election_counts(h.device), w,
                             ids, h_new, normed, ids if tab is None else tab, ids if addrs is None else addrs,
-                            ids if routed is None else routed, eps, E, K, triton.next_power_of_2(K), ROUTE_EXPERTS,
-                            min(KB, triton.next_power_of_2(K)), triton.next_power_of_2(E), k,
+                            ids if routed is None else routed, eps, E, K, kp, eb, triton.next_power_of_2(E), k,
                             triton.next_power_of_2(k), renormalise, nprog, tab is not None, routed is not None,
-                            num_warps=4)
+                            num_warps=ROUTE_WARPS)
     return h_new, normed, w, ids, addrs
