@@ -57,7 +57,7 @@ def test_fla_recurrent_matches_the_reference():
 @needs_fla
 @pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5_moe"])
 def test_the_in_place_step_kernel_matches_the_reference(layout):
-    """kernels/delta.py's one-launch decode step, compiled, bf16, at Qwen3-Next's head shapes (16 key heads, 2 value
+    """kernels/delta.py's in-place decode step, compiled, bf16, at Qwen3-Next's head shapes (16 key heads, 2 value
     heads each, 128 x 128 states), against step_in_place on the same inputs; twice the same bits."""
     from moestream.kernels.delta import step_in_place_triton
     from moestream.models.deltanet import step_in_place

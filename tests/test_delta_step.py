@@ -76,6 +76,8 @@ def test_fused_projections_give_the_split_layouts_views(ba):
 
 @pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5_moe"])
 def test_step_in_place_kernel_in_the_interpreter(layout):
+    """The two launches (_step_in_place's blocks of dv, _norm_and_shift's rows) give the oracle's output, states
+    and conv windows, at one and several blocks of dv, a partial last block, and 1 to 4 value heads a key head."""
     pytest.importorskip("triton")
     run_check(__file__, layout, timeout=600)
 
@@ -83,13 +85,16 @@ def test_step_in_place_kernel_in_the_interpreter(layout):
 def check(layout: str) -> None:
     from moestream.kernels.delta import step_in_place_triton
     from moestream.models.deltanet import step_in_place
-    for shape in (dict(), dict(nk=1, r=3, dk=16, dv=16, KW=3, B=1)):
+    # one block of dv (BLOCK_V = 32 columns, or fewer: next_power_of_2(dv)), then two (the last one partial, and
+    # r = 1: one program shifts both q and k's conv state), then two full ones at r = 4 and the shortest conv
+    for shape in (dict(), dict(nk=1, r=3, dk=16, dv=16, KW=3, B=1), dict(nk=2, r=1, dk=8, dv=40),
+                  dict(nk=1, r=4, dk=20, dv=64, KW=2, B=2)):
         cfg, lw, x, proj, conv, ssm, rows = case(layout, torch.Generator().manual_seed(2), **shape)
         conv2, ssm2 = conv.clone(), ssm.clone()
         want = step_in_place(*proj, conv, ssm, rows, lw, 1e-6)
         got = step_in_place_triton(*proj, conv2, ssm2, rows, lw, 1e-6)
         close(got, want)
-        close(conv2, conv)
+        assert torch.equal(conv2, conv)                     # the conv window: inputs shifted, no arithmetic
         close(ssm2, ssm)
         others = [s for s in range(conv.shape[0]) if s not in rows.tolist()]
         assert torch.equal(conv2[others], conv[others]) and torch.equal(ssm2[others], ssm[others])
