@@ -36,6 +36,7 @@ except ImportError:
 
 TILE = 8192                  # weights a program reads at once: whole rows, one load each, no loop to wait on
 MIN_PROGRAMS = 512           # a GEMV's rows a program halve until it has this many programs (or one row)
+GEMV_WARPS = 4
 ROUTE_WARPS = 1              # the router's programs: one warp each, so its norm and top-k reduce in shuffles
 
 
@@ -141,7 +142,7 @@ def _launch_gemv(x, delta, nw, eps, w, bias, norm: bool):
     bn = _rows_a_program(N, kp)
     _gemv[(triton.cdiv(N, bn),)](x, x if delta is None else delta.contiguous(), x if nw is None else nw, w,
                                  w if bias is None else bias, y, h, normed, eps, N, K, kp, norm, delta is not None,
-                                 bias is not None, bn, num_warps=4)
+                                 bias is not None, bn, num_warps=GEMV_WARPS)
     return h, normed, y
 
 
