@@ -28,7 +28,8 @@ def parser(**changes) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("name,value,flag", [
     ("ctx_size", 0, "--ctx-size"), ("batch_size", 0, "-b"), ("ubatch_size", -1, "-ub"),
     ("n_cpu_moe", -1, "--n-cpu-moe"), ("device", "tpu", "--device"), ("dtype", "int8", "--dtype"),
-    ("kernel", "fast", "--kernel"), ("moe_cache_mib", -1, "--moe-cache-mib"), ("cache_policy", "fifo", "--cache-policy"),
+    ("kernel", "fast", "--kernel"), ("moe_cache_mib", -1, "--moe-cache-mib"), ("moe_cache_mib", "4000", "--moe-cache-mib"),
+    ("moe_cache_mib", True, "--moe-cache-mib"), ("cache_policy", "fifo", "--cache-policy"),
     ("prefetch_min_batch", 0, "--prefetch-min-batch"), ("lookahead_layers", 5, "--lookahead-layers"),
     ("lookahead_layers", 0, "--lookahead-layers"), ("prefetch_min_use", 1.5, "--prefetch-min-use"),
     ("n_seq", 0, "-np"),
@@ -43,6 +44,7 @@ def test_the_nested_configs_validate_where_they_are_made():
         Batching(ctx_size=0)
     with pytest.raises(UserError, match="--moe-cache-mib"):
         CacheConfig(mib=-2)
+    assert CacheConfig(mib=30.0).mib == 30.0                    # LLM(moe_cache_mib=30.0) runs (a float of MiB)
     with pytest.raises(UserError, match="--lookahead-layers"):
         CacheConfig(prefetch=PrefetchConfig(lookahead_layers=9))
     with pytest.raises(UserError, match="--n-cpu-moe"):

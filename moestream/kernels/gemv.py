@@ -34,9 +34,9 @@ try:
 except ImportError:
     triton = None
 
-TILE = 8192                  # weights a program reads at once: whole rows, one load each, no loop to wait on
+TILE = 16384                 # weights a program reads at once: whole rows, one load each, no loop to wait on
 MIN_PROGRAMS = 512           # a GEMV's rows a program halve until it has this many programs (or one row)
-GEMV_WARPS = 4
+GEMV_WARPS = 8               # TILE and warps: the least time over five projections (bench/gemv.py, RESULTS.md)
 ROUTE_WARPS = 1              # the router's programs: one warp each, so its norm and top-k reduce in shuffles
 
 
