@@ -141,6 +141,19 @@ def test_eight_experts_and_shared_expert():
     assert mix.type("blk.1.attn_q.bias", (4096,)) == Q.F32
 
 
+def test_the_hybrids_deltanet_input_gets_more_bits():
+    """llama-quantize's attn_qkv rule (the DeltaNet's fused input projection of qwen3next and qwen35moe): Q5_K in a
+    Q4_K_M file, Q6_K in a Q5_K_M one, the file type's own otherwise; its gate and the attention layers' q as the
+    file type."""
+    from moestream.quant.mix import Mix
+    cfg = _reference_config()
+    for ftype, want in (("Q4_K_M", Q.Q5_K), ("Q5_K_M", Q.Q6_K), ("Q4_K_S", Q.Q4_K), ("Q6_K", Q.Q6_K)):
+        mix = Mix.for_config(cfg, ftype)
+        assert mix.type("blk.4.attn_qkv.weight", (8192, 2048)) == want, ftype
+    mix = Mix.for_config(cfg, "Q4_K_M")
+    assert mix.type("blk.4.attn_gate.weight", (4096, 2048)) == mix.type("blk.3.attn_q.weight", (8192, 2048)) == Q.Q4_K
+
+
 def test_fallbacks_and_overrides():
     """Rows that are not whole 256-blocks: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, F16 when
     not whole 32-blocks; output.weight Q8_0 then. The overrides win."""

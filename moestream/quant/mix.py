@@ -18,6 +18,7 @@ The rules moestream's families meet (no Falcon, no 70B, no imatrix):
   n_expert > 1, and counts n_ffn_down as the layer count), then Q6_K in the `use_more_bits` layers for Q4_K_M and
   Q5_K_M, Q5_K in the first eighth of the layers for Q4_K_S, IQ4_NL and IQ4_XS.
 - attn_output: Q5_K for Q4_K_S, Q4_K_M, IQ4_NL and IQ4_XS when the model has 8 experts.
+- attn_qkv (the hybrids' DeltaNet input projection): Q5_K for Q4_K_M, Q6_K for Q5_K_M.
 - A row that is not whole blocks of its type falls back as llama.cpp's does: Q4_K -> Q5_0, Q5_K -> Q5_1,
   Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, and to F16 when not whole 32-blocks either (where llama.cpp stops with an error).
 """
@@ -127,6 +128,8 @@ class Mix:
             return Q.Q8_0 if self.n_expert == 8 else t
         if "attn_k.weight" in name:
             return Q.Q8_0 if self.n_expert == 8 else t
+        if "attn_qkv.weight" in name:   # the hybrids' DeltaNet input (llama.cpp's qwen3next, qwen35moe)
+            return {"Q4_K_M": Q.Q5_K, "Q5_K_M": Q.Q6_K}.get(f, t)
         if "ffn_down" in name:
             if f == "Q4_K_M" and use_more_bits(layer, L):
                 return Q.Q6_K
