@@ -282,7 +282,7 @@ class CacheConfig:
     def __post_init__(self):
         if self.mib is not None and (isinstance(self.mib, bool) or not isinstance(self.mib, (int, float))
                                      or self.mib < 0):
-            raise UserError(f"--moe-cache-mib must be a number of MiB >= 0, got {self.mib!r}")
+            raise UserError(f"--moe-cache-mib must be >= 0 (a number of MiB), got {self.mib!r}")
         if self.policy not in ("lfru", "lru"):
             raise UserError(f"--cache-policy must be lfru or lru, got {self.policy!r}")
         pf = self.prefetch
