@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .gemv import linear, norm_linear, norm_route  # noqa: F401  (a decode step's GEMVs, carried with the others)
+from .gemv import _normed_row
 from .shared_expert import shared_expert  # noqa: F401  (a decode step's shared expert, carried with the others)
 
 try:
@@ -165,14 +166,8 @@ if triton is not None:
     def _add_rms_norm(h_ptr, d_ptr, w_ptr, hout_ptr, nout_ptr, eps, H: tl.constexpr, HP: tl.constexpr):
         """Program t: s = h + d rounded to h's dtype (the new residual stream), and RMSNorm(s) * w."""
         t = tl.program_id(0)
-        i = tl.arange(0, HP)
-        ok = i < H
-        s = tl.load(h_ptr + t * H + i, mask=ok, other=0.0) + tl.load(d_ptr + t * H + i, mask=ok, other=0.0)
-        tl.store(hout_ptr + t * H + i, s, mask=ok)
-        x = s.to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        y = x * r * tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        tl.store(nout_ptr + t * H + i, y.to(nout_ptr.dtype.element_ty), mask=ok)
+        _normed_row(h_ptr + t * H, d_ptr + t * H, w_ptr, hout_ptr + t * H, nout_ptr + t * H, eps, True, H, HP,
+                    True, True)
 
 
 def fused_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
