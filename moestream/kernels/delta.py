@@ -111,6 +111,17 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _program_head(rows_ptr, conv_ptr, NK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      KW: tl.constexpr):
+        """Program (b, h, ..): token b, value head h, its key head, its place j among the key head's R value heads,
+        the row of b's sequence in the cache, and that row's conv state (C, KW-1)."""
+        bi = tl.program_id(0)
+        h = tl.program_id(1)
+        row = tl.load(rows_ptr + bi).to(tl.int64)
+        C: tl.constexpr = 2 * NK * DK + NK * R * DV
+        return bi, h, h // R, h % R, row, conv_ptr + row * (C * (KW - 1))
+
+    @triton.jit
     def _step_in_place(q_ptr, k_ptr, v_ptr, b_ptr, a_ptr, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sv_j,
                        sb_b, sb_h, sb_j, sa_b, sa_h, sa_j, conv_ptr, cw_ptr, ssm_ptr, rows_ptr, A_ptr, dtb_ptr,
                        o_ptr, scale, NK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -119,14 +130,8 @@ if triton is not None:
         cache) in place, and those columns of its output before the norm (o_ptr (B, nv dv), in v's dtype). Its key
         head's q and k come from their conv state, read and not written (every program of the key head reads it;
         _norm_and_shift shifts it, in the next launch); the conv state of its own v channels it reads and shifts."""
-        bi = tl.program_id(0)
-        h = tl.program_id(1)
+        bi, h, kh, j, row, st = _program_head(rows_ptr, conv_ptr, NK, R, DK, DV, KW)
         c = tl.program_id(2)
-        kh = h // R
-        j = h % R
-        row = tl.load(rows_ptr + bi).to(tl.int64)
-        C: tl.constexpr = 2 * NK * DK + NK * R * DV
-        st = conv_ptr + row * (C * (KW - 1))
         dt = v_ptr.dtype.element_ty
         ik = tl.arange(0, BK)
         mk = ik < DK
@@ -160,13 +165,7 @@ if triton is not None:
         """Program (b, h): value head h's gated RMSNorm over its whole row of o_ptr (_step_in_place's output, in
         place); and the q/k conv states of its key head shifted, q's by its first value head (j = 0), k's by its
         last (j = R - 1), now that every program of the launch before has read them."""
-        bi = tl.program_id(0)
-        h = tl.program_id(1)
-        kh = h // R
-        j = h % R
-        row = tl.load(rows_ptr + bi).to(tl.int64)
-        C: tl.constexpr = 2 * NK * DK + NK * R * DV
-        st = conv_ptr + row * (C * (KW - 1))
+        bi, h, kh, j, _, st = _program_head(rows_ptr, conv_ptr, NK, R, DK, DV, KW)
         ik = tl.arange(0, BK)
         mq = (ik < DK) & (ik * 0 + j == 0)          # (BK,): j as a block, the interpreter refuses block & scalar
         mk = (ik < DK) & (ik * 0 + j == R - 1)
