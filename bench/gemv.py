@@ -9,6 +9,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_ms
 
 from moestream.kernels import gemv
 from moestream.models.moe import route
@@ -21,22 +22,9 @@ SHAPES = {"30B qkv": (5120, 2048), "30B o": (2048, 4096), "Next ssm_proj": (1235
           "Next attn qkv": (9216, 2048), "Next ssm_out / o": (2048, 4096)}
 
 
-def timed(fn, reps: int = 50) -> float:
-    """µs a call of fn, replayed from one CUDA graph of `reps` calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * reps)
+def timed(fn) -> float:
+    """µs a call of fn, 50 calls replayed from one CUDA graph (median of 5 replays)."""
+    return 1e3 * graph_ms(lambda i: fn(), 50, 5)
 
 
 total = {}                      # (tile, warps) -> µs summed over the projections

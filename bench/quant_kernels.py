@@ -24,6 +24,7 @@ import statistics
 
 import torch
 from gguf import GGMLQuantizationType as Q
+from graph_timing import graph_ms
 
 from moestream.kernels.decode import experts_by_address
 from moestream.kernels.decode_quant import experts_by_address_quant
@@ -62,31 +63,16 @@ def timed(fn, n_inputs: int = 1, graphs: bool = False) -> float:
     CUDA graph, each replay timed and divided by n_inputs."""
     for i in range(max(5, n_inputs)):
         fn(i % n_inputs)
-    run = lambda: fn(0)                                                        # noqa: E731
     if graphs:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for i in range(n_inputs):
-                fn(i)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(n_inputs):
-                fn(i)
-        run = graph.replay
-        run()
+        return graph_ms(fn, n_inputs, ns.reps)
     times = []
     for i in range(ns.reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        if graphs:
-            run()
-        else:
-            fn(i % n_inputs)
+        fn(i % n_inputs)
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / (n_inputs if graphs else 1))
+        times.append(a.elapsed_time(b))
     return statistics.median(times)
 
 

@@ -13,10 +13,11 @@ reads (3 I H + H elements). --configs: block shapes of the kernel, BLOCK_IxBLOCK
 (the module's GATE_UP and DOWN first). `vs torch`: |kernel - torch| / |torch| at the largest T. Prints markdown.
 """
 import argparse
-import statistics
 import types
 
 import torch
+
+from graph_timing import graph_ms
 
 from moestream.kernels.shared_expert import DOWN, GATE_UP, shared_expert
 from moestream.models.moe import _shared
@@ -39,26 +40,7 @@ def parse(spec: str) -> tuple:
 
 def timed(fn) -> float:
     """Median milliseconds of one call; call i takes layer i's weights; the LAYERS calls replayed as one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                     # warm-up (compiles the kernels) outside the capture
-        for i in range(LAYERS):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(ns.reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / LAYERS)
-    return statistics.median(times)
+    return graph_ms(fn, LAYERS, ns.reps)
 
 
 g = torch.Generator(device="cuda").manual_seed(0)
