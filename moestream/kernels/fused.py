@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from .gemv import linear, norm_linear, norm_route  # noqa: F401  (a decode step's GEMVs, carried with the others)
-from .gemv import _normed_row
 from .shared_expert import shared_expert  # noqa: F401  (a decode step's shared expert, carried with the others)
 
 try:
@@ -33,6 +32,8 @@ except ImportError:
 
 
 if triton is not None:
+    from .gemv import _normed_row       # the add and norm of add_rms_norm (defined where Triton is)
+
     @triton.jit
     def _qk_rope_kv(qkv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, eps,
                     NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, CTX: tl.constexpr,
