@@ -300,6 +300,8 @@ class DecodeConfig:
     zero_copy: bool | None = None    # decode kernels read each expert where it lies, a slot or pinned host memory
                                      # (None: where the Triton kernel runs, CUDA with 16-bit weights)
     read_through: bool = True        # ... and a one-token step writes what it read from host into free cache slots
+    stage: bool | None = None        # ... copying the step's host reads into device rows first, in one launch
+                                     # (kernels/stage.py; None: for quantized experts)
     cuda_graphs: bool = True         # decode steps replay CUDA graphs (on CUDA, with a kernel other than reference)
 
 

@@ -75,6 +75,9 @@ OPTIONS = (
     Option("read_through", "decode.read_through", ("--read-through",),
            "zero-copy decode of one token also writes each expert it reads from host memory into a free cache "
            "slot, so the next token reads it there (default: on)", "both"),
+    Option("stage_host_reads", "decode.stage", ("--stage-host-reads",),
+           "zero-copy decode copies the experts a step reads from host memory into device memory first, in one "
+           "launch, and computes from there (default: on for quantized experts)", "both"),
     Option("cuda_graphs", "decode.cuda_graphs", ("--no-cuda-graphs",), "decode eagerly, without CUDA graphs", "off"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}

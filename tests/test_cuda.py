@@ -219,7 +219,9 @@ def test_zero_copy_decode_hash_same_on_every_placement_and_cache():
     hashes, reads = set(), {}
     for kw in ({}, {"cuda_graphs": False}, {"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 0},
                {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 100},
-               {"cpu_moe": True, "moe_cache_mib": 100, "cuda_graphs": False}, {"n_cpu_moe": 1, "moe_cache_mib": 3}):
+               {"cpu_moe": True, "moe_cache_mib": 100, "cuda_graphs": False}, {"n_cpu_moe": 1, "moe_cache_mib": 3},
+               {"cpu_moe": True, "stage_host_reads": True}, {"cpu_moe": True, "moe_cache_mib": 3,
+                                                             "stage_host_reads": True}):
         llm = LLM(spec, ctx_size=256, device="cuda", **kw)
         assert llm.engine.decode_kernel is not None
         hashes.add(llm.generate(prompt, max_tokens=32, ignore_eos=True).sha256)
@@ -350,7 +352,9 @@ def test_batched_zero_copy_decode_identical_on_every_placement():
         return decode_three(LLM("synth:tiny:dtype=bfloat16", ctx_size=64, device="cuda", n_seq=3, **kw).engine)
     base = run()
     for kw in ({"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 12}, {"cpu_moe": True, "moe_cache_mib": 12,
-                                                                          "cuda_graphs": False}):
+                                                                          "cuda_graphs": False},
+               {"cpu_moe": True, "stage_host_reads": True}, {"cpu_moe": True, "moe_cache_mib": 12,
+                                                             "stage_host_reads": True}):
         assert all(torch.equal(a, b) for a, b in zip(run(**kw), base)), kw
 
 
@@ -360,7 +364,8 @@ def test_read_through_keeps_the_hash_and_lands_experts():
     by the decode kernel as it read them."""
     spec, prompt = "synth:tiny:dtype=bfloat16", list(range(3, 60, 2))
     want = LLM(spec, ctx_size=256, device="cuda").generate(prompt, max_tokens=32, ignore_eos=True).sha256
-    for kw in ({"moe_cache_mib": 3}, {"moe_cache_mib": 100}, {"moe_cache_mib": 100, "cuda_graphs": False}):
+    for kw in ({"moe_cache_mib": 3}, {"moe_cache_mib": 100}, {"moe_cache_mib": 100, "cuda_graphs": False},
+               {"moe_cache_mib": 100, "stage_host_reads": True}):
         llm = LLM(spec, ctx_size=256, device="cuda", cpu_moe=True, read_through=True, **kw)
         assert llm.generate(prompt, max_tokens=32, ignore_eos=True).sha256 == want, kw
         assert llm.stats()["total"]["landed"] > 0, kw

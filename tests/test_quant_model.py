@@ -148,19 +148,29 @@ def test_numerics_contract_per_quantized_file_on_cuda(files, name):
 
 
 def test_zero_copy_decode_reads_quantized_rows_in_place(files):
-    """Decode steps read each quantized expert where it lies (a slot or its host row): the same logits at every
-    cache size, and the same as the steps with every expert on the device."""
+    """Decode steps read each quantized expert where it lies (a slot or its host row), staged or in place: the
+    same tokens at every cache size, and the same as the steps with every expert on the device. Staged (the
+    default for quantized experts) a step lands what it reads in free slots (read-through); in place it does not."""
     path, _ = files["mixed"]
     kw = dict(ubatch_size=16, ctx_size=128, device="cpu", zero_copy_decode=True)
     base = LLM(path, **kw)
     assert base.engine.decode_kernel is not None
     want = base.generate(_prompt(12, 4), max_tokens=10, ignore_eos=True)
-    for extra in (dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=1), dict(cpu_moe=True, moe_cache_mib=1000)):
+    for extra in (dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=1), dict(cpu_moe=True, moe_cache_mib=1000),
+                  dict(cpu_moe=True, stage_host_reads=False), dict(cpu_moe=True, moe_cache_mib=1,
+                                                                   stage_host_reads=False)):
         llm = LLM(path, **kw, **extra)
         got = llm.generate(_prompt(12, 4), max_tokens=10, ignore_eos=True)
         assert got.sha256 == want.sha256, extra
+        staged = extra.get("stage_host_reads", True)
         if "moe_cache_mib" in extra:
-            assert llm.engine.host.zero_copy is not None and llm.engine.host.zero_copy.n_land == 0
+            zc = llm.engine.host.zero_copy
+            assert zc is not None and (zc.scratch is not None) == staged and zc.n_land == (2 if staged else 0)
+            llm.engine.host.flush_decode()
+            landed = llm.engine.host.stats.summary(llm.engine.host.stats.total)["landed"]
+            assert (landed > 0) == (staged and extra["moe_cache_mib"] == 1000), (extra, landed)
+        else:
+            assert llm.engine.host.staged == staged
 
 
 # --- K-quants, through moestream's quantizer and llama-quantize's mixes -------------------------------------------

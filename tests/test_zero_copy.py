@@ -43,7 +43,9 @@ def reference():
 @pytest.mark.parametrize("kw", [{"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 0},
                                 {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 3,
                                                                         "cache_policy": "lru"},
-                                {"cpu_moe": True, "moe_cache_mib": 1000}, {"n_cpu_moe": 1, "moe_cache_mib": 2}])
+                                {"cpu_moe": True, "moe_cache_mib": 1000}, {"n_cpu_moe": 1, "moe_cache_mib": 2},
+                                {"cpu_moe": True, "stage_host_reads": True},
+                                {"cpu_moe": True, "moe_cache_mib": 3, "stage_host_reads": True}])
 def test_greedy_tokens_identical_whatever_the_cache(reference, kw):
     llm = LLM("synth:tiny", **KW, **kw)
     assert llm.engine.decode_kernel is not None
@@ -165,11 +167,13 @@ def test_a_pool_smaller_than_a_step_keeps_each_layers_hottest_experts():
     assert reads[-1] < reads[0]
 
 
+@pytest.mark.parametrize("stage", [False, True])
 @pytest.mark.parametrize("mib", [0, 2, 12, 1000])
-def test_read_through_changes_no_token(reference, mib):
-    """Read-through (a one-token step writes the experts it reads from host memory into free slots): the same
-    greedy tokens, and the landed experts hold their own bytes (the table check below reads them)."""
-    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=mib, read_through=True)
+def test_read_through_changes_no_token(reference, mib, stage):
+    """Read-through (a one-token step writes the experts it reads from host memory into free slots, as the kernel
+    reads them or staged: kernels/stage.py): the same greedy tokens, and the landed experts hold their own bytes
+    (the table check below reads them)."""
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=mib, read_through=True, stage_host_reads=stage)
     assert [llm.generate(p, max_tokens=24, ignore_eos=True).sha256 for p in PROMPTS] == reference
     _check_table(llm.engine.host)
     llm.engine.host.residency.check()
@@ -199,12 +203,17 @@ def test_read_through_serves_the_next_step_from_the_slot():
     assert through[2] == plain[2] == 0            # by the third step the uploads have landed too
 
 
-def test_a_several_token_step_reads_each_missed_expert_once_and_lands_it():
-    """Three streams decoded in one step (the CPU reference follows the grouped kernel): a layer's host reads are
-    its distinct host-read experts, however many tokens chose each; read-through lands them (the distinct ones,
-    in ascending id, landing_slots_grouped) in free slots with their bytes, and the next step reads them there."""
+@pytest.mark.parametrize("stage", [False, True])
+def test_a_several_token_step_reads_each_missed_expert_once_and_lands_it(stage):
+    """Three streams decoded in one step (the CPU reference follows the grouped kernel, or stages): a layer's host
+    reads are its distinct host-read experts, however many tokens chose each; read-through lands them (the
+    distinct ones, in ascending id, landing_slots_grouped; staged, in order of first choice, landed_experts) in
+    free slots with their bytes, and the next step reads them there."""
     from moestream.kernels.decode import landing_slots_grouped
-    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=1000, read_through=True, n_seq=3)
+    from moestream.kernels.stage import landed_experts
+    rule_of = landed_experts if stage else landing_slots_grouped
+    llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=1000, read_through=True, n_seq=3,
+              stage_host_reads=stage)
     eng, cache = llm.engine, llm.engine.host
     zc, k = cache.zero_copy, llm.model_config.n_experts_used
     for s in range(3):
@@ -220,7 +229,7 @@ def test_a_several_token_step_reads_each_missed_expert_once_and_lands_it():
         on_host = p.from_host[l, routed[l]]
         choices += int(on_host.sum())
         distinct += len(set(routed[l][on_host].tolist()))
-        rule = landing_slots_grouped(routed[l], on_host, zc.n_land_several)
+        rule = rule_of(routed[l], on_host, zc.n_land_several)
         lands[l] = [(e, int(p.land_slots[l, r])) for e, r in rule if p.land_slots[l, r] >= 0]
     new_reads, new_landed = count("host_reads"), count("landed")       # (reading them learns from the step)
     for l in cache.layers:
@@ -248,12 +257,13 @@ def _batched_logits(**kw):
     return outs
 
 
+@pytest.mark.parametrize("stage", [False, True])
 @pytest.mark.parametrize("mib", [0, 2, 12, 1000])
-def test_several_token_steps_with_read_through_give_the_logits_of_every_expert_on_the_device(mib):
-    """Batched zero-copy steps that land what they read (read-through): the logits of every expert on the device,
-    step for step, on every cache size (a landed expert holds its own bytes)."""
+def test_several_token_steps_with_read_through_give_the_logits_of_every_expert_on_the_device(mib, stage):
+    """Batched zero-copy steps that land what they read (read-through, staged or not): the logits of every expert
+    on the device, step for step, on every cache size (a landed expert holds its own bytes)."""
     base = _batched_logits()
-    got = _batched_logits(cpu_moe=True, moe_cache_mib=mib, read_through=True)
+    got = _batched_logits(cpu_moe=True, moe_cache_mib=mib, read_through=True, stage_host_reads=stage)
     assert all(torch.equal(a, b) for a, b in zip(got, base))
 
 

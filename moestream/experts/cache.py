@@ -44,14 +44,16 @@ class ExpertCache(ExpertProvider):
         self.top_k = top_k
         self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
 
-    def enable_zero_copy(self, max_tokens: int, read_through: bool = False, reads_once: bool = True) -> None:
+    def enable_zero_copy(self, max_tokens: int, read_through: bool = False, reads_once: bool = True,
+                         staged: bool = False) -> None:
         """Decode steps of up to max_tokens tokens read experts where they lie (experts/zero_copy.py); with
         read_through, a step also writes the experts it reads from host into free slots. reads_once: a
-        several-token step's kernel reads each routed expert once (the bf16 kernel; the quantized one reads it
-        once per token that chose it)."""
+        several-token step's kernel reads each routed expert once (the bf16 kernel, or any kernel when staged;
+        the quantized one unstaged reads it once per token that chose it). staged: a step copies its host reads
+        to the device first (kernels/stage.py)."""
         from .zero_copy import ZeroCopyDecode
         self.zero_copy = ZeroCopyDecode(self.slots, self.planner, self.store, self.layers, max_tokens, self.top_k,
-                                        read_through, reads_once)
+                                        read_through, reads_once, staged)
 
     @property
     def pool(self):
@@ -101,6 +103,10 @@ class ExpertCache(ExpertProvider):
 
     def landing(self, layer: int, ids):
         return self.zero_copy.landing(layer, ids)
+
+    def device_rows(self) -> list[torch.Tensor]:
+        z = self.zero_copy
+        return [self.pool] + ([z.scratch] if z is not None and z.scratch is not None else [])
 
     def begin_decode_step(self) -> None:
         self.zero_copy.begin_step()

@@ -89,8 +89,12 @@ class ExpertProvider:
         raise NotImplementedError
 
     def landing(self, layer: int, ids: torch.Tensor):
-        """Read-through: (ids, host-row addresses, landing slots' addresses) for the decode kernel, or None."""
+        """Read-through and staging: the layer's kernels.stage.Landing for the decode kernel, or None."""
         return None
+
+    def device_rows(self) -> list[torch.Tensor]:
+        """The device tensors of rows a decode kernel may read by address (slots, staging rows)."""
+        return []
 
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         """How many MoE layers ahead the forward should guess this layer's successors' experts (0: none)."""
@@ -142,14 +146,20 @@ class UploadPerUbatch(ExpertProvider):
     cannot overwrite what layer L's queued compute still reads.
     """
 
-    def __init__(self, store: ExpertStore, n_experts: int, device: torch.device, top_k: int = 8):
+    def __init__(self, store: ExpertStore, n_experts: int, device: torch.device, top_k: int = 8,
+                 staged: bool = False):
         super().__init__()
         any_rows = next(iter(store.rows.values()))
         self.store, self.top_k = store, top_k
         width = max(r.shape[1] for r in store.rows.values())                       # the widest layer's row
         self.buf = torch.empty(n_experts, width, dtype=any_rows.dtype, device=device)   # (E, row)
         self.addr = {l: row_addresses(r, device) for l, r in store.rows.items()}
-        self.reads_once = not any(lay.quantized for lay in store.layouts.values())   # the grouped bf16 kernel
+        # Staged (kernels/stage.py): a zero-copy step copies its host reads into buf first, each distinct expert
+        # once, and reads them there; else the kernel reads in place (the grouped bf16 kernel each expert once).
+        self.staged = staged
+        self.reads_once = staged or not any(lay.quantized for lay in store.layouts.values())
+        self.no_slots = torch.zeros(0, dtype=torch.int64, device=device)
+        self.aligned = store.aligned16(self.buf)
         self.rows_of = {l: i for i, l in enumerate(sorted(store.rows))}
         self.routed = None                           # (host layers, MAX_TOKENS k): a zero-copy step's ids, on device
 
@@ -164,6 +174,16 @@ class UploadPerUbatch(ExpertProvider):
 
     def layout(self, layer: int) -> ExpertLayout:
         return self.store.layouts[layer]
+
+    def device_rows(self) -> list[torch.Tensor]:
+        return [self.buf]
+
+    def landing(self, layer: int, ids: torch.Tensor):
+        """Staged: every routed expert is a host read, copied into the upload buffer's rows (no slot to land in)."""
+        if not self.staged:
+            return None
+        from ..kernels.stage import Landing
+        return Landing(ids, self.addr[layer], self.no_slots, self.buf, self.aligned)
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
         """The step is queued: its routing to `observer`, then what crossed the link per host layer: each distinct

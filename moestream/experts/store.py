@@ -54,3 +54,10 @@ class ExpertStore:
     @property
     def nbytes(self) -> int:
         return sum(r.numel() * r.element_size() for r in self.rows.values())
+
+    def aligned16(self, *tensors) -> bool:
+        """Whether every host row, every row of `tensors` (device rows: slots, scratch; None skipped) and every
+        layer's row bytes are 16-byte aligned (a staged copy then moves 128-bit words: kernels/stage.py)."""
+        rows = [*self.rows.values(), *(t for t in tensors if t is not None)]
+        return all(r.data_ptr() % 16 == 0 and (r.stride(0) * r.element_size()) % 16 == 0 for r in rows) and \
+            all(self.layer_bytes(l) % 16 == 0 for l in self.rows)

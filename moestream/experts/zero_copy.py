@@ -28,6 +28,11 @@ ascending id: kernels/decode.py's landing_slots and landing_slots_grouped). Befo
 the device the host replays the kernel's rule on the step's routing and takes those experts in, so the next step
 reads them from their slots: a miss crosses the link once. The slots a step writes are pinned while it runs, so
 no copy targets them.
+
+Staged host reads (`staged`, the default for quantized experts: kernels/stage.py): a step's first launch a layer
+copies the experts it reads from host memory into device memory, its landing slots first (the same read-through,
+for every kernel and any number of tokens: distinct experts in order of first choice, stage.landed_experts) and
+then scratch rows, and the expert kernel reads them all from the device. A miss crosses the link once a step.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import time
 import numpy as np
 import torch
 
+from ..kernels.stage import MAX_CHOICES, Landing, landed_experts
 from .hot_set import HotSet
 from .planner import CachePlanner
 from .provider import row_addresses
@@ -49,11 +55,14 @@ LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write
 LAND_SEVERAL = 4           # ... and a several-token step, which keeps that many slots a layer free for them,
                            # evicting the layer's least routed experts (an offline replay of 8 and 16 streams' routing
                            # missed least at 4 of 4 / 8 / 16: each free slot is one the hot set cannot use)
+STAGE_BYTES = 64 << 20     # staged host reads: the scratch rows a step copies its other host reads into (at least
+                           # top_k rows, one token's; one scratch serves every layer: their launches are in order)
 
 
 class ZeroCopyDecode:
     def __init__(self, slots: SlotPool, planner: CachePlanner, store: ExpertStore, layers: list[int],
-                 max_tokens: int, top_k: int, read_through: bool = False, reads_once: bool = True):
+                 max_tokens: int, top_k: int, read_through: bool = False, reads_once: bool = True,
+                 staged: bool = False):
         dev, (L, E) = slots.device, planner.residency.slot_of.shape
         self.slots, self.planner, self.store, self.layers = slots, planner, store, layers
         self.residency, self.stats, self.device, self.n_experts = planner.residency, planner.stats, dev, E
@@ -77,6 +86,8 @@ class ZeroCopyDecode:
         self.n_land = LAND_PER_LAYER if read_through else 0
         self.n_land_several = max(LAND_SEVERAL, LAND_PER_LAYER) if read_through else 0
         self.host_tab = torch.from_numpy(self.host_addr).to(dev.torch)              # (L, E) host-row addresses
+        self.scratch = staging_rows(slots.pool, top_k) if staged else None          # (S, row)
+        self.aligned = store.aligned16(slots.pool, self.scratch)
         self.land = torch.zeros(L, max(self.n_land_several, 1), dtype=torch.int64, device=dev.torch)  # (L, R) addrs
         self.land_slots = np.full(tuple(self.land.shape), -1, dtype=np.int64)     # the queued step's, as slots
         # The next step's table is prepared while the step before it runs (end_step), in the staging buffer that
@@ -97,11 +108,13 @@ class ZeroCopyDecode:
         self.routed[layer, :ids.size] = torch.from_numpy(ids.astype(np.int64).reshape(-1))
 
     def landing(self, layer: int, ids: torch.Tensor):
-        """Read-through: (ids, host-row addresses, landing slots' addresses) of the layer, for the decode kernel
-        (a one-token step gets the first n_land slots, a several-token step n_land_several); None when off."""
-        if not self.n_land:
+        """Read-through and staging: the layer's kernels.stage.Landing (ids, host-row addresses, landing slots'
+        addresses: a one-token step gets the first n_land slots, a several-token step n_land_several; the
+        scratch rows when staged); None when neither is on."""
+        if not self.n_land and self.scratch is None:
             return None
-        return ids, self.host_tab[layer], self.land[layer, :self._n_land(ids.shape[0])]
+        return Landing(ids, self.host_tab[layer], self.land[layer, :self._n_land(ids.shape[0])], self.scratch,
+                       self.aligned)
 
     def _n_land(self, n_tokens: int) -> int:
         return self.n_land if n_tokens == 1 else self.n_land_several
@@ -208,15 +221,20 @@ class ZeroCopyDecode:
         if p.land_slots is None:
             return []
         from ..kernels.decode import landing_slots, landing_slots_grouped
+        n = p.n_tokens * self.top_k
+        if self.scratch is not None and n > MAX_CHOICES:
+            return []                            # read in place, landing nothing (kernels.staged)
         routed, res = self._routed(p), self.residency
         layers = np.asarray(self.layers)
-        ids = routed[layers, :p.n_tokens * self.top_k]
+        ids = routed[layers, :n]
         on_host = p.from_host[layers[:, None], ids]                  # (host layers, T k): read from host memory
         n_land = self._n_land(p.n_tokens)
         placed = []
         for i in np.flatnonzero(on_host.any(axis=1)):
             l = int(layers[i])
-            if p.n_tokens == 1:
+            if self.scratch is not None:
+                lands = landed_experts(ids[i], on_host[i], n_land)
+            elif p.n_tokens == 1:
                 lands = [(ids[i, j], r) for j, r in landing_slots(on_host[i], n_land)]
             else:
                 lands = landing_slots_grouped(ids[i], on_host[i], n_land)
@@ -342,6 +360,19 @@ class ZeroCopyDecode:
             if batch:
                 self.slots.submit(batch, sum(src.numel() * src.element_size() for _, src in batch), speculative=False,
                                   after=wait)
+
+
+def staging_rows(pool: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(S, row) device rows like the pool's, that a staged step copies the host reads into that land nowhere
+    (staging_bytes)."""
+    row = pool.stride(0) * pool.element_size()
+    return torch.empty(staging_bytes(row, top_k) // row, pool.shape[1], dtype=pool.dtype, device=pool.device)
+
+
+def staging_bytes(row_bytes: int, top_k: int) -> int:
+    """The scratch of staged host reads: STAGE_BYTES of rows, at least one token's top_k and at most a step's
+    MAX_CHOICES (what the engine counts beside the cache's pool)."""
+    return min(MAX_CHOICES, max(top_k, STAGE_BYTES // row_bytes)) * row_bytes
 
 
 class Pending:

@@ -39,19 +39,37 @@ def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dty
     quantized = any(lay.quantized for lay in layouts or ())
     if want in (None, True) and decode_available(device, dtype):
         if not quantized:
-            return lambda x, addrs, weights, layout, landing=None: experts_by_address(x, addrs, weights,
-                                                                                      layout.inter, landing)
+            return staged(lambda x, addrs, weights, layout, landing=None: experts_by_address(x, addrs, weights,
+                                                                                             layout.inter, landing))
         from .decode_quant import decode_quant_available, experts_by_address_quant
         from .qblocks import kvalues
         if all(decode_quant_available(lay) for lay in layouts):
             kvalues(torch.device(device))           # made now: the steps' graphs may not copy it in
-            return experts_by_address_quant
+            return staged(experts_by_address_quant)
     if want and device.type == "cpu":
-        return lambda x, addrs, weights, layout, landing=None: experts_by_address_reference(
-            x, addrs, weights, layout, landing, book=book)
+        return staged(lambda x, addrs, weights, layout, landing=None: experts_by_address_reference(
+            x, addrs, weights, layout, landing, book=book), book)
     if want:
         from ..errors import UserError
         raise UserError("zero-copy decode needs Triton and 16-bit weights on CUDA, and a Triton path for every "
                         "expert type of the file; drop --zero-copy-decode")
     return None
 
+
+
+def staged(kernel, book: AddressBook | None = None):
+    """The decode kernel behind staged host reads (kernels/stage.py): where the step's landing carries a scratch,
+    its host rows are copied to the device first (by the Triton launch, or on the CPU through `book`), and the
+    kernel reads them there and lands nothing itself. A step of more choices than one copy launch plans
+    (stage.MAX_CHOICES) reads its host rows in place and lands nothing: the host's replay (stage.lands) says so."""
+    from .stage import stage_host_rows, stage_reference, stages
+
+    def run(x, addrs, weights, layout, landing=None):
+        if landing is not None and landing.scratch is not None:
+            if stages(landing, addrs.numel()):
+                nbytes = layout.row_bytes_for(x.dtype)
+                addrs = (stage_host_rows(addrs, landing, nbytes) if book is None
+                         else stage_reference(addrs, landing, nbytes, book))
+            landing = None
+        return kernel(x, addrs, weights, layout, landing)
+    return run

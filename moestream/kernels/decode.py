@@ -136,8 +136,8 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     which reads each routed expert once for every token that chose it, so a miss crosses the link once a step.
     `grouped=False` keeps this kernel for them, one read per (token, choice) (to measure the difference).
 
-    `landing` (read-through): (ids (T, k), host (E,), land (R,)): the layer's routed ids, each expert's host-row
-    address and R free slots. One token: the choices read from host memory (address == host[id]), in choice
+    `landing` (read-through): kernels.stage.Landing (ids (T, k), host (E,), land (R,), ...): the layer's routed
+    ids, each expert's host-row address and R free slots. One token: the choices read from host memory (address == host[id]), in choice
     order, write the bytes they read into the slots (see `landing_slots`), at no extra cost on the link. Several:
     the distinct host-read experts, in ascending id (see `landing_slots_grouped`)."""
     T, H = x.shape
@@ -151,7 +151,7 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     weights = weights.contiguous()
     kp = triton.next_power_of_2(k)
     land = landing is not None and T == 1
-    ids, host, slots = landing if land else (addrs, addrs, addrs)
+    ids, host, slots = landing[:3] if land else (addrs, addrs, addrs)
     R = slots.numel() if land else 0
     h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     bi, bh = _block(inter, bi), _block(H, bh)
