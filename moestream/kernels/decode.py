@@ -137,9 +137,9 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     `grouped=False` keeps this kernel for them, one read per (token, choice) (to measure the difference).
 
     `landing` (read-through): kernels.stage.Landing (ids (T, k), host (E,), land (R,), ...): the layer's routed
-    ids, each expert's host-row address and R free slots. One token: the choices read from host memory (address == host[id]), in choice
-    order, write the bytes they read into the slots (see `landing_slots`), at no extra cost on the link. Several:
-    the distinct host-read experts, in ascending id (see `landing_slots_grouped`)."""
+    ids, each expert's host-row address and R free slots. One token: the choices read from host memory (address
+    == host[id]), in choice order, write the bytes they read into the slots (see `landing_slots`), at no extra
+    cost on the link. Several: the distinct host-read experts, in ascending id (see `landing_slots_grouped`)."""
     T, H = x.shape
     k = addrs.shape[1]
     if T > 1 and grouped:

@@ -28,8 +28,9 @@ instructions, not bytes: byte loads, one value a thread, and the sub-block sums 
 value in the compiled PTX); "runs" is the answer to that: 33 us from device memory and 719 us from pinned host
 (bench/RESULTS.md, issue 14, stop 15), and the default.
 
-Not yet: read-through landing (`landing`, which kernels/decode.py has): a host-read choice is not written to a
-free slot; the caller uploads misses itself.
+The kernel itself lands nothing (`landing`, which kernels/decode.py takes, is refused): read-through for quantized
+rows comes with staged host reads (kernels/stage.py, the default for them), which copy a step's host reads into
+landing slots and scratch rows before this kernel runs, so that it reads every row from device memory.
 """
 from __future__ import annotations
 
@@ -182,7 +183,7 @@ def experts_by_address_quant(x: torch.Tensor, addrs: torch.Tensor, weights: torc
     for the others), "subblocks" (kernels/qdots.py: the scales out of the dot products) or "values" (the first
     kernel: every value dequantized, gguf.quants' bits, then multiplied)."""
     if landing is not None:
-        raise NotImplementedError("experts_by_address_quant: read-through landing is not implemented yet")
+        raise NotImplementedError("experts_by_address_quant lands nothing: stage the host reads (kernels/stage.py)")
     assert decode_quant_available(layout), layout
     assert variant in VARIANTS, variant
     if variant == "runs":
