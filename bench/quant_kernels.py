@@ -2,6 +2,7 @@
 
     python bench/quant_kernels.py [--experts 50] [--reps 50] [--variants values,subblocks,runs] [--no-dequant]
                                   [--runs-shapes 128x4,64x2,256x8,128x4r] [--no-graphs]
+                                  [--types bf16,Q4_K_M]
 
 dequant: kernels/dequant.py's dequantize_rows of 50 experts (a prompt ubatch's routed experts of one layer) to
 bf16, per type; GB/s counts the bytes read (the blocks) and written (bf16 values).
@@ -41,6 +42,8 @@ ap.add_argument("--variants", default="values,subblocks,runs")
 ap.add_argument("--dequant", action=argparse.BooleanOptionalAction, default=True)
 ap.add_argument("--runs-shapes", default="128x4", help="runs variant shapes, UNITSxWARPS[r], comma list")
 ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+ap.add_argument("--types", default=None, help="only these rows of the decode table, comma list of their names "
+                "(bf16, Q4_K_M, Q8_0, ...)")
 ns = ap.parse_args()
 I, H, K = 768, 2048, 8
 EXPERTS = 128
@@ -127,6 +130,9 @@ g = torch.Generator().manual_seed(0)
 for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_K,) * 3,
               (Q.Q4_0,) * 3, (Q.Q4_1,) * 3, (Q.Q5_0,) * 3, (Q.Q5_1,) * 3, (Q.IQ4_NL,) * 3, (Q.IQ4_XS,) * 3,
               (Q.IQ4_XS, Q.IQ4_XS, Q.Q6_K)):
+    label = "bf16" if types is None else ("Q4_K_M" if types == (Q.Q4_K, Q.Q4_K, Q.Q6_K) else name_of(types))
+    if ns.types is not None and label not in ns.types.split(","):
+        continue
     if types is None:
         lay = ExpertLayout(I, H)
         rows = (torch.randn(EXPERTS, lay.numel, device="cuda") * H ** -0.5).to(torch.bfloat16)
