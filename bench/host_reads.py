@@ -68,7 +68,6 @@ for name, n, parts in (("8 experts, one copy", 8 * eb, 1), ("8 experts, 8 copies
             dst[p * step:(p + 1) * step].copy_(src[p * step:(p + 1) * step], non_blocking=True)
     t = us(copy, 4)
     print(f"| {name} | {t:.1f} | {n / t / 1e3:.1f} |", flush=True)
-del src, dst
 
 layouts = {"Q4_K_M": ExpertLayout(I, H, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), "bf16": ExpertLayout(I, H)}
 for name, lay in layouts.items():
