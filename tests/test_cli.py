@@ -45,8 +45,11 @@ def test_generate_hash_and_trace_then_replay(capsys, tmp_path):
     code, out, _ = run(capsys, "replay", str(trace), "--slots", "16", "--policy", "lfru", "--zero-copy",
                        "--read-through")
     assert code == 0 and "read in place GB" in out and "| lfru | 16 |" in out
-    code, _, err = run(capsys, "replay", str(trace), "--slots", "16", "--read-through")
-    assert code != 0 and "add --zero-copy" in err
+    code, out, _ = run(capsys, "replay", str(trace), "--slots", "16", "--zero-copy", "--stage-host-reads")
+    assert code == 0 and "| lfru | 16 |" in out
+    for mode in ("--read-through", "--stage-host-reads"):
+        code, _, err = run(capsys, "replay", str(trace), "--slots", "16", mode)
+        assert code != 0 and f"{mode} is a mode of zero-copy decode: add --zero-copy" in err
 
 
 def test_same_hash_for_every_placement(capsys):

@@ -291,15 +291,16 @@ def test_a_new_cache_takes_over_the_decode_and_frees_the_old_pool(reference):
         assert [llm.generate(p, max_tokens=24, ignore_eos=True).sha256 for p in PROMPTS] == reference
 
 
-@pytest.mark.parametrize("mib,prefetch,read_through", [(2, False, False), (12, True, False), (12, False, True),
-                                                       (0, True, False)])
-def test_trace_replay_predicts_zero_copy_decode(tmp_path, mib, prefetch, read_through):
-    """`moestream replay --zero-copy` runs the live cache's own zero-copy code on a recorded trace: the same counts
-    as the live run, host reads and landed experts included."""
+@pytest.mark.parametrize("mib,prefetch,read_through,stage", [(2, False, False, False), (12, True, False, False),
+                                                             (12, False, True, False), (0, True, False, False),
+                                                             (12, False, True, True), (2, True, False, True)])
+def test_trace_replay_predicts_zero_copy_decode(tmp_path, mib, prefetch, read_through, stage):
+    """`moestream replay --zero-copy [--stage-host-reads]` runs the live cache's own zero-copy code on a recorded
+    trace: the same counts as the live run, host reads and landed experts included."""
     from moestream.experts.prefetch import PrefetchConfig
     from moestream.experts.trace import TraceRecorder, load_trace, replay
     llm = LLM("synth:tiny:layers=8", **KW, ubatch_size=16, cpu_moe=True, moe_cache_mib=mib, prefetch=prefetch,
-              prefetch_min_batch=8, read_through=read_through)
+              prefetch_min_batch=8, read_through=read_through, stage_host_reads=stage)
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
     llm.engine.observe(rec)
@@ -308,7 +309,8 @@ def test_trace_replay_predicts_zero_copy_decode(tmp_path, mib, prefetch, read_th
     path = tmp_path / "zc.npz"
     rec.save(str(path))
     got = replay(load_trace(str(path)), llm.stats()["cache"]["slots"], "lfru",
-                 PrefetchConfig(min_batch=8) if prefetch else None, zero_copy=True, read_through=read_through)
+                 PrefetchConfig(min_batch=8) if prefetch else None, zero_copy=True, read_through=read_through,
+                 staged=stage)
     live = llm.stats()
     assert live["total"]["host_reads"] > 0 and (live["total"]["landed"] > 0) == read_through
     drop = ("sync_s", "host_s", "wait_s")

@@ -100,15 +100,15 @@ def load_trace(path: str) -> Trace:
 
 
 def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None,
-           zero_copy: bool = False, read_through: bool = False) -> dict:
+           zero_copy: bool = False, read_through: bool = False, staged: bool = False) -> dict:
     """Counts the live cache would have had on this routing: totals and per layer. `zero_copy`: decode steps as
     zero-copy decode runs them (the default on CUDA: the cache learns one step late), with or without
-    read-through; this replays the live cache itself, like `prefetch` (an empty PrefetchConfig if none given).
+    read-through, staged or not (kernels/stage.py, a quantized file's default); this replays the live cache
+    itself, like `prefetch` (an empty PrefetchConfig if none given).
     A trace keeps one lookahead guess per layer, so the replay guesses one layer ahead (`lookahead_layers` 1)."""
     if prefetch is not None or zero_copy:
         prefetch = replace(prefetch or PrefetchConfig(enabled=False), lookahead_layers=1)
-        return _replay_live(trace, n_slots, policy, prefetch, zero_copy,
-                            read_through)
+        return _replay_live(trace, n_slots, policy, prefetch, zero_copy, read_through, staged)
     planner = CachePlanner(n_slots, trace.n_layers, trace.n_experts, policy, trace.expert_bytes,
                            sorted(set(trace.layers.tolist())))
     for layer, ids in zip(trace.layers.tolist(), trace.ids):
@@ -118,7 +118,7 @@ def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchC
 
 
 def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConfig, zero_copy: bool,
-                 read_through: bool) -> dict:
+                 read_through: bool, staged: bool = False) -> dict:
     if trace.ubatches is None or trace.ubatch_of is None:
         raise UserError("this trace has no ubatch boundaries (an older recording): record it again to replay prefetch")
     from ..device import Device
@@ -133,7 +133,7 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
                         trace.ids[0].shape[1] if trace.ids else 8)
     if zero_copy:
         from ..kernels.decode import MAX_TOKENS
-        cache.enable_zero_copy(MAX_TOKENS, read_through)
+        cache.enable_zero_copy(MAX_TOKENS, read_through, staged=staged)
     zc = cache.zero_copy
     current, step = -1, None                 # step: the tokens of the zero-copy decode step being replayed
     for layer, ids, guess, ub in zip(trace.layers.tolist(), trace.ids, guesses, trace.ubatch_of.tolist()):

@@ -3,9 +3,11 @@
     moestream generate -m model.gguf -p 1,2,3 -n 64 --cpu-moe --trace run.npz
     moestream replay run.npz --moe-cache-mib 8000,16000 --policy lfru,lru
     moestream replay run.npz --moe-cache-mib 16000 --policy lfru --prefetch --zero-copy [--no-read-through]
+                                                                       [--stage-host-reads]
 
 `--zero-copy` replays decode steps as zero-copy decode runs them (the default on CUDA): the cache learns one step
-late, and the misses are read in place (the "read in place" column).
+late, and the misses are read in place (the "read in place" column); `--stage-host-reads` as a quantized file's
+steps run them (kernels/stage.py: what lands is the distinct host-read experts in order of first choice).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-copy", action="store_true", help="decode steps as zero-copy decode runs them")
     p.add_argument("--read-through", action=argparse.BooleanOptionalAction, default=None,
                    help="with --zero-copy: read-through, as live decode runs it (default: on)")
+    p.add_argument("--stage-host-reads", action="store_true",
+                   help="with --zero-copy: staged host reads, as live decode of quantized experts runs them")
     p.set_defaults(func=main)
 
 
@@ -53,8 +57,9 @@ def main(a: argparse.Namespace) -> int:
     sizes += [cache_slots(m, tr.expert_bytes, tr.n_experts, tr.n_layers, 0) for m in (a.moe_cache_mib or [])]
     n_ubatch = sum(1 for i, l in enumerate(tr.layers.tolist()) if i == 0 or l <= tr.layers[i - 1])
     print(f"trace: {n_ubatch} ubatches, {tr.n_layers} layers x {tr.n_experts} experts of {tr.expert_bytes / 1e6:.2f} MB")
-    if a.read_through is not None and not a.zero_copy:
-        raise UserError("--read-through is a mode of zero-copy decode: add --zero-copy")
+    for flag, given in (("--read-through", a.read_through is not None), ("--stage-host-reads", a.stage_host_reads)):
+        if given and not a.zero_copy:
+            raise UserError(f"{flag} is a mode of zero-copy decode: add --zero-copy")
     read_through = a.read_through is not False
     print("| policy | slots | MiB | hit rate | misses | uploaded GB | prefetched | used | wasted | read in place GB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -62,7 +67,7 @@ def main(a: argparse.Namespace) -> int:
         for n in sizes:
             if n < 1:
                 raise UserError(f"a cache of {n} slots holds nothing; give a larger size")
-            t = replay(tr, n, policy, pf, a.zero_copy, read_through)["total"]
+            t = replay(tr, n, policy, pf, a.zero_copy, read_through, a.stage_host_reads)["total"]
             print(f"| {policy} | {n} | {n * tr.expert_bytes / (1 << 20):.0f} | {t['hit_rate']:.4f} | "
                   f"{t['misses']} | {t['uploaded_bytes'] / 1e9:.3f} | {t['prefetched']} | {t['prefetch_used']} | "
                   f"{t['prefetch_wasted']} | {t['host_read_bytes'] / 1e9:.3f} |")
