@@ -304,6 +304,11 @@ class DecodeConfig:
                                      # (kernels/stage.py; None: for quantized experts)
     cuda_graphs: bool = True         # decode steps replay CUDA graphs (on CUDA, with a kernel other than reference)
 
+    def stages(self, quantized: bool) -> bool:
+        """Whether zero-copy decode stages its host reads (kernels/stage.py): `stage`, by default for quantized
+        experts (their kernels read host rows in place at 29-34 GB/s of the link's 55)."""
+        return bool(self.zero_copy) and (self.stage if self.stage is not None else quantized)
+
 
 @dataclass(frozen=True)
 class EngineConfig:

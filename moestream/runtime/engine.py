@@ -311,10 +311,8 @@ class Engine:
         """Choose the decode path (runtime/decode.py), with a cache's zero-copy decode under it. A new cache gets a
         new path: its graphs read the new cache's tables."""
         if isinstance(self.host, ExpertCache) and self.decode_kernel is not None:
-            # (the quantized decode kernel lands what it reads, and reads an expert once a step, only when staged:
-            # kernels/stage.py)
-            staged = _stages(self.ecfg, self.quantized)
-            once = staged or not self.quantized
+            staged = self.ecfg.decode.stages(self.quantized)
+            once = staged or not self.quantized    # (quantized rows land and are read once a step only staged)
             self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.read_through and once, reads_once=once,
                                        staged=staged)
         for rows in self.host.device_rows() if self.host is not None else ():
@@ -341,17 +339,11 @@ def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev
                    routing: RoutingStore):
     """Uploads per ubatch (no cache), or the expert cache with its copy stream and prefetcher."""
     if n_slots is None:
-        return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used, _stages(ecfg, store.quantized))
+        return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used, ecfg.decode.stages(store.quantized))
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
              store.expert_bytes / 1e6, ecfg.cache.policy)
     return ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch,
                        sorted(store.rows), ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
-
-
-def _stages(ecfg: EngineConfig, quantized: bool) -> bool:
-    """Whether zero-copy decode stages its host reads (kernels/stage.py): --stage-host-reads, by default for
-    quantized experts (their kernels read host rows in place at 29-34 GB/s of the link's 55)."""
-    return ecfg.decode.zero_copy and (ecfg.decode.stage if ecfg.decode.stage is not None else quantized)
 
 
 def _slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
@@ -400,7 +392,7 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
     if host:
         pool = (n_slots if n_slots is not None else cfg.n_experts) * slot   # the cache or upload buffer
     if n_slots is not None:
-        if _stages(ecfg, any(lay.quantized for lay in layouts.values())):
+        if ecfg.decode.stages(any(lay.quantized for lay in layouts.values())):
             pool += staging_bytes(slot, cfg.n_experts_used)         # the staged host reads' scratch rows
         check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)
     layer = max(cfg.n_experts * lay.row_bytes_for(dtype) for lay in layouts.values()) if layouts else 0
