@@ -56,7 +56,6 @@ def pick_decode_kernel(want: bool | None, device: torch.device, dtype: torch.dty
     return None
 
 
-
 def staged(kernel, book: AddressBook | None = None):
     """The decode kernel behind staged host reads (kernels/stage.py): where the step's landing carries a scratch,
     its host rows are copied to the device first (by the Triton launch, or on the CPU through `book`), and the

@@ -52,7 +52,8 @@ def stage_plan(addrs: torch.Tensor, lan: Landing) -> tuple[torch.Tensor, torch.T
     ids = lan.ids.reshape(-1)
     n = flat.numel()
     on_host = flat == lan.host[ids]
-    earlier = (ids[:, None] == ids[None, :]) & torch.ones(n, n, dtype=torch.bool, device=flat.device).tril(-1)
+    same = ids[:, None] == ids[None, :]                         # (N, N): choices of one expert
+    earlier = same & torch.ones(n, n, dtype=torch.bool, device=flat.device).tril(-1)
     first = on_host & ~earlier.any(dim=1)                       # (N,): the first choice of its expert
     rank = torch.cumsum(first.long(), 0) - 1
     R = lan.land.numel()
@@ -65,8 +66,7 @@ def stage_plan(addrs: torch.Tensor, lan: Landing) -> tuple[torch.Tensor, torch.T
     else:
         scr = torch.zeros_like(land)
     dest_first = torch.where(first, land + scr, 0)              # (N,) (land and scr are never both set)
-    same_first = (ids[:, None] == ids[None, :]) & first[None, :]
-    dest = (same_first.long() * dest_first[None, :]).sum(dim=1)      # each choice: its expert's copy, 0 if none
+    dest = ((same & first[None, :]).long() * dest_first[None, :]).sum(dim=1)      # each choice: its expert's copy, 0 if none
     staged = torch.where(on_host & (dest != 0), dest, flat)
     src = torch.where(first & (dest_first != 0), flat, 0)
     return staged.view_as(addrs), src, dest_first
