@@ -75,6 +75,7 @@ def test_grouped_decode_kernel_lands_the_host_read_experts_and_is_graph_safe():
     ascending id, land in the landing slots (landing_slots_grouped) with their bytes, no other slot is written, the
     output is unchanged; the same launch captured in a CUDA graph (no host sync) gives the same bits and landings."""
     from moestream.kernels.decode import experts_by_address, landing_slots_grouped
+    from moestream.kernels.stage import Landing
     T, E = 8, 24
     rows, host, ids, dev_addr, host_addr, x, w, I = _step(T, True, seed=9)
     pool = torch.zeros(6, rows.shape[1], dtype=rows.dtype, device="cuda")
@@ -87,7 +88,7 @@ def test_grouped_decode_kernel_lands_the_host_read_experts_and_is_graph_safe():
     want = landing_slots_grouped(ids.reshape(-1).tolist(), on_host[ids].reshape(-1).tolist(), 5)
     assert len(want) == 5
     plain = experts_by_address(x, addrs, w, I)
-    landing = (ids, host_tab, land)
+    landing = Landing(ids, host_tab, land)
     assert torch.equal(experts_by_address(x, addrs, w, I, landing), plain)
     assert all(torch.equal(pool[i], rows[e]) for e, i in want) and not pool[5].any()
     pool.zero_()

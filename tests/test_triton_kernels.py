@@ -61,6 +61,7 @@ def read_through():
     their rows into the slots in choice order, the first R of them; the output is unchanged; the oracle agrees."""
     from moestream.kernels.decode import experts_by_address, landing_slots
     from moestream.kernels.reference import experts_by_address_reference
+    from moestream.kernels.stage import Landing
     E, H, I, k = 12, 64, 40, 8
     g, rows, host, pool, book, step = _landing_rows(E, H, I, n_pool=3, seed=5)
     ids = torch.randperm(E, generator=g)[:k][None]                                        # (1, k)
@@ -70,13 +71,13 @@ def read_through():
     land = pool.data_ptr() + torch.arange(2) * step                                     # R = 2 of the 3 slots
     x, w = torch.randn(1, H, generator=g), torch.softmax(torch.randn(1, k, generator=g), -1)
     plain = experts_by_address(x, addrs, w, I)
-    out = experts_by_address(x, addrs, w, I, (ids, host_tab, land))
+    out = experts_by_address(x, addrs, w, I, Landing(ids, host_tab, land))
     assert torch.equal(out, plain)
     assert landing_slots(on_host.tolist(), 2) == [(0, 0), (2, 1)]
     assert torch.equal(pool[0], rows[ids[0, 0]]) and torch.equal(pool[1], rows[ids[0, 2]])
     assert not pool[2].any()                              # the third host choice had no slot
     pool.zero_()
-    close(experts_by_address_reference(x, addrs, w, I, (ids, host_tab, land), book=book), out)
+    close(experts_by_address_reference(x, addrs, w, I, Landing(ids, host_tab, land), book=book), out)
     assert torch.equal(pool[0], rows[ids[0, 0]]) and torch.equal(pool[1], rows[ids[0, 2]])
 
 
@@ -120,6 +121,7 @@ def grouped_read_through():
     nowhere; the output is unchanged; the oracle lands the same."""
     from moestream.kernels.decode import experts_by_address, landing_slots_grouped
     from moestream.kernels.reference import experts_by_address_reference
+    from moestream.kernels.stage import Landing
     E, H, I, T, k = 10, 64, 40, 4, 3
     g, rows, host, pool, book, step = _landing_rows(E, H, I, n_pool=5, seed=7)
     ids = torch.tensor([[7, 2, 5], [2, 9, 7], [0, 7, 3], [5, 2, 8]])
@@ -135,11 +137,11 @@ def grouped_read_through():
     for run in (lambda lt: experts_by_address(x, addrs, w, I, lt),
                 lambda lt: experts_by_address_reference(x, addrs, w, I, lt, book=book)):
         pool.zero_()
-        out = run((ids, host_tab, land))
+        out = run(Landing(ids, host_tab, land))
         close(out, plain)
         assert torch.equal(pool[0], rows[2]) and torch.equal(pool[1], rows[3]) and torch.equal(pool[3], rows[7])
         assert not pool[2].any() and not pool[4].any()    # slot 2 was nowhere; slot 4 not a landing slot
-    assert torch.equal(experts_by_address(x, addrs, w, I, (ids, host_tab, land)), plain)
+    assert torch.equal(experts_by_address(x, addrs, w, I, Landing(ids, host_tab, land)), plain)
 
 
 def gated_attention(nh, nkv, hd, rd, n=256):

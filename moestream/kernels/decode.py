@@ -151,7 +151,7 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     weights = weights.contiguous()
     kp = triton.next_power_of_2(k)
     land = landing is not None and T == 1
-    ids, host, slots = landing[:3] if land else (addrs, addrs, addrs)
+    ids, host, slots = (landing.ids, landing.host, landing.land) if land else (addrs, addrs, addrs)
     R = slots.numel() if land else 0
     h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     bi, bh = _block(inter, bi), _block(H, bh)

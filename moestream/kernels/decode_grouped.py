@@ -145,9 +145,10 @@ COMBINE = (512, 4)
 
 def landing_dests(saddr: torch.Tensor, order: torch.Tensor, landing) -> torch.Tensor:
     """(T k,) int64: where each sorted choice's expert lands, 0 for nowhere (graph-safe torch, no host sync).
-    `landing`: (ids (T, k), host (E,), land (R,)). The distinct experts read from host memory (a choice's address is
-    its expert's host row), in ascending expert id, take land[0 .. R-1] (kernels.decode.landing_slots_grouped)."""
-    ids, host, land = landing[:3]
+    `landing`: a kernels.stage.Landing (ids (T, k), host (E,), land (R,)). The distinct experts read from host
+    memory (a choice's address is its expert's host row), in ascending expert id, take land[0 .. R-1]
+    (kernels.decode.landing_slots_grouped)."""
+    ids, host, land = landing.ids, landing.host, landing.land
     sid = ids.reshape(-1).long()[order]                                   # (T k,) expert of each sorted choice
     on_host = saddr == host[sid]                                          # (T k,)
     read = torch.zeros(host.numel(), dtype=torch.int32, device=saddr.device)

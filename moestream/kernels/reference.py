@@ -82,7 +82,7 @@ def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: 
     layout = inter if isinstance(inter, ExpertLayout) else ExpertLayout(inter, H)
     inter = layout.inter
     if landing is not None:
-        ids, host, slots = (v.reshape(-1).tolist() for v in landing[:3])
+        ids, host, slots = (v.reshape(-1).tolist() for v in (landing.ids, landing.host, landing.land))
         flat = addrs.reshape(-1).tolist()
         on_host = [a == host[e] for a, e in zip(flat, ids)]
         if T == 1:
