@@ -14,7 +14,8 @@ and dotted with every token that chose its expert while it sits in L1. A block's
 multiplied into x; the block's scales are applied once a sub-block, and Q4_K's and Q5_K's min term comes from
 x's sums per 32 values, made once a call. f16 scales are converted with integer arithmetic: a 256 KB lookup
 table was evicted by the streaming rows and halved the speed. A row's gate and up are read side by side (two
-streams), and every block prefetches the bytes PREFETCH ahead. The loops need reassociation (`reassoc`) to
+streams; Q4_K's in one loop, which loads x once and keeps four sums in flight: 25% faster on one core), and
+every block prefetches the bytes PREFETCH ahead. The loops need reassociation (`reassoc`) to
 vectorise their sums and `contract` for FMAs; nothing else of fastmath (a NaN in the weights stays a NaN).
 """
 from __future__ import annotations
@@ -87,6 +88,46 @@ def _blk_q4_k(u8, i8, u16, w32, k, x, xs, v, m):
         (s0, m0), (s1, m1), j = _scale_min(sc, 2 * p), _scale_min(sc, 2 * p + 1), v // 32 + 2 * p
         acc += (d * s0) * lo - (dmin * m0) * xs[j] + (d * s1) * hi - (dmin * m1) * xs[j + 1]
     return acc
+
+
+@nb.njit(**JIT)
+def _blk2_q4_k(u8, ka, kb, x, xs, v):
+    """Two Q4_K blocks (gate's and up's) . the same x values, in one loop: x loaded once, four sums in flight."""
+    ba, bb = u8[ka:ka + 144], u8[kb:kb + 144]
+    da, dma, sa, db, dmb, sb = _half(ba, 0), _half(ba, 2), ba[4:16], _half(bb, 0), _half(bb, 2), bb[4:16]
+    acc_a = f32(0)
+    acc_b = f32(0)
+    for p in range(4):
+        qa, qb = ba[16 + p * 32:48 + p * 32], bb[16 + p * 32:48 + p * 32]
+        xa, xb = x[v + p * 64:v + p * 64 + 32], x[v + p * 64 + 32:v + p * 64 + 64]
+        la = f32(0)
+        ha = f32(0)
+        lb = f32(0)
+        hb = f32(0)
+        for l in range(32):
+            la += f32(np.uint8(qa[l] & 15)) * xa[l]
+            ha += f32(np.uint8(qa[l] >> 4)) * xb[l]
+            lb += f32(np.uint8(qb[l] & 15)) * xa[l]
+            hb += f32(np.uint8(qb[l] >> 4)) * xb[l]
+        j = v // 32 + 2 * p
+        (s0, m0), (s1, m1) = _scale_min(sa, 2 * p), _scale_min(sa, 2 * p + 1)
+        acc_a += (da * s0) * la - (dma * m0) * xs[j] + (da * s1) * ha - (dma * m1) * xs[j + 1]
+        (s0, m0), (s1, m1) = _scale_min(sb, 2 * p), _scale_min(sb, 2 * p + 1)
+        acc_b += (db * s0) * lb - (dmb * m0) * xs[j] + (db * s1) * hb - (dmb * m1) * xs[j + 1]
+    return acc_a, acc_b
+
+
+@nb.njit(**JIT)
+def _q4_k2(t, u8, i8, u16, w32, oa, ob, x, xs, n):
+    a = f32(0)
+    b = f32(0)
+    for s in range(n // 256):
+        _prefetch(u8, oa + s * 144 + PREFETCH)
+        _prefetch(u8, ob + s * 144 + PREFETCH)
+        ga, gb = _blk2_q4_k(u8, oa + s * 144, ob + s * 144, x, xs, s * 256)
+        a += ga
+        b += gb
+    return a, b
 
 
 @nb.njit(**JIT)
@@ -223,7 +264,7 @@ def _rows_of(blk):
     return one, two
 
 
-_q4_k, _q4_k2 = _rows_of(_blk_q4_k)
+_q4_k = _rows_of(_blk_q4_k)[0]
 _q5_k, _q5_k2 = _rows_of(_blk_q5_k)
 _q6_k, _q6_k2 = _rows_of(_blk_q6_k)
 _q8_0, _q8_02 = _rows_of(_blk_q8_0)
