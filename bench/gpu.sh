@@ -26,6 +26,8 @@
 #                                            subblocks, runs), then the Q4_K_M rows all on the GPU, --cpu-moe with 4000
 #                                            MiB and with no cache, at ubatch 2048, under MOESTREAM_DECODE_QUANT=values
 #                                            and =runs
+#   bash bench/gpu.sh host                   routed experts on the host's cores (kernels/host_experts.py) at the
+#                                            reference's expert shape, 1 / 4 / 8 / 16 threads (bench/host_experts.py)
 #   bash bench/gpu.sh kld                    perplexity's KL divergence of the Q4_K_M and Q8_0 files against the BF16
 #                                            reference, and of a cache state against all on the GPU (0 exactly)
 #   bash bench/gpu.sh next    [BENCH FLAGS]  the Qwen3-Next reference (make_reference_next_gguf.py, 12 layers, BF16,
@@ -60,7 +62,7 @@ REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
-case "$SUITE" in tests|rows|decode|server|parallel|profile|trace|quant|qdecode|kld|next|all) ;; *) usage ;; esac
+case "$SUITE" in tests|rows|decode|server|parallel|profile|trace|quant|qdecode|kld|next|host|all) ;; *) usage ;; esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
   echo "error: .carry/ lacks the wheels or make_reference_gguf.py: see the setup notes at the top of $0" >&2; exit 2
 fi
@@ -149,6 +151,10 @@ parallel() {       # several sequences decoded together (llama-batched-bench's s
   bench parallel.md 100 -m $REF $P
   bench parallel.md 200 -m $REF $P --cpu-moe --moe-cache-mib 16000,8000
   bench parallel.md 120 -m $Q4 $P --cpu-moe --moe-cache-mib 4000
+}
+
+host() {
+  timeout 200 python3 bench/host_experts.py --threads 1,4,8,16 2>&1 | tee "$OUT/host_experts.md"
 }
 
 profile() {
@@ -240,7 +246,7 @@ case "$SUITE" in
 tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
 parallel) parallel ;;
-profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
+profile|trace|kld|qdecode|host) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
 esac
