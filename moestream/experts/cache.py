@@ -17,6 +17,8 @@ methods, never through the other's state. This class only says which of the two 
 """
 from __future__ import annotations
 
+import torch
+
 from .planner import CachePlanner
 from .prefetch import PrefetchConfig
 from .prompt import PromptPath
