@@ -147,12 +147,14 @@ class UploadPerUbatch(ExpertProvider):
     """
 
     def __init__(self, store: ExpertStore, n_experts: int, device: torch.device, top_k: int = 8,
-                 staged: bool = False):
+                 staged: bool = False, buf: torch.Tensor | None = None):
         super().__init__()
         any_rows = next(iter(store.rows.values()))
         self.store, self.top_k = store, top_k
         width = max(r.shape[1] for r in store.rows.values())                       # the widest layer's row
-        self.buf = torch.empty(n_experts, width, dtype=any_rows.dtype, device=device)   # (E, row)
+        if buf is None:                          # (or rows it shares: the smallest cache's pool, buffered.py)
+            buf = torch.empty(n_experts, width, dtype=any_rows.dtype, device=device)
+        self.buf = buf                                                             # (E, row)
         self.addr = {l: row_addresses(r, device) for l, r in store.rows.items()}
         # Staged (kernels/stage.py): a zero-copy step copies its host reads into buf first, each distinct expert
         # once, and reads them there; else the kernel reads in place (the grouped bf16 kernel each expert once).
