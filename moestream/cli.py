@@ -152,7 +152,11 @@ def print_stats(st: dict, per_layer: bool) -> None:
         return
     parts = []
     if c is not None:
-        print(f"moe cache: {c['mib']:.0f} MiB, {c['slots']} slots, {c['policy']}", file=sys.stderr)
+        if c.get("buffer"):
+            print(f"moe cache: none; decode keeps recent experts in the {c['mib']:.0f} MiB upload buffer "
+                  f"({c['slots']} slots, {c['policy']})", file=sys.stderr)
+        else:
+            print(f"moe cache: {c['mib']:.0f} MiB, {c['slots']} slots, {c['policy']}", file=sys.stderr)
         parts.append(f"hits {t['hits']}, misses {t['misses']}, hit rate {t['hit_rate']:.3f}, "
                      f"evictions {t['evictions']}")
     parts.append(f"uploaded {t['uploaded_bytes'] / 1e9:.3f} GB in {t['copies']} copies")

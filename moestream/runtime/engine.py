@@ -29,6 +29,7 @@ from ..config import EngineConfig, ModelConfig
 from ..device import Device
 from ..errors import UserError
 from ..experts.budget import cache_slots, check_cache_fits, check_placement_fits
+from ..experts.buffered import BufferedCache
 from ..experts.cache import ExpertCache
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
@@ -59,7 +60,7 @@ class Engine:
                  routing: RoutingStore | None = None, quantized: bool = False):
         self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
         self.kernel, self.device = kernel, device
-        self.host = host                # the provider of host layers (UploadPerUbatch or ExpertCache), or None
+        self.host = host                # the provider of host layers (UploadPerUbatch, ExpertCache or BufferedCache)
         self.dtype = model.lm_head.dtype
         self.quantized = quantized      # expert rows are GGUF blocks, dequantized as kernels read them
         self.book = book or AddressBook()
@@ -266,7 +267,8 @@ class Engine:
         cache = None
         if isinstance(self.host, ExpertCache):
             cache = {"slots": self.host.n_slots, "policy": self.host.policy_name,
-                     "mib": self.host.n_slots * self.host.store.expert_bytes / MiB}
+                     "mib": self.host.n_slots * self.host.store.expert_bytes / MiB,
+                     "buffer": isinstance(self.host, BufferedCache)}   # no --moe-cache-mib: the upload buffer
         return {"cache": cache, "total": total, "prompt": CacheStats.summary(st.prompt),
                 "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
                 "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"]}
@@ -337,7 +339,11 @@ class Engine:
 
 def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None,
                    routing: RoutingStore):
-    """Uploads per ubatch (no cache), or the expert cache with its copy stream and prefetcher."""
+    """No cache: uploads per ubatch, into rows that zero-copy decode keeps as the smallest cache (buffered.py) where
+    it runs; or the expert cache with its copy stream and prefetcher."""
+    if n_slots is None and ecfg.decode.zero_copy:
+        return BufferedCache(store, cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch,
+                             sorted(store.rows), ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
     if n_slots is None:
         return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used, ecfg.decode.stages(store.quantized))
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
@@ -391,9 +397,9 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
     slot = _slot_bytes(layouts, host, dtype)
     if host:
         pool = (n_slots if n_slots is not None else cfg.n_experts) * slot   # the cache or upload buffer
+    if host and ecfg.decode.stages(any(lay.quantized for lay in layouts.values())):
+        pool += staging_bytes(slot, cfg.n_experts_used)             # the staged host reads' scratch rows
     if n_slots is not None:
-        if ecfg.decode.stages(any(lay.quantized for lay in layouts.values())):
-            pool += staging_bytes(slot, cfg.n_experts_used)         # the staged host reads' scratch rows
         check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)
     layer = max(cfg.n_experts * lay.row_bytes_for(dtype) for lay in layouts.values()) if layouts else 0
     check_placement_fits(rest + pool, free, dev.name, layer, len(cfg.moe_layers), len(dev_layers))

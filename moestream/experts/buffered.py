@@ -1,0 +1,83 @@
+"""No cache, but decode over the upload buffer: `--cpu-moe` without `--moe-cache-mib`.
+
+    host = BufferedCache(store, n_layers=24, n_experts=128, device=dev)    # one layer's experts of device memory
+    host.begin_ubatch(seq, 512, is_prompt=True)      # prompts upload each ubatch's experts into it (UploadPerUbatch)
+    host.begin_decode_step()                         # decode steps use the same rows as the smallest cache
+
+Without a cache, every ubatch's routed experts are uploaded into a buffer of one layer's experts (E rows), and a
+decode step read every expert over the link. The same E rows, kept as the smallest expert cache (cache.py with E
+slots: the slot pool, its policy, read-through and staging), keep what consecutive decode steps route again: on
+the reference's Q4_K_M file a third of a token's experts (bench/RESULTS.md, stop 19: 103 against 76 tok/s), in
+the same device memory. Prompts keep the buffer's plain path: at ubatch 512 and 2048 it was the faster of the two
+(6403 against 4500, 17552 against 16835 tok/s), as the pool's planning per layer costs more than it saves when
+one layer's experts fill it; at 4096 the pool's copy stream was faster (30480 against 26193), so ubatches of more
+than POOL_PROMPT_TOKENS take the cache's prompt path.
+
+The two uses of the rows take turns: a ubatch through the buffer first empties the cache (after its last decode
+step is learned from and its copies have landed), as the buffer's uploads overwrite the slots; decode then
+refills them. Both write the rows in stream order with the compute that reads them (the buffer's uploads on the
+compute stream, the cache's behind its events), and each expert's result does not depend on its row, so the
+numerics contract holds across the switch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .cache import ExpertCache
+from .provider import UploadPerUbatch
+
+POOL_PROMPT_TOKENS = 2048      # prompt ubatches above this take the cache's prompt path (its copy stream overlaps)
+
+
+class BufferedCache(ExpertCache):
+    def __init__(self, store, n_layers: int, n_experts: int, device, policy: str = "lfru", prefetch=None,
+                 host_layers=None, n_seq: int = 1, top_k: int = 8, moe_layers=None, routing=None):
+        kw = {} if prefetch is None else {"prefetch": prefetch}
+        super().__init__(store, n_experts, n_layers, n_experts, device, policy, host_layers=host_layers,
+                         n_seq=n_seq, top_k=top_k, moe_layers=moe_layers, routing=routing, **kw)
+        self.upload = UploadPerUbatch(store, n_experts, device.torch, top_k, buf=self.pool)
+        self.upload.stats = self.stats                 # one set of counters for both uses of the rows
+        self.buffering = False                         # the rows hold a ubatch's uploads, not the cache's slots
+
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+        if is_prompt:
+            through_buffer = n_tokens <= POOL_PROMPT_TOKENS
+        else:                                   # a decode step too long to read in place (the eager path)
+            through_buffer = not self._in_place(n_tokens)
+        if not through_buffer:
+            self.buffering = False
+            super().begin_ubatch(seq, n_tokens, is_prompt)
+            return
+        if not self.buffering:
+            self.empty()
+            self.buffering = True
+
+    def empty(self) -> None:
+        """Every slot empty, the last decode step learned from; the compute stream, which the buffer's uploads
+        run on, waits for the copy stream's last copies (one landing later would overwrite an upload)."""
+        self.flush_decode()
+        q = self.slots.queue
+        if self.device.is_cuda:
+            q.wait(q.seq, torch.cuda.current_stream(self.device.torch))
+        res = self.residency
+        owned = np.flatnonzero(res.owner[:, 0] >= 0)
+        if len(owned):
+            res.evict(owned)
+        self.slots.prefetched[:] = False
+
+    def begin_decode_step(self) -> None:
+        self.buffering = False
+        super().begin_decode_step()
+
+    def lookahead_layers(self, layer: int, n_tokens: int) -> int:
+        return 0 if self.buffering else super().lookahead_layers(layer, n_tokens)
+
+    def fetch(self, layer: int, ids, lookahead: tuple | None = None):
+        if self.buffering:
+            return self.upload.fetch(layer, ids)
+        return super().fetch(layer, ids, lookahead)
+
+    def experts_launched(self, layer: int) -> None:
+        if not self.buffering:
+            super().experts_launched(layer)

@@ -1,0 +1,103 @@
+"""No cache, decode over the upload buffer (experts/buffered.py): prompts upload through the buffer, decode steps
+keep the same rows as the smallest cache, and the two take turns without changing a bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moestream import LLM
+from moestream.experts import buffered
+from moestream.experts.buffered import BufferedCache
+from moestream.experts.cache import ExpertCache
+from moestream.experts.provider import UploadPerUbatch
+
+from batched import join_and_leave
+
+KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True)
+
+
+def _owned(cache: ExpertCache) -> int:
+    return int((cache.residency.owner[:, 0] >= 0).sum())
+
+
+def test_no_cache_with_zero_copy_decode_keeps_the_buffer_as_the_smallest_cache():
+    eng = LLM("synth:tiny", **KW, cpu_moe=True).engine
+    host = eng.host
+    assert isinstance(host, BufferedCache) and host.n_slots == eng.cfg.n_experts
+    assert host.upload.buf.data_ptr() == host.pool.data_ptr()          # one set of rows, no second buffer
+    st = eng.stats()
+    assert st["cache"]["buffer"] and st["cache"]["slots"] == eng.cfg.n_experts
+    # Without zero-copy decode the buffer has nobody to keep experts for: the plain upload path, no cache.
+    plain = LLM("synth:tiny", ctx_size=128, device="cpu", cpu_moe=True, zero_copy_decode=False).engine
+    assert type(plain.host) is UploadPerUbatch and plain.stats()["cache"] is None
+
+
+def test_decode_hits_in_the_buffer_and_a_prompt_empties_it():
+    llm = LLM("synth:tiny", **KW, cpu_moe=True)
+    eng, host = llm.engine, llm.engine.host
+    llm.generate("Once upon a time", max_tokens=24, ignore_eos=True)
+    eng.host.flush_decode()
+    t = eng.stats()["total"]
+    assert t["hits"] > 0                              # decode steps found experts earlier steps had kept
+    assert _owned(host) > 0
+    host.residency.check()
+    ids = list(range(3, 20))
+    eng.begin_prompt(0)
+    eng.prefill(0, ids)
+    assert host.buffering and _owned(host) == 0      # the buffer's uploads took the rows: nothing is resident
+    host.residency.check()
+    # The prompt uploaded what uploads per ubatch do: each layer's distinct routed experts, once, no hit.
+    plain = LLM("synth:tiny", ctx_size=128, device="cpu", cpu_moe=True, zero_copy_decode=False).engine
+    plain.begin_prompt(0)
+    plain.prefill(0, ids)
+    got, want = eng.stats()["prompt"], plain.stats()["prompt"]
+    assert got["hits"] == 0 and got["misses"] == want["misses"] > 0
+    assert got["uploaded_bytes"] == want["uploaded_bytes"]
+    eng.decode([(0, 7, len(ids))])
+    assert not host.buffering
+
+
+@pytest.mark.parametrize("pool_prompt_tokens", [2048, 4])
+def test_prompts_and_decode_through_the_buffer_give_the_all_device_bits(monkeypatch, pool_prompt_tokens):
+    """Two sequences joining and leaving, ubatches of 6: every prompt ubatch through the buffer (2048), or the
+    full ubatches through the cache's prompt path and the short last ones through the buffer (4); each prompt's
+    and step's logits equal the all-device engine's."""
+    monkeypatch.setattr(buffered, "POOL_PROMPT_TOKENS", pool_prompt_tokens)
+    kw = dict(device="cpu", ctx_size=128, n_seq=2, zero_copy_decode=True, ubatch_size=6)
+    want = join_and_leave(LLM("synth:tiny", **kw).engine)
+    eng = LLM("synth:tiny", **kw, cpu_moe=True).engine
+    assert isinstance(eng.host, BufferedCache)
+    got = join_and_leave(eng)
+    assert len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    eng.host.residency.check()
+
+
+def test_empty_leaves_no_expert_and_no_prefetch_claim():
+    eng = LLM("synth:tiny", **KW, cpu_moe=True).engine
+    host = eng.host
+    for i in range(4):
+        host.residency.place(1, i, i)
+    host.slots.prefetched[:3] = True
+    host.empty()
+    assert _owned(host) == 0 and not host.slots.prefetched.any()
+    assert (host.residency.slot_of == -1).all()
+    host.residency.check()
+    assert np.all(host.residency.owner == -1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("extra", [{}, {"stage_host_reads": True}, {"cuda_graphs": False}])
+@pytest.mark.parametrize("pool_prompt_tokens", [2048, 4])
+def test_buffer_and_pool_take_turns_with_the_all_gpu_bits_on_cuda(monkeypatch, pool_prompt_tokens, extra):
+    """On CUDA the buffer's uploads (compute stream) follow the cache's copies (copy stream) and the decode steps'
+    landings: the same logits as all on the GPU, in read-in-place, staged and eager decode."""
+    monkeypatch.setattr(buffered, "POOL_PROMPT_TOKENS", pool_prompt_tokens)
+    kw = dict(device="cuda", ctx_size=128, n_seq=2, ubatch_size=6)
+    want = join_and_leave(LLM("synth:tiny:dtype=bfloat16", **kw).engine)
+    eng = LLM("synth:tiny:dtype=bfloat16", **kw, cpu_moe=True, **extra).engine
+    assert isinstance(eng.host, BufferedCache)
+    got = join_and_leave(eng)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
