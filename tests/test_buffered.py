@@ -15,6 +15,7 @@ from moestream.experts.provider import UploadPerUbatch
 from batched import join_and_leave
 
 KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True)
+TINY = "synth:tiny:layers=5"       # 16 rows, fewer than a token's 5 x 4 routed experts: the buffer decodes
 
 
 def _owned(cache: ExpertCache) -> int:
@@ -22,19 +23,29 @@ def _owned(cache: ExpertCache) -> int:
 
 
 def test_no_cache_with_zero_copy_decode_keeps_the_buffer_as_the_smallest_cache():
-    eng = LLM("synth:tiny", **KW, cpu_moe=True).engine
+    eng = LLM(TINY, **KW, cpu_moe=True).engine
     host = eng.host
     assert isinstance(host, BufferedCache) and host.n_slots == eng.cfg.n_experts
     assert host.upload.buf.data_ptr() == host.pool.data_ptr()          # one set of rows, no second buffer
     st = eng.stats()
     assert st["cache"]["buffer"] and st["cache"]["slots"] == eng.cfg.n_experts
     # Without zero-copy decode the buffer has nobody to keep experts for: the plain upload path, no cache.
-    plain = LLM("synth:tiny", ctx_size=128, device="cpu", cpu_moe=True, zero_copy_decode=False).engine
+    plain = LLM(TINY, ctx_size=128, device="cpu", cpu_moe=True, zero_copy_decode=False).engine
     assert type(plain.host) is UploadPerUbatch and plain.stats()["cache"] is None
 
 
+def test_rows_that_hold_a_token_of_every_layer_keep_the_plain_buffer():
+    """tiny's 4 layers route 16 experts a token, which its 16 rows hold: decode keeps the plain buffer (buffered.py:
+    a cache of such rows uploads each miss and churns)."""
+    eng = LLM("synth:tiny", **KW, cpu_moe=True).engine
+    assert type(eng.host) is UploadPerUbatch and eng.stats()["cache"] is None
+    # five layers, four of them on the host: 16 choices, 16 rows (the host layers count)
+    assert type(LLM(TINY, **KW, n_cpu_moe=4).engine.host) is UploadPerUbatch
+    assert type(LLM(TINY, **KW, n_cpu_moe=5).engine.host) is BufferedCache
+
+
 def test_decode_hits_in_the_buffer_and_a_prompt_empties_it():
-    llm = LLM("synth:tiny", **KW, cpu_moe=True)
+    llm = LLM(TINY, **KW, cpu_moe=True)
     eng, host = llm.engine, llm.engine.host
     llm.generate("Once upon a time", max_tokens=24, ignore_eos=True)
     eng.host.flush_decode()
@@ -48,7 +59,7 @@ def test_decode_hits_in_the_buffer_and_a_prompt_empties_it():
     assert host.buffering and _owned(host) == 0      # the buffer's uploads took the rows: nothing is resident
     host.residency.check()
     # The prompt uploaded what uploads per ubatch do: each layer's distinct routed experts, once, no hit.
-    plain = LLM("synth:tiny", ctx_size=128, device="cpu", cpu_moe=True, zero_copy_decode=False).engine
+    plain = LLM(TINY, ctx_size=128, device="cpu", cpu_moe=True, zero_copy_decode=False).engine
     plain.begin_prompt(0)
     plain.prefill(0, ids)
     got, want = eng.stats()["prompt"], plain.stats()["prompt"]
@@ -61,9 +72,8 @@ def test_decode_hits_in_the_buffer_and_a_prompt_empties_it():
 def test_decode_keeps_the_hottest_and_uploads_no_miss(monkeypatch):
     """The buffer's E rows keep each layer's most routed experts (hot_set.py) and read misses where they lie: a
     miss uploaded into so few rows would evict what the next step reads (Qwen3-Next's reference, 512 rows for 12
-    layers of top-10: 21.5% hit and 114 against 162 tok/s, bench/RESULTS.md). tiny's 16 rows hold a step's 4 x 4
-    choices, where a cache of that size uploads each miss; the buffer never plans one."""
-    llm = LLM("synth:tiny", **KW, cpu_moe=True)
+    layers of top-10: 21.5% hit and 114 against 162 tok/s, bench/RESULTS.md); the buffer never plans one."""
+    llm = LLM(TINY, **KW, cpu_moe=True)
     host = llm.engine.host
 
     def no_plan(*a, **k):
@@ -81,8 +91,8 @@ def test_prompts_and_decode_through_the_buffer_give_the_all_device_bits(monkeypa
     and step's logits equal the all-device engine's."""
     monkeypatch.setattr(buffered, "POOL_PROMPT_TOKENS", pool_prompt_tokens)
     kw = dict(device="cpu", ctx_size=128, n_seq=2, zero_copy_decode=True, ubatch_size=6)
-    want = join_and_leave(LLM("synth:tiny", **kw).engine)
-    eng = LLM("synth:tiny", **kw, cpu_moe=True).engine
+    want = join_and_leave(LLM(TINY, **kw).engine)
+    eng = LLM(TINY, **kw, cpu_moe=True).engine
     assert isinstance(eng.host, BufferedCache)
     got = join_and_leave(eng)
     assert len(got) == len(want)
@@ -91,7 +101,7 @@ def test_prompts_and_decode_through_the_buffer_give_the_all_device_bits(monkeypa
 
 
 def test_empty_leaves_no_expert_and_no_prefetch_claim():
-    eng = LLM("synth:tiny", **KW, cpu_moe=True).engine
+    eng = LLM(TINY, **KW, cpu_moe=True).engine
     host = eng.host
     for i in range(4):
         host.residency.place(1, i, i)
@@ -112,8 +122,8 @@ def test_buffer_and_pool_take_turns_with_the_all_gpu_bits_on_cuda(monkeypatch, p
     landings: the same logits as all on the GPU, in read-in-place, staged and eager decode."""
     monkeypatch.setattr(buffered, "POOL_PROMPT_TOKENS", pool_prompt_tokens)
     kw = dict(device="cuda", ctx_size=128, n_seq=2, ubatch_size=6)
-    want = join_and_leave(LLM("synth:tiny:dtype=bfloat16", **kw).engine)
-    eng = LLM("synth:tiny:dtype=bfloat16", **kw, cpu_moe=True, **extra).engine
+    want = join_and_leave(LLM(TINY + ":dtype=bfloat16", **kw).engine)
+    eng = LLM(TINY + ":dtype=bfloat16", **kw, cpu_moe=True, **extra).engine
     assert isinstance(eng.host, BufferedCache)
     got = join_and_leave(eng)
     assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -13,11 +13,12 @@ the same device memory. Prompts keep the buffer's plain path: at ubatch 512 and 
 one layer's experts fill it; at 4096 the pool's copy stream was faster (30480 against 26193), so ubatches of more
 than POOL_PROMPT_TOKENS take the cache's prompt path.
 
-Decode keeps the hottest experts and uploads no miss (`ZeroCopyDecode.uploads_misses` off): the rows keep each
-layer's most routed experts of recent steps (hot_set.py, as any pool smaller than a step's experts of every layer
-does) and a step reads its misses where they lie (staged). Uploading each miss instead, where E rows hold one
-step's choices, evicts what the next step reads: on the Qwen3-Next reference's Q4_K_M (512 rows, 12 layers of
-top-10) 21.5% hit, 11.5 GB uploaded over 64 tokens and 114 tok/s, against 162 for the plain buffer.
+Only where the E rows are fewer than a token's routed experts of every host layer (`buffer_decodes`): such a
+pool keeps each layer's most routed experts of recent steps (hot_set.py) and reads the rest where they lie
+(staged), uploading no miss. Where the rows hold a step's experts, as Qwen3-Next's 512 for 12 layers of top-10
+do, the cache would upload each miss, evicting what the next step reads (on its reference's Q4_K_M: 21.5% hit,
+11.5 GB uploaded over 64 tokens, 114 tok/s), and kept to its hottest it hit 9.9% of choices while its refills
+crossed the link beside the reads (151 tok/s): both below the plain buffer's 162, which such models keep.
 
 The two uses of the rows take turns: a ubatch through the buffer first empties the cache (after its last decode
 step is learned from and its copies have landed), as the buffer's uploads overwrite the slots; decode then
@@ -36,6 +37,12 @@ from .provider import UploadPerUbatch
 POOL_PROMPT_TOKENS = 2048      # prompt ubatches above this take the cache's prompt path (its copy stream overlaps)
 
 
+def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int) -> bool:
+    """Whether no-cache decode keeps the upload buffer's E rows as the smallest cache: where they are fewer than a
+    token's routed experts of every host layer (the regime measured to gain; see above)."""
+    return n_experts < n_host_layers * top_k
+
+
 class BufferedCache(ExpertCache):
     def __init__(self, store, n_layers: int, n_experts: int, device, policy: str = "lfru", prefetch=None,
                  host_layers=None, n_seq: int = 1, top_k: int = 8, moe_layers=None, routing=None):
@@ -45,10 +52,6 @@ class BufferedCache(ExpertCache):
         self.upload = UploadPerUbatch(store, n_experts, device.torch, top_k, buf=self.pool)
         self.upload.stats = self.stats                 # one set of counters for both uses of the rows
         self.buffering = False                         # the rows hold a ubatch's uploads, not the cache's slots
-
-    def enable_zero_copy(self, *args, **kw) -> None:
-        super().enable_zero_copy(*args, **kw)
-        self.zero_copy.uploads_misses = False     # the rows keep the hottest experts; misses are read, not uploaded
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
         if is_prompt:

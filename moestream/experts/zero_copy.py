@@ -80,9 +80,6 @@ class ZeroCopyDecode:
         self.routed_host = dev.pinned_empty((L, max_tokens * top_k), torch.int64)
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
-        # Whether one-token steps upload their misses where the pool holds a step's experts (_holds_a_step); off,
-        # the pool only keeps each layer's most routed experts, as a smaller pool does (buffered.py).
-        self.uploads_misses = True
         self.hot = HotSet(self.residency, self.stats, store, layers)   # what several-token steps keep
         # Read-through: the layer's free slots a step writes the experts it reads from host into: a one-token step
         # the first n_land of them, a several-token step n_land_several.
@@ -355,7 +352,7 @@ class ZeroCopyDecode:
     def _holds_a_step(self, n_choices: int) -> bool:
         """Whether the pool holds a step's routed experts (n_choices per host layer): only then are misses worth
         uploading (in a smaller pool each upload evicts an expert the next step reads)."""
-        return self.uploads_misses and self.residency.n_slots >= len(self.layers) * n_choices
+        return self.residency.n_slots >= len(self.layers) * n_choices
 
     def _submit(self, now: list, behind: list, after) -> None:
         """Copy (slot, host row) into slots no queued step reads at once, the others behind `after`."""

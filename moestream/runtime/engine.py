@@ -29,7 +29,7 @@ from ..config import EngineConfig, ModelConfig
 from ..device import Device
 from ..errors import UserError
 from ..experts.budget import cache_slots, check_cache_fits, check_placement_fits
-from ..experts.buffered import BufferedCache
+from ..experts.buffered import BufferedCache, buffer_decodes
 from ..experts.cache import ExpertCache
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
@@ -340,8 +340,8 @@ class Engine:
 def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None,
                    routing: RoutingStore):
     """No cache: uploads per ubatch, into rows that zero-copy decode keeps as the smallest cache (buffered.py) where
-    it runs; or the expert cache with its copy stream and prefetcher."""
-    if n_slots is None and ecfg.decode.zero_copy:
+    it runs and gains (buffer_decodes); or the expert cache with its copy stream and prefetcher."""
+    if n_slots is None and ecfg.decode.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used):
         return BufferedCache(store, cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch,
                              sorted(store.rows), ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
     if n_slots is None:
