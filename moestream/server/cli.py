@@ -78,7 +78,6 @@ def main(a: argparse.Namespace) -> int:
     except ImportError:
         raise UserError("the server needs fastapi, uvicorn and prometheus-client: "
                         "pip install fastapi uvicorn prometheus-client") from None
-    from ..api import LLM
     from .app import create_app
     from .scheduler import SchedulerConfig
 
