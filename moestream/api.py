@@ -18,7 +18,8 @@ from . import flags
 from .config import EngineConfig
 from .errors import UserError
 from .loading.source import open_source
-from .runtime.engine import Engine, expert_layouts
+from .quant.layout import expert_layouts
+from .runtime.engine import Engine
 from .runtime.generate import Completion, Generation
 from .runtime.memory import check_host_fits
 from .runtime.sampling import SamplingParams

@@ -233,7 +233,8 @@ def test_a_context_too_big_for_the_device_names_c_not_the_experts():
 
     import torch
     from moestream.loading.synth import SynthSource
-    from moestream.runtime.engine import _check_fits, expert_layouts
+    from moestream.quant.layout import expert_layouts
+    from moestream.runtime.engine import _check_fits
     src = SynthSource.from_spec("tiny")
     cfg = src.config
     layouts = expert_layouts(src, cfg)

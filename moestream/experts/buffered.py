@@ -44,12 +44,10 @@ def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int) -> bool:
 
 
 class BufferedCache(ExpertCache):
-    def __init__(self, store, n_layers: int, n_experts: int, device, policy: str = "lfru", prefetch=None,
-                 host_layers=None, n_seq: int = 1, top_k: int = 8, moe_layers=None, routing=None):
-        kw = {} if prefetch is None else {"prefetch": prefetch}
-        super().__init__(store, n_experts, n_layers, n_experts, device, policy, host_layers=host_layers,
-                         n_seq=n_seq, top_k=top_k, moe_layers=moe_layers, routing=routing, **kw)
-        self.upload = UploadPerUbatch(store, n_experts, device.torch, top_k, buf=self.pool)
+    def __init__(self, store, n_layers: int, n_experts: int, device, *args, **kw):
+        """ExpertCache's arguments but n_slots: the rows are one layer's experts, one slot an expert id."""
+        super().__init__(store, n_experts, n_layers, n_experts, device, *args, **kw)
+        self.upload = UploadPerUbatch(store, n_experts, device.torch, self.top_k, buf=self.pool)
         self.upload.stats = self.stats                 # one set of counters for both uses of the rows
         self.buffering = False                         # the rows hold a ubatch's uploads, not the cache's slots
 

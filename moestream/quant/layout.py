@@ -3,6 +3,7 @@
     lay = ExpertLayout(inter=768, hidden=2048, types=(Q.Q4_K, Q.Q4_K, Q.Q6_K))
     lay.nbytes                          # 3_060_... bytes of one expert: what a slot holds and an upload moves
     w13, w2 = lay.dequantize(rows)      # rows (n, >= nbytes) uint8 -> (n, 2I, H), (n, H, I) float32
+    layouts = expert_layouts(source, cfg)   # {moe layer: ExpertLayout}: a checkpoint's, float or its GGUF blocks
 
 A float layout (`types=None`) is the typed rows the engine has always had: rows (n, 3*I*H) of the model's dtype,
 read as views (`views`). A quantized layout holds each matrix's GGUF blocks as they are in the file, row after row
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from .types import row_bytes
+from .types import FLOAT, row_bytes
 
 
 @dataclass(frozen=True)
@@ -89,3 +90,12 @@ def describe(layouts: dict[int, ExpertLayout], row_bytes: dict[int, int], file_t
     if file_types:
         head = "file: " + ", ".join(f"{t} {n}" for t, n in sorted(file_types.items(), key=lambda kv: -kv[1])) + "; "
     return f"{head}experts (gate/up/down): {experts}; {per} per expert"
+
+
+def expert_layouts(source, cfg) -> dict[int, ExpertLayout]:
+    """Each MoE layer's expert row (an ExpertLayout): float rows of the model's dtype, or, where any layer of a GGUF
+    has quantized expert stacks, every layer's GGUF blocks as they are in the file."""
+    types = {l: source.expert_types(l) for l in cfg.moe_layers}
+    quantized = any(t is not None and any(q not in FLOAT for q in t) for t in types.values())
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    return {l: ExpertLayout(I, H, types[l] if quantized else None) for l in cfg.moe_layers}

@@ -35,8 +35,7 @@ from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
 from ..experts.store import ExpertStore, fill_layer
 from ..experts.zero_copy import staging_bytes
-from ..quant.layout import ExpertLayout
-from ..quant.types import FLOAT
+from ..quant.layout import ExpertLayout, expert_layouts
 from ..kernels import AddressBook, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
 from ..kernels.delta import pick_delta_kernels
@@ -341,30 +340,21 @@ def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev
                    routing: RoutingStore):
     """No cache: uploads per ubatch, into rows that zero-copy decode keeps as the smallest cache (buffered.py) where
     it runs and gains (buffer_decodes); or the expert cache with its copy stream and prefetcher."""
-    if n_slots is None and ecfg.decode.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used):
-        return BufferedCache(store, cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch,
-                             sorted(store.rows), ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
+    args = (cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch, sorted(store.rows),
+            ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
     if n_slots is None:
+        if ecfg.decode.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used):
+            return BufferedCache(store, *args)
         return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used, ecfg.decode.stages(store.quantized))
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
              store.expert_bytes / 1e6, ecfg.cache.policy)
-    return ExpertCache(store, n_slots, cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch,
-                       sorted(store.rows), ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
+    return ExpertCache(store, n_slots, *args)
 
 
 def _slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
     """The expert cache's slots for this model and config (experts/budget.py), None for no cache."""
     return cache_slots(ecfg.cache.mib, expert_bytes, cfg.n_experts, n_host_layers,
                        ecfg.batching.ubatch * cfg.n_experts_used)
-
-
-def expert_layouts(source, cfg: ModelConfig) -> dict[int, ExpertLayout]:
-    """Each MoE layer's expert row (quant/layout.py): float rows of the model's dtype, or, where any layer of a GGUF
-    has quantized expert stacks, every layer's GGUF blocks as they are in the file."""
-    types = {l: source.expert_types(l) for l in cfg.moe_layers}
-    quantized = any(t is not None and any(q not in FLOAT for q in t) for t in types.values())
-    I, H = cfg.moe_intermediate_size, cfg.hidden_size
-    return {l: ExpertLayout(I, H, types[l] if quantized else None) for l in cfg.moe_layers}
 
 
 def _slot_bytes(layouts: dict[int, ExpertLayout], host: set[int], dtype: torch.dtype) -> int:
@@ -397,8 +387,8 @@ def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.
     slot = _slot_bytes(layouts, host, dtype)
     if host:
         pool = (n_slots if n_slots is not None else cfg.n_experts) * slot   # the cache or upload buffer
-    if host and ecfg.decode.stages(any(lay.quantized for lay in layouts.values())):
-        pool += staging_bytes(slot, cfg.n_experts_used)             # the staged host reads' scratch rows
+        if ecfg.decode.stages(any(lay.quantized for lay in layouts.values())):
+            pool += staging_bytes(slot, cfg.n_experts_used)         # the staged host reads' scratch rows
     if n_slots is not None:
         check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)
     layer = max(cfg.n_experts * lay.row_bytes_for(dtype) for lay in layouts.values()) if layouts else 0
