@@ -309,6 +309,11 @@ class DecodeConfig:
         experts (their kernels read host rows in place at 29-34 GB/s of the link's 55)."""
         return bool(self.zero_copy) and (self.stage if self.stage is not None else quantized)
 
+    def lands(self, quantized: bool) -> bool:
+        """Whether decode steps land what they read from host in free cache slots (read-through): quantized rows
+        only where they are staged (the unstaged quantized kernel reads a row once per choice, and lands nothing)."""
+        return self.read_through and (self.stages(quantized) or not quantized)
+
 
 @dataclass(frozen=True)
 class EngineConfig:

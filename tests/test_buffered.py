@@ -34,14 +34,26 @@ def test_no_cache_with_zero_copy_decode_keeps_the_buffer_as_the_smallest_cache()
     assert type(plain.host) is UploadPerUbatch and plain.stats()["cache"] is None
 
 
-def test_rows_that_hold_a_token_of_every_layer_keep_the_plain_buffer():
-    """tiny's 4 layers route 16 experts a token, which its 16 rows hold: decode keeps the plain buffer (buffered.py:
-    a cache of such rows uploads each miss and churns)."""
+def test_rows_that_hold_a_token_of_every_layer_land_what_decode_reads_and_upload_nothing():
+    """tiny's 4 layers route 16 experts a token, which its 16 rows hold: decode steps land what they read in the
+    rows' free slots and upload nothing (buffered.py). Without read-through such rows would upload each miss and
+    churn: they keep the plain buffer."""
     eng = LLM("synth:tiny", **KW, cpu_moe=True).engine
-    assert type(eng.host) is UploadPerUbatch and eng.stats()["cache"] is None
-    # five layers, four of them on the host: 16 choices, 16 rows (the host layers count)
-    assert type(LLM(TINY, **KW, n_cpu_moe=4).engine.host) is UploadPerUbatch
-    assert type(LLM(TINY, **KW, n_cpu_moe=5).engine.host) is BufferedCache
+    host = eng.host
+    assert type(host) is BufferedCache and host.zero_copy._holds_a_step(eng.cfg.n_experts_used)
+    tok = int(eng.prefill(0, list(range(5, 25)))[-1].argmax())
+    before = eng.stats()["total"]
+    for pos in range(20, 36):
+        tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+    host.flush_decode()
+    after = eng.stats()["total"]
+    assert after["copies"] == before["copies"] and after["uploaded_bytes"] == before["uploaded_bytes"]
+    assert after["landed"] > before["landed"] and after["hits"] > before["hits"]
+    host.residency.check()
+    assert type(LLM("synth:tiny", **KW, cpu_moe=True, read_through=False).engine.host) is UploadPerUbatch
+    # five layers, four of them on the host: 16 choices, 16 rows (the host layers count); without read-through
+    assert type(LLM(TINY, **KW, n_cpu_moe=4, read_through=False).engine.host) is UploadPerUbatch
+    assert type(LLM(TINY, **KW, n_cpu_moe=5, read_through=False).engine.host) is BufferedCache
 
 
 def test_decode_hits_in_the_buffer_and_a_prompt_empties_it():

@@ -357,14 +357,16 @@ def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib, polls):
     """A slot emptied while its upload is in flight is not handed to a step to land in: the late copy would
     overwrite the landed expert (on the H200 the greedy hash changed). Decode steps with a lagging copy queue give
     the logits of every expert on the device. With polls=2 copies in flight when a table is prepared (while the
-    step before runs) land before the step: begin_step patches them in."""
+    step before runs) land before the step: begin_step patches them in. (One-token steps land their misses and
+    upload nothing; every other step decodes a second sequence too, whose hot set uploads.)"""
     ids = list(range(5, 40))
     handed, waiting = [], []
 
     def run(**kw):
-        llm = LLM("synth:tiny", **KW, **kw)
+        llm = LLM("synth:tiny", **KW, n_seq=2, **kw)
         eng, cache = llm.engine, llm.engine.host
         tok, outs = int(eng.prefill(0, ids)[-1].argmax()), []
+        other = int(eng.prefill(1, ids[::-1])[-1].argmax())
         if cache is not None:
             cache.slots.queue = LaggingQueue(cache.slots.queue, polls)
             zc, begin, prepare = cache.zero_copy, cache.zero_copy.begin_step, cache.zero_copy._prepare
@@ -385,10 +387,14 @@ def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib, polls):
                 landed[landed] = cache.slots.ready[slot[landed]] <= cache.slots.queue.done
                 assert not (zc.from_host & landed).any(), "the table reads a landed expert from host memory"
             zc.begin_step = checked
+        pos1 = len(ids)
         for pos in range(len(ids), len(ids) + 40):
-            lg = eng.decode([(0, tok, pos)])
+            both = pos % 2 == 0
+            lg = eng.decode([(0, tok, pos)] + ([(1, other, pos1)] if both else []))
             outs.append(lg.clone())
             tok = int(lg[0].argmax())
+            if both:
+                other, pos1 = int(lg[1].argmax()), pos1 + 1
         return outs
     ref, got = run(), run(cpu_moe=True, moe_cache_mib=mib, read_through=True)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))

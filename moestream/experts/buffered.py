@@ -13,12 +13,14 @@ the same device memory. Prompts keep the buffer's plain path: at ubatch 512 and 
 one layer's experts fill it; at 4096 the pool's copy stream was faster (30480 against 26193), so ubatches of more
 than POOL_PROMPT_TOKENS take the cache's prompt path.
 
-Only where the E rows are fewer than a token's routed experts of every host layer (`buffer_decodes`): such a
-pool keeps each layer's most routed experts of recent steps (hot_set.py) and reads the rest where they lie
-(staged), uploading no miss. Where the rows hold a step's experts, as Qwen3-Next's 512 for 12 layers of top-10
-do, the cache would upload each miss, evicting what the next step reads (on its reference's Q4_K_M: 21.5% hit,
-11.5 GB uploaded over 64 tokens, 114 tok/s), and kept to its hottest it hit 9.9% of choices while its refills
-crossed the link beside the reads (151 tok/s): both below the plain buffer's 162, which such models keep.
+Where the E rows are fewer than a token's routed experts of every host layer (the 30B reference: 128 < 24 x 8),
+such a pool keeps each layer's most routed experts of recent steps (hot_set.py) and reads the rest where they lie
+(staged), uploading no miss. Where they hold a step's experts, as Qwen3-Next's 512 for 12 layers of top-10 do,
+decode steps land what they read in the rows' free slots (read-through; zero_copy.py) and upload nothing: on that
+reference's near-uniform routing the rows then give a few percent of hits for nothing on the link. (Before
+one-token steps landed their misses instead of uploading them, such rows uploaded each miss, evicting what the
+next step read: 21.5% hit, 11.5 GB uploaded over 64 tokens, 114 tok/s against the plain buffer's 162.) Without
+read-through (`buffer_decodes`) they keep the plain buffer.
 
 The two uses of the rows take turns: a ubatch through the buffer first empties the cache (after its last decode
 step is learned from and its copies have landed), as the buffer's uploads overwrite the slots; decode then
@@ -37,10 +39,11 @@ from .provider import UploadPerUbatch
 POOL_PROMPT_TOKENS = 2048      # prompt ubatches above this take the cache's prompt path (its copy stream overlaps)
 
 
-def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int) -> bool:
-    """Whether no-cache decode keeps the upload buffer's E rows as the smallest cache: where they are fewer than a
-    token's routed experts of every host layer (the regime measured to gain; see above)."""
-    return n_experts < n_host_layers * top_k
+def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int, lands: bool) -> bool:
+    """Whether no-cache decode keeps the upload buffer's E rows as the smallest cache: where decode steps land
+    what they read (read-through: a one-token step then uploads nothing, so the rows' hits cost nothing on the
+    link), or where the rows are fewer than a token's routed experts of every host layer (see above)."""
+    return lands or n_experts < n_host_layers * top_k
 
 
 class BufferedCache(ExpertCache):

@@ -38,9 +38,13 @@ class CachePlanner:
         n = self.residency.region_size(layer)
         return [wanted] if len(wanted) <= n else [wanted[i:i + n] for i in range(0, len(wanted), n)]
 
-    def plan(self, layer: int, group: np.ndarray):
+    def plan(self, layer: int, group: np.ndarray, read_misses: int | None = None):
+        """Make the group resident; count its hits, misses and uploads. read_misses: where the group was read
+        already (a zero-copy decode step), how many it read from host memory, the misses it counts (a miss the
+        step landed in a slot is resident now, and uploads nothing)."""
         plan = self.residency.ensure(layer, group)
         m = len(plan.misses)
-        self.stats.record(layer, hits=len(group) - m, misses=m, evictions=len(plan.evicted),
+        missed = m if read_misses is None else read_misses
+        self.stats.record(layer, hits=len(group) - missed, misses=missed, evictions=len(plan.evicted),
                           uploaded_bytes=m * self.layer_bytes.get(layer, self.expert_bytes), copies=m)
         return plan

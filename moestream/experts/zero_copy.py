@@ -6,33 +6,30 @@
     zc.end_step(n_tokens)                # after the step is queued: learn from the previous step's routing
 
 A decode step then needs no host decision: the whole step is one CUDA graph, and a miss costs its bytes over the
-link once, read in place by the kernel (kernels/decode.py), as an upload would. The cache still learns: after each
-step is queued, the host reads the previous step's routing back and runs the policy on it, uploading its misses on
-the copy stream behind the step in flight; an expert's address moves to its slot once its copy has landed.
+link once, read in place by the kernel (kernels/decode.py). The cache still learns: after each step is queued, the
+host reads the previous step's routing back and runs the policy on it (_learn says what each kind of step keeps).
 It works through the slot pool (slots.py) and the planner, as the prompt path (prompt.py) does: they are peers.
 
-Why this is safe without pins: a table is written on the compute stream before its step and points only at slots
+Read-through (on by default; --no-read-through): a step is also handed empty slots per layer (none a copy is
+still writing), and its kernel writes the first experts it reads from host memory into them as it reads them (a
+one-token step its first host-read choices, a several-token step its distinct host-read experts in ascending id:
+kernels/decode.py's landing_slots and landing_slots_grouped). Before the next step's table goes to the device the
+host replays the kernel's rule on the step's routing and takes those experts in, so the next step reads them from
+their slots: a miss crosses the link once, and a one-token step uploads nothing. The slots a step writes are
+pinned while it runs, so no copy targets them. Staged host reads (`staged`, the default for quantized experts:
+kernels/stage.py): a step's first launch a layer copies the experts it reads from host memory into device memory,
+its landing slots first (the same read-through, for every kernel and any number of tokens: distinct experts in
+order of first choice, stage.landed_experts) and then scratch rows, and the expert kernel reads them all there.
+
+Without read-through a one-token step's misses are uploaded on the copy stream behind the step in flight. Why
+that is safe without pins: a table is written on the compute stream before its step and points only at slots
 whose copy has completed. The misses of step t are learned while step t+1 runs (step t has completed: its routing
 was read back). A copy into a slot that step t+1's table may point at waits for step t+1; a copy into one of the
-empty slots kept in reserve (emptied before step t+1's table was written) starts at once and lands, normally,
-before step t+2, whose table then points at it. So a miss is read in place by at most two steps, not three.
+empty slots kept in reserve starts at once and lands, normally, before step t+2, whose table then points at it.
 
 The table leaves the critical path between steps: it is prepared from the residency map while the step before
-it runs (after learning), and begin_step only patches in the copies that have landed since and, with read-through,
-the last step's landed experts, then copies it over (one small copy).
-
-Read-through (on by default; --no-read-through): a step is also handed a few empty slots per layer (none a
-copy is still writing), and its kernel writes the first experts it reads from host memory into them as it reads
-them (a one-token step its first host-read choices, a several-token step its distinct host-read experts in
-ascending id: kernels/decode.py's landing_slots and landing_slots_grouped). Before the next step's table goes to
-the device the host replays the kernel's rule on the step's routing and takes those experts in, so the next step
-reads them from their slots: a miss crosses the link once. The slots a step writes are pinned while it runs, so
-no copy targets them.
-
-Staged host reads (`staged`, the default for quantized experts: kernels/stage.py): a step's first launch a layer
-copies the experts it reads from host memory into device memory, its landing slots first (the same read-through,
-for every kernel and any number of tokens: distinct experts in order of first choice, stage.landed_experts) and
-then scratch rows, and the expert kernel reads them all from the device. A miss crosses the link once a step.
+it runs (after learning), and begin_step only patches in the copies that have landed since and the last step's
+landed experts, then copies it over (one small copy).
 """
 from __future__ import annotations
 
@@ -41,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from ..kernels.stage import MAX_CHOICES, Landing, landed_experts
+from ..kernels.stage import MAX_CHOICES, Landing, landed_experts, staging_rows
 from .hot_set import HotSet
 from .planner import CachePlanner
 from .provider import row_addresses
@@ -50,13 +47,17 @@ from .routing import report_route
 from .slots import SlotPool
 from .store import ExpertStore
 
-RESERVE = 16               # empty slots kept per region of the pool for the misses of the step in flight
-LAND_PER_LAYER = 2         # read-through: free slots a one-token step may write its misses into, per layer
+RESERVE = 16               # without read-through: empty slots kept per region for the misses of the step in flight
+LAND_PER_LAYER = 2         # read-through: the fewest free slots a layer hands a one-token step to write its misses
+                           # into (it hands more where its misses are more: MISS_DECAY, LAND_MARGIN; at most top_k)
 LAND_SEVERAL = 4           # ... and a several-token step, which keeps that many slots a layer free for them,
                            # evicting the layer's least routed experts (an offline replay of 8 and 16 streams' routing
                            # missed least at 4 of 4 / 8 / 16: each free slot is one the hot set cannot use)
-STAGE_BYTES = 64 << 20     # staged host reads: the scratch rows a step copies its other host reads into (at least
-                           # top_k rows, one token's; one scratch serves every layer: their launches are in order)
+MISS_DECAY = 0.9           # per step, of a layer's decayed count of one-token steps' host reads
+LAND_MARGIN = 1.3          # landing slots a layer: its decayed host reads x this + 1 (a replay of near-uniform and
+                           # skewed routings, bench/host_learning.py: nearly every miss lands)
+RESERVE_SHARE = 4          # the empty slots kept (two steps' landing slots, or RESERVE) are at most a quarter of a
+                           # region (an eighth read more from host in every replayed routing)
 
 
 class ZeroCopyDecode:
@@ -82,13 +83,17 @@ class ZeroCopyDecode:
         self.pending = None                                 # Pending: a step not learned from yet
         self.hot = HotSet(self.residency, self.stats, store, layers)   # what several-token steps keep
         # Read-through: the layer's free slots a step writes the experts it reads from host into: a one-token step
-        # the first n_land of them, a several-token step n_land_several.
-        self.n_land = LAND_PER_LAYER if read_through else 0
-        self.n_land_several = max(LAND_SEVERAL, LAND_PER_LAYER) if read_through else 0
+        # up to n_land of them (a token's top_k; land_count[l] are handed out, as many as the layer's recent misses
+        # ask for), a several-token step n_land_several.
+        self.n_land = top_k if read_through else 0
+        self.n_land_several = LAND_SEVERAL if read_through else 0
+        self.land_count = np.full(L, LAND_PER_LAYER, dtype=np.int64)
+        self.miss_avg = np.zeros(L)                         # one-token steps' host reads a layer, decayed
         self.host_tab = torch.from_numpy(self.host_addr).to(dev.torch)              # (L, E) host-row addresses
         self.scratch = staging_rows(slots.pool, top_k) if staged else None          # (S, row)
         self.aligned = store.aligned16(slots.pool, self.scratch)
-        self.land = torch.zeros(L, max(self.n_land_several, 1), dtype=torch.int64, device=dev.torch)  # (L, R) addrs
+        R = max(self.n_land, self.n_land_several, 1)
+        self.land = torch.zeros(L, R, dtype=torch.int64, device=dev.torch)                 # (L, R) addresses
         self.land_slots = np.full(tuple(self.land.shape), -1, dtype=np.int64)     # the queued step's, as slots
         # The next step's table is prepared while the step before it runs (end_step), in the staging buffer that
         # step's own table copy does not read; begin_step patches in what landed since, and copies it over.
@@ -260,32 +265,43 @@ class ZeroCopyDecode:
             free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
             if writing is not None:
                 free[writing[writing >= 0]] = False
-            for lo, hi in ((0, self.n_land), (self.n_land, self.n_land_several)):
+            for first in (True, False):
                 for l in self.layers:
+                    lo = 0 if first else int(self.land_count[l])
+                    hi = int(self.land_count[l]) if first else self.n_land_several
                     a, b = res.bounds[l]
-                    got = a + np.flatnonzero(free[a:b])[:hi - lo]
+                    got = a + np.flatnonzero(free[a:b])[:max(hi - lo, 0)]
                     free[got] = False
                     out[l, lo:lo + len(got)] = got
         return out
 
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, after, writing) -> None:
-        """The policy and counters see one step's routing (L, T k). A one-token step's misses are uploaded, in one
-        batch on the copy stream, behind `after` (the step now queued, which may read their victims), or at once
-        when nothing is queued (`writing`: the landing slots that step writes, not to be touched).
+        """The policy and counters see one step's routing (L, T k); the pool changes for the steps to come.
 
-        A step of several tokens (several streams decoded together) does not upload its misses: the streams'
-        experts together are often more than the pool holds, and uploading each step's misses then evicts what the
-        next step reads (on the reference at 16000 MiB, 8 streams: 105 misses a step, 1 GB uploaded a step, 43 ms a
-        step; bench/RESULTS.md, issue 15). It keeps each layer's most routed experts of recent steps instead (decayed
-        counts, hot_set.py: 30 misses, 0.1 GB, 12 ms on a warm pool), which is the union of the streams' hot
-        sets as far as it fits. So does a pool smaller than one token's routed experts of every host layer. (With
-        read-through its misses also land in free slots as they are read: _absorb.)
+        - A one-token step, in a pool that holds a step's experts, with read-through: its misses landed in free
+          slots as it read them (_absorb), so nothing is uploaded; each layer hands the next steps as many landing
+          slots as its recent misses ask for (land_count), and the regions keep that many empty (_keep_reserve).
+          An upload would move the bytes the step just read a second time: on a near-uniform routing (Qwen3-Next's
+          reference) it moved 40% of the link's bytes, with no more hits (bench/host_learning.py, RESULTS.md).
+        - The same without read-through: its misses are uploaded, in one batch on the copy stream, behind `after`
+          (the step now queued, which may read their victims), or at once when nothing is queued (`writing`: the
+          landing slots that step writes, not to be touched).
+        - A step of several tokens (several streams decoded together) does not upload its misses: the streams'
+          experts together are often more than the pool holds, and uploading each step's misses then evicts what
+          the next step reads (on the reference at 16000 MiB, 8 streams: 105 misses a step, 1 GB uploaded a step,
+          43 ms a step; bench/RESULTS.md, issue 15). It keeps each layer's most routed experts of recent steps
+          instead (decayed counts, hot_set.py: 30 misses, 0.1 GB, 12 ms on a warm pool), which is the union of the
+          streams' hot sets as far as it fits. So does a pool smaller than one token's routed experts of every host
+          layer. (With read-through its misses also land in free slots as they are read.)
 
-        host_reads counts what crossed the link: a one-token step's host-read choices; a several-token step's
-        distinct host-read experts, each read once by the grouped kernel (per choice with the quantized kernel)."""
+        Hits and misses count as the step read its experts (a miss that landed is resident now, but was read from
+        host). host_reads counts what crossed the link: a one-token step's host-read choices; a several-token
+        step's distinct host-read experts, each read once by the grouped kernel (per choice with the quantized
+        kernel)."""
         t0 = time.perf_counter()
         res, E, stats = self.residency, self.n_experts, self.stats
-        upload = routed.shape[1] == self.top_k and self._holds_a_step(self.top_k)
+        one_token = routed.shape[1] == self.top_k and self._holds_a_step(self.top_k)
+        upload = one_token and not self.n_land
         self.slots.mark_reads()                  # slots a prompt handed out are free once its compute has run
         self.slots.refresh_pins()
         if writing is not None:
@@ -296,32 +312,35 @@ class ZeroCopyDecode:
             counts = np.bincount(routed[l], minlength=E)
             per_choice = counts[from_host[l]]        # each expert read from host: once, or once per choice
             reads = int(np.count_nonzero(per_choice) if self.reads_once else per_choice.sum())
+            stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.layer_bytes(l))
             routed_l = wanted = np.flatnonzero(counts).astype(np.int64)
             if len(self.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
                 # the rest are looked up too, and miss: they were read from host memory
                 stats.record(l, misses=len(routed_l) - len(wanted))
             self.hot.observe(l, counts)          # (both ways: a server's steps change size)
+            read = int(from_host[l, wanted].sum())           # the misses as the step read them
             if not upload:
                 slots = res.slot_of[l, wanted]
-                hit = slots >= 0
-                res.policy.touch(slots[hit])
-                stats.record(l, hits=int(hit.sum()), misses=int((~hit).sum()), host_reads=reads,
-                             host_read_bytes=reads * self.store.layer_bytes(l))
+                res.policy.touch(slots[slots >= 0])
+                stats.record(l, hits=len(wanted) - read, misses=read)
+                if one_token:
+                    self.miss_avg[l] = self.miss_avg[l] * MISS_DECAY + reads * (1 - MISS_DECAY)
                 continue
             try:
-                plan = self.planner.plan(l, wanted)
+                plan = self.planner.plan(l, wanted, read)
             except CacheTooSmall:                # a prompt's compute still reads its slots: let it finish
                 self.device.synchronize()
                 self.slots.refresh_pins()
-                plan = self.planner.plan(l, wanted)
+                plan = self.planner.plan(l, wanted, read)
             self.slots.claim(plan.slots)         # read or refilled by decode: no prefetch into them is pending
             src = self.store.rows[l]
             for e, slot in plan.misses:
                 (now if slot in empty else behind).append((slot, src[e]))
-            stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.layer_bytes(l))
         self._submit(now, behind, after)
-        if upload:
+        if one_token:
+            if self.n_land:
+                self.land_count[:] = np.clip(np.ceil(self.miss_avg * LAND_MARGIN) + 1, LAND_PER_LAYER, self.n_land)
             self._keep_reserve()
         else:
             room = self._landing_room()
@@ -332,12 +351,14 @@ class ZeroCopyDecode:
             stats.record(l, host_s=per_layer)
 
     def _keep_reserve(self) -> None:
-        """Empty the least valued slots of each region until RESERVE are empty. The next step's table will not
-        point at them, so the misses learned while that step runs can be copied into them at once, and land
-        before the step after it, instead of queuing behind the step in flight."""
+        """Empty the least valued slots of each region until RESERVE and two steps' landing slots (the step in
+        flight's and the next's) are empty, at most a quarter of the region. The next step's table will not point
+        at them, so the misses learned while that step runs can be copied into them at once, and land before the
+        step after it, instead of queuing behind the step in flight; and the next step lands its misses in them."""
         res = self.residency
-        for (a, b), n_layers in sorted(self.hot.layers_in_region.items()):
-            keep = min(RESERVE + self.n_land * n_layers, (b - a) // 8)
+        for a, b in sorted(self.hot.layers_in_region):
+            lands = 2 * int(sum(self.land_count[l] for l in self.layers if res.bounds[l] == (a, b)))
+            keep = min(lands if self.n_land else RESERVE, (b - a) // RESERVE_SHARE)
             owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
             need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
             if need > 0 and len(owned) > need:
@@ -360,19 +381,6 @@ class ZeroCopyDecode:
             if batch:
                 self.slots.submit(batch, sum(src.numel() * src.element_size() for _, src in batch), speculative=False,
                                   after=wait)
-
-
-def staging_rows(pool: torch.Tensor, top_k: int) -> torch.Tensor:
-    """(S, row) device rows like the pool's, that a staged step copies the host reads into that land nowhere
-    (staging_bytes)."""
-    row = pool.stride(0) * pool.element_size()
-    return torch.empty(staging_bytes(row, top_k) // row, pool.shape[1], dtype=pool.dtype, device=pool.device)
-
-
-def staging_bytes(row_bytes: int, top_k: int) -> int:
-    """The scratch of staged host reads: STAGE_BYTES of rows, at least one token's top_k and at most a step's
-    MAX_CHOICES (what the engine counts beside the cache's pool)."""
-    return min(MAX_CHOICES, max(top_k, STAGE_BYTES // row_bytes)) * row_bytes
 
 
 class Pending:

@@ -30,6 +30,8 @@ from .decode import triton
 MAX_CHOICES = 128            # a step of more routed choices a layer than this reads its host rows in place
 BLOCK_BYTES = 65536          # what one copy program moves (a Q4_K_M expert of the reference: 47 programs)
 WARPS = 8
+STAGE_BYTES = 64 << 20       # the scratch rows a step copies the host reads that land nowhere into (at least top_k
+                             # rows, one token's; one scratch serves every layer: their launches are in order)
 
 
 class Landing(NamedTuple):
@@ -42,6 +44,19 @@ class Landing(NamedTuple):
     land: torch.Tensor
     scratch: torch.Tensor | None = None
     aligned: bool = False        # every host row, slot and scratch row 16-byte aligned, row bytes too
+
+
+def staging_rows(pool: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(S, row) device rows like the pool's, that a staged step copies the host reads into that land nowhere
+    (staging_bytes)."""
+    row = pool.stride(0) * pool.element_size()
+    return torch.empty(staging_bytes(row, top_k) // row, pool.shape[1], dtype=pool.dtype, device=pool.device)
+
+
+def staging_bytes(row_bytes: int, top_k: int) -> int:
+    """The scratch of staged host reads: STAGE_BYTES of rows, at least one token's top_k and at most a step's
+    MAX_CHOICES (what the engine counts beside the cache's pool)."""
+    return min(MAX_CHOICES, max(top_k, STAGE_BYTES // row_bytes)) * row_bytes
 
 
 def stage_plan(addrs: torch.Tensor, lan: Landing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from ..experts.cache import ExpertCache
 from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
 from ..experts.store import ExpertStore, fill_layer
-from ..experts.zero_copy import staging_bytes
+from ..kernels.stage import staging_bytes
 from ..quant.layout import ExpertLayout, expert_layouts
 from ..kernels import AddressBook, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
@@ -314,7 +314,7 @@ class Engine:
         if isinstance(self.host, ExpertCache) and self.decode_kernel is not None:
             staged = self.ecfg.decode.stages(self.quantized)
             once = staged or not self.quantized    # (quantized rows land and are read once a step only staged)
-            self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.read_through and once, reads_once=once,
+            self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.lands(self.quantized), reads_once=once,
                                        staged=staged)
         for rows in self.host.device_rows() if self.host is not None else ():
             self.book.add(rows)              # what decode kernels read by address (the plain-torch one through it)
@@ -343,7 +343,8 @@ def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev
     args = (cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch, sorted(store.rows),
             ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
     if n_slots is None:
-        if ecfg.decode.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used):
+        if ecfg.decode.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used,
+                                                    ecfg.decode.lands(store.quantized)):
             return BufferedCache(store, *args)
         return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used, ecfg.decode.stages(store.quantized))
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
