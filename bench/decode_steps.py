@@ -28,7 +28,7 @@ from moestream.experts.cache import ExpertCache
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("--cpu-moe", action="store_true")
-ap.add_argument("--moe-cache-mib", default="16000", help="cache sizes, comma list (with --cpu-moe)")
+ap.add_argument("--moe-cache-mib", default="16000", help="cache sizes, comma list (with --cpu-moe; none: no cache)")
 ap.add_argument("--read-through", action=argparse.BooleanOptionalAction, default=True)
 ap.add_argument("-n", type=int, default=64)
 ap.add_argument("-p", type=int, default=4096)
@@ -183,7 +183,7 @@ if not ns.cpu_moe:
     for B in BS:
         run(llm, "all-GPU", last=B == BS[-1], B=B)
 else:
-    sizes = [int(s) for s in ns.moe_cache_mib.split(",")]
+    sizes = [None if s == "none" else int(s) for s in ns.moe_cache_mib.split(",")]
     llm = LLM(ns.model, cpu_moe=True, moe_cache_mib=sizes[0], read_through=ns.read_through,
               cache_policy=ns.policy, **kw)
     for i, mib in enumerate(sizes):

@@ -115,8 +115,7 @@ def test_prompts_and_decode_through_the_buffer_give_the_all_device_bits(monkeypa
 def test_empty_leaves_no_expert_and_no_prefetch_claim():
     eng = LLM(TINY, **KW, cpu_moe=True).engine
     host = eng.host
-    for i in range(4):
-        host.residency.place(1, i, i)
+    host.residency.place(np.full(4, 1), np.arange(4), np.arange(4))
     host.slots.prefetched[:3] = True
     host.empty()
     assert _owned(host) == 0 and not host.slots.prefetched.any()

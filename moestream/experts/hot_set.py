@@ -95,5 +95,4 @@ class HotSet:
             ok = ~res.pinned[slots] & np.array([s not in keep_out for s in slots.tolist()], dtype=bool)
             held, slots = held[ok], slots[ok]
             victims = slots[np.argsort(self.freq[l, held], kind="stable")[:over]]
-            for old_l, _ in res.evict(victims):
-                self.stats.record(old_l, evictions=1)
+            self.stats.count(np.array([old_l for old_l, _ in res.evict(victims)]), "evictions")

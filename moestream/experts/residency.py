@@ -49,6 +49,7 @@ class Residency:
         self.n_slots = n_slots
         bounds, region_of = regions or ([(0, n_slots)], {})
         self.bounds = [bounds[region_of.get(l, 0)] for l in range(n_layers)]     # layer -> its slots [a, b)
+        self.bounds_of = np.array(self.bounds, dtype=np.int64).reshape(n_layers, 2)
         self.slot_of = np.full((n_layers, n_experts), -1, dtype=np.int64)     # (L, E): slot or -1
         self.owner = np.full((n_slots, 2), -1, dtype=np.int64)                # (S, 2): (layer, expert) or -1
         self.pinned = np.zeros(n_slots, dtype=bool)                           # read by queued compute
@@ -91,13 +92,15 @@ class Residency:
         self.policy.touch(slots)
         return plan
 
-    def place(self, layer: int, expert: int, slot: int) -> None:
-        """Make an empty slot of the layer's region hold `expert` (its bytes were put there already)."""
-        a, b = self.bounds[layer]
-        assert a <= slot < b and self.owner[slot, 0] < 0 and self.slot_of[layer, expert] < 0, (layer, expert, slot)
-        self.owner[slot] = (layer, expert)
-        self.slot_of[layer, expert] = slot
-        self.policy.touch(np.array([slot]))
+    def place(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Make empty slots of each layer's region hold these experts (their bytes were put there already): one
+        (layer, expert, slot) per index, distinct experts and slots."""
+        bounds = self.bounds_of[layers]                                     # (n, 2)
+        assert ((bounds[:, 0] <= slots) & (slots < bounds[:, 1])).all() and (self.owner[slots, 0] < 0).all() \
+            and (self.slot_of[layers, experts] < 0).all(), (layers, experts, slots)
+        self.owner[slots, 0], self.owner[slots, 1] = layers, experts
+        self.slot_of[layers, experts] = slots
+        self.policy.touch(slots)
 
     def evict(self, slots: np.ndarray) -> list[tuple[int, int]]:
         """Empty these slots (owned, unpinned): the (layer, expert) pairs that lost their slot."""

@@ -107,9 +107,9 @@ class SlotPool:
         queue)."""
         return (self.ready if slots is None else self.ready[slots]) <= self.queue.poll()
 
-    def written(self, slot: int) -> None:
-        """Completed compute wrote the slot's bytes (read-through): no copy to wait for."""
-        self.ready[slot] = 0
+    def written(self, slots: np.ndarray) -> None:
+        """Completed compute wrote these slots' bytes (read-through): no copy to wait for."""
+        self.ready[slots] = 0
 
     def claim(self, slots: np.ndarray) -> int:
         """The slots are read or refilled now: how many held a prefetch nobody had claimed (now none does)."""

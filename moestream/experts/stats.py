@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 KEYS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "prefetched", "prefetched_bytes",
         "prefetch_used", "prefetch_wasted", "waits", "wait_s", "lookahead_tp", "lookahead_fp", "lookahead_fn",
         "sync_s", "host_s", "host_reads", "host_read_bytes", "landed", "filled")
@@ -60,6 +62,13 @@ class CacheStats:
                 c = d[layer] = Counts()
             for k, v in counts.items():
                 setattr(c, k, getattr(c, k) + v)
+
+    def count(self, layers, key: str) -> None:
+        """Add one to `key` of each layer in `layers` (an array, a layer as often as it counts)."""
+        if len(layers):
+            ls, ns = np.unique(layers, return_counts=True)
+            for l, n in zip(ls.tolist(), ns.tolist()):
+                self.record(l, **{key: n})
 
     def begin_prompt(self) -> None:
         self.prompt = {}

@@ -133,7 +133,7 @@ class ZeroCopyDecode:
         if p is not None and p.event is not None:
             p.event.synchronize()                # that step has run: its table copy is done, its landings are in
         nxt, self.next = self.next, None
-        absorbed = self._absorb(p) if p is not None and not p.absorbed else []
+        absorbed = self._absorb(p) if p is not None and not p.absorbed else None
         fresh = nxt is None
         if fresh:                                # (after a prompt: it takes in what was just absorbed)
             nxt = self._prepare(1 - self.current, writing=None)
@@ -147,12 +147,13 @@ class ZeroCopyDecode:
         if self.n_land:
             self.land.copy_(land_staging, non_blocking=True)
 
-    def _patch(self, nxt: "Prepared", table: np.ndarray, absorbed: list[tuple[int, int, int]]) -> None:
-        """What changed since `nxt` was prepared: the experts just absorbed (read-through), and the copies in flight
-        then that have landed now, read from their slots."""
-        for l, e, slot in absorbed:
-            table[l, e] = self.pool_addr + slot * self.row_bytes
-            nxt.from_host[l, e] = False
+    def _patch(self, nxt: "Prepared", table: np.ndarray, absorbed) -> None:
+        """What changed since `nxt` was prepared: the experts just absorbed (read-through: (layers, experts,
+        slots), or None), and the copies in flight then that have landed now, read from their slots."""
+        if absorbed is not None:
+            ls, es, ss = absorbed
+            table[ls, es] = self.pool_addr + ss * self.row_bytes
+            nxt.from_host[ls, es] = False
         if len(nxt.waiting):
             slot_of = self.residency.slot_of.ravel()
             flat = nxt.waiting[self.slots.landed(nxt.waiting_slots) & (slot_of[nxt.waiting] == nxt.waiting_slots)]
@@ -217,40 +218,42 @@ class ZeroCopyDecode:
         p, self.pending = self.pending, None
         return None if p is None else (self._routed(p), p.from_host)
 
-    def _absorb(self, p) -> list[tuple[int, int, int]]:
+    def _absorb(self, p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The experts a step wrote into its landing slots as it read them (read-through) become resident there:
         the step has completed, so their bytes are in place. The host replays the kernel's rule on the step's
-        routing and table (kernels.decode.landing_slots for one token, landing_slots_grouped for several).
-        Returns the (layer, expert, slot) placed."""
+        routing and table: one token's first host-read choices in choice order (kernels.decode.landing_slots and
+        stage.landed_experts agree there), several tokens' by landing_slots_grouped or, staged, landed_experts.
+        Returns the (layers, experts, slots) placed. (This runs between steps: one token's rule is vectorised.)"""
         p.absorbed = True
+        none = (np.zeros(0, dtype=np.int64),) * 3
         if p.land_slots is None:
-            return []
-        from ..kernels.decode import landing_slots, landing_slots_grouped
+            return none
         n = p.n_tokens * self.top_k
         if self.scratch is not None and n > MAX_CHOICES:
-            return []                            # read in place, landing nothing (kernels.staged)
+            return none                          # read in place, landing nothing (kernels.staged)
         routed, res = self._routed(p), self.residency
         layers = np.asarray(self.layers)
         ids = routed[layers, :n]
         on_host = p.from_host[layers[:, None], ids]                  # (host layers, T k): read from host memory
         n_land = self._n_land(p.n_tokens)
-        placed = []
-        for i in np.flatnonzero(on_host.any(axis=1)):
-            l = int(layers[i])
-            if self.scratch is not None:
-                lands = landed_experts(ids[i], on_host[i], n_land)
-            elif p.n_tokens == 1:
-                lands = [(ids[i, j], r) for j, r in landing_slots(on_host[i], n_land)]
-            else:
-                lands = landing_slots_grouped(ids[i], on_host[i], n_land)
-            for e, r in lands:
-                e, s = int(e), int(p.land_slots[l, r])
-                if s >= 0 and res.slot_of[l, e] < 0:          # (one being uploaded already keeps that slot)
-                    res.place(l, e, s)
-                    self.slots.written(s)
-                    self.stats.record(l, landed=1)
-                    placed.append((l, e, s))
-        return placed
+        if p.n_tokens == 1:
+            rank = np.cumsum(on_host, axis=1) - 1
+            i, j = np.nonzero(on_host & (rank < n_land))
+            ls, es, rs = layers[i], ids[i, j], rank[i, j]
+        else:
+            from ..kernels.decode import landing_slots_grouped
+            rule = landed_experts if self.scratch is not None else landing_slots_grouped
+            lands = [(layers[i], e, r) for i in np.flatnonzero(on_host.any(axis=1))
+                     for e, r in rule(ids[i], on_host[i], n_land)]
+            ls, es, rs = (np.array(c, dtype=np.int64) for c in zip(*lands)) if lands else none
+        ss = p.land_slots[ls, rs]
+        ok = ss >= 0
+        ok[ok] = res.slot_of[ls[ok], es[ok]] < 0              # (one being uploaded already keeps that slot)
+        ls, es, ss = ls[ok], es[ok], ss[ok]
+        res.place(ls, es, ss)
+        self.slots.written(ss)
+        self.stats.count(ls, "landed")
+        return ls, es, ss
 
     def _landing_slots(self, writing) -> np.ndarray:
         """(L, R) slots for each host layer to land up to R experts in during the next step, -1 for none: empty,
@@ -362,8 +365,8 @@ class ZeroCopyDecode:
             owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
             need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
             if need > 0 and len(owned) > need:
-                for l, _ in res.evict(res.policy.lowest(owned, need)):
-                    self.stats.record(l, evictions=1)
+                gone = res.evict(res.policy.lowest(owned, need))
+                self.stats.count(np.array([l for l, _ in gone]), "evictions")
 
     def _landing_room(self) -> int:
         """Free slots a layer keeps for several-token steps to land their misses in (0 without read-through or in
