@@ -387,14 +387,12 @@ def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib, polls):
                 landed[landed] = cache.slots.ready[slot[landed]] <= cache.slots.queue.done
                 assert not (zc.from_host & landed).any(), "the table reads a landed expert from host memory"
             zc.begin_step = checked
-        pos1 = len(ids)
-        for pos in range(len(ids), len(ids) + 40):
-            both = pos % 2 == 0
-            lg = eng.decode([(0, tok, pos)] + ([(1, other, pos1)] if both else []))
+        for i, pos in enumerate(range(len(ids), len(ids) + 40)):
+            both = pos % 2 == 0                      # (sequence 1 then is at position len(ids) + i // 2)
+            lg = eng.decode([(0, tok, pos)] + ([(1, other, len(ids) + i // 2)] if both else []))
             outs.append(lg.clone())
             tok = int(lg[0].argmax())
-            if both:
-                other, pos1 = int(lg[1].argmax()), pos1 + 1
+            other = int(lg[1].argmax()) if both else other
         return outs
     ref, got = run(), run(cpu_moe=True, moe_cache_mib=mib, read_through=True)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))

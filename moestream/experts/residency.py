@@ -63,7 +63,7 @@ class Residency:
         return np.flatnonzero(self.slot_of[layer] >= 0)
 
     def ensure(self, layer: int, experts: np.ndarray) -> Plan:
-        """Make every expert in `experts` (distinct ids) resident in `layer`; raise CacheTooSmall if they can't all be."""
+        """Make every expert in `experts` (distinct ids) resident in `layer`; CacheTooSmall if they cannot all be."""
         experts = np.asarray(experts, dtype=np.int64)
         slots = self.slot_of[layer, experts]
         hit = slots >= 0

@@ -92,13 +92,12 @@ class ZeroCopyDecode:
         self.host_tab = torch.from_numpy(self.host_addr).to(dev.torch)              # (L, E) host-row addresses
         self.scratch = staging_rows(slots.pool, top_k) if staged else None          # (S, row)
         self.aligned = store.aligned16(slots.pool, self.scratch)
-        R = max(self.n_land, self.n_land_several, 1)
-        self.land = torch.zeros(L, R, dtype=torch.int64, device=dev.torch)                 # (L, R) addresses
-        self.land_slots = np.full(tuple(self.land.shape), -1, dtype=np.int64)     # the queued step's, as slots
+        shape = (L, max(self.n_land, self.n_land_several, 1))                               # (L, R)
+        self.land = torch.zeros(shape, dtype=torch.int64, device=dev.torch)                # addresses
+        self.land_slots = np.full(shape, -1, dtype=np.int64)                      # the queued step's, as slots
         # The next step's table is prepared while the step before it runs (end_step), in the staging buffer that
         # step's own table copy does not read; begin_step patches in what landed since, and copies it over.
-        self.stagings = [(dev.pinned_empty((L, E), torch.int64), dev.pinned_empty(tuple(self.land.shape), torch.int64))
-                         for _ in range(2)]
+        self.stagings = [(dev.pinned_empty((L, E), torch.int64), dev.pinned_empty(shape, torch.int64)) for _ in (0, 1)]
         self.current = 0                                    # the staging buffer of the queued step's table
         self.next = None                                    # Prepared: the next step's table, or None
 
@@ -289,13 +288,10 @@ class ZeroCopyDecode:
         - The same without read-through: its misses are uploaded, in one batch on the copy stream, behind `after`
           (the step now queued, which may read their victims), or at once when nothing is queued (`writing`: the
           landing slots that step writes, not to be touched).
-        - A step of several tokens (several streams decoded together) does not upload its misses: the streams'
-          experts together are often more than the pool holds, and uploading each step's misses then evicts what
-          the next step reads (on the reference at 16000 MiB, 8 streams: 105 misses a step, 1 GB uploaded a step,
-          43 ms a step; bench/RESULTS.md, issue 15). It keeps each layer's most routed experts of recent steps
-          instead (decayed counts, hot_set.py: 30 misses, 0.1 GB, 12 ms on a warm pool), which is the union of the
-          streams' hot sets as far as it fits. So does a pool smaller than one token's routed experts of every host
-          layer. (With read-through its misses also land in free slots as they are read.)
+        - A step of several tokens (several streams decoded together), or any step in a pool smaller than one
+          token's routed experts of every host layer, keeps each layer's most routed experts of recent steps
+          (hot_set.py says why: uploading such steps' misses evicts what the next step reads), the union of the
+          streams' hot sets as far as it fits. (With read-through its misses also land in free slots.)
 
         Hits and misses count as the step read its experts (a miss that landed is resident now, but was read from
         host). host_reads counts what crossed the link: a one-token step's host-read choices; a several-token
