@@ -215,3 +215,12 @@ class StopChecker:
                     best = k
                     break
         return best
+
+
+def token_logprobs(row: torch.Tensor, token: int, n: int) -> tuple:
+    """(token, its logprob, [(id, logprob)] of the top n) from one row of raw logits (V,)."""
+    # Clamped as vLLM does: a -inf (a masked or underflowed token) is not valid JSON.
+    lp = torch.log_softmax(row.float(), dim=-1).clamp_min(-9999.0)
+    top = lp.topk(n) if n > 0 else None
+    tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return token, float(lp[token]), tops

@@ -10,10 +10,10 @@ One loop turn: run queued calls (snapshots for /slots and /metrics), drop cancel
 to idle slots, run ONE prompt ubatch of the oldest prompt still prefilling, then ONE decode step of every slot that
 is generating, batched into one forward (`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for
 that step serve every request in it. A prompt is cut into ubatches (-ub) so that a long prompt arriving delays the
-other requests' next token by at most one ubatch forward; with --prefill-interval N, while requests are generating, a prompt ubatch runs only after
-every N decode steps (so at most 1 in N of their token gaps carries one). Prompt and decode forwards stay separate: mixing them
-would change a decode row's numerics (the prompt attention path, other GEMM shapes) and greedy outputs must equal
-`LLM.generate`'s.
+other requests' next token by at most one ubatch forward; with --prefill-interval N, while requests are generating,
+a prompt ubatch runs only after every N decode steps (so at most 1 in N of their token gaps carries one). Prompt and
+decode forwards stay separate: mixing them would change a decode row's numerics (the prompt attention path, other
+GEMM shapes) and greedy outputs must equal `LLM.generate`'s.
 
 Each request's stop and detokenize rules are runtime/sequence.py's, as `LLM.generate`'s are. Each slot is a context
 of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
@@ -37,7 +37,7 @@ import torch
 
 from ..errors import UserError
 from ..runtime import threads
-from ..runtime.sampling import Sampler, SamplingParams, make_generator
+from ..runtime.sampling import Sampler, SamplingParams, make_generator, token_logprobs
 from ..runtime.sequence import SequenceState
 from .routing import slot_routing
 
@@ -333,7 +333,7 @@ class Scheduler:
         run.t_last = now
         seq = run.seq
         if run.req.logprobs is not None and token not in seq.stop_ids:     # a stop token is not in the output
-            run.lps.append(_logprobs(row, token, run.req.logprobs))
+            run.lps.append(token_logprobs(row, token, run.req.logprobs))
             run.all_lps.append(run.lps[-1])
         piece, done = seq.push(token)
         slot.generated = len(seq.ids)
@@ -392,11 +392,3 @@ class Scheduler:
                  "n_past": len(s.cached), "n_cached": s.n_cached, "routing": r}
                 for s, r in zip(self.slots, routing)]
 
-
-def _logprobs(row: torch.Tensor, token: int, n: int) -> tuple:
-    """(token, its logprob, [(id, logprob)] of the top n) from one row of raw logits (V,)."""
-    # Clamped as vLLM does: a -inf (a masked or underflowed token) is not valid JSON.
-    lp = torch.log_softmax(row.float(), dim=-1).clamp_min(-9999.0)
-    top = lp.topk(n) if n > 0 else None
-    tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-    return token, float(lp[token]), tops

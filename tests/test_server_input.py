@@ -1,0 +1,160 @@
+"""The OpenAI-compatible server under bad input: malformed and out-of-range requests answer 4xx with an OpenAI
+error body, hostile transports do not stop it, generated requests never answer 5xx; and loading, API keys and the
+queue limit."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from moestream import LLM  # noqa: E402
+from moestream.server.app import create_app  # noqa: E402
+
+from serving import CTX, PROMPTS, Server, post, tiny_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return LLM("synth:tiny", ctx_size=CTX)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = tiny_server()
+    yield s
+    s.stop()
+
+
+# --- hostile input ---------------------------------------------------------------------------------------------------
+BAD = [
+    ("/v1/completions", b'{"prompt": "hi", ', 400),                                   # malformed JSON
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400),                              # invalid UTF-8
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400),
+    ("/v1/completions", {"prompt": 5}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 30}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": CTX}, 400),                    # beyond the context
+    ("/v1/completions", {"prompt": "hi", "seed": 10 ** 30}, 400),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e308}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3.0}, 400),                # OpenAI's range: -2..2
+    ("/v1/completions", {"prompt": "hi", "repeat_penalty": 0}, 400),
+    ("/v1/completions", {"prompt": [10 ** 12]}, 400),
+    ("/v1/completions", {"prompt": [5000]}, 400),                                     # outside the vocabulary
+    ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"prompt": "word " * 2 * CTX, "max_tokens": 1}, 400),          # longer than the context
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": "hi"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 100}, 400),
+    ("/detokenize", {"tokens": [-1]}, 400),
+    ("/tokenize", {"content": 12}, 400),
+]
+
+
+@pytest.mark.parametrize("path, body, status", BAD, ids=range(len(BAD)))
+def test_bad_request(srv, path, body, status):
+    r = post(srv, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and set(err) == {"message", "type", "param", "code"}
+
+
+def test_hostile_transport_and_server_keeps_serving(srv, ref):
+    big = b'{"prompt": "' + b"a" * (1 << 20) + b'"}'
+    assert post(srv, "/v1/completions", big).status_code == 413                    # Content-Length
+    chunked = httpx.post(srv.url + "/v1/completions", content=iter([big[:1 << 19], big[1 << 19:]]),
+                         headers={"Content-Type": "application/json"})
+    assert chunked.status_code == 413 and "error" in chunked.json()                   # no Content-Length
+    assert httpx.get(srv.url + "/v1/completions").status_code == 405
+    assert httpx.get(srv.url + "/nowhere").json()["error"]["type"] == "not_found_error"
+    ok = post(srv, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                       "unknown": {"nested": [1, 2]}, "user": "x", "metadata": {}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref.generate(PROMPTS[0], max_tokens=4).text
+
+
+def test_schemathesis_no_server_errors(srv):
+    """Property-based requests from the server's own OpenAPI schema: nothing may answer 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
+    deadline = time.time() + 25          # past it, every operation still runs, with fewer examples
+    checked = []
+    operations = [result.ok() for result in schema.get_all_operations()]
+    for op in operations:
+        modes = [schemathesis.GenerationMode.POSITIVE]
+        if op.method.upper() == "POST":                  # an operation without inputs has no negative cases
+            modes.append(schemathesis.GenerationMode.NEGATIVE)
+        for mode in modes:
+            @settings(max_examples=12 if time.time() < deadline else 2, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case):
+                body = case.body if isinstance(case.body, dict) else {}
+                for key in ("max_tokens", "max_completion_tokens"):     # valid but short: keep the run quick
+                    if type(body.get(key)) in (int, float) and body[key] > 8:
+                        body[key] = 8
+                response = case.call(base_url=srv.url, timeout=30)
+                assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+
+            check()
+            checked.append((op.method, op.path, mode))
+    assert len(operations) >= 5 and len({(m, p) for m, p, _ in checked}) == len(operations)
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+# --- loading, keys, the queue ----------------------------------------------------------------------------------------
+def test_loading_auth_no_tokenizer_and_queue_limit():
+    gate = threading.Event()
+
+    def loader():                                         # a model without a tokenizer, slow to load
+        gate.wait(10)
+        llm = LLM("synth:tiny", ctx_size=CTX)
+        llm.tokenizer = None
+        return llm
+
+    s = Server(create_app(loader=loader, n_slots=1, max_queue=0, api_key="sekrit"))
+    try:
+        assert httpx.get(s.url + "/health").status_code == 503                      # still loading
+        auth = {"Authorization": "Bearer sekrit"}
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2]}, headers=auth)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert r.headers["retry-after"] == "5"
+        gate.set()
+        end = time.time() + 20
+        while httpx.get(s.url + "/health").status_code != 200 and time.time() < end:
+            time.sleep(0.02)
+        assert httpx.get(s.url + "/health").status_code == 200                      # no key needed
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2]}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", max_retries=0)
+        with pytest.raises(openai.NotFoundError):                               # not the served name
+            c.completions.create(model="x", prompt=[1, 2], max_tokens=1)
+        ids = [300, 301, 302, 303]
+        out = c.completions.create(model="moestream", prompt=ids, max_tokens=4, temperature=0,
+                                   extra_body={"return_token_ids": True}).choices[0]
+        assert out.text == "".join(f"{t} " for t in out.token_ids) and len(out.token_ids) == 4
+        for call in (lambda: c.completions.create(model="moestream", prompt="text", max_tokens=2),
+                     lambda: c.chat.completions.create(model="moestream",
+                                                       messages=[{"role": "user", "content": "hi"}])):
+            with pytest.raises(openai.BadRequestError):
+                call()
+        stream = c.completions.create(model="moestream", prompt=ids, max_tokens=100, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(stream))                                # the one slot is busy, and no request may wait
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model="moestream", prompt=ids, max_tokens=2)
+        assert e.value.status_code == 503 and "busy" in e.value.message
+        assert e.value.response.headers["retry-after"] == "1"                       # when to try again
+        stream.close()
+    finally:
+        gate.set()
+        s.stop()
