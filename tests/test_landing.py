@@ -61,3 +61,20 @@ def test_a_layer_hands_out_as_many_landing_slots_as_its_misses_ask_for():
     assert (handed == zc.land_count[:L]).all()
     given = zc.land_slots[zc.land_slots >= 0]
     assert len(set(given.tolist())) == len(given) and (cache.residency.owner[given, 0] < 0).all()
+
+
+def test_the_host_learning_replay_runs_and_counts_no_upload_with_read_through():
+    """bench/host_learning.py (RESULTS.md, stop 21): the decode path's host side over a Zipf routing."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("host_learning",
+                                                  Path(__file__).resolve().parents[1] / "bench" / "host_learning.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = dict(layers=3, experts=32, top_k=4, slots=40, tokens=1, skew=1.0, steps=20, warmup=5, staged=True,
+                profile=False)
+    lands = mod.run(argparse.Namespace(**args, no_read_through=False))
+    uploads = mod.run(argparse.Namespace(**args, no_read_through=True))
+    assert lands["copies"] == 0 < lands["landed"] and uploads["landed"] == 0 < uploads["copies"]
+    assert 0 < lands["hit_rate"] < 1 and lands["misses"] == lands["host_reads"]
