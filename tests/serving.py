@@ -1,4 +1,5 @@
-"""A shared test driver: the OpenAI-compatible server on a loopback port (uvicorn in a thread) and its helpers."""
+"""A shared test driver: the OpenAI-compatible server on a loopback port (uvicorn in a thread), its helpers, and
+what the server's test modules make their fixtures of (alone, served)."""
 from __future__ import annotations
 
 import json
@@ -62,3 +63,15 @@ def metric(srv, name: str, *labels: str) -> float:
         if (line.startswith(name + " ") or line.startswith(name + "{")) and all(l in line for l in labels):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def alone() -> LLM:
+    """synth:tiny run alone: what every served greedy output must equal (a module's `ref` fixture)."""
+    return LLM("synth:tiny", ctx_size=CTX)
+
+
+def served():
+    """tiny_server() for the length of a module (its `srv` fixture)."""
+    s = tiny_server()
+    yield s
+    s.stop()

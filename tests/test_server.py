@@ -15,21 +15,10 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from moestream import LLM  # noqa: E402
+from serving import PROMPTS, alone, metric, post, served, wait_idle  # noqa: E402
 
-from serving import CTX, PROMPTS, metric, post, tiny_server, wait_idle  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return LLM("synth:tiny", ctx_size=CTX)
-
-
-@pytest.fixture(scope="module")
-def srv():
-    s = tiny_server()
-    yield s
-    s.stop()
+ref = pytest.fixture(scope="module", name="ref")(alone)
+srv = pytest.fixture(scope="module", name="srv")(served)
 
 
 @pytest.fixture(scope="module")

@@ -15,19 +15,10 @@ uvicorn = pytest.importorskip("uvicorn")
 from moestream import LLM  # noqa: E402
 from moestream.server.app import create_app  # noqa: E402
 
-from serving import CTX, PROMPTS, Server, post, tiny_server  # noqa: E402
+from serving import CTX, PROMPTS, Server, alone, post, served  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def ref():
-    return LLM("synth:tiny", ctx_size=CTX)
-
-
-@pytest.fixture(scope="module")
-def srv():
-    s = tiny_server()
-    yield s
-    s.stop()
+ref = pytest.fixture(scope="module", name="ref")(alone)
+srv = pytest.fixture(scope="module", name="srv")(served)
 
 
 # --- hostile input ---------------------------------------------------------------------------------------------------
