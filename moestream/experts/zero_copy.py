@@ -321,7 +321,9 @@ class ZeroCopyDecode:
             read = int(from_host[l, wanted].sum())           # the misses as the step read them
             if not upload:
                 slots = res.slot_of[l, wanted]
-                res.policy.touch(slots[slots >= 0])
+                slots = slots[slots >= 0]
+                res.policy.touch(slots)
+                self.slots.claim(slots)          # read by decode: no prefetch into them is pending
                 stats.record(l, hits=len(wanted) - read, misses=read)
                 if one_token:
                     self.miss_avg[l] = self.miss_avg[l] * MISS_DECAY + reads * (1 - MISS_DECAY)
@@ -370,16 +372,14 @@ class ZeroCopyDecode:
         return self.n_land_several if self.n_land_several and self._holds_a_step(self.top_k) else 0
 
     def _holds_a_step(self, n_choices: int) -> bool:
-        """Whether the pool holds a step's routed experts (n_choices per host layer): only then are misses worth
-        uploading (in a smaller pool each upload evicts an expert the next step reads)."""
+        """Whether the pool holds a step's routed experts (n_choices per host layer): else it keeps its hottest."""
         return self.residency.n_slots >= len(self.layers) * n_choices
 
     def _submit(self, now: list, behind: list, after) -> None:
         """Copy (slot, host row) into slots no queued step reads at once, the others behind `after`."""
         for batch, wait in ((now, None), (behind, after)):
             if batch:
-                self.slots.submit(batch, sum(src.numel() * src.element_size() for _, src in batch), speculative=False,
-                                  after=wait)
+                self.slots.submit(batch, sum(src.nbytes for _, src in batch), speculative=False, after=wait)
 
 
 class Pending:
