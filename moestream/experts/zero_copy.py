@@ -267,10 +267,10 @@ class ZeroCopyDecode:
             free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
             if writing is not None:
                 free[writing[writing >= 0]] = False
-            for first in (True, False):
+            count = self.land_count
+            for los, his in ((np.zeros_like(count), count), (count, np.full_like(count, self.n_land_several))):
                 for l in self.layers:
-                    lo = 0 if first else int(self.land_count[l])
-                    hi = int(self.land_count[l]) if first else self.n_land_several
+                    lo, hi = int(los[l]), int(his[l])
                     a, b = res.bounds[l]
                     got = a + np.flatnonzero(free[a:b])[:max(hi - lo, 0)]
                     free[got] = False
