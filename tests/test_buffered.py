@@ -10,12 +10,30 @@ from moestream import LLM
 from moestream.experts import buffered
 from moestream.experts.buffered import BufferedCache
 from moestream.experts.cache import ExpertCache
-from moestream.experts.provider import UploadPerUbatch
+from moestream.experts.upload import UploadPerUbatch
+from moestream.runtime import placement
 
 from batched import join_and_leave
 
 KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True)
 TINY = "synth:tiny:layers=5"       # 16 rows, fewer than a token's 5 x 4 routed experts: the buffer decodes
+
+
+MODES = ["buffer", "copy-ahead", "pool"]
+
+
+def _mode(monkeypatch, mode: str) -> dict:
+    """How prompt ubatches of 6 go: through the two sets of rows, copying ahead (a min_batch of 4) or not, or
+    through one set and (ubatches above 4 tokens) the cache's prompt path."""
+    if mode == "pool":
+        monkeypatch.setattr(placement, "SECOND_ROWS_FREE", 1 << 62)        # no room for a second set
+        monkeypatch.setattr(buffered, "POOL_PROMPT_TOKENS", 4)
+    return {"prefetch_min_batch": 4} if mode == "copy-ahead" else {}
+
+
+def _check_mode(eng, mode: str) -> None:
+    assert eng.host.upload.pipelined == (mode != "pool")
+    assert (eng.stats()["total"]["prefetched"] > 0) == (mode == "copy-ahead")
 
 
 def _owned(cache: ExpertCache) -> int:
@@ -96,20 +114,22 @@ def test_decode_keeps_the_hottest_and_uploads_no_miss(monkeypatch):
     assert llm.engine.stats()["total"]["hits"] > 0
 
 
-@pytest.mark.parametrize("pool_prompt_tokens", [2048, 4])
-def test_prompts_and_decode_through_the_buffer_give_the_all_device_bits(monkeypatch, pool_prompt_tokens):
-    """Two sequences joining and leaving, ubatches of 6: every prompt ubatch through the buffer (2048), or the
-    full ubatches through the cache's prompt path and the short last ones through the buffer (4); each prompt's
-    and step's logits equal the all-device engine's."""
-    monkeypatch.setattr(buffered, "POOL_PROMPT_TOKENS", pool_prompt_tokens)
+@pytest.mark.parametrize("mode", MODES)
+def test_prompts_and_decode_through_the_buffer_give_the_all_device_bits(monkeypatch, mode):
+    """Two sequences joining and leaving, ubatches of 6: every prompt ubatch through the buffer's two sets of rows
+    (upload.py), with their copy-ahead or not, or through one set, the full ubatches through the cache's prompt
+    path and the short last ones through the buffer (pool); each prompt's and step's logits equal the all-device
+    engine's."""
     kw = dict(device="cpu", ctx_size=128, n_seq=2, zero_copy_decode=True, ubatch_size=6)
     want = join_and_leave(LLM(TINY, **kw).engine)
+    kw.update(_mode(monkeypatch, mode))
     eng = LLM(TINY, **kw, cpu_moe=True).engine
     assert isinstance(eng.host, BufferedCache)
     got = join_and_leave(eng)
     assert len(got) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     eng.host.residency.check()
+    _check_mode(eng, mode)
 
 
 def test_empty_leaves_no_expert_and_no_prefetch_claim():
@@ -127,14 +147,16 @@ def test_empty_leaves_no_expert_and_no_prefetch_claim():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("extra", [{}, {"stage_host_reads": True}, {"cuda_graphs": False}])
-@pytest.mark.parametrize("pool_prompt_tokens", [2048, 4])
-def test_buffer_and_pool_take_turns_with_the_all_gpu_bits_on_cuda(monkeypatch, pool_prompt_tokens, extra):
-    """On CUDA the buffer's uploads (compute stream) follow the cache's copies (copy stream) and the decode steps'
-    landings: the same logits as all on the GPU, in read-in-place, staged and eager decode."""
-    monkeypatch.setattr(buffered, "POOL_PROMPT_TOKENS", pool_prompt_tokens)
+@pytest.mark.parametrize("mode", MODES)
+def test_buffer_and_pool_take_turns_with_the_all_gpu_bits_on_cuda(monkeypatch, mode, extra):
+    """On CUDA the buffer's uploads (compute stream and, copied ahead, the second set's copy stream) follow the
+    cache's copies (copy stream) and the decode steps' landings: the same logits as all on the GPU, in
+    read-in-place, staged and eager decode."""
     kw = dict(device="cuda", ctx_size=128, n_seq=2, ubatch_size=6)
     want = join_and_leave(LLM(TINY + ":dtype=bfloat16", **kw).engine)
+    kw.update(_mode(monkeypatch, mode))
     eng = LLM(TINY + ":dtype=bfloat16", **kw, cpu_moe=True, **extra).engine
     assert isinstance(eng.host, BufferedCache)
     got = join_and_leave(eng)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _check_mode(eng, mode)

@@ -234,13 +234,13 @@ def test_a_context_too_big_for_the_device_names_c_not_the_experts():
     import torch
     from moestream.loading.synth import SynthSource
     from moestream.quant.layout import expert_layouts
-    from moestream.runtime.engine import _check_fits
+    from moestream.runtime.placement import check_device_fits
     src = SynthSource.from_spec("tiny")
     cfg = src.config
     layouts = expert_layouts(src, cfg)
     dev = types.SimpleNamespace(is_cuda=True, name="cuda:0", free_memory=lambda: 64 * MiB)
     big = flags.apply(EngineConfig(), ctx_size=1 << 20, cpu_moe=True)
     with pytest.raises(UserError, match=r"^-c 1048576: the KV cache needs \d+ MiB on cuda:0 .* use -c \d+ or less$"):
-        _check_fits(cfg, big, dev, torch.float32, set(cfg.moe_layers), None, layouts)
+        check_device_fits(cfg, big, dev, torch.float32, set(cfg.moe_layers), None, layouts)
     ok = flags.apply(EngineConfig(), ctx_size=4096, cpu_moe=True)
-    _check_fits(cfg, ok, dev, torch.float32, set(cfg.moe_layers), None, layouts)
+    check_device_fits(cfg, ok, dev, torch.float32, set(cfg.moe_layers), None, layouts)

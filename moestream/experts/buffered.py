@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .cache import ExpertCache
-from .provider import UploadPerUbatch
+from .upload import UploadPerUbatch
 
 POOL_PROMPT_TOKENS = 2048      # prompt ubatches above this take the cache's prompt path (its copy stream overlaps)
 
@@ -47,16 +47,18 @@ def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int, lands: bool) 
 
 
 class BufferedCache(ExpertCache):
-    def __init__(self, store, n_layers: int, n_experts: int, device, *args, **kw):
-        """ExpertCache's arguments but n_slots: the rows are one layer's experts, one slot an expert id."""
+    def __init__(self, store, n_layers: int, n_experts: int, device, *args, second: bool = False, **kw):
+        """ExpertCache's arguments but n_slots: the rows are one layer's experts, one slot an expert id. second:
+        prompts upload through a second set of rows too (upload.py: one layer's copies under another's compute)."""
         super().__init__(store, n_experts, n_layers, n_experts, device, *args, **kw)
-        self.upload = UploadPerUbatch(store, n_experts, device.torch, self.top_k, buf=self.pool)
+        self.upload = UploadPerUbatch(store, n_experts, device, self.top_k, buf=self.pool, second=second,
+                                      prefetch=self.prefetch)
         self.upload.stats = self.stats                 # one set of counters for both uses of the rows
         self.buffering = False                         # the rows hold a ubatch's uploads, not the cache's slots
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
         if is_prompt:
-            through_buffer = n_tokens <= POOL_PROMPT_TOKENS
+            through_buffer = n_tokens <= POOL_PROMPT_TOKENS or self.upload.pipelined
         else:                                   # a decode step too long to read in place (the eager path)
             through_buffer = not self._in_place(n_tokens)
         if not through_buffer:
@@ -66,6 +68,7 @@ class BufferedCache(ExpertCache):
         if not self.buffering:
             self.empty()
             self.buffering = True
+        self.upload.begin_ubatch(seq, n_tokens, is_prompt)
 
     def empty(self) -> None:
         """Every slot empty, the last decode step learned from; the compute stream, which the buffer's uploads
@@ -93,5 +96,7 @@ class BufferedCache(ExpertCache):
         return super().fetch(layer, ids, lookahead)
 
     def experts_launched(self, layer: int) -> None:
-        if not self.buffering:
+        if self.buffering:
+            self.upload.experts_launched(layer)
+        else:
             super().experts_launched(layer)

@@ -20,9 +20,7 @@ import numpy as np
 import torch
 
 from ..quant.layout import ExpertLayout
-from .routing import report_route
 from .stats import CacheStats
-from .store import ExpertStore
 
 
 @dataclass
@@ -135,81 +133,6 @@ class ResidentExperts(ExpertProvider):
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         return ExpertWeights.over(self.rows[layer], self.layouts[layer], ids)
-
-
-class UploadPerUbatch(ExpertProvider):
-    """Host-resident layers without a cache: each ubatch uploads its routed experts, each once, synchronously.
-
-    The staging buffer has one slot per expert id, so an expert lands in the slot of its own id and the kernel
-    launch is the same as for a GPU-resident layer (hence bit-identical results). One buffer serves every layer:
-    the copies and the compute that reads them are ordered on the compute stream, so layer L+1's uploads
-    cannot overwrite what layer L's queued compute still reads.
-    """
-
-    def __init__(self, store: ExpertStore, n_experts: int, device: torch.device, top_k: int = 8,
-                 staged: bool = False, buf: torch.Tensor | None = None):
-        super().__init__()
-        any_rows = next(iter(store.rows.values()))
-        self.store, self.top_k = store, top_k
-        width = max(r.shape[1] for r in store.rows.values())                       # the widest layer's row
-        if buf is None:                          # (or rows it shares: the smallest cache's pool, buffered.py)
-            buf = torch.empty(n_experts, width, dtype=any_rows.dtype, device=device)
-        self.buf = buf                                                             # (E, row)
-        self.addr = {l: row_addresses(r, device) for l, r in store.rows.items()}
-        # Staged (kernels/stage.py): a zero-copy step copies its host reads into buf first, each distinct expert
-        # once, and reads them there; else the kernel reads in place (the grouped bf16 kernel each expert once).
-        self.staged = staged
-        self.reads_once = staged or not any(lay.quantized for lay in store.layouts.values())
-        self.no_slots = torch.zeros(0, dtype=torch.int64, device=device)
-        self.aligned = store.aligned16(self.buf)
-        self.rows_of = {l: i for i, l in enumerate(sorted(store.rows))}
-        self.routed = None                           # (host layers, MAX_TOKENS k): a zero-copy step's ids, on device
-
-    def address_table(self, layer: int):
-        """Zero-copy decode with no cache: every routed expert is read from host memory, in place. The ids are
-        kept for end_decode_step (in a fixed buffer: a captured step rewrites it each replay)."""
-        if self.routed is None:
-            from ..kernels.decode import MAX_TOKENS
-            self.routed = torch.zeros(len(self.rows_of), MAX_TOKENS * self.top_k, dtype=torch.int64,
-                                      device=self.buf.device)
-        return self.addr[layer], self.routed[self.rows_of[layer]]
-
-    def layout(self, layer: int) -> ExpertLayout:
-        return self.store.layouts[layer]
-
-    def device_rows(self) -> list[torch.Tensor]:
-        return [self.buf]
-
-    def landing(self, layer: int, ids: torch.Tensor):
-        """Staged: every routed expert is a host read, copied into the upload buffer's rows (no slot to land in)."""
-        if not self.staged:
-            return None
-        from ..kernels.stage import Landing
-        return Landing(ids, self.addr[layer], self.no_slots, self.buf, self.aligned)
-
-    def end_decode_step(self, n_tokens: int, observer=None) -> None:
-        """The step is queued: its routing to `observer`, then what crossed the link per host layer: each distinct
-        expert once (a step of several tokens reads an expert once for all of them, kernels/decode_grouped.py;
-        the quantized kernel reads once per choice). Counting reads the routing back, after the step."""
-        if self.routed is None:
-            return
-        n = n_tokens * self.top_k
-        for l, i in self.rows_of.items():
-            report_route(observer, l, self.routed[i, :n].view(n_tokens, self.top_k))
-        host = self.routed[:, :n].cpu()                      # waits for the step (its logits are read next anyway)
-        for l, i in self.rows_of.items():
-            reads = int(host[i].unique().numel()) if self.reads_once and n_tokens > 1 else n
-            self.stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.layer_bytes(l))
-
-    def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
-        src = self.store.rows[layer]
-        width = src.shape[1]
-        wanted = torch.unique(ids).tolist()    # host sync: the copies are chosen on the host
-        for e in wanted:
-            self.buf[e, :width].copy_(src[e], non_blocking=True)
-        nb = len(wanted) * self.store.layer_bytes(layer)
-        self.stats.record(layer, misses=len(wanted), uploaded_bytes=nb, copies=len(wanted))
-        return ExpertWeights.over(self.buf[:, :width], self.store.layouts[layer], ids)
 
 
 class LayerRouter(ExpertProvider):

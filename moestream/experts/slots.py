@@ -82,15 +82,8 @@ class SlotPool:
         pairs = np.asarray(misses, dtype=np.int64).reshape(-1, 2)
         pairs = pairs[np.argsort(pairs[:, 1], kind="stable")]               # by slot
         e, s = pairs[:, 0], pairs[:, 1]
+        copies = run_copies(self.pool, rows, e, s)
         row_bytes = rows.shape[1] * rows.element_size()
-        cap = max(1, RUN_BYTES // row_bytes)
-        starts = np.flatnonzero(np.r_[True, (np.diff(s) != 1) | (np.diff(e) != 1)])
-        ends = np.r_[starts[1:], len(s)]
-        copies = []
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            for c in range(a, b, cap):          # (a slot narrower than the pool's rows: torch stages the copy)
-                n = min(cap, b - c)
-                copies.append((self.pool[s[c]:s[c] + n, :rows.shape[1]], rows[e[c]:e[c] + n]))
         return self._queue(copies, s, len(s) * row_bytes, speculative)
 
     def _queue(self, copies: list[tuple[torch.Tensor, torch.Tensor]], slots: np.ndarray, nbytes: int,
@@ -195,3 +188,20 @@ class SlotPool:
         """Float layouts: the (S_region, 2I, H) and (S_region, H, I) views of the layer's region."""
         rows, _ = self.regions[layer]
         return self.layouts[layer].views(rows)
+
+
+def run_copies(dst: torch.Tensor, src: torch.Tensor, experts: np.ndarray, slots: np.ndarray) -> list:
+    """The (dst rows, src rows) copies that move src's rows `experts` into dst's rows `slots` (both ascending,
+    paired): one copy for each run of consecutive experts into consecutive slots, of at most RUN_BYTES, not one an
+    expert (each copy costs the host some microseconds). dst's rows may be wider than src's: each copy writes the
+    first src.shape[1] of them (torch stages such a copy)."""
+    row_bytes = src.shape[1] * src.element_size()
+    cap = max(1, RUN_BYTES // row_bytes)
+    starts = np.flatnonzero(np.r_[True, (np.diff(slots) != 1) | (np.diff(experts) != 1)])
+    ends = np.r_[starts[1:], len(slots)]
+    copies = []
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        for c in range(a, b, cap):
+            n = min(cap, b - c)
+            copies.append((dst[slots[c]:slots[c] + n, :src.shape[1]], src[experts[c]:experts[c] + n]))
+    return copies

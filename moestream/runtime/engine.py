@@ -28,25 +28,24 @@ from .. import flags
 from ..config import EngineConfig, ModelConfig
 from ..device import Device
 from ..errors import UserError
-from ..experts.budget import cache_slots, check_cache_fits, check_placement_fits
-from ..experts.buffered import BufferedCache, buffer_decodes
+from ..experts.budget import check_cache_fits
+from ..experts.buffered import BufferedCache
 from ..experts.cache import ExpertCache
-from ..experts.provider import LayerRouter, ResidentExperts, UploadPerUbatch
+from ..experts.provider import LayerRouter, ResidentExperts
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
 from ..experts.store import ExpertStore, fill_layer
-from ..kernels.stage import staging_bytes
-from ..quant.layout import ExpertLayout, expert_layouts
+from ..quant.layout import expert_layouts
 from ..kernels import AddressBook, pick_decode_kernel, pick_kernel
 from ..kernels.decode import MAX_TOKENS
 from ..kernels.delta import pick_delta_kernels
 from ..models.families import FAMILIES
 from ..models.hybrid import HybridTransformer
 from ..models.layers import rope_tables
-from ..models.names import dense_names, dense_numel, keeps_float32
+from ..models.names import dense_names, keeps_float32
 from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, choose_decode
-from .kv_cache import KVCache, cache_nbytes, make_cache
-from .memory import context_that_fits, fewer_sequences
+from .kv_cache import KVCache, make_cache
+from .placement import cache_slots_for, check_device_fits, host_provider, slot_bytes
 
 log = logging.getLogger("moestream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,8 +94,8 @@ class Engine:
         quantized = any(lay.quantized for lay in layouts.values())
         row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
         width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
-        n_slots = _slots(cfg, ecfg, len(host), _slot_bytes(layouts, host, dtype))
-        _check_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)
+        n_slots = cache_slots_for(cfg, ecfg, len(host), slot_bytes(layouts, host, dtype))
+        check_device_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)
 
         names = dense_names(cfg)
         moe = cfg.moe_layers
@@ -125,15 +124,15 @@ class Engine:
         del staging
 
         providers: dict[int, object] = {}
-        host_provider = None
+        hosted = None
         if dev_rows:
             resident = ResidentExperts(dev_rows, layouts)
             providers.update({l: resident for l in dev_rows})
         routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's and the engine's
         if host_rows:
             store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
-            host_provider = _host_provider(cfg, ecfg, store, dev, n_slots, routing)
-            providers.update({l: host_provider for l in host_rows})
+            hosted = host_provider(cfg, ecfg, store, dev, n_slots, routing)
+            providers.update({l: hosted for l in host_rows})
             log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                      len(host_rows), store.nbytes / MiB, len(dev_rows))
         rope = rope_tables(cfg, ctx, dev.torch)
@@ -146,7 +145,7 @@ class Engine:
         book = AddressBook()
         for rows in (*dev_rows.values(), *host_rows.values()):
             book.add(rows)
-        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, host_provider, book, routing,
+        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, hosted, book, routing,
                       quantized)
 
     # --- forwards ------------------------------------------------------------------------------------------
@@ -298,12 +297,12 @@ class Engine:
         self.experts.by_layer = {l: p for l, p in self.experts.by_layer.items() if l not in store.rows}
         if self.device.is_cuda:
             torch.cuda.empty_cache()
-        n_slots = _slots(self.cfg, ecfg, len(store.rows), store.expert_bytes)
+        n_slots = cache_slots_for(self.cfg, ecfg, len(store.rows), store.expert_bytes)
         if n_slots is not None:          # the rest of the model is in place: the new pool needs the free memory
             check_cache_fits(ecfg.cache.mib, n_slots * store.expert_bytes, 0, self.device.free_memory(),
                              self.device.name)
         self.routing.clear_prompts()         # the new cache learns the prompts' routing from scratch
-        self.host = _host_provider(self.cfg, ecfg, store, self.device, n_slots, self.routing)
+        self.host = host_provider(self.cfg, ecfg, store, self.device, n_slots, self.routing)
         self.experts.by_layer.update({l: self.host for l in store.rows})
         self.ecfg = ecfg
         self._setup_decode()
@@ -334,63 +333,3 @@ class Engine:
         out = fn(*args, **kw)
         self.synchronize()
         return out, time.perf_counter() - t0
-
-
-def _host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None,
-                   routing: RoutingStore):
-    """No cache: uploads per ubatch, into rows that zero-copy decode keeps as the smallest cache (buffered.py) where
-    it runs and gains (buffer_decodes); or the expert cache with its copy stream and prefetcher."""
-    args = (cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch, sorted(store.rows),
-            ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
-    if n_slots is None:
-        if ecfg.decode.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used,
-                                                    ecfg.decode.lands(store.quantized)):
-            return BufferedCache(store, *args)
-        return UploadPerUbatch(store, cfg.n_experts, dev.torch, cfg.n_experts_used, ecfg.decode.stages(store.quantized))
-    log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
-             store.expert_bytes / 1e6, ecfg.cache.policy)
-    return ExpertCache(store, n_slots, *args)
-
-
-def _slots(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
-    """The expert cache's slots for this model and config (experts/budget.py), None for no cache."""
-    return cache_slots(ecfg.cache.mib, expert_bytes, cfg.n_experts, n_host_layers,
-                       ecfg.batching.ubatch * cfg.n_experts_used)
-
-
-def _slot_bytes(layouts: dict[int, ExpertLayout], host: set[int], dtype: torch.dtype) -> int:
-    """The bytes of one cache slot: the largest host layer's expert row."""
-    return max((layouts[l].row_bytes_for(dtype) for l in host), default=0)
-
-
-def _check_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, host: set[int],
-                n_slots: int | None, layouts: dict[int, ExpertLayout]) -> None:
-    """Refuse, before loading anything, a placement whose device part cannot fit in free device memory."""
-    if not dev.is_cuda:
-        return
-    size = torch.empty((), dtype=dtype).element_size()
-    dev_layers = [l for l in cfg.moe_layers if l not in host]
-    rest = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in dev_layers)     # the device layers' experts
-    b = ecfg.batching
-    kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, dtype)   # states: DeltaNet layers', the same for any -c
-    fixed = dense_numel(cfg) * size + states                        # what does not shrink with -c
-    free = dev.free_memory()
-    if fixed + kv > free:                 # no placement of the experts helps: the context is what does not fit
-        fits = max(1, context_that_fits(kv, b.ctx_size, free - fixed)) if free > fixed else 0
-        seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
-        what = "attention, embeddings and recurrent states" if states else "attention and embeddings"
-        raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB on {dev.name} beside "
-                        f"{fixed / MiB:.0f} MiB of {what}, but {free / MiB:.0f} MiB are free; "
-                        + (f"use -c {fits} or less" + fewer_sequences(kv, b.n_seq, free - fixed)
-                           if fits else "this model does not fit on this device"))
-    rest += kv + fixed
-    pool = 0
-    slot = _slot_bytes(layouts, host, dtype)
-    if host:
-        pool = (n_slots if n_slots is not None else cfg.n_experts) * slot   # the cache or upload buffer
-        if ecfg.decode.stages(any(lay.quantized for lay in layouts.values())):
-            pool += staging_bytes(slot, cfg.n_experts_used)         # the staged host reads' scratch rows
-    if n_slots is not None:
-        check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)
-    layer = max(cfg.n_experts * lay.row_bytes_for(dtype) for lay in layouts.values()) if layouts else 0
-    check_placement_fits(rest + pool, free, dev.name, layer, len(cfg.moe_layers), len(dev_layers))

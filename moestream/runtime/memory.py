@@ -1,5 +1,5 @@
 """Host memory: whether a model, its experts kept in host memory and (on the CPU) its KV cache fit, checked before
-anything is allocated. The device's side is the engine's (_check_fits, with experts/budget.py).
+anything is allocated. The device's side is runtime/placement.py's (check_device_fits, with experts/budget.py).
 
     check_host_fits(model_config, ecfg)        # ecfg resolved; UserError saying what is needed and what is free
 

@@ -1,0 +1,106 @@
+"""Where host layers' experts go on the device: the provider of host layers (uploads per ubatch, the expert cache,
+or the upload rows kept as the smallest cache), the cache's slots, and whether the device's part of a placement
+fits, checked before anything is loaded.
+
+    n_slots = cache_slots_for(cfg, ecfg, len(host), slot_bytes(layouts, host, dtype))    # None: no cache
+    check_device_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)    # UserError naming what does not fit
+    provider = host_provider(cfg, ecfg, store, dev, n_slots, routing)
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..device import Device
+from ..errors import UserError
+from ..experts.budget import cache_slots, check_cache_fits, check_placement_fits
+from ..experts.buffered import BufferedCache, buffer_decodes
+from ..experts.cache import ExpertCache
+from ..experts.routing import RoutingStore
+from ..experts.store import ExpertStore
+from ..experts.upload import UploadPerUbatch
+from ..kernels.stage import staging_bytes
+from ..models.names import dense_numel
+from ..quant.layout import ExpertLayout
+from .kv_cache import cache_nbytes
+from .memory import context_that_fits, fewer_sequences
+
+log = logging.getLogger("moestream")
+
+MiB = 1 << 20
+SECOND_ROWS_FREE = 2 << 30     # no cache: a second set of upload rows only where this much stays free
+
+
+def host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None,
+                   routing: RoutingStore):
+    """No cache: uploads per ubatch, into rows that zero-copy decode keeps as the smallest cache (buffered.py) where
+    it runs and gains (buffer_decodes); or the expert cache with its copy stream and prefetcher."""
+    args = (cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch, sorted(store.rows),
+            ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
+    if n_slots is None:
+        second = second_rows(cfg, ecfg, store, dev)
+        if ecfg.decode.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used,
+                                                    ecfg.decode.lands(store.quantized)):
+            return BufferedCache(store, *args, second=second)
+        return UploadPerUbatch(store, cfg.n_experts, dev, cfg.n_experts_used, ecfg.decode.stages(store.quantized),
+                               second=second, prefetch=ecfg.cache.prefetch)
+    log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
+             store.expert_bytes / 1e6, ecfg.cache.policy)
+    return ExpertCache(store, n_slots, *args)
+
+
+def second_rows(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device) -> bool:
+    """Whether no-cache uploads get a second set of rows (experts/upload.py: the next layer's copies under this
+    one's compute): with prefetch on, and where both sets leave SECOND_ROWS_FREE of device memory free."""
+    rows = cfg.n_experts * max(r.shape[1] * r.element_size() for r in store.rows.values())
+    second = ecfg.cache.prefetch.enabled and dev.free_memory() - 2 * rows >= SECOND_ROWS_FREE
+    if second and len(store.rows) > 1:
+        log.info("uploads: two sets of expert rows (%.0f MiB each), one layer's copies under another's compute",
+                 rows / MiB)
+    return second and len(store.rows) > 1
+
+
+def cache_slots_for(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
+    """The expert cache's slots for this model and config (experts/budget.py), None for no cache."""
+    return cache_slots(ecfg.cache.mib, expert_bytes, cfg.n_experts, n_host_layers,
+                       ecfg.batching.ubatch * cfg.n_experts_used)
+
+
+def slot_bytes(layouts: dict[int, ExpertLayout], host: set[int], dtype: torch.dtype) -> int:
+    """The bytes of one cache slot: the largest host layer's expert row."""
+    return max((layouts[l].row_bytes_for(dtype) for l in host), default=0)
+
+
+def check_device_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, host: set[int],
+                n_slots: int | None, layouts: dict[int, ExpertLayout]) -> None:
+    """Refuse, before loading anything, a placement whose device part cannot fit in free device memory."""
+    if not dev.is_cuda:
+        return
+    size = torch.empty((), dtype=dtype).element_size()
+    dev_layers = [l for l in cfg.moe_layers if l not in host]
+    rest = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in dev_layers)     # the device layers' experts
+    b = ecfg.batching
+    kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, dtype)   # states: DeltaNet layers', the same for any -c
+    fixed = dense_numel(cfg) * size + states                        # what does not shrink with -c
+    free = dev.free_memory()
+    if fixed + kv > free:                 # no placement of the experts helps: the context is what does not fit
+        fits = max(1, context_that_fits(kv, b.ctx_size, free - fixed)) if free > fixed else 0
+        seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
+        what = "attention, embeddings and recurrent states" if states else "attention and embeddings"
+        raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB on {dev.name} beside "
+                        f"{fixed / MiB:.0f} MiB of {what}, but {free / MiB:.0f} MiB are free; "
+                        + (f"use -c {fits} or less" + fewer_sequences(kv, b.n_seq, free - fixed)
+                           if fits else "this model does not fit on this device"))
+    rest += kv + fixed
+    pool = 0
+    slot = slot_bytes(layouts, host, dtype)
+    if host:
+        pool = (n_slots if n_slots is not None else cfg.n_experts) * slot   # the cache or upload buffer
+        if ecfg.decode.stages(any(lay.quantized for lay in layouts.values())):
+            pool += staging_bytes(slot, cfg.n_experts_used)         # the staged host reads' scratch rows
+    if n_slots is not None:
+        check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)
+    layer = max(cfg.n_experts * lay.row_bytes_for(dtype) for lay in layouts.values()) if layouts else 0
+    check_placement_fits(rest + pool, free, dev.name, layer, len(cfg.moe_layers), len(dev_layers))
