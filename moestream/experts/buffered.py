@@ -8,10 +8,11 @@ Without a cache, every ubatch's routed experts are uploaded into a buffer of one
 decode step read every expert over the link. The same E rows, kept as the smallest expert cache (cache.py with E
 slots: the slot pool, its policy, read-through and staging), keep what consecutive decode steps route again: on
 the reference's Q4_K_M file a third of a token's experts (bench/RESULTS.md, stop 19: 103 against 76 tok/s), in
-the same device memory. Prompts keep the buffer's plain path: at ubatch 512 and 2048 it was the faster of the two
-(6403 against 4500, 17552 against 16835 tok/s), as the pool's planning per layer costs more than it saves when
-one layer's experts fill it; at 4096 the pool's copy stream was faster (30480 against 26193), so ubatches of more
-than POOL_PROMPT_TOKENS take the cache's prompt path.
+the same device memory. Prompts keep the buffer's plain path (upload.py; with its second set of rows where the
+device has room, `second`): with one set, at ubatch 512 and 2048 it was the faster of the two (6403 against 4500,
+17552 against 16835 tok/s), as the pool's planning per layer costs more than it saves when one layer's experts
+fill it; at 4096 the pool's copy stream was faster (30480 against 26193), so with one set, ubatches of more than
+POOL_PROMPT_TOKENS take the cache's prompt path.
 
 Where the E rows are fewer than a token's routed experts of every host layer (the 30B reference: 128 < 24 x 8),
 such a pool keeps each layer's most routed experts of recent steps (hot_set.py) and reads the rest where they lie
@@ -36,7 +37,7 @@ import torch
 from .cache import ExpertCache
 from .upload import UploadPerUbatch
 
-POOL_PROMPT_TOKENS = 2048      # prompt ubatches above this take the cache's prompt path (its copy stream overlaps)
+POOL_PROMPT_TOKENS = 2048      # with one set of rows, prompt ubatches above this take the cache's prompt path
 
 
 def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int, lands: bool) -> bool:
@@ -67,6 +68,7 @@ class BufferedCache(ExpertCache):
             return
         if not self.buffering:
             self.empty()
+            self.upload.forget_readers()       # decode steps read the first set as the cache's slots
             self.buffering = True
         self.upload.begin_ubatch(seq, n_tokens, is_prompt)
 

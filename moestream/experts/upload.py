@@ -68,6 +68,8 @@ class UploadPerUbatch(ExpertProvider):
         self.seen: dict[int, np.ndarray] = {}        # layer -> the experts it routed in its last copy-ahead ubatch
         self.ahead: dict[int, tuple[np.ndarray, int]] = {}    # layer -> (E,) copied ahead into its set, and batch
         self.copying, self.n_tokens = False, 0
+        self.freed: list = [None] * len(self.sets)    # per set, an event after its last reader's compute (CUDA),
+                                                      # None where a reader may have gone unseen (a decode step)
 
     @property
     def pipelined(self) -> bool:
@@ -81,10 +83,22 @@ class UploadPerUbatch(ExpertProvider):
         pf = self.prefetch
         self.n_tokens = n_tokens
         self.copying = self.pipelined and pf.enabled and n_tokens >= pf.min_batch
-        if self.copying:
-            start = self._compute_event()        # what is queued so far may read either set
-            for l in self.layers[:len(self.sets)]:
-                self._copy_ahead(l, start)
+        if self.copying:                         # each set after its last reader (the previous forward's), or
+            start = None                         # after all that is queued so far
+            for i, l in enumerate(self.layers[:len(self.sets)]):
+                after = self.freed[i]
+                if after is None:
+                    start = start or self._compute_event()
+                    after = start
+                self._copy_ahead(l, after)
+
+    def begin_decode_step(self) -> None:
+        self.forget_readers()
+
+    def forget_readers(self) -> None:
+        """Something besides fetch reads the rows now (zero-copy decode steps, the cache over the first set): the
+        next copy-ahead waits for all queued compute."""
+        self.freed = [None] * len(self.sets)
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
         src = self.store.rows[layer]
@@ -102,7 +116,7 @@ class UploadPerUbatch(ExpertProvider):
         for dst, s in copies:
             dst.copy_(s, non_blocking=True)
         nb = len(missing) * self.store.layer_bytes(layer)
-        self.stats.record(layer, misses=len(missing), uploaded_bytes=nb, copies=len(copies))
+        self.stats.record(layer, misses=len(missing), uploaded_bytes=nb, copies=len(missing))
         if self.copying:
             self.seen[layer] = wanted
         return ExpertWeights.over(rows[:, :width], self.store.layouts[layer], ids)
@@ -110,8 +124,12 @@ class UploadPerUbatch(ExpertProvider):
     def experts_launched(self, layer: int) -> None:
         """The layer's expert kernels are queued: its set of rows may take the layer after the next, once they
         have run."""
+        if not self.pipelined:
+            return
+        b = self.rows_of[layer] % len(self.sets)
+        self.freed[b] = self._compute_event()
         if self.copying and (i := self.rows_of[layer] + len(self.sets)) < len(self.layers):
-            self._copy_ahead(self.layers[i], self._compute_event())
+            self._copy_ahead(self.layers[i], self.freed[b])
 
     def _copy_ahead(self, layer: int, after) -> None:
         E = self.n_experts
@@ -127,7 +145,7 @@ class UploadPerUbatch(ExpertProvider):
         copied[experts] = True
         self.ahead[layer] = (copied, seq)
         self.stats.record(layer, prefetched=len(experts), prefetched_bytes=nb, uploaded_bytes=nb,
-                          copies=len(copies))
+                          copies=len(experts))
 
     def _compute_event(self):
         if not self.device.is_cuda:
