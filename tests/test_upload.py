@@ -53,12 +53,22 @@ def test_a_first_big_ubatch_copies_every_expert_ahead_and_uploads_nothing_on_dem
 
 def test_later_ubatches_copy_ahead_what_each_layer_routed_and_upload_the_rest_on_demand():
     up = _upload()
-    _ubatch(up, {l: [l, l + 1] for l in range(L)}, 4)      # too few choices to copy all: demand only, learned
-    got = _ubatch(up, {l: [l, l + 1, 7] for l in range(L)}, 4)
+    first = {l: [l, l + 1, l + 2, l + 3] for l in range(L)}    # half of each layer's experts
+    _ubatch(up, first, 4)                                # too few choices to copy all: demand only, learned
+    got = _ubatch(up, {l: first[l] + [7] for l in range(L)}, 4)
     for l in range(L):
         c = got[l]
-        assert (c["prefetched"], c["hits"], c["misses"], c["prefetch_wasted"]) == (2, 2, 1, 0), l
-        assert c["uploaded_bytes"] == 3 * up.store.layer_bytes(l)
+        assert (c["prefetched"], c["hits"], c["misses"], c["prefetch_wasted"]) == (4, 4, 1, 0), l
+        assert c["uploaded_bytes"] == 5 * up.store.layer_bytes(l)
+    assert up.copies_ahead(4) and not up.copies_ahead(3)
+
+
+def test_a_layer_whose_last_ubatch_routed_less_than_half_its_experts_is_not_copied_ahead():
+    up = _upload()
+    _ubatch(up, {l: [1, 2, 3] if l else [0, 1, 2, 3] for l in range(L)}, 64)     # (64: every expert ahead)
+    got = _ubatch(up, {l: [1, 2, 3] for l in range(L)}, 64)
+    assert got[0]["prefetched"] == 4 and all(got[l]["prefetched"] == 0 for l in range(1, L))
+    assert not up.copies_ahead(64)                       # on average less than half: the cache's path past 2048
 
 
 @pytest.mark.parametrize("why", ["one set", "prefetch off", "small ubatch"])

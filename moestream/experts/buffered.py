@@ -11,8 +11,8 @@ the reference's Q4_K_M file a third of a token's experts (bench/RESULTS.md, stop
 the same device memory. Prompts keep the buffer's plain path (upload.py; with its second set of rows where the
 device has room, `second`): with one set, at ubatch 512 and 2048 it was the faster of the two (6403 against 4500,
 17552 against 16835 tok/s), as the pool's planning per layer costs more than it saves when one layer's experts
-fill it; at 4096 the pool's copy stream was faster (30480 against 26193), so with one set, ubatches of more than
-POOL_PROMPT_TOKENS take the cache's prompt path.
+fill it; at 4096 the pool's copy stream was faster (30480 against 26193), so ubatches of more than
+POOL_PROMPT_TOKENS take the cache's prompt path, unless the rows copy ahead (a wide routing: Qwen3-Next's).
 
 Where the E rows are fewer than a token's routed experts of every host layer (the 30B reference: 128 < 24 x 8),
 such a pool keeps each layer's most routed experts of recent steps (hot_set.py) and reads the rest where they lie
@@ -37,7 +37,7 @@ import torch
 from .cache import ExpertCache
 from .upload import UploadPerUbatch
 
-POOL_PROMPT_TOKENS = 2048      # with one set of rows, prompt ubatches above this take the cache's prompt path
+POOL_PROMPT_TOKENS = 2048      # prompt ubatches above this take the cache's prompt path, unless the rows copy ahead
 
 
 def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int, lands: bool) -> bool:
@@ -59,7 +59,7 @@ class BufferedCache(ExpertCache):
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
         if is_prompt:
-            through_buffer = n_tokens <= POOL_PROMPT_TOKENS or self.upload.pipelined
+            through_buffer = n_tokens <= POOL_PROMPT_TOKENS or self.upload.copies_ahead(n_tokens)
         else:                                   # a decode step too long to read in place (the eager path)
             through_buffer = not self._in_place(n_tokens)
         if not through_buffer:

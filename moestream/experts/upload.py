@@ -13,7 +13,10 @@ the copy-ahead of host layer i+2 waits only for layer i's compute. What it copie
 its last ubatch of at least PrefetchConfig.min_batch tokens, or, before there is one, every expert where the
 ubatch makes at least ALL_CHOICES choices an expert (a uniform routing then leaves e^-3, 5%, unrouted: Qwen3-Next's
 512 experts at ubatch 2048 make 40). Routed experts not copied ahead are uploaded on the compute stream once the
-layer's routing is on the host.
+layer's routing is on the host. Only layers whose last big ubatch routed at least WIDE_SHARE of their experts are
+copied ahead: on the 30B reference's skewed routing (37-62 of 128 at ubatch 512-4096) the last ubatch's set missed
+a sixth of the next one's and copied a sixth for nothing, and the copy-ahead queued before the next layer's demand
+uploads on the link: ubatch 512 went from 5795 to 5196 tok/s (bench/RESULTS.md, stop 22).
 
 An expert sits in the row of its id in either set and its GEMM does not read the row's address, so results are the
 same bits with one set or two, with copy-ahead or without.
@@ -32,6 +35,7 @@ from .slots import run_copies
 from .store import ExpertStore
 
 ALL_CHOICES = 3            # with no routing seen yet, copy every expert ahead from this many choices an expert
+WIDE_SHARE = 0.5           # copy ahead only a layer whose last big ubatch routed at least this share of its experts
 
 
 class UploadPerUbatch(ExpertProvider):
@@ -74,6 +78,15 @@ class UploadPerUbatch(ExpertProvider):
     @property
     def pipelined(self) -> bool:
         return len(self.sets) > 1
+
+    def copies_ahead(self, n_tokens: int) -> bool:
+        """Whether a ubatch of n_tokens would copy ahead (the layers' last routing wide enough, on average)."""
+        pf, E = self.prefetch, self.n_experts
+        if not (self.pipelined and pf.enabled and n_tokens >= pf.min_batch):
+            return False
+        if not self.seen:
+            return n_tokens * self.top_k >= ALL_CHOICES * E
+        return np.mean([len(s) for s in self.seen.values()]) >= WIDE_SHARE * E
 
     # --- prompts: uploads per ubatch ---------------------------------------------------------------------------
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
@@ -136,7 +149,7 @@ class UploadPerUbatch(ExpertProvider):
         experts = self.seen.get(layer)
         if experts is None:
             experts = np.arange(E) if self.n_tokens * self.top_k >= ALL_CHOICES * E else np.zeros(0, np.int64)
-        if not len(experts):
+        if len(experts) < WIDE_SHARE * E:       # a part of the layer: the guess misses and wastes a sixth each
             return
         copies = run_copies(self.sets[self.rows_of[layer] % len(self.sets)], self.store.rows[layer], experts, experts)
         nb = len(experts) * self.store.layer_bytes(layer)
