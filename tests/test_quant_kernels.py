@@ -255,5 +255,22 @@ def test_runs_codebook_compiled_is_exact():
     kv4_check("cuda")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])])
+def test_a_run_given_its_slots_on_the_host_gives_the_bits_of_one_that_finds_them(device):
+    """ExpertWeights.run with `used` (the providers' host-known slots: no host sync) against torch.unique's."""
+    import numpy as np
+
+    from moestream.experts.provider import ExpertWeights
+    from moestream.kernels.reference import experts_reference
+    lay = layout_of("Q4_K,Q4_K,Q6_K", 256, 256)
+    g = torch.Generator().manual_seed(5)
+    rows = random_rows(lay, 6, g).to(device)
+    slots = torch.tensor([[4, 1], [1, 5], [5, 4]], device=device)
+    x = torch.randn(3, 256, generator=g).to(device)
+    found = ExpertWeights.over(rows, lay, slots).run(experts_reference, x)
+    given = ExpertWeights.over(rows, lay, slots, used=np.array([1, 4, 5])).run(experts_reference, x)
+    assert torch.equal(found, given) and torch.isfinite(found).all()
+
+
 if __name__ == "__main__":
     check(sys.argv[1])

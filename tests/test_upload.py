@@ -63,12 +63,17 @@ def test_later_ubatches_copy_ahead_what_each_layer_routed_and_upload_the_rest_on
     assert up.copies_ahead(4) and not up.copies_ahead(3)
 
 
-def test_a_layer_whose_last_ubatch_routed_less_than_half_its_experts_is_not_copied_ahead():
+def test_a_forward_copies_ahead_only_where_the_layers_routed_half_their_experts_on_average_and_only_those():
     up = _upload()
-    _ubatch(up, {l: [1, 2, 3] if l else [0, 1, 2, 3] for l in range(L)}, 64)     # (64: every expert ahead)
+    _ubatch(up, {l: [1, 2, 3, 4, 5] if l < 3 else [0, 1] for l in range(L)}, 64)     # (64: every expert ahead)
+    assert up.copies_ahead(64)                                # 17 of 32 routed: on average more than half
     got = _ubatch(up, {l: [1, 2, 3] for l in range(L)}, 64)
-    assert got[0]["prefetched"] == 4 and all(got[l]["prefetched"] == 0 for l in range(1, L))
-    assert not up.copies_ahead(64)                       # on average less than half: the cache's path past 2048
+    assert [got[l]["prefetched"] for l in range(L)] == [5, 5, 5, 0]      # the narrow layer is not copied ahead
+    assert not up.copies_ahead(64)                            # 12 of 32: the cache's path past 2048
+    got = _ubatch(up, {l: [0, 1, 2, 3, 4, 5] for l in range(L)}, 64)
+    assert all((c["prefetched"], c["misses"]) == (0, 6) for c in got.values())  # nothing ahead, all learned
+    got = _ubatch(up, {l: [0, 1, 2, 3, 4, 5] for l in range(L)}, 64)
+    assert all((c["prefetched"], c["hits"], c["misses"]) == (6, 6, 0) for c in got.values())
 
 
 @pytest.mark.parametrize("why", ["one set", "prefetch off", "small ubatch"])

@@ -101,7 +101,8 @@ class PromptPath:
         if isinstance(table, list):
             w = Waves(self, layer, ids, table)
         else:
-            w = self.slots.weights(layer, self.slots.upload_table(layer, table)[ids])
+            used = np.unique(table[np.flatnonzero(got[0])])                  # the slots it reads, ascending
+            w = self.slots.weights(layer, self.slots.upload_table(layer, table)[ids], used)
         self.stats.record(layer, sync_s=t1 - t0, host_s=time.perf_counter() - t1)
         return w
 

@@ -32,23 +32,31 @@ class ExpertWeights:
     slots: torch.Tensor        # (T, k) int64: the slot of each routed choice
     rows: torch.Tensor | None = None            # (S, >= nbytes) uint8: a quantized layout's rows
     layout: ExpertLayout | None = None
+    used: np.ndarray | None = None              # the distinct slots of `slots`, ascending, where the host knows them
 
     @staticmethod
-    def over(rows: torch.Tensor, layout: ExpertLayout, slots: torch.Tensor) -> "ExpertWeights":
-        """The weights of rows (S, row) laid out as `layout`, each routed choice at its slot."""
+    def over(rows: torch.Tensor, layout: ExpertLayout, slots: torch.Tensor,
+             used: np.ndarray | None = None) -> "ExpertWeights":
+        """The weights of rows (S, row) laid out as `layout`, each routed choice at its slot. `used`: the distinct
+        slots, ascending, if the provider has them on the host already (a quantized run then needs no host sync)."""
         if layout.quantized:
-            return ExpertWeights(None, None, slots, rows, layout)
+            return ExpertWeights(None, None, slots, rows, layout, used)
         return ExpertWeights(*layout.views(rows), slots)
 
     def run(self, kernel, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """kernel(x, slots, w13, w2) -> (T, k, H). Quantized rows: the slots read are dequantized into a scratch
         stack, in slot order, and the kernel reads it by compact index; each expert's rows meet the same values in
-        the same order as from float weights, so its result does not depend on its slot."""
-        slots = self.slots if slots is None else slots
+        the same order as from float weights, so its result does not depend on its slot. The slots read come from
+        `used` where the provider knew them (the same index as torch.unique's, without its wait for the device:
+        the host queues the layer's kernels while its uploads cross the link)."""
         if self.layout is None:
-            return kernel(x, slots, self.w13, self.w2)
+            return kernel(x, self.slots if slots is None else slots, self.w13, self.w2)
         from ..kernels.dequant import dequantize_rows     # Triton on CUDA, plain torch elsewhere: the same values
-        used, compact = torch.unique(slots, sorted=True, return_inverse=True)
+        if slots is None and self.used is not None:
+            used = host_to_device(self.used, self.slots.device)
+            compact = torch.searchsorted(used, self.slots)
+        else:
+            used, compact = torch.unique(self.slots if slots is None else slots, sorted=True, return_inverse=True)
         w13, w2 = dequantize_rows(self.rows, used, self.layout, x.dtype)
         return kernel(x, compact, w13, w2)
 
@@ -159,6 +167,15 @@ class LayerRouter(ExpertProvider):
 
     def experts_launched(self, layer: int) -> None:
         self.by_layer[layer].experts_launched(layer)
+
+
+def host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without waiting for it: through pinned memory on CUDA (a copy from pageable
+    memory would wait for the stream)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def row_addresses(rows: torch.Tensor, device) -> torch.Tensor:

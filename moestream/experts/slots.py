@@ -179,10 +179,11 @@ class SlotPool:
         out = torch.empty(self.n_experts, dtype=torch.int64, device=self.device.torch)
         return out.copy_(self.lut_host[layer], non_blocking=True)
 
-    def weights(self, layer: int, slots: torch.Tensor) -> ExpertWeights:
-        """The layer's region as the kernel reads it, each routed choice at `slots` (its table's entries)."""
+    def weights(self, layer: int, slots: torch.Tensor, used: np.ndarray | None = None) -> ExpertWeights:
+        """The layer's region as the kernel reads it, each routed choice at `slots` (its table's entries; `used`:
+        the distinct ones, ascending, if known)."""
         rows, _ = self.regions[layer]
-        return ExpertWeights.over(rows, self.layouts[layer], slots)
+        return ExpertWeights.over(rows, self.layouts[layer], slots, used)
 
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Float layouts: the (S_region, 2I, H) and (S_region, H, I) views of the layer's region."""

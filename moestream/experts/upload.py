@@ -13,10 +13,11 @@ the copy-ahead of host layer i+2 waits only for layer i's compute. What it copie
 its last ubatch of at least PrefetchConfig.min_batch tokens, or, before there is one, every expert where the
 ubatch makes at least ALL_CHOICES choices an expert (a uniform routing then leaves e^-3, 5%, unrouted: Qwen3-Next's
 512 experts at ubatch 2048 make 40). Routed experts not copied ahead are uploaded on the compute stream once the
-layer's routing is on the host. Only layers whose last big ubatch routed at least WIDE_SHARE of their experts are
-copied ahead: on the 30B reference's skewed routing (37-62 of 128 at ubatch 512-4096) the last ubatch's set missed
-a sixth of the next one's and copied a sixth for nothing, and the copy-ahead queued before the next layer's demand
-uploads on the link: ubatch 512 went from 5795 to 5196 tok/s (bench/RESULTS.md, stop 22).
+layer's routing is on the host. A forward copies ahead only where the layers' last big ubatches routed at least
+WIDE_SHARE of their experts on average, and then only the layers that did: on the 30B reference's skewed routing
+(37-62 of 128 at ubatch 512-4096) the last ubatch's set missed a sixth of the next one's and copied a sixth for
+nothing, and the copy-ahead queued before the next layer's demand uploads on the link: ubatch 512 went from 5795 to
+5196 tok/s with every layer copied ahead, and to 4731 with the wide layers alone (bench/RESULTS.md, stop 22).
 
 An expert sits in the row of its id in either set and its GEMM does not read the row's address, so results are the
 same bits with one set or two, with copy-ahead or without.
@@ -71,7 +72,8 @@ class UploadPerUbatch(ExpertProvider):
         self.routed = None                           # (host layers, MAX_TOKENS k): a zero-copy step's ids, on device
         self.seen: dict[int, np.ndarray] = {}        # layer -> the experts it routed in its last copy-ahead ubatch
         self.ahead: dict[int, tuple[np.ndarray, int]] = {}    # layer -> (E,) copied ahead into its set, and batch
-        self.copying, self.n_tokens = False, 0
+        self.copying = self.learning = False
+        self.n_tokens = 0
         self.freed: list = [None] * len(self.sets)    # per set, an event after its last reader's compute (CUDA),
                                                       # None where a reader may have gone unseen (a decode step)
 
@@ -95,7 +97,8 @@ class UploadPerUbatch(ExpertProvider):
             self.ahead = {}
         pf = self.prefetch
         self.n_tokens = n_tokens
-        self.copying = self.pipelined and pf.enabled and n_tokens >= pf.min_batch
+        self.learning = self.pipelined and pf.enabled and n_tokens >= pf.min_batch      # its routing is `seen`
+        self.copying = self.copies_ahead(n_tokens)
         if self.copying:                         # each set after its last reader (the previous forward's), or
             start = None                         # after all that is queued so far
             for i, l in enumerate(self.layers[:len(self.sets)]):
@@ -130,9 +133,9 @@ class UploadPerUbatch(ExpertProvider):
             dst.copy_(s, non_blocking=True)
         nb = len(missing) * self.store.layer_bytes(layer)
         self.stats.record(layer, misses=len(missing), uploaded_bytes=nb, copies=len(missing))
-        if self.copying:
+        if self.learning:
             self.seen[layer] = wanted
-        return ExpertWeights.over(rows[:, :width], self.store.layouts[layer], ids)
+        return ExpertWeights.over(rows[:, :width], self.store.layouts[layer], ids, used=wanted)
 
     def experts_launched(self, layer: int) -> None:
         """The layer's expert kernels are queued: its set of rows may take the layer after the next, once they
