@@ -1,7 +1,7 @@
 """The quantized-expert kernels on the reference expert shape (I=768, H=2048), one GPU:
 
     python bench/quant_kernels.py [--experts 50] [--reps 50] [--variants values,subblocks,runs] [--no-dequant]
-                                  [--runs-shapes 128x4,64x2,256x8,128x4r] [--no-graphs]
+                                  [--runs-shapes 128x4,64x2,256x8,128x4r,128x4o,128x4-2] [--no-graphs]
                                   [--types bf16,Q4_K_M]
 
 dequant: kernels/dequant.py's dequantize_rows of 50 experts (a prompt ubatch's routed experts of one layer) to
@@ -11,7 +11,9 @@ decode: one experts_by_address_quant call, k = 8, T = 1 and 8 tokens, every row 
 pinned host memory (read in place over the link), in each variant of kernels/decode_quant.py, beside
 kernels/decode.py's bf16 experts_by_address on the same shape; "runs AxW" rows are the runs variant with A units a
 program and W warps (decode_runs.UNITS_A_STEP, WARPS; --runs-shapes, the default first), "AxWr" with a row's
-block steps in a loop instead of unrolled (decode_runs.UNROLL = 0). Calls cycle
+block steps in a loop instead of unrolled (decode_runs.UNROLL = 0), "o" with x in the rows' order instead of the
+lanes' (decode_runs.LANE_ORDER = False), "-1" / "-2" with one / two rows a down lane (DOWN_ROWS_A_LANE; by
+default one at T=1, two at T=8), in that order ("128x4o-2"). Calls cycle
 through disjoint sets of experts (of EXPERTS in all, 384-660 MB), so no call finds the previous calls' rows in the
 60 MB L2: each call reads its rows from HBM or over the link, as a decode step's layer does. The calls run from a
 CUDA graph, as the engine's decode steps do (--no-graphs: one by one, each paying its launches on the host: the
@@ -21,6 +23,7 @@ its time. `vs first`: |out - out_first| / |out_first| at T=8 against the first v
 listed (bf16 outputs: the variants round differently, and must agree to about bf16's precision). Prints markdown.
 """
 import argparse
+import re
 import statistics
 
 import torch
@@ -40,7 +43,7 @@ ap.add_argument("--experts", type=int, default=50)
 ap.add_argument("--reps", type=int, default=50)
 ap.add_argument("--variants", default="values,subblocks,runs")
 ap.add_argument("--dequant", action=argparse.BooleanOptionalAction, default=True)
-ap.add_argument("--runs-shapes", default="128x4", help="runs variant shapes, UNITSxWARPS[r], comma list")
+ap.add_argument("--runs-shapes", default="128x4", help="runs variant shapes, UNITSxWARPS[r][o][-1|-2], comma list")
 ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
 ap.add_argument("--types", default=None, help="only these rows of the decode table, comma list of their names "
                 "(bf16, Q4_K_M, Q8_0, ...)")
@@ -80,15 +83,19 @@ def timed(fn, n_inputs: int = 1, graphs: bool = False) -> float:
 
 
 def runs_shaped(x, addrs, w, lay, shape: str):
-    """The runs variant with UNITSxWARPS[r] programs (the module's shape put back after)."""
-    units, warps = (int(v) for v in shape.rstrip("r").split("x"))
-    kept = decode_runs.UNITS_A_STEP, decode_runs.WARPS, decode_runs.UNROLL
-    decode_runs.UNITS_A_STEP, decode_runs.WARPS = units, warps
-    decode_runs.UNROLL = 0 if shape.endswith("r") else kept[2]
+    """The runs variant of shape UNITSxWARPS[r][o][1|2] (the module's settings put back after)."""
+    spec = re.fullmatch(r"(\d+)x(\d+)(r?)(o?)(?:-([12]))?", shape)
+    units, warps, loop, rows, down_rows = spec.groups()
+    names = ("UNITS_A_STEP", "WARPS", "UNROLL", "LANE_ORDER", "DOWN_ROWS_A_LANE")
+    kept = [getattr(decode_runs, n) for n in names]
+    values = (int(units), int(warps), 0 if loop else kept[2], not rows, down_rows and int(down_rows))
+    for n, v in zip(names, values):
+        setattr(decode_runs, n, v)
     try:
         return experts_by_address_quant(x, addrs, w, lay, variant="runs")
     finally:
-        decode_runs.UNITS_A_STEP, decode_runs.WARPS, decode_runs.UNROLL = kept
+        for n, v in zip(names, kept):
+            setattr(decode_runs, n, v)
 
 
 def name_of(types) -> str:

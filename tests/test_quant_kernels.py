@@ -24,7 +24,8 @@ DECODE = [f"decode:{t}" for t in DECODE_TYPES] + ["decode:Q4_K,Q4_K,Q6_K", "deco
 # (3 K-quant blocks, Q8_0's 24) is read a block a step. "kv4": its IQ4 codebook on each of the 16 codes.
 RUNS_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
 RUNS = [f"runs:{t}" for t in RUNS_TYPES] + ["runs:Q4_K,Q4_K,Q6_K", "runs:Q6_K,Q6_K,Q8_0", "runs:Q5_0,Q5_0,IQ4_NL",
-                                            "kv4"]
+                                            "kv4", "order:Q4_K,Q4_K,Q6_K", "order:IQ4_XS,IQ4_XS,Q8_0",
+                                            "order:Q5_1,Q5_1,Q4_0"]
 # The scale fields (byte offsets of float16 scales) of each block type: set to finite values in [1e-3, 1].
 SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2),
           Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
@@ -154,10 +155,48 @@ def kv4_check(device="cpu"):
     assert torch.equal(out.cpu(), torch.tensor(KVALUES * 2, dtype=torch.float32)), out
 
 
+def order_check(spec: str):
+    """x and h in the lanes' order give the bits of the rows' order (decode_runs.LANE_ORDER), with one and with two
+    rows a down lane, for one token and several."""
+    from moestream.kernels import decode_runs
+    from moestream.kernels.decode_runs import experts_by_address_runs
+    k_quant = any(t in spec for t in ("_K", "XS"))
+    lay = layout_of(spec, 256 if k_quant else 96, 256 if k_quant else 64)
+    g = torch.Generator().manual_seed(7)
+    rows = random_rows(lay, 6, g)
+    for T, k in ((1, 3), (3, 2)):
+        ids = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(T)])
+        addrs = rows.data_ptr() + ids * rows.stride(0)
+        x = torch.randn(T, lay.hidden, generator=g) * 0.05
+        w = torch.softmax(torch.randn(T, k, generator=g), -1)
+        outs = []
+        for order, down_rows in ((False, 2), (True, 1), (True, 2)):
+            decode_runs.LANE_ORDER, decode_runs.DOWN_ROWS_A_LANE = order, down_rows
+            outs.append(experts_by_address_runs(x, addrs, w, lay))
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), spec
+
+
+@pytest.mark.parametrize("qtype", RUNS_TYPES)
+def test_the_lanes_order_is_a_permutation_of_each_row(qtype):
+    """qruns.lane_order with k copies: every value of the k rows goes to its own place, and the places of copy j are
+    copy 0's moved by 4 G (the step between choices that the down launch reads)."""
+    import numpy as np
+    from moestream.kernels.qruns import UNITS, lane_order
+    from moestream.quant.types import block_size
+    bs, nu = block_size(Q[qtype]), UNITS[Q[qtype]][0]
+    for blocks, bb in ((8, 8), (8, 2), (3, 1)):
+        for k in (1, 3, 8):
+            pos = lane_order(Q[qtype], blocks * bs, bb, k)
+            every = np.concatenate([pos + j * 4 * bb * nu for j in range(k)])
+            assert np.array_equal(np.sort(every), np.arange(k * blocks * bs)), (qtype, blocks, bb, k)
+
+
 def check(name: str):
     if name == "kv4":
         return kv4_check()
     kind, spec = name.split(":")
+    if kind == "order":
+        return order_check(spec)
     if kind == "dequant":
         dequant_check(spec)
     elif kind == "decode":

@@ -9,12 +9,19 @@ a lane's own run and the lanes of a warp read neighbouring runs. Two launches, a
 - gate and up: program (t k + j, R rows of I): the R rows' units of choice j's gate and the same units of its up,
   in the same lanes (one x load serves both), R * BB * NU units a step, NB / BB steps; then silu(g) * u, rounded
   to x's dtype (kept as float32 for the down launch, which then reads x without converting).
-- down: program (t, 2R rows of H): the units of all k choices' rows at once (the choices are a tile axis, so a
-  token's 8 experts load in parallel), each lane a unit of row r and of row r + R against one x; weighted and
-  summed over the k choices in a fixed tree order, in float32.
+- down: program (t, RL R rows of H): the units of all k choices' rows at once (the choices are a tile axis, so a
+  token's 8 experts load in parallel), each lane a unit of one row (RL = 1, one token) or of rows r and r + R
+  against one x (RL = 2, several tokens); weighted and summed over the k choices in a fixed tree order, in float32.
 
-A Q4_K_M token (k=8, I=768, H=2048) is 1536 gate/up programs of 4 rows (a row of 8 blocks in one step) and 256
-down programs of 8 rows (a row of 3 blocks in 3 unrolled steps).
+A Q4_K_M token (k=8, I=768, H=2048) is 1536 gate/up programs of 4 rows (a row of 8 blocks in one step) and 512
+down programs of 4 rows (a row of 3 blocks in 3 unrolled steps).
+
+x and h are read in the lanes' order (qruns.lane_order): the gate/up launch gathers x into it first (one small
+launch), and writes h in the down launch's. In the rows' order every lane of a warp read its x from a 128-byte line
+of its own (its unit's 32-64 values), and those L1 wavefronts, not the bytes, bound both launches; in the lanes'
+order the lanes of a warp read neighbouring x. Measured on the H200 (bench/quant_kernels.py, 2026-12-04): a
+Q4_K_M token's experts 35.1 -> 25.2 us from device memory, 8 tokens' 231.5 -> 127.9 (bench/RESULTS.md, stop 23).
+The arithmetic is the same, so are the bits.
 
 Every byte is read once, by one lane, from wherever it lies; where the compiler can be told that a run is 16-aligned
 (Q4_K and Q5_K in a 16-aligned row) it is one 128-bit load, else aligned words shifted into place. The bits depend
@@ -23,17 +30,21 @@ addresses, odd ones too). Shapes follow from the types and the shape alone; no a
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..quant.layout import ExpertLayout
 from ..quant.types import row_bytes
 from .qblocks import SHAPES, triton
-from .qruns import UNITS, aligned16, runs_available
+from .qruns import UNITS, aligned16, lane_order, runs_available
 
 UNITS_A_STEP = 128           # units (one a lane) a program reads a step
 WARPS = 4
 ONE = 0x3F800000             # 1.0's bits, passed at run time (kernels/qruns.py's _f)
 UNROLL = 4                   # a row of at most this many steps is read unrolled
+LANE_ORDER = True            # x and h in the lanes' order (qruns.lane_order); False: the rows' order
+DOWN_ROWS_A_LANE = None      # rows a down lane reads (2: the same unit of rows r and r + R against one x load);
+                             # None: 1 for one token (25.2 against 26.9 us), 2 for several (T=8: 120.5 against 127.9)
 
 
 def runs_layout(layout: ExpertLayout) -> bool:
@@ -63,18 +74,21 @@ if triton is not None:
     from .qruns import _scalar, unit_dots, unit_words
 
     @triton.jit
-    def _dots(blk, blk2, c, m, m2, xp, al, one, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr):
+    def _dots(blk, blk2, c, m, m2, xp, al, one, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr,
+              XS: tl.constexpr):
         """A step: the units' words (kernels/qruns.py), then their dot products with x."""
         ws, ws2 = unit_words(blk, blk2, c, m, m2, al, QT, A16, TWO)
-        return unit_dots(ws, ws2, c, m | m2, xp, one, QT, TWO)
+        return unit_dots(ws, ws2, c, m | m2, xp, one, QT, TWO, XS)
 
     @triton.jit
-    def _gate_up_runs(x_ptr, addr_ptr, h_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+    def _gate_up_runs(x_ptr, addr_ptr, h_ptr, pos_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                       R: tl.constexpr, OG: tl.constexpr, OU: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
                       NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
-                      A16: tl.constexpr, UNR: tl.constexpr):
+                      A16: tl.constexpr, UNR: tl.constexpr, XS: tl.constexpr, HJ: tl.constexpr):
         """Program (t k + j, R rows of I): choice j's gate and up rows against x[t], then silu(g) * u, rounded
-        to x's dtype (stored as float32, which the down launch then reads without converting)."""
+        to x's dtype (stored as float32, which the down launch then reads without converting). XS > 0: x[t] is
+        in the lanes' order (qruns.lane_order), and h[t] too, for the down launch: the value of row r at
+        pos[r] + j HJ of token t's k I."""
         pair = tl.program_id(0)
         t = pair // K
         L: tl.constexpr = R * BB * NU
@@ -86,12 +100,15 @@ if triton is not None:
         a = tl.load(addr_ptr + pair)
         al = (a & 15) == 0
         blk = a + row * RB + bi * TS                                                 # (L,) int64
-        xp = x_ptr + t * H + bi * BS
+        if XS == 0:
+            xp = x_ptr + t * H + bi * BS
+        else:
+            xp = x_ptr + t * H + (u % (BB * NU)) * 4
         if UNR:                        # a few steps: unrolled, every step's loads issued at once
-            ga, ua = _dots(blk + OG, blk + OU, c, m, m, xp, al, one, QT, A16, True)
+            ga, ua = _dots(blk + OG, blk + OU, c, m, m, xp, al, one, QT, A16, True, XS)
             for b0 in tl.static_range(BB, NB, BB):
                 g1, u1 = _dots(blk + OG + b0 * TS, blk + OU + b0 * TS, c, m, m, xp + b0 * BS, al, one, QT, A16,
-                               True)
+                               True, XS)
                 ga += g1
                 ua += u1
         else:
@@ -99,26 +116,32 @@ if triton is not None:
             ua = tl.zeros([L], dtype=tl.float32)
             for b0 in range(0, NB, BB):
                 g1, u1 = _dots(blk + OG + b0 * TS, blk + OU + b0 * TS, c, m, m, xp + b0 * BS, al, one, QT, A16,
-                               True)
+                               True, XS)
                 ga += g1
                 ua += u1
         g = tl.sum(tl.reshape(ga, (R, BB * NU)), axis=1)                             # (R,)
         up = tl.sum(tl.reshape(ua, (R, BB * NU)), axis=1)
         h = (g * tl.sigmoid(g) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         rows = tl.program_id(1) * R + tl.arange(0, R)
-        tl.store(h_ptr + pair * I + rows, h, mask=rows < I)
+        if XS == 0:
+            tl.store(h_ptr + pair * I + rows, h, mask=rows < I)
+        else:
+            at = tl.load(pos_ptr + rows, mask=rows < I, other=0)
+            tl.store(h_ptr + t * K * I + at + (pair % K) * HJ, h, mask=rows < I)
 
     @triton.jit
     def _down_runs(h_ptr, addr_ptr, w_ptr, out_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                    KP: tl.constexpr, R: tl.constexpr, OD: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
                    NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
-                   A16: tl.constexpr, UNR: tl.constexpr):
-        """Program (t, 2R rows of H): every choice's down rows against its activation, weighted, summed. A lane
-        reads a unit of row r and the same unit of row r + R, against one load of x."""
+                   A16: tl.constexpr, UNR: tl.constexpr, XS: tl.constexpr, RL: tl.constexpr):
+        """Program (t, RL R rows of H): every choice's down rows against its activation, weighted, summed. A lane
+        reads a unit of row r (RL = 2: and the same unit of row r + R, against one load of x). XS > 0: h[t] holds
+        the k choices' activations in the lanes' order (qruns.lane_order with k copies)."""
         t = tl.program_id(0)
         L: tl.constexpr = R * KP * BB * NU
+        TWO: tl.constexpr = RL == 2
         u = tl.arange(0, L)
-        row = tl.program_id(1) * 2 * R + u // (KP * BB * NU)
+        row = tl.program_id(1) * RL * R + u // (KP * BB * NU)
         e = (u // (BB * NU)) % KP                                                    # (L,) the unit's choice
         bi = (u // NU) % BB
         c = u % NU
@@ -129,30 +152,35 @@ if triton is not None:
         js = tl.arange(0, KP)
         al = tl.max(tl.load(addr_ptr + t * K + js, mask=js < K, other=0) & 15, axis=0) == 0
         blk = a + (OD + row * RB + bi * TS)
-        xp = h_ptr + (t * K + e) * I + bi * BS
+        XB: tl.constexpr = BS if XS == 0 else K * BS                                 # x's step a block
+        if XS == 0:
+            xp = h_ptr + (t * K + e) * I + bi * BS
+        else:
+            xp = h_ptr + t * K * I + (e * (BB * NU) + u % (BB * NU)) * 4
         if UNR:
-            acc, acc2 = _dots(blk, blk + R * RB, c, m, m2, xp, al, one, QT, A16, True)
+            acc, acc2 = _dots(blk, blk + R * RB, c, m, m2, xp, al, one, QT, A16, TWO, XS)
             for b0 in tl.static_range(BB, NB, BB):
-                d1, d2 = _dots(blk + b0 * TS, blk + R * RB + b0 * TS, c, m, m2, xp + b0 * BS, al, one, QT, A16,
-                               True)
+                d1, d2 = _dots(blk + b0 * TS, blk + R * RB + b0 * TS, c, m, m2, xp + b0 * XB, al, one, QT, A16,
+                               TWO, XS)
                 acc += d1
                 acc2 += d2
         else:
             acc = tl.zeros([L], dtype=tl.float32)
             acc2 = tl.zeros([L], dtype=tl.float32)
             for b0 in range(0, NB, BB):
-                d1, d2 = _dots(blk + b0 * TS, blk + R * RB + b0 * TS, c, m, m2, xp + b0 * BS, al, one, QT, A16,
-                               True)
+                d1, d2 = _dots(blk + b0 * TS, blk + R * RB + b0 * TS, c, m, m2, xp + b0 * XB, al, one, QT, A16,
+                               TWO, XS)
                 acc += d1
                 acc2 += d2
         wj = tl.load(w_ptr + t * K + js, mask=js < K, other=0.0).to(tl.float32)
-        rows = tl.program_id(1) * 2 * R + tl.arange(0, R)
+        rows = tl.program_id(1) * RL * R + tl.arange(0, R)
         y = tl.sum(tl.reshape(acc, (R, KP, BB * NU)), axis=2)                        # (R, KP)
         tl.store(out_ptr + t * H + rows, tl.sum(y * wj[None, :], axis=1).to(out_ptr.dtype.element_ty),
                  mask=rows < H)
-        y = tl.sum(tl.reshape(acc2, (R, KP, BB * NU)), axis=2)
-        tl.store(out_ptr + t * H + R + rows, tl.sum(y * wj[None, :], axis=1).to(out_ptr.dtype.element_ty),
-                 mask=rows + R < H)
+        if TWO:
+            y = tl.sum(tl.reshape(acc2, (R, KP, BB * NU)), axis=2)
+            tl.store(out_ptr + t * H + R + rows, tl.sum(y * wj[None, :], axis=1).to(out_ptr.dtype.element_ty),
+                     mask=rows + R < H)
 
 
 def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor,
@@ -168,12 +196,34 @@ def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch
     out = torch.empty_like(x)                                                                   # (T, H)
     rbg, rbd = row_bytes(qg, H), row_bytes(qd, I)
     r, bb, g = _tile(qg, H, 1)
-    a16 = aligned16(qg, og, rbg) and aligned16(qg, ou, rbg)
-    _gate_up_runs[(T * k, triton.cdiv(I, r))](x, addrs, h, ONE, H, I, k, r, og, ou, int(qg), rbg, *g, bb, a16,
-                                              g[0] // bb <= UNROLL, num_warps=WARPS, enable_fp_fusion=True)
     kp = triton.next_power_of_2(k)
-    r, bb, d = _tile(qd, I, kp)
-    _down_runs[(T, triton.cdiv(H, 2 * r))](h, addrs, weights, out, ONE, H, I, k, kp, r, od, int(qd), rbd, *d, bb,
-                                       aligned16(qd, od, rbd), d[0] // bb <= UNROLL, num_warps=WARPS,
-                                       enable_fp_fusion=True)
+    rd, bbd, d = _tile(qd, I, kp)
+    xs = xsd = hj = 0
+    pos = h
+    if LANE_ORDER:                           # x and h in the lanes' order (qruns.lane_order)
+        x = x.index_select(1, _order(qg, H, bb, 1, x.device)[1])                               # (T, H) permuted
+        pos = _order(qd, I, bbd, k, x.device)[0]
+        xs, hj = 4 * bb * g[3], 4 * bbd * d[3]
+        xsd = k * hj
+    a16 = aligned16(qg, og, rbg) and aligned16(qg, ou, rbg)
+    _gate_up_runs[(T * k, triton.cdiv(I, r))](x, addrs, h, pos, ONE, H, I, k, r, og, ou, int(qg), rbg, *g, bb, a16,
+                                              g[0] // bb <= UNROLL, xs, hj, num_warps=WARPS, enable_fp_fusion=True)
+    rl = DOWN_ROWS_A_LANE or (1 if T == 1 else 2)             # (the same bits either way: the same sums a row)
+    _down_runs[(T, triton.cdiv(H, rl * rd))](h, addrs, weights, out, ONE, H, I, k, kp, rd, od, int(qd), rbd, *d,
+                                         bbd, aligned16(qd, od, rbd), d[0] // bbd <= UNROLL, xsd, rl,
+                                         num_warps=WARPS, enable_fp_fusion=True)
     return out
+
+
+_ORDERS: dict = {}
+
+
+def _order(qtype, n: int, bb: int, copies: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (n,), the gather that makes the order: x_lanes = x[:, gather]) of qruns.lane_order, int64 on
+    device, made once (before any graph captures a step: the warm-up runs first)."""
+    key = (int(qtype), n, bb, copies, str(device))
+    if key not in _ORDERS:
+        pos = lane_order(qtype, n, bb, copies)
+        gather = np.argsort(pos) if copies == 1 else np.zeros(0, dtype=np.int64)
+        _ORDERS[key] = torch.from_numpy(pos).to(device), torch.from_numpy(gather).to(device)
+    return _ORDERS[key]

@@ -44,6 +44,7 @@ type keeps the "values" kernel.
 """
 from __future__ import annotations
 
+import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .qblocks import SHAPES, triton
@@ -52,6 +53,45 @@ from .qblocks import SHAPES, triton
 UNITS = {Q.Q4_K: (4, True), Q.Q5_K: (4, True), Q.Q6_K: (4, False), Q.Q8_0: (1, False), Q.Q4_0: (1, False),
          Q.Q4_1: (1, False), Q.Q5_0: (1, False), Q.Q5_1: (1, False), Q.IQ4_NL: (1, False), Q.IQ4_XS: (4, False)}
 RUN_TYPES = tuple(UNITS)
+
+
+def parts_words(qtype) -> tuple[int, int]:
+    """(parts a unit, words a part): unit_dots' NP and NW."""
+    parts = 1 if qtype == Q.Q8_0 else 4 if qtype in (Q.Q6_K, Q.IQ4_XS) else 2
+    return parts, 8 if qtype in (Q.Q8_0, Q.Q4_K, Q.Q5_K) else 4
+
+
+def _xoff_host(qtype, c, p):
+    """_xoff on the host (numpy, broadcasting)."""
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return 64 * c + 32 * p
+    if qtype == Q.Q6_K:
+        return 128 * (c // 2) + 16 * (c % 2) + 32 * p
+    if qtype == Q.IQ4_XS:
+        return 64 * c + 16 * p
+    return 0 * c + (0 if qtype == Q.Q8_0 else 16 * p)
+
+
+def lane_order(qtype, n: int, bb: int, copies: int = 1) -> np.ndarray:
+    """(n,) int64: where each value of a row of n goes when x is laid out in the lanes' order (unit_dots with
+    XS = 4 copies G, G = bb NU the units of a step): a step of bb blocks at a time, in it part p's word w of
+    every copy's every unit (g = block in the step x NU + unit) side by side, 4 values each,
+
+        position = step copies bb BS + ((p NW + w) copies G + j G + g) 4 + b       (copy j; returned: j = 0)
+
+    so that the lanes of a warp, which hold neighbouring units (and, in the down launch, the k choices' units),
+    read neighbouring x: one 128-byte line serves 8 to 32 lanes, where x in the block's order gave every lane
+    a line of its own (L1 wavefronts, not bytes, bound the launch)."""
+    bs, nu = SHAPES[qtype][0], UNITS[qtype][0]
+    parts, words = parts_words(qtype)
+    G = bb * nu
+    s, bi, c, p, w, b = np.meshgrid(np.arange(n // (bb * bs)), np.arange(bb), np.arange(nu), np.arange(parts),
+                                    np.arange(words), np.arange(4), indexing="ij")
+    v = (s * bb + bi) * bs + _xoff_host(qtype, c, p) + 4 * w + b
+    q = s * copies * bb * bs + ((p * words + w) * copies * G + bi * nu + c) * 4 + b
+    pos = np.empty(n, dtype=np.int64)
+    pos[v.ravel()] = q.ravel()
+    return pos
 
 
 def runs_available(qtype, n: int) -> bool:
@@ -311,10 +351,12 @@ if triton is not None:
         return ws, ws2
 
     @triton.jit
-    def unit_dots(ws, ws2, c, xm, xp, one, QT: tl.constexpr, TWO: tl.constexpr):
-        """(L,) float32 twice: the units of words ws (unit_words) against x at xp (L,) (pointers to each unit's
-        block's first x, any float type; xm: where to load it), and (TWO) the units of ws2 against the same x,
-        which each lane then loads once for both. Words once loaded serve any number of calls (tokens)."""
+    def unit_dots(ws, ws2, c, xm, xp, one, QT: tl.constexpr, TWO: tl.constexpr, XS: tl.constexpr):
+        """(L,) float32 twice: the units of words ws (unit_words) against x at xp (L,) (any float type; xm: where
+        to load it), and (TWO) the units of ws2 against the same x, which each lane then loads once for both.
+        Words once loaded serve any number of calls (tokens). x is in the block's order (XS = 0: xp points at
+        each unit's block's first x) or in the lanes' (XS > 0, `lane_order`: xp points at the lane's first 4
+        values, and part p's word w is XS (p NW + w) further on, so the lanes of a warp read neighbouring x)."""
         NP: tl.constexpr = 1 if QT == 8 else (4 if (QT == 14 or QT == 23) else 2)   # parts of a unit
         NW: tl.constexpr = 8 if (QT == 8 or QT == 12 or QT == 13) else 4           # words of a part
         SX: tl.constexpr = QT != 20 and QT != 23          # whether a part's alpha S + beta X needs X (beta != 0)
@@ -324,12 +366,16 @@ if triton is not None:
         acc = tl.zeros(c.shape, dtype=tl.float32)
         acc2 = tl.zeros(c.shape, dtype=tl.float32)
         for p in tl.static_range(NP):
-            xq = xp + _xoff(c, p, QT)
+            if XS == 0:
+                xq = xp + _xoff(c, p, QT)
+            else:
+                xq = xp + p * NW * XS
             sp = tl.zeros([c.shape[0], 4], dtype=tl.float32)
             sq = tl.zeros([c.shape[0], 4], dtype=tl.float32)
             xs = tl.zeros([c.shape[0], 4], dtype=tl.float32)
             for w in tl.static_range(NW):
-                xv = tl.load(xq[:, None] + 4 * w + b4, mask=xm[:, None], other=0.0).to(tl.float32)
+                xv = tl.load(xq[:, None] + (4 * w if XS == 0 else XS * w) + b4, mask=xm[:, None],
+                             other=0.0).to(tl.float32)
                 if SX:
                     xs += xv
                 sp += _fields(r0, r1, r2, r3, s1, c, one, p, w, QT) * xv
