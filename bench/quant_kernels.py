@@ -1,4 +1,4 @@
-"""The quantized-expert kernels on the reference expert shape (I=768, H=2048), one GPU:
+"""The quantized-expert kernels on the reference expert shape (I=768, H=2048; --shape I,H,k for another), one GPU:
 
     python bench/quant_kernels.py [--experts 50] [--reps 50] [--variants values,subblocks,runs] [--no-dequant]
                                   [--runs-shapes 128x4,64x2,256x8,128x4r,128x4o,128x4-2] [--no-graphs]
@@ -47,8 +47,10 @@ ap.add_argument("--runs-shapes", default="128x4", help="runs variant shapes, UNI
 ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
 ap.add_argument("--types", default=None, help="only these rows of the decode table, comma list of their names "
                 "(bf16, Q4_K_M, Q8_0, ...)")
+ap.add_argument("--shape", default="768,2048,8", help="I,H,k: the expert's shape and the choices a token "
+                "(Qwen3-Next: 512,2048,10)")
 ns = ap.parse_args()
-I, H, K = 768, 2048, 8
+I, H, K = (int(v) for v in ns.shape.split(","))
 EXPERTS = 128
 SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2),
           Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}
