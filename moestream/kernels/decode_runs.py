@@ -30,7 +30,6 @@ addresses, odd ones too). Shapes follow from the types and the shape alone; no a
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..quant.layout import ExpertLayout
@@ -201,8 +200,8 @@ def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch
     xs = xsd = hj = 0
     pos = h
     if LANE_ORDER:                           # x and h in the lanes' order (qruns.lane_order)
-        x = x.index_select(1, _order(qg, H, bb, 1, x.device)[1])                               # (T, H) permuted
-        pos = _order(qd, I, bbd, k, x.device)[0]
+        x = x.index_select(1, _gather(qg, H, bb, x.device))                                   # (T, H) permuted
+        pos = _lanes(qd, I, bbd, k, x.device)
         xs, hj = 4 * bb * g[3], 4 * bbd * d[3]
         xsd = k * hj
     a16 = aligned16(qg, og, rbg) and aligned16(qg, ou, rbg)
@@ -218,12 +217,18 @@ def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch
 _ORDERS: dict = {}
 
 
-def _order(qtype, n: int, bb: int, copies: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions (n,), the gather that makes the order: x_lanes = x[:, gather]) of qruns.lane_order, int64 on
-    device, made once (before any graph captures a step: the warm-up runs first)."""
+def _lanes(qtype, n: int, bb: int, copies: int, device) -> torch.Tensor:
+    """qruns.lane_order's positions (n,), int64 on device, made once (before any graph captures a step: the
+    warm-up runs first)."""
     key = (int(qtype), n, bb, copies, str(device))
     if key not in _ORDERS:
-        pos = lane_order(qtype, n, bb, copies)
-        gather = np.argsort(pos) if copies == 1 else np.zeros(0, dtype=np.int64)
-        _ORDERS[key] = torch.from_numpy(pos).to(device), torch.from_numpy(gather).to(device)
+        _ORDERS[key] = torch.from_numpy(lane_order(qtype, n, bb, copies)).to(device)
+    return _ORDERS[key]
+
+
+def _gather(qtype, n: int, bb: int, device) -> torch.Tensor:
+    """(n,) int64: the gather that puts a row in the lanes' order (x_lanes = x[:, gather]), made once."""
+    key = ("gather", int(qtype), n, bb, str(device))
+    if key not in _ORDERS:
+        _ORDERS[key] = torch.argsort(_lanes(qtype, n, bb, 1, device))
     return _ORDERS[key]

@@ -62,7 +62,8 @@ def parts_words(qtype) -> tuple[int, int]:
 
 
 def _xoff_host(qtype, c, p):
-    """_xoff on the host (numpy, broadcasting)."""
+    """_xoff on the host (numpy, broadcasting); as parts_words mirrors unit_dots' NP and NW. A mismatch puts x
+    where the kernel does not read it: tests/test_quant_kernels.py's order checks compare both orders' bits."""
     if qtype in (Q.Q4_K, Q.Q5_K):
         return 64 * c + 32 * p
     if qtype == Q.Q6_K:
