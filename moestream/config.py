@@ -256,6 +256,7 @@ class Batching:
     n_seq: int = 1                   # sequences with a KV cache each (the server's slots, -np)
     batch_size: int = 2048           # logical batch: tokens submitted per call
     ubatch_size: int = 512           # physical batch: tokens per forward
+    by_layer: bool = True            # with host experts, a prompt's batch runs layer by layer over its ubatches
 
     def __post_init__(self):
         if self.ctx_size <= 0:

@@ -41,6 +41,10 @@ OPTIONS = (
     Option("batch_size", "batching.batch_size", ("-b", "--batch-size"), "logical batch size (default 2048)", type=int),
     Option("ubatch_size", "batching.ubatch_size", ("-ub", "--ubatch-size"), "physical batch size (default 512)",
            type=int),
+    Option("batch_by_layer", "batching.by_layer", ("--no-batch-by-layer",),
+           "with host experts, run a prompt's batch (-b) ubatch by ubatch through every layer, as llama.cpp does, "
+           "instead of each layer over all its ubatches (then a host layer's experts cross the link once a batch, "
+           "not once a ubatch; the same logits either way)", "off"),
     Option("n_seq", "batching.n_seq", ()),
     Option("cpu_moe", "placement.cpu_moe", ("-cmoe", "--cpu-moe"), "keep every MoE layer's experts in host memory",
            "on"),

@@ -192,7 +192,7 @@ def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib, looka
     lookahead, the guesses the trace recorded drive the replay's copies ahead as they drove the live cache's (one
     layer ahead: a trace keeps one guess per layer)."""
     llm = LLM("synth:tiny", ubatch_size=32, ctx_size=256, device="cpu", cpu_moe=True, moe_cache_mib=mib,
-              prefetch_min_batch=8, lookahead=lookahead, lookahead_layers=1)
+              prefetch_min_batch=8, lookahead=lookahead, lookahead_layers=1, batch_by_layer=False)
     cfg = llm.model_config
     rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
     llm.engine.observe(rec)

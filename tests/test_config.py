@@ -96,7 +96,7 @@ def test_all_flags_at_once_round_trip_and_reach_their_fields():
                                                  lookahead=False, prompt_lookahead=False, lookahead_layers=3,
                                                  min_use=0.5)
     assert (ecfg.decode.zero_copy, ecfg.decode.read_through, ecfg.decode.cuda_graphs) == (False, False, False)
-    assert ecfg.batching == Batching(ctx_size=7, n_seq=1, batch_size=7, ubatch_size=7)
+    assert ecfg.batching == Batching(ctx_size=7, n_seq=1, batch_size=7, ubatch_size=7, by_layer=False)
 
 
 def test_values_no_flag_spells_are_refused_by_to_argv():

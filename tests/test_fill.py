@@ -121,14 +121,14 @@ def test_moe_route_guesses_as_many_layers_ahead_as_the_provider_asks():
             return self.n
 
     for n in (0, 1, 2, 3):
-        _, ids, guess = moe_route(x, lw, 0, cfg, Asks(n), next_routers=routers[1:])
+        _, ids, guess = moe_route([x], lw, 0, cfg, Asks(n), next_routers=routers[1:])
         if n == 0:
             assert guess is None
             continue
         assert len(guess) == n
         for j, gj in enumerate(guess):
             assert torch.equal(gj, torch.topk(x @ routers[1 + j].T, 2, dim=-1).indices)
-    _, _, guess = moe_route(x, lw, 0, cfg, Asks(4), next_routers=routers[1:])
+    _, _, guess = moe_route([x], lw, 0, cfg, Asks(4), next_routers=routers[1:])
     assert len(guess) == 3                                              # no more than the layers that follow
 
 

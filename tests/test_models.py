@@ -56,10 +56,15 @@ def test_placement_is_bit_identical(checkpoint, ubatch):
         assert llm.stats()["uploaded_experts"] > 0
 
 
-def test_cpu_moe_uploads_each_routed_expert_once_per_ubatch(checkpoint):
+@pytest.mark.parametrize("by_layer", [True, False])
+def test_cpu_moe_uploads_each_routed_expert_once_per_batch_or_per_ubatch(checkpoint, by_layer):
+    """30 tokens in batches of 20 (-b), ubatches of 10: layer by layer (the default with host experts) a routed
+    expert crosses once a batch, whatever the number of its ubatches that chose it; ubatch by ubatch
+    (--no-batch-by-layer), once a ubatch. The logits are the same bits either way."""
     family, path, _ = checkpoint
     ids = prompt(30, seed=4)
-    llm = LLM(path, ubatch_size=10, ctx_size=64, device="cpu", cpu_moe=True)
+    kw = dict(batch_size=20, ubatch_size=10, ctx_size=64, device="cpu", cpu_moe=True)
+    llm = LLM(path, batch_by_layer=by_layer, **kw)
     routed: dict[tuple[int, int], set] = {}
     ubatch_no = {"n": -1}
 
@@ -69,10 +74,15 @@ def test_cpu_moe_uploads_each_routed_expert_once_per_ubatch(checkpoint):
         routed.setdefault((ubatch_no["n"], layer), set()).update(ids_.flatten().tolist())
 
     llm.engine.observe(RouteCallback(on_route))
-    llm.logits(ids)
+    out = llm.logits(ids)
     expected = sum(len(s) for s in routed.values())
-    assert ubatch_no["n"] == 2                       # 30 tokens in ubatches of 10
+    assert ubatch_no["n"] == (1 if by_layer else 2)  # what the providers see: 2 batches, or 3 ubatches
     assert llm.stats()["uploaded_experts"] == expected
+    other = LLM(path, batch_by_layer=not by_layer, **kw)
+    assert torch.equal(other.logits(ids), out)
+    theirs = other.stats()["uploaded_experts"]
+    per_batch, per_ubatch = (expected, theirs) if by_layer else (theirs, expected)
+    assert per_batch < per_ubatch, family    # (ubatches of these prompts share some experts in every family)
 
 
 def test_batched_decode_of_several_sequences_matches_one_at_a_time(checkpoint):

@@ -44,21 +44,28 @@ class ExpertWeights:
         return ExpertWeights(*layout.views(rows), slots)
 
     def run(self, kernel, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """kernel(x, slots, w13, w2) -> (T, k, H). Quantized rows: the slots read are dequantized into a scratch
-        stack, in slot order, and the kernel reads it by compact index; each expert's rows meet the same values in
-        the same order as from float weights, so its result does not depend on its slot. The slots read come from
-        `used` where the provider knew them (the same index as torch.unique's, without its wait for the device:
-        the host queues the layer's kernels while its uploads cross the link)."""
+        """kernel(x, slots, w13, w2) -> (T, k, H), over the weights `dense` gives for `slots` (default: self's)."""
+        d = self.dense(x.dtype, slots)
+        return kernel(x, d.slots, d.w13, d.w2)
+
+    def dense(self, dtype: torch.dtype, slots: torch.Tensor | None = None) -> "ExpertWeights":
+        """The float weights a kernel reads for `slots` (default: self's), and each choice's index into them: self
+        for float rows. Quantized rows: the slots read are dequantized into a scratch stack, in slot order, and
+        each choice indexes it compactly; each expert's rows meet the same values in the same order as from float
+        weights, so its result does not depend on its slot. The slots read come from `used` where the provider
+        knew them (the same index as torch.unique's, without its wait for the device: the host queues the layer's
+        kernels while its uploads cross the link)."""
+        slots = self.slots if slots is None else slots
         if self.layout is None:
-            return kernel(x, self.slots if slots is None else slots, self.w13, self.w2)
+            return ExpertWeights(self.w13, self.w2, slots)
         from ..kernels.dequant import dequantize_rows     # Triton on CUDA, plain torch elsewhere: the same values
-        if slots is None and self.used is not None:
-            used = host_to_device(self.used, self.slots.device)
-            compact = torch.searchsorted(used, self.slots)
+        if slots is self.slots and self.used is not None:
+            used = host_to_device(self.used, slots.device)
+            compact = torch.searchsorted(used, slots)
         else:
-            used, compact = torch.unique(self.slots if slots is None else slots, sorted=True, return_inverse=True)
-        w13, w2 = dequantize_rows(self.rows, used, self.layout, x.dtype)
-        return kernel(x, compact, w13, w2)
+            used, compact = torch.unique(slots, sorted=True, return_inverse=True)
+        w13, w2 = dequantize_rows(self.rows, used, self.layout, dtype)
+        return ExpertWeights(w13, w2, compact)
 
 
 class ExpertProvider:

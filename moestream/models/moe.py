@@ -32,54 +32,80 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (y * weights.unsqueeze(-1)).sum(dim=1)
 
 
-def moe_route(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, observer=None,
+def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, provider, observer=None,
               next_routers: tuple = (), routed=None):
-    """The router half of the MoE block: (T, k) weights and ids, and the lookahead guesses (or None).
+    """The router half of the MoE block over the parts of a forward (models/transformer.py: one ubatch, or
+    consecutive ubatches of a prompt's batch run layer by layer): (T, k) weights of each part, the (T, k) ids of
+    all parts one after the other, and the lookahead guesses (or None).
 
+    Each part is routed on its own: the router's GEMM has the shape of a forward of that part alone, so it gives
+    the same bits. The provider and `observer` see the parts as one ubatch of all their tokens.
     `observer` (a RouteObserver, experts/routing.py), if given, sees each ubatch's routing (for traces and stats),
     and the next layer's guess too if it has `wants_guess`.
-    `routed`: the (T, k) weights and ids where the step computed them already (a fused decode step: kernels.fused's
-    norm_route, the norm, router, softmax, top-k and renormalisation in one launch).
+    `routed`: the (T, k) weights and ids where the step computed them already (a fused decode step, one part:
+    kernels.fused's norm_route, the norm, router, softmax, top-k and renormalisation in one launch).
     Lookahead: `next_routers` are the routers of the MoE layers after this one. Where the provider asks
     (`lookahead_layers`: how many layers ahead), each applied to this layer's input guesses that layer's experts,
     so their copies start before its own routing is known. The guesses: a tuple of (T, k) ids, nearest layer first.
     """
     if routed is not None:
-        weights, ids = routed
+        weights, ids = [routed[0]], routed[1]
     else:
-        weights, ids = route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob)
-    ahead = min(provider.lookahead_layers(layer, x.shape[0]), len(next_routers)) if next_routers else 0
+        pairs = [route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob) for x in xs]
+        weights, ids = [w for w, _ in pairs], _cat([i for _, i in pairs])
+    n = sum(x.shape[0] for x in xs)
+    ahead = min(provider.lookahead_layers(layer, n), len(next_routers)) if next_routers else 0
     traced = bool(next_routers) and observer is not None and observer.wants_guess
-    guesses = tuple(torch.topk(F.linear(x, r), cfg.n_experts_used, dim=-1).indices
+    guesses = tuple(_cat([torch.topk(F.linear(x, r), cfg.n_experts_used, dim=-1).indices for x in xs])
                     for r in next_routers[:max(ahead, int(traced))])
     report_route(observer, layer, ids, guesses[0] if guesses else None)
     return weights, ids, guesses[:ahead] or None       # a guess made only for the trace is not the provider's
 
 
-def moe_experts(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,
-                guess=None, by_address=None, fused=None, addrs=None) -> torch.Tensor:
-    """The expert half: the routed experts' weights from the provider, the kernel, the combine, the shared expert.
-    `by_address` (a zero-copy decode step): that kernel reads each expert where the provider says it lies (addrs
-    (T, k), where the router's launch looked them up already). `fused` (kernels.fused, decode steps on CUDA): the
-    shared expert in two launches, on every path alike."""
+def moe_experts(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,
+                guess=None, by_address=None, fused=None, addrs=None) -> list[torch.Tensor]:
+    """The expert half over the parts of a forward (moe_route's): the routed experts' weights from the provider,
+    once for all parts, then each part's kernel, combine and shared expert as in a forward of that part alone.
+    `by_address` (a zero-copy decode step, one part): that kernel reads each expert where the provider says it
+    lies (addrs (T, k), where the router's launch looked them up already). `fused` (kernels.fused, decode steps
+    on CUDA): the shared expert in two launches, on every path alike."""
     if by_address is not None:
+        x, = xs
         land = provider.landing(layer, ids)
         if addrs is None:
             addrs = provider.addresses(layer, ids)
-        out = by_address(x, addrs, weights, provider.layout(layer), land)
-        return _shared(x, lw, cfg, out, fused)
+        out = by_address(x, addrs, weights[0], provider.layout(layer), land)
+        return [_shared(x, lw, cfg, out, fused)]
     w = provider.fetch(layer, ids, guess)
+    rows = _bounds(xs)
     if isinstance(w, ExpertWeights):
-        y = w.run(kernel, x)                                             # (T, k, H)
+        d = w.dense(xs[0].dtype)                   # quantized rows dequantized once for every part
+        ys = [kernel(x, d.slots[a:b], d.w13, d.w2) for x, (a, b) in zip(xs, rows)]       # (T, k, H) each
     else:
-        # Waves (a pool smaller than this ubatch's routed set): each wave computes its experts' rows, in the
+        # Waves (a pool smaller than the routed set): each wave computes its experts' rows of each part, in the
         # same token order as one launch would, so every expert's result is the same.
-        y = torch.zeros(*ids.shape, x.shape[1], dtype=x.dtype, device=x.device)
+        ys = [torch.zeros(b - a, ids.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+              for x, (a, b) in zip(xs, rows)]
         for wave, member in w:
-            tok, j = member.nonzero(as_tuple=True)
-            y[tok, j] = wave.run(kernel, x[tok], wave.slots[tok, j].unsqueeze(1))[:, 0]
+            for x, y, (a, b) in zip(xs, ys, rows):
+                tok, j = member[a:b].nonzero(as_tuple=True)
+                if len(tok):
+                    y[tok, j] = wave.run(kernel, x[tok], wave.slots[a:b][tok, j].unsqueeze(1))[:, 0]
     provider.experts_launched(layer)               # the cache copies the next layer's experts ahead from here
-    return _shared(x, lw, cfg, combine(y, weights), fused)
+    return [_shared(x, lw, cfg, combine(y, wt), fused) for x, y, wt in zip(xs, ys, weights)]
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def _bounds(xs: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each part's rows [a, b) among all parts' rows."""
+    out, a = [], 0
+    for x in xs:
+        out.append((a, a + x.shape[0]))
+        a += x.shape[0]
+    return out
 
 
 def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor, fused=None) -> torch.Tensor:
@@ -96,5 +122,5 @@ def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor, fuse
 def moe_block(x: torch.Tensor, lw: dict, layer: int, cfg: ModelConfig, provider, kernel,
               observer=None, next_routers: tuple = ()) -> torch.Tensor:
     """x (T, H) -> (T, H): router, then experts."""
-    weights, ids, guess = moe_route(x, lw, layer, cfg, provider, observer, next_routers)
-    return moe_experts(x, lw, layer, cfg, provider, kernel, weights, ids, guess)
+    weights, ids, guess = moe_route([x], lw, layer, cfg, provider, observer, next_routers)
+    return moe_experts([x], lw, layer, cfg, provider, kernel, weights, ids, guess)[0]

@@ -45,13 +45,15 @@ class Batch:
 
     @staticmethod
     def make(segments: list[Segment], tokens: list[int], device, all_logits: bool = False,
-             kv_len: int | None = None, by_address=None, fused=None, observer=None) -> "Batch":
+             kv_len: int | None = None, by_address=None, fused=None, observer=None, logits: bool = True) -> "Batch":
+        """all_logits: every token's logits, else each segment's last token's; logits=False: none (a part of a
+        prompt's batch before its last, models/transformer.py's forward_parts)."""
         seq_ids, pos, last = [], [], []
         for s in segments:
             seq_ids += [s.seq] * s.n
             pos += range(s.start, s.start + s.n)
             last.append(len(pos) - 1)
-        rows = list(range(len(pos))) if all_logits else last
+        rows = (list(range(len(pos))) if all_logits else last) if logits else []
         host = torch.tensor(tokens + seq_ids + pos + rows, dtype=torch.int64)
         if torch.device(device).type == "cuda":   # pinned, so the copy does not wait for the stream to drain
             host = host.pin_memory()
@@ -94,36 +96,54 @@ class MoETransformer:
         """(R, V) float32 logits of batch.out_rows. The batch says how its experts are read (fetched through
         `experts` and run by `kernel`, or, a zero-copy decode step, `batch.by_address`), whether the fused decode
         ops run (`batch.fused`) and who sees the routing (`batch.observer`)."""
+        return self.forward_parts([batch], kv, experts, kernel)
+
+    def forward_parts(self, parts: list[Batch], kv, experts, kernel) -> torch.Tensor:
+        """forward() of consecutive ubatches of one prompt, layer by layer: each layer runs over every part before
+        the next layer does, so a host layer's experts are fetched once for all the parts (moe.py), not once a
+        part. Each part's ops are those of a forward of its own, with the same shapes: the same bits as forwards
+        one part after the other (a part's attention reads the keys its predecessors wrote in the layer, and a
+        DeltaNet layer's state continues from theirs, before it runs). The logits of each part's out_rows, in
+        order. A decode step is one part; the first part's by_address, fused and observer serve all."""
         cfg = self.cfg
-        by_address, fused = batch.by_address, batch.fused
-        h = self.w["token_embd.weight"][batch.tokens]                        # (T, H)
-        cos = self.cos[batch.positions].to(h.dtype)                          # (T, hd)
-        sin = self.sin[batch.positions].to(h.dtype)
-        mask = None
-        if batch.is_decode and not self._fuses_attention(fused):    # the keys each token attends, for every layer
-            n = batch.kv_len or kv.ctx
-            mask = torch.arange(n, device=h.device)[None, :] <= batch.positions[:, None]      # (B, n)
-        delta = None                    # the last block's output, not yet added to the residual stream h
+        by_address, fused, observer = parts[0].by_address, parts[0].fused, parts[0].observer
+        hs = [self.w["token_embd.weight"][p.tokens] for p in parts]          # (T, H) each
+        rope = [(self.cos[p.positions].to(h.dtype), self.sin[p.positions].to(h.dtype)) for p, h in zip(parts, hs)]
+        masks = [None] * len(parts)
+        for j, p in enumerate(parts):
+            if p.is_decode and not self._fuses_attention(fused):   # the keys each token attends, for every layer
+                n = p.kv_len or kv.ctx
+                masks[j] = torch.arange(n, device=hs[j].device)[None, :] <= p.positions[:, None]     # (B, n)
+        deltas = [None] * len(parts)    # each part's last block output, not yet added to its residual stream
         for i, lw in enumerate(self.layers):
-            h, a, proj = self._norm_project(h, delta, lw, i, fused)
-            delta = self.mix(a, lw, i, batch, kv, cos, sin, mask, fused, proj)
+            for j, p in enumerate(parts):
+                hs[j], a, proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
+                deltas[j] = self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj)
             if i in cfg.dense_layers:
-                h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
-                delta = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
+                for j in range(len(parts)):
+                    hs[j], m = self._add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
+                    deltas[j] = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
                 continue
             routed = addrs = None
-            if fused is not None:       # a decode step: the add, norm, router, top-k and addresses in one launch
-                table = experts.address_table(i) if by_address is not None else None
-                h, m, *routed, addrs = fused.norm_route(h, delta, lw["ffn_norm.weight"], cfg.rms_norm_eps,
-                                                        lw["ffn_gate_inp.weight"], cfg.n_experts_used,
-                                                        cfg.norm_topk_prob, h.dtype, table)
-            else:
-                h, m = self._add_norm(h, delta, lw["ffn_norm.weight"], fused)
-            weights, ids, guess = moe_route(m, lw, i, cfg, experts, batch.observer, self.next_routers[i], routed)
-            delta = moe_experts(m, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs)
-        h = h + delta
-        h = rms_norm(h[batch.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()                             # (R, V)
+            ms = []
+            for j in range(len(parts)):
+                if fused is not None:   # a decode step: the add, norm, router, top-k and addresses in one launch
+                    table = experts.address_table(i) if by_address is not None else None
+                    hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
+                                                                cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
+                                                                cfg.n_experts_used, cfg.norm_topk_prob, hs[j].dtype,
+                                                                table)
+                else:
+                    hs[j], m = self._add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
+                ms.append(m)
+            weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed)
+            deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs)
+        outs = []
+        for p, h, delta in zip(parts, hs, deltas):
+            if len(p.out_rows):         # (a shape, known on the host)
+                h = rms_norm((h + delta)[p.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
+                outs.append(F.linear(h, self.lm_head).float())               # (R, V)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _add_norm(self, h, delta, w, fused):
         """h + delta (the residual stream) and its RMSNorm: one kernel in a fused decode step."""

@@ -175,18 +175,46 @@ class Engine:
                             f"{self.kv.ctx}; raise -c/--ctx-size or shorten the prompt")
 
     def prefill(self, seq: int, tokens: list[int], start: int = 0, all_logits: bool = False) -> torch.Tensor:
-        """Run `tokens` of sequence `seq` from position `start`, in ubatches; logits of the last (or every) token."""
+        """Run `tokens` of sequence `seq` from position `start`, in batches of -b tokens cut into ubatches of -ub;
+        logits of the last (or every) token. With host experts a batch runs layer by layer (forward_parts: each
+        host layer's experts cross the link once a batch, not once a ubatch; the same bits), unless
+        --no-batch-by-layer."""
         self.check_context(start + len(tokens))
         if not tokens:
             raise UserError("empty prompt: give at least one token")
-        ub = self.ecfg.batching.ubatch
+        b, ub = self.ecfg.batching.batch_size, self.ecfg.batching.ubatch
+        if self.host is None or not self.ecfg.batching.by_layer:
+            b = ub                                  # (all on the device: nothing crosses the link, no gain)
         outs = []
-        for i in range(0, len(tokens), ub):
-            chunk = tokens[i:i + ub]
-            out = self.forward([Segment(seq, start + i, len(chunk))], chunk, all_logits, is_prompt=True)
-            if all_logits or i + ub >= len(tokens):
+        for i in range(0, len(tokens), b):
+            last = i + b >= len(tokens)
+            parts = [(start + i + j, tokens[i + j:i + j + ub]) for j in range(0, min(b, len(tokens) - i), ub)]
+            if len(parts) == 1:
+                out = self.forward([Segment(seq, parts[0][0], len(parts[0][1]))], parts[0][1], all_logits,
+                                   is_prompt=True)
+            else:
+                out = self.forward_parts(seq, parts, all_logits)
+            if all_logits or last:
                 outs.append(out)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    @torch.inference_mode()
+    def forward_parts(self, seq: int, parts: list[tuple[int, list[int]]], all_logits: bool = False) -> torch.Tensor:
+        """Consecutive ubatches (start, tokens) of one sequence's prompt as one forward, layer by layer
+        (models/transformer.py's forward_parts): the providers and observers see one ubatch of all their tokens.
+        The logits of every token (all_logits) or of the last."""
+        n = sum(len(t) for _, t in parts)
+        whole = [Segment(seq, parts[0][0], n)]
+        self.kv.begin(whole)
+        if self.host is not None:
+            self.host.begin_ubatch(seq, n, True)
+        self.observers.begin_ubatch(seq, n, True)
+        batches = [Batch.make([Segment(seq, s, len(t))], t, self.device.torch, all_logits,
+                              observer=self.observers, logits=all_logits or k == len(parts) - 1)
+                   for k, (s, t) in enumerate(parts)]
+        logits = self.model.forward_parts(batches, self.kv, self.experts, self.kernel)
+        self.kv.end(whole)
+        return logits
 
     def decode(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
