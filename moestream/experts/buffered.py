@@ -37,7 +37,8 @@ import torch
 from .cache import ExpertCache
 from .upload import UploadPerUbatch
 
-POOL_PROMPT_TOKENS = 2048      # prompt ubatches above this take the cache's prompt path, unless the rows copy ahead
+POOL_PROMPT_TOKENS = 2048      # prompt forwards (a ubatch, or a batch read layer by layer) above this take the
+                               # cache's prompt path, unless the rows copy ahead
 
 
 def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int, lands: bool) -> bool:
