@@ -85,6 +85,19 @@ def test_cpu_moe_uploads_each_routed_expert_once_per_batch_or_per_ubatch(checkpo
     assert per_batch < per_ubatch, family    # (ubatches of these prompts share some experts in every family)
 
 
+def test_a_batch_that_is_not_whole_ubatches_runs_each_token_once(checkpoint):
+    """-b 10 -ub 4 over 23 tokens: batches of 10, 10 and 3, cut into ubatches of 4, 4 and 2 (then 3); layer by layer
+    each token runs once, at its position: the logits of every token equal ubatch by ubatch, and of all on the
+    device with -b 10 -ub 4."""
+    family, path, _ = checkpoint
+    ids = prompt(23, seed=6)
+    kw = dict(batch_size=10, ubatch_size=4, ctx_size=64, device="cpu")
+    base = LLM(path, **kw).logits(ids)
+    assert base.shape[0] == 23
+    for by_layer in (True, False):
+        assert torch.equal(LLM(path, cpu_moe=True, batch_by_layer=by_layer, **kw).logits(ids), base), (family, by_layer)
+
+
 def test_batched_decode_of_several_sequences_matches_one_at_a_time(checkpoint):
     """A forward over several sequences at their own positions gives each one's logits as if run alone."""
     family, path, _ = checkpoint

@@ -183,17 +183,18 @@ class Engine:
         if not tokens:
             raise UserError("empty prompt: give at least one token")
         b, ub = self.ecfg.batching.batch_size, self.ecfg.batching.ubatch
-        if self.host is None or not self.ecfg.batching.by_layer:
-            b = ub                                  # (all on the device: nothing crosses the link, no gain)
+        # All on the device nothing crosses the link: a batch's ubatches run one after the other there.
+        by_layer = self.host is not None and self.ecfg.batching.by_layer
         outs = []
         for i in range(0, len(tokens), b):
             last = i + b >= len(tokens)
-            parts = [(start + i + j, tokens[i + j:i + j + ub]) for j in range(0, min(b, len(tokens) - i), ub)]
-            if len(parts) == 1:
-                out = self.forward([Segment(seq, parts[0][0], len(parts[0][1]))], parts[0][1], all_logits,
-                                   is_prompt=True)
-            else:
+            batch = tokens[i:i + b]         # ubatches cut within the batch, as llama.cpp's (the last may be short)
+            parts = [(start + i + j, batch[j:j + ub]) for j in range(0, len(batch), ub)]
+            if by_layer and len(parts) > 1:
                 out = self.forward_parts(seq, parts, all_logits)
+            else:
+                each = [self.forward([Segment(seq, s, len(t))], t, all_logits, is_prompt=True) for s, t in parts]
+                out = torch.cat(each) if all_logits and len(each) > 1 else each[-1]
             if all_logits or last:
                 outs.append(out)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
