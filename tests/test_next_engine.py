@@ -164,14 +164,14 @@ def test_a_failed_forward_leaves_the_state_to_start_again(hybrid_checkpoint, mon
     eng = LLM(path, **KW).engine
     a = ids(10, seed=9)
     want = eng.prefill(0, a)
-    real = eng.model.forward
+    real = eng.model.forward_parts              # (what the engine's every forward calls)
 
     def boom(*args):
         raise RuntimeError("boom")
-    monkeypatch.setattr(eng.model, "forward", boom)
+    monkeypatch.setattr(eng.model, "forward_parts", boom)
     with pytest.raises(RuntimeError):
         eng.prefill(0, [1, 2], start=10)
-    monkeypatch.setattr(eng.model, "forward", real)
+    monkeypatch.setattr(eng.model, "forward_parts", real)
     with pytest.raises(UserError, match="unknown"):
         eng.prefill(0, [1, 2], start=10)
     assert torch.equal(eng.prefill(0, a), want)

@@ -74,8 +74,9 @@ class ExpertProvider:
 
     The engine calls begin_prompt / begin_ubatch around forwards and begin_decode_step / end_decode_step around a
     zero-copy decode step; a "ubatch" here is one forward's tokens: a ubatch, or a prompt's batch of several run
-    layer by layer (Engine.forward_parts), whose routing `fetch` gets as one (T, k); the MoE block calls lookahead_layers, fetch (or addresses and landing in a zero-copy
-    step) and experts_launched for each of the provider's layers."""
+    layer by layer (Engine.forward_parts), whose routing `fetch` gets as one (T, k). The MoE block calls
+    lookahead_layers, fetch (or addresses and landing in a zero-copy step) and experts_launched for each of the
+    provider's layers."""
 
     def __init__(self):
         self.stats = CacheStats()

@@ -155,17 +155,22 @@ class Engine:
                 observed: bool = True) -> torch.Tensor:
         """One eager forward. by_address, fused: a decode step's kernels (runtime/decode.py). observed: the route
         observers see its routing (in a zero-copy step with host experts the provider reports it instead)."""
-        seq, n = segments[0].seq, len(tokens)
+        observer = self.observers if observed else None
+        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer)
+        return self._run(segments, [batch], is_prompt, observer)
+
+    def _run(self, segments: list[Segment], batches: list[Batch], is_prompt: bool, observer) -> torch.Tensor:
+        """The model's forward of `batches` (their segments: `segments`), with the cache and the providers and
+        observers told around it, each of them once for all the batches' tokens."""
+        seq, n = segments[0].seq, sum(s.n for s in segments)
         # A recurrent state: each segment continues its sequence, or starts it again at 0 (checked before any
         # provider or observer starts a ubatch; a failed check changes nothing).
         self.kv.begin(segments)
         if self.host is not None:
             self.host.begin_ubatch(seq, n, is_prompt)
-        observer = self.observers if observed else None
         if observer is not None:
             observer.begin_ubatch(seq, n, is_prompt)
-        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer)
-        logits = self.model.forward(batch, self.kv, self.experts, self.kernel)
+        logits = self.model.forward_parts(batches, self.kv, self.experts, self.kernel)
         self.kv.end(segments)
         return logits
 
@@ -204,18 +209,11 @@ class Engine:
         """Consecutive ubatches (start, tokens) of one sequence's prompt as one forward, layer by layer
         (models/transformer.py's forward_parts): the providers and observers see one ubatch of all their tokens.
         The logits of every token (all_logits) or of the last."""
-        n = sum(len(t) for _, t in parts)
-        whole = [Segment(seq, parts[0][0], n)]
-        self.kv.begin(whole)
-        if self.host is not None:
-            self.host.begin_ubatch(seq, n, True)
-        self.observers.begin_ubatch(seq, n, True)
         batches = [Batch.make([Segment(seq, s, len(t))], t, self.device.torch, all_logits,
                               observer=self.observers, logits=all_logits or k == len(parts) - 1)
                    for k, (s, t) in enumerate(parts)]
-        logits = self.model.forward_parts(batches, self.kv, self.experts, self.kernel)
-        self.kv.end(whole)
-        return logits
+        whole = [Segment(seq, parts[0][0], sum(len(t) for _, t in parts))]
+        return self._run(whole, batches, True, self.observers)
 
     def decode(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
