@@ -116,6 +116,23 @@ def test_numerics_contract_per_quantized_file(files, name):
         assert llm.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256 == greedy, kw
 
 
+def test_a_pool_of_quantized_experts_is_one_region(files, monkeypatch):
+    """Quantized rows reach the kernel as a compact dequantized stack, so the grouped kernel's cap on groups does
+    not split their pool (here a cap of 4 slots): every layer may take any slot, a prompt that routes more experts
+    than a float region would hold runs in one go, and the logits are those of the float weights' split pool."""
+    import moestream.experts.planner as planner_mod
+    monkeypatch.setattr(planner_mod, "REGION_SLOTS", 4)
+    qpath, fpath = files["mixed"]
+    kw = dict(ubatch_size=32, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=3)
+    q, f = LLM(qpath, **kw), LLM(fpath, **kw)
+    assert {tuple(b) for b in q.engine.host.residency.bounds} == {(0, q.engine.host.n_slots)}
+    assert len({tuple(b) for b in f.engine.host.residency.bounds}) > 1
+    ids = _prompt(64, 5)
+    assert torch.equal(q.logits(ids), f.logits(ids))
+    q.engine.host.residency.check()
+    assert q.stats()["total"]["hits"] + q.stats()["total"]["misses"] > q.engine.host.n_slots // 2
+
+
 def test_a_quantized_file_runs_float32_on_the_cpu(files):
     """dtype auto: a quantized checkpoint has no float dtype of its own; the CPU runs it in float32."""
     llm = LLM(files["q8_0"][0], ctx_size=64, device="cpu")

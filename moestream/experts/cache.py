@@ -36,7 +36,8 @@ class ExpertCache(ExpertProvider):
         self.layers = sorted(host_layers if host_layers is not None else store.rows)
         self.moe_layers = list(moe_layers) if moe_layers is not None else self.layers    # lookahead guesses' order
         self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes, self.layers,
-                                    {l: store.layer_bytes(l) for l in store.rows})
+                                    {l: store.layer_bytes(l) for l in store.rows},
+                                    one_region=all(store.layouts[l].quantized for l in self.layers))
         self.residency, self.stats, self.policy_name = self.planner.residency, self.planner.stats, policy
         self.slots = SlotPool(store, self.residency, device)
         # Per context, the prompts' routing that seeds prefetch (routing.prompts[seq]): the engine's store, or its own.

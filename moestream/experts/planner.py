@@ -15,15 +15,21 @@ from .policy import make_policy
 from .residency import Residency, split_regions
 from .stats import CacheStats
 
-REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a layer's region is one launch
+REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a float layer's region is one
+                                          # launch (quantized rows are dequantized into a compact stack first, so
+                                          # a pool of them is one region of any size)
 
 
 class CachePlanner:
     """Residency under one policy, with its counters; `groups` splits a layer into waves where it must."""
 
     def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy: str, expert_bytes: int,
-                 layers: list[int] | None = None, layer_bytes: dict[int, int] | None = None):
-        regions = split_regions(n_slots, layers if layers is not None else list(range(n_layers)), REGION_SLOTS)
+                 layers: list[int] | None = None, layer_bytes: dict[int, int] | None = None,
+                 one_region: bool = False):
+        """one_region: the kernels index a compact stack, not the pool (every host layer quantized), so the pool is
+        one region whatever its size: a layer's experts may take any slot."""
+        max_region = max(1, n_slots) if one_region else REGION_SLOTS
+        regions = split_regions(n_slots, layers if layers is not None else list(range(n_layers)), max_region)
         self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots), regions)
         self.stats = CacheStats()
         self.policy_name, self.expert_bytes = policy, expert_bytes

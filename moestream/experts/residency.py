@@ -37,9 +37,10 @@ class Plan:
 def split_regions(n_slots: int, layers: list[int], max_slots: int) -> tuple[list[tuple[int, int]], dict[int, int]]:
     """Regions of at most `max_slots` slots, [start, end) each, and the region of each layer: the fewest equal
     regions, taken by the layers in turn, so that consecutive layers sit in different regions. A layer's copy-ahead
-    then fills a region that the compute of the layer before it does not pin: on Qwen3-Next's Q4_K_M at 4000 MiB,
-    three regions of 735 slots, four layers each, and a prompt routing all 512 experts of every layer, the next
-    layer's copies found 223 unpinned slots where its own layers had shared a region, 735 now."""
+    then fills a region that the compute of the layer before it does not pin: with three regions of 735 slots, four
+    layers each, and a prompt routing all 512 experts of every layer (Qwen3-Next's Q4_K_M at 4000 MiB, before its
+    quantized pool became one region), the next layer's copies found 223 unpinned slots where its own layers had
+    shared a region, 735 now."""
     n = max(1, min(-(-n_slots // max_slots), len(layers)))
     size = -(-n_slots // n)
     bounds = [(r * size, min((r + 1) * size, n_slots)) for r in range(n)]
