@@ -39,17 +39,35 @@ def test_the_next_layer_s_guess_goes_at_once_and_the_one_after_it_waits_for_the_
     c = _cache()
     c.prepare(0, _counts(e0=5, e1=3), [_counts(e2=1, e3=4), _counts(e4=2, e5=6, e6=1)])
     assert c.prompt.pending[0] == 1 and list(c.prompt.pending[1]) == [3, 2]  # most-routed first
-    assert [(l, list(e)) for l, e in c.prompt.fill] == [(2, [5, 4, 6])]
+    assert [(l, list(e)) for l, e in c.prompt.fill] == [(1, [3, 2]), (2, [5, 4, 6])]
     assert (c.residency.slot_of[2] < 0).all()                           # nothing of layer 2 copied yet
-    assert c.prompt._fill()
+    c.prompt._copy_pending()                                            # (experts_launched)
+    assert c.prompt._fill()                                             # layer 1 is resident: on to layer 2
     assert (c.residency.slot_of[2, [4, 5, 6]] >= 0).all()
     assert c.stats.prompt[2].filled == 3 and c.stats.prompt[2].prefetched == 3
     assert not c.prompt._fill()                                         # spent
 
 
+def test_what_the_in_flight_bound_leaves_of_the_next_layer_is_filled_before_the_layers_after_it():
+    """The next layer's copy-ahead stops at the bound on speculative bytes in flight; the rest of its guess is the
+    fill's first work (a prompt layer of Qwen3-Next misses more than the bound), then the layers after it."""
+    c = _cache()
+    c.prepare(0, _counts(e0=5), [_counts(e2=1, e3=4), _counts(e4=2)])
+    queue = c.slots.queue
+    full = PrefetchConfig().max_inflight_mib << 20
+    queue.speculative_inflight = lambda: full - c.store.expert_bytes      # room for one copy
+    c.prompt._copy_pending()
+    assert c.residency.slot_of[1, 3] >= 0 and c.residency.slot_of[1, 2] < 0      # the most routed went
+    del queue.speculative_inflight
+    assert c.prompt._fill() and c.residency.slot_of[1, 2] >= 0 and (c.residency.slot_of[2] < 0).all()
+    assert c.prompt._fill() and c.residency.slot_of[2, 4] >= 0
+    assert c.stats.prompt[1].filled == 1 and c.stats.prompt[1].prefetched == 2
+
+
 def test_the_fill_waits_while_the_copy_stream_still_has_work():
     c = _cache()
     c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e4=2)])
+    c.prompt._copy_pending()
 
     class Busy:
         def pending_bytes(self):
@@ -79,6 +97,7 @@ def test_the_fill_copies_a_few_at_a_time_and_skips_what_is_resident(monkeypatch)
     c = _cache()
     monkeypatch.setattr(prompt_mod, "FILL_LOW_BYTES", 2 * c.store.expert_bytes)  # two copies per call
     c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e1=9, e4=8, e5=7, e6=6)])
+    c.prompt._copy_pending()
     c.prompt._prefetch(2, np.array([4]))                                # already there: not copied again
     assert c.prompt._fill() and (c.residency.slot_of[2, [1, 5]] >= 0).all() and c.residency.slot_of[2, 6] < 0
     assert c.prompt._fill() and c.residency.slot_of[2, 6] >= 0
@@ -95,14 +114,16 @@ def test_guesses_for_a_layer_on_the_gpu_are_skipped():
     c = _cache(layers=(0, 2, 3), moe_layers=[0, 1, 2, 3])                # layer 1's experts are not the cache's
     c.prepare(0, _counts(e0=5), [_counts(e1=1), _counts(e4=2), _counts(e6=3)])
     assert c.prompt.pending[0] == 2 and list(c.prompt.pending[1]) == [4]
-    assert [(l, list(e)) for l, e in c.prompt.fill] == [(3, [6])]
+    assert [(l, list(e)) for l, e in c.prompt.fill] == [(2, [4]), (3, [6])]
 
 
-def test_one_layer_ahead_has_no_fill():
+def test_one_layer_ahead_fills_only_what_its_copy_ahead_left():
     c = _cache(lookahead_layers=1)
     assert c.lookahead_layers(0, 64) == 1 and c.lookahead_layers(3, 64) == 0
     c.prepare(0, _counts(e0=5), [_counts(e2=1)])
-    assert c.prompt.fill == [] and not c.prompt._fill()
+    assert [(l, list(e)) for l, e in c.prompt.fill] == [(1, [2])]
+    c.prompt._copy_pending()
+    assert not c.prompt._fill() and c.prompt.fill == []
 
 
 def test_moe_route_guesses_as_many_layers_ahead_as_the_provider_asks():

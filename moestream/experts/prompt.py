@@ -127,8 +127,8 @@ class PromptPath:
             i = self.moe_layers.index(layer)
             ahead = [(l, predicted(g, self.n_experts)) for l, g in zip(self.moe_layers[i + 1:], guesses)
                      if l in self.host_set]
-            self.fill = ahead[1:]
-            if ahead:
+            self.fill = ahead           # the next layer's guess first: what its copy-ahead leaves (the in-flight
+            if ahead:                   # bound) follows as the copy stream drains, then the later layers'
                 self.predicted[ahead[0][0]] = ahead[0][1]       # scored when that layer routes
                 self.pending = ahead[0]
         elif self.seed is not None and (nxt := self._next_layer(layer)) is not None:
