@@ -26,24 +26,24 @@ class CopyQueue:
         self.spec = deque()                                              # (seq, nbytes) speculative in flight
         self.marks = deque()                                 # (seq, event after each copy, its bytes) not done
 
-    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, speculative: bool,
-               after=None) -> int:
-        """Queue the copies (dst, src); `after`: a compute-stream event they must wait for (their slots' last
-        readers). Returns the batch's sequence number."""
+    def submit(self, pieces: list, nbytes: int, speculative: bool, after=None) -> int:
+        """Queue the copies: each piece a (dst, src) pair of tensors, or a callable that launches copies on the
+        current stream (the copy stream) and returns their bytes (kernels/copy_rows.py). `after`: a compute-stream
+        event they must wait for (their slots' last readers). Returns the batch's sequence number."""
         self.seq += 1
         if self.stream is None:
-            for dst, src in pairs:
-                dst.copy_(src)
+            for piece in pieces:
+                _run(piece, non_blocking=False)
             self.done = self.seq
             return self.seq
         if after is not None:
             self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            for piece in pieces:
+                n = _run(piece, non_blocking=True)
                 mark = torch.cuda.Event()
                 mark.record(self.stream)
-                self.marks.append((self.seq, mark, dst.numel() * dst.element_size()))
+                self.marks.append((self.seq, mark, n))
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.events[self.seq] = ev
@@ -81,3 +81,12 @@ class CopyQueue:
             return False
         stream.wait_event(self.events[seq])
         return True
+
+
+def _run(piece, non_blocking: bool) -> int:
+    """Queue one piece (submit's): its bytes."""
+    if callable(piece):
+        return piece()
+    dst, src = piece
+    dst.copy_(src, non_blocking=non_blocking)
+    return dst.numel() * dst.element_size()

@@ -37,6 +37,8 @@ from .store import ExpertStore
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
 RUN_BYTES = 32 << 20                      # copy_experts: at most this much in one copy (the copy stream's
                                           # progress is seen a copy at a time)
+KERNEL_COPIES = True                      # copy_experts on CUDA: a launch of the row-copy kernel per RUN_BYTES,
+                                          # not a copy call per run of experts (kernels/copy_rows.py)
 
 
 class SlotPool:
@@ -48,6 +50,11 @@ class SlotPool:
         self.pool = torch.empty(n_slots, width, dtype=any_rows.dtype, device=device.torch)   # (S, row)
         self.layouts = store.layouts
         self.store_rows = store.rows
+        # Layers whose misses one kernel launch copies (kernels/copy_rows.py): pinned rows of whole 4-byte words.
+        from ..kernels.copy_rows import copy_rows_available
+        self.by_kernel = {l for l, r in store.rows.items() if copy_rows_available(self.pool.device) and
+                          r.is_pinned() and (r.shape[1] * r.element_size()) % 4 == 0} if KERNEL_COPIES else set()
+        self.aligned = store.aligned16(self.pool)
         # Each host layer's region of the pool, as its rows (quantized layouts read only their own row's bytes).
         self.regions = {l: (self.pool[a:b, :store.rows[l].shape[1]], a) for l, (a, b) in enumerate(residency.bounds)
                         if l in store.rows}
@@ -82,9 +89,32 @@ class SlotPool:
         pairs = np.asarray(misses, dtype=np.int64).reshape(-1, 2)
         pairs = pairs[np.argsort(pairs[:, 1], kind="stable")]               # by slot
         e, s = pairs[:, 0], pairs[:, 1]
-        copies = run_copies(self.pool, rows, e, s)
         row_bytes = rows.shape[1] * rows.element_size()
+        if layer in self.by_kernel:
+            copies = self._kernel_copies(rows, e, s, row_bytes)
+        else:
+            copies = run_copies(self.pool, rows, e, s)
         return self._queue(copies, s, len(s) * row_bytes, speculative)
+
+    def _kernel_copies(self, rows: torch.Tensor, experts: np.ndarray, slots: np.ndarray, row_bytes: int) -> list:
+        """copy_experts' pieces as launches of the row-copy kernel (kernels/copy_rows.py), RUN_BYTES each (the
+        queue marks its progress a piece at a time), after one upload of every pair's addresses."""
+        from ..kernels.copy_rows import copy_rows
+        pool_row = self.pool.stride(0) * self.pool.element_size()
+        addrs = np.stack([rows.data_ptr() + experts * (rows.stride(0) * rows.element_size()),
+                          self.pool.data_ptr() + slots * pool_row])                 # (2, n): from, to
+        dev = []
+
+        def upload() -> int:
+            dev.append(torch.from_numpy(addrs).pin_memory().to(self.device.torch, non_blocking=True))
+            return 0
+
+        def launch(a: int, b: int) -> int:
+            copy_rows(dev[0][0], dev[0][1], row_bytes, self.aligned, first=a, count=b - a)
+            return (b - a) * row_bytes
+
+        cap = max(1, RUN_BYTES // row_bytes)
+        return [upload] + [lambda a=a: launch(a, min(a + cap, len(slots))) for a in range(0, len(slots), cap)]
 
     def _queue(self, copies: list[tuple[torch.Tensor, torch.Tensor]], slots: np.ndarray, nbytes: int,
                speculative: bool, after=None) -> int:
