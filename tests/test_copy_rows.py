@@ -74,17 +74,16 @@ def test_a_cache_filled_by_the_kernel_computes_what_copy_calls_fill():
     ids = torch.randint(0, 1000, (96,), generator=torch.Generator().manual_seed(1)).tolist()
     kw = dict(ubatch_size=32, ctx_size=128, device="cuda")
     want = LLM("synth:tiny", **kw).logits(ids)
-    got = {}
-    for by_kernel in (True, False):
-        slots_mod.KERNEL_COPIES = by_kernel
+    for by_kernel, max_row in ((True, slots_mod.KERNEL_MAX_ROW), (False, slots_mod.KERNEL_MAX_ROW), (True, 0)):
+        slots_mod.KERNEL_COPIES, default = by_kernel, slots_mod.KERNEL_MAX_ROW
+        slots_mod.KERNEL_MAX_ROW = max_row                 # 0: rows too wide for the kernel keep copy calls
         try:
             llm = LLM("synth:tiny", **kw, cpu_moe=True, moe_cache_mib=20)
         finally:
-            slots_mod.KERNEL_COPIES = True
-        assert bool(llm.engine.host.slots.by_kernel) == by_kernel
-        got[by_kernel] = llm.logits(ids)
+            slots_mod.KERNEL_COPIES, slots_mod.KERNEL_MAX_ROW = True, default
+        assert bool(llm.engine.host.slots.by_kernel) == (by_kernel and max_row > 0)
+        assert torch.equal(llm.logits(ids), want), (by_kernel, max_row)
         assert llm.stats()["total"]["misses"] > 0
-    assert torch.equal(got[True], want) and torch.equal(got[False], want)
 
 
 if __name__ == "__main__":

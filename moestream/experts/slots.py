@@ -38,7 +38,10 @@ NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading comp
 RUN_BYTES = 32 << 20                      # copy_experts: at most this much in one copy (the copy stream's
                                           # progress is seen a copy at a time)
 KERNEL_COPIES = True                      # copy_experts on CUDA: a launch of the row-copy kernel per RUN_BYTES,
-                                          # not a copy call per run of experts (kernels/copy_rows.py)
+                                          # not a copy call per run of experts (kernels/copy_rows.py), for rows of
+KERNEL_MAX_ROW = 4 << 20                  # at most this: a copy call costs the host ~30 µs, what 1.6 MB take on
+                                          # the link, so the host fell behind on Q4_K_M rows (2-3 MB); bf16 rows
+                                          # (6-9 MB) keep the copy engine, whose copies take no SM from the GEMMs
 
 
 class SlotPool:
@@ -53,7 +56,8 @@ class SlotPool:
         # Layers whose misses one kernel launch copies (kernels/copy_rows.py): pinned rows of whole 4-byte words.
         from ..kernels.copy_rows import copy_rows_available
         self.by_kernel = {l for l, r in store.rows.items() if copy_rows_available(self.pool.device) and
-                          r.is_pinned() and (r.shape[1] * r.element_size()) % 4 == 0} if KERNEL_COPIES else set()
+                          r.is_pinned() and (row := r.shape[1] * r.element_size()) % 4 == 0 and
+                          row <= KERNEL_MAX_ROW} if KERNEL_COPIES else set()
         self.aligned = store.aligned16(self.pool)
         # Each host layer's region of the pool, as its rows (quantized layouts read only their own row's bytes).
         self.regions = {l: (self.pool[a:b, :store.rows[l].shape[1]], a) for l, (a, b) in enumerate(residency.bounds)
