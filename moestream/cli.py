@@ -113,7 +113,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.trace:
         from .experts.trace import TraceRecorder
         cfg = llm.model_config
-        recorder = TraceRecorder(cfg.n_layers, cfg.n_experts, cfg.expert_numel * llm.engine.dtype.itemsize)
+        store = getattr(llm.engine.host, "store", None)       # a slot's bytes where experts are on the host
+        recorder = TraceRecorder(cfg.n_layers, cfg.n_experts, store.expert_bytes if store is not None else
+                                 cfg.expert_numel * llm.engine.dtype.itemsize, llm.engine.quantized)
         llm.engine.observe(recorder)
     gen = llm.stream(ids, params)
     if not a.hash_only:

@@ -133,6 +133,30 @@ def test_a_pool_of_quantized_experts_is_one_region(files, monkeypatch):
     assert q.stats()["total"]["hits"] + q.stats()["total"]["misses"] > q.engine.host.n_slots // 2
 
 
+def test_a_trace_of_a_quantized_file_replays_its_one_region_pool(files, tmp_path, monkeypatch):
+    """A trace says its experts were quantized, and its replay runs their pool as one region, as the live cache
+    did: the same counts under a cap that would split a float pool (a trace of float experts keeps the regions)."""
+    import moestream.experts.planner as planner_mod
+    from moestream.experts.trace import TraceRecorder, load_trace, replay
+    monkeypatch.setattr(planner_mod, "REGION_SLOTS", 4)
+    llm = LLM(files["q4_0"][0], ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=3,
+              prefetch=False)           # (one type: a replay counts every upload at a slot's bytes)
+    cfg = llm.model_config
+    rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes, llm.engine.quantized)
+    llm.engine.observe(rec)
+    for s in range(2):
+        llm.generate(_prompt(40, s), max_tokens=6, ignore_eos=True)
+    rec.save(str(tmp_path / "q.npz"))
+    trace = load_trace(str(tmp_path / "q.npz"))
+    assert trace.quantized
+    slots = llm.stats()["cache"]["slots"]
+    timing = ("sync_s", "host_s", "wait_s")
+    live = {k: v for k, v in llm.stats()["total"].items() if k not in timing}
+    assert {k: v for k, v in replay(trace, slots, "lfru")["total"].items() if k not in timing} == live
+    trace.quantized = False
+    assert {k: v for k, v in replay(trace, slots, "lfru")["total"].items() if k not in timing} != live
+
+
 def test_a_quantized_file_runs_float32_on_the_cpu(files):
     """dtype auto: a quantized checkpoint has no float dtype of its own; the CPU runs it in float32."""
     llm = LLM(files["q8_0"][0], ctx_size=64, device="cpu")

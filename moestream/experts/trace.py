@@ -35,17 +35,20 @@ class Trace:
     ids: list[np.ndarray]       # R arrays (T, k) of expert ids
     n_layers: int
     n_experts: int
-    expert_bytes: int
+    expert_bytes: int           # a slot's bytes: a replay counts each upload at this (a file whose layers' types
+                                # differ moved less)
     ubatch_of: np.ndarray | None = None     # (R,) the ubatch of each record
     ubatches: np.ndarray | None = None      # (U, 4): sequence, tokens, is_prompt, begins a prompt
     guesses: list[np.ndarray | None] | None = None   # R lookahead guesses (T, k) of the next layer's experts
+    quantized: bool = False     # the experts were quantized rows: their pool is one region (planner.py)
 
 
 class TraceRecorder(RouteObserver):
     wants_guess = True                  # the forward computes the lookahead guess for the trace too
 
-    def __init__(self, n_layers: int, n_experts: int, expert_bytes: int):
+    def __init__(self, n_layers: int, n_experts: int, expert_bytes: int, quantized: bool = False):
         self.n_layers, self.n_experts, self.expert_bytes = n_layers, n_experts, expert_bytes
+        self.quantized = quantized
         self.layers: list[int] = []
         self.ids: list[np.ndarray] = []
         self.guesses: list[np.ndarray | None] = []
@@ -77,7 +80,8 @@ class TraceRecorder(RouteObserver):
         g_flat = np.concatenate(given) if given else np.zeros((0, k), dtype=np.int16)
         np.savez_compressed(path, layers=np.array(self.layers, dtype=np.int32), rows=rows, ids=flat,
                             guess_rows=g_rows, guesses=g_flat,
-                            meta=np.array([self.n_layers, self.n_experts, self.expert_bytes], dtype=np.int64),
+                            meta=np.array([self.n_layers, self.n_experts, self.expert_bytes, int(self.quantized)],
+                                              dtype=np.int64),
                             ubatch_of=np.array(self.ubatch_of, dtype=np.int64),
                             ubatches=np.array(self.ubatches, dtype=np.int64).reshape(-1, 4))
 
@@ -96,7 +100,8 @@ def load_trace(path: str) -> Trace:
     if g_rows is not None:
         parts = np.split(g_flat, np.cumsum(g_rows)[:-1]) if len(g_rows) else []
         guesses = [p if n else None for p, n in zip(parts, g_rows.tolist())]
-    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses)
+    quantized = len(meta) > 3 and bool(meta[3])            # (older traces: float experts)
+    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses, quantized)
 
 
 def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None,
@@ -110,7 +115,7 @@ def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchC
         prefetch = replace(prefetch or PrefetchConfig(enabled=False), lookahead_layers=1)
         return _replay_live(trace, n_slots, policy, prefetch, zero_copy, read_through, staged)
     planner = CachePlanner(n_slots, trace.n_layers, trace.n_experts, policy, trace.expert_bytes,
-                           sorted(set(trace.layers.tolist())))
+                           sorted(set(trace.layers.tolist())), one_region=trace.quantized)
     for layer, ids in zip(trace.layers.tolist(), trace.ids):
         for group in planner.groups(layer, np.unique(ids).astype(np.int64)):
             planner.plan(layer, group)
@@ -130,7 +135,7 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
     guesses = trace.guesses or [None] * len(trace.ids)
     cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy, prefetch, layers,
                         int(trace.ubatches[:, 0].max()) + 1 if len(trace.ubatches) else 1,
-                        trace.ids[0].shape[1] if trace.ids else 8)
+                        trace.ids[0].shape[1] if trace.ids else 8, one_region=trace.quantized)
     if zero_copy:
         from ..kernels.decode import MAX_TOKENS
         cache.enable_zero_copy(MAX_TOKENS, read_through, staged=staged)
