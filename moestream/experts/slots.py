@@ -120,9 +120,9 @@ class SlotPool:
         cap = max(1, RUN_BYTES // row_bytes)
         return [upload] + [lambda a=a: launch(a, min(a + cap, len(slots))) for a in range(0, len(slots), cap)]
 
-    def _queue(self, copies: list[tuple[torch.Tensor, torch.Tensor]], slots: np.ndarray, nbytes: int,
-               speculative: bool, after=None) -> int:
-        """Queue the (pool rows, host rows) copies as one batch, the slots they fill marked as filled by it."""
+    def _queue(self, copies: list, slots: np.ndarray, nbytes: int, speculative: bool, after=None) -> int:
+        """Queue the copies ((pool rows, host rows) pairs or kernel launches, CopyQueue.submit's pieces) as one
+        batch, the slots they fill marked as filled by it."""
         seq = self.queue.submit(copies, nbytes, speculative=speculative, after=after)
         self.ready[slots] = seq
         if speculative:
