@@ -52,6 +52,15 @@ def test_copy_rows_kernel_on_cuda_copies_pinned_host_rows():
     kernel("cuda")
 
 
+def test_the_programs_knob_takes_a_positive_whole_number_or_warns(monkeypatch, caplog):
+    from moestream.kernels.copy_rows import _programs
+    monkeypatch.setenv("MOESTREAM_COPY_PROGRAMS", "8")
+    assert _programs() == 8
+    for bad in ("0", "eight"):
+        monkeypatch.setenv("MOESTREAM_COPY_PROGRAMS", bad)
+        assert _programs() == 16 and "not a positive whole number" in caplog.text
+
+
 def test_the_copy_queue_runs_launched_pieces_and_pairs_in_order():
     q = CopyQueue(Device("cpu"))
     dst = torch.zeros(3, dtype=torch.int64)

@@ -26,6 +26,8 @@ Invariants (tests/test_slots.py checks them without a model):
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -37,11 +39,12 @@ from .store import ExpertStore
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
 RUN_BYTES = 32 << 20                      # copy_experts: at most this much in one copy (the copy stream's
                                           # progress is seen a copy at a time)
-KERNEL_COPIES = True                      # copy_experts on CUDA: a launch of the row-copy kernel per RUN_BYTES,
-                                          # not a copy call per run of experts (kernels/copy_rows.py), for rows of
-KERNEL_MAX_ROW = 4 << 20                  # at most this: a copy call costs the host ~30 µs, what 1.6 MB take on
-                                          # the link, so the host fell behind on Q4_K_M rows (2-3 MB); bf16 rows
-                                          # (6-9 MB) keep the copy engine, whose copies take no SM from the GEMMs
+# copy_experts on CUDA: a launch of the row-copy kernel per RUN_BYTES, not a copy call per run of experts
+# (kernels/copy_rows.py), for rows of at most KERNEL_MAX_ROW bytes. A copy call costs the host ~30 µs, what 1.6 MB
+# take on the link, so the host fell behind on Q4_K_M rows (2-3 MB); bf16 rows (6-9 MB) keep the copy engine, whose
+# copies take no SM from the GEMMs. MOESTREAM_COPY_KERNEL=0 gives copy calls back (an A/B in one tree).
+KERNEL_COPIES = os.environ.get("MOESTREAM_COPY_KERNEL", "1") != "0"
+KERNEL_MAX_ROW = 4 << 20
 
 
 class SlotPool:
