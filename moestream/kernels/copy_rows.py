@@ -61,18 +61,14 @@ if triton is not None:
         for w in range(p, n_rows * chunks, P):
             i = first + w // chunks
             c = w % chunks
-            copy_chunk(tl.load(src_ptr + i), tl.load(dst_ptr + i), c, n_words, BLOCK, A16)
-
-    @triton.jit
-    def copy_chunk(src, dst, c, n_words, BLOCK: tl.constexpr, A16: tl.constexpr):
-        """Words [c BLOCK, (c + 1) BLOCK) of n_words from address src to address dst (int64s; this kernel's and
-        the stage kernel's copies)."""
-        if A16:                     # (the shifts tell the compiler both are 16-aligned: 128-bit loads)
-            src, dst = (src >> 4) << 4, (dst >> 4) << 4
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n_words
-        v = tl.load(src.to(tl.pointer_type(tl.int32)) + offs, mask=m)
-        tl.store(dst.to(tl.pointer_type(tl.int32)) + offs, v, mask=m)
+            src = tl.load(src_ptr + i)
+            dst = tl.load(dst_ptr + i)
+            if A16:                     # (the shifts tell the compiler both are 16-aligned: 128-bit loads)
+                src, dst = (src >> 4) << 4, (dst >> 4) << 4
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n_words
+            v = tl.load(src.to(tl.pointer_type(tl.int32)) + offs, mask=m)
+            tl.store(dst.to(tl.pointer_type(tl.int32)) + offs, v, mask=m)
 
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, nbytes: int, aligned: bool, first: int = 0,

@@ -120,8 +120,6 @@ def stages(lan: Landing | None, n_choices: int) -> bool:
 if triton is not None:
     import triton.language as tl
 
-    from .copy_rows import copy_chunk
-
     @triton.jit
     def _stage(addr_ptr, ids_ptr, host_ptr, land_ptr, out_ptr, R, scratch, S, stride, N, n_words,
                NP: tl.constexpr, BLOCK: tl.constexpr, A16: tl.constexpr):
@@ -152,7 +150,13 @@ if triton is not None:
         if c == 0:
             tl.store(out_ptr + i, tl.where(host_i & (dest != 0), dest, a_i))
         if first_i & (dest != 0):
-            copy_chunk(a_i, dest, c, n_words, BLOCK, A16)
+            src, dst = a_i, dest
+            if A16:                     # (the shifts tell the compiler both are 16-aligned: 128-bit loads)
+                src, dst = (src >> 4) << 4, (dst >> 4) << 4
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n_words
+            v = tl.load(src.to(tl.pointer_type(tl.int32)) + offs, mask=m)
+            tl.store(dst.to(tl.pointer_type(tl.int32)) + offs, v, mask=m)
 
 
 def stage_host_rows(addrs: torch.Tensor, lan: Landing, nbytes: int) -> torch.Tensor:
