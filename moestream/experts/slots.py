@@ -31,6 +31,7 @@ import os
 import numpy as np
 import torch
 
+from ..kernels.copy_rows import copy_rows, copy_rows_available
 from .copy_queue import CopyQueue
 from .provider import ExpertWeights
 from .residency import Residency
@@ -57,7 +58,6 @@ class SlotPool:
         self.layouts = store.layouts
         self.store_rows = store.rows
         # Layers whose misses one kernel launch copies (kernels/copy_rows.py): pinned rows of whole 4-byte words.
-        from ..kernels.copy_rows import copy_rows_available
         self.by_kernel = {l for l, r in store.rows.items() if copy_rows_available(self.pool.device) and
                           r.is_pinned() and (row := r.shape[1] * r.element_size()) % 4 == 0 and
                           row <= KERNEL_MAX_ROW} if KERNEL_COPIES else set()
@@ -106,7 +106,6 @@ class SlotPool:
     def _kernel_copies(self, rows: torch.Tensor, experts: np.ndarray, slots: np.ndarray, row_bytes: int) -> list:
         """copy_experts' pieces as launches of the row-copy kernel (kernels/copy_rows.py), RUN_BYTES each (the
         queue marks its progress a piece at a time), after one upload of every pair's addresses."""
-        from ..kernels.copy_rows import copy_rows
         pool_row = self.pool.stride(0) * self.pool.element_size()
         addrs = np.stack([rows.data_ptr() + experts * (rows.stride(0) * rows.element_size()),
                           self.pool.data_ptr() + slots * pool_row])                 # (2, n): from, to

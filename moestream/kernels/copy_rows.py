@@ -9,8 +9,8 @@ next layer's compute waited to be launched (bench/RESULTS.md, stop 25). One laun
 cost of one call. The programs read host memory over the link in place (unified addressing, as the decode kernels
 do); a few persistent programs keep enough loads in flight to fill the link and leave the other SMs to compute.
 
-The copy is bytes for bytes: `copy_rows_reference` (plain torch copies, the CPU path) is its oracle, and nothing
-downstream can tell which made a slot.
+The copy is bytes for bytes: the copy calls it replaces (experts/slots.py `run_copies`, the CPU path) are its
+oracle, and nothing downstream can tell which made a slot.
 """
 from __future__ import annotations
 
@@ -41,12 +41,6 @@ WARPS = 8
 
 def copy_rows_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
-
-
-def copy_rows_reference(dst: torch.Tensor, src: torch.Tensor, slots, experts) -> None:
-    """dst[slots[i], :row] = src[experts[i]] for each i (rows of bytes: dst (S, >= row), src (E, row))."""
-    for s, e in zip(slots, experts):
-        dst[int(s), :src.shape[1]].copy_(src[int(e)])
 
 
 if triton is not None:
