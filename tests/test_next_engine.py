@@ -108,10 +108,11 @@ def test_several_sequences_decoded_together_equal_each_alone(hybrid_checkpoint):
 
 
 def test_placements_caches_and_policies_are_bit_identical(hybrid_checkpoint):
-    """Prompt logits and decode steps: --cpu-moe, --n-cpu-moe, cache sizes and policies give the bits of every
-    expert on the device (with host experts a batch's ubatches run layer by layer, the DeltaNet states and KV of
-    each ubatch continuing its predecessor's within the layer; -b 10 and --no-batch-by-layer too); with zero-copy decode (its plain-torch oracle here: another expert kernel, so other
-    bits than fetching decode's) the cache's steps give those of zero-copy decode with every expert on the device."""
+    """Prompt logits and decode steps: --cpu-moe, --n-cpu-moe, cache sizes and policies give the bits of every expert
+    on the device (with host experts a batch's ubatches run layer by layer, the DeltaNet states and KV of each ubatch
+    continuing its predecessor's within the layer; -b 10 and --no-batch-by-layer too); with zero-copy decode (its
+    plain-torch oracle here: another expert kernel, so other bits than fetching decode's) the cache's steps give those
+    of zero-copy decode with every expert on the device."""
     _, path, _ = hybrid_checkpoint
     prompt = ids(33, seed=3)
 
