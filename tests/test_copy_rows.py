@@ -1,6 +1,7 @@
-"""kernels/copy_rows.py: expert rows copied from pinned host memory into scattered slots by one launch. The kernel
-byte for byte against plain copies (through the interpreter, and on CUDA), the copy queue's launched pieces, and a
-model whose cache fills its slots by the kernel computing what it computes with copy calls."""
+"""kernels/copy_rows.py and kernels/batch_copy.py: expert rows copied from pinned host memory into scattered slots by
+one launch, or by one batch call to the copy engines. Each byte for byte against plain copies (the kernel through
+the interpreter, both on CUDA), the copy queue's launched pieces, the choice of a layer's copier, and a model whose
+cache fills its slots each way computing what it computes with copy calls."""
 from __future__ import annotations
 
 import sys
@@ -54,6 +55,40 @@ def test_copy_rows_kernel_on_cuda_copies_pinned_host_rows():
     kernel("cuda")
 
 
+@pytest.mark.cuda
+def test_a_batch_call_copies_pinned_host_rows_into_scattered_slots():
+    """Rows of odd sizes into a wider pool, over several calls on a side stream: the copy calls' bytes."""
+    from moestream.kernels.batch_copy import batch_copy, batch_copy_available
+    assert batch_copy_available(torch.device("cuda")), "the H200's driver (CUDA 13) has cuMemcpyBatchAsync"
+    g = torch.Generator().manual_seed(0)
+    stream = torch.cuda.Stream()
+    for nbytes, stride in ((160, 160), (100, 112), (3 * 65536 + 48, 3 * 65536 + 64)):
+        E, P, n = 16, 10, 7
+        host = torch.randint(0, 256, (E, nbytes), dtype=torch.uint8, generator=g).pin_memory()
+        pool = torch.zeros(P, stride, dtype=torch.uint8, device="cuda")
+        experts, slots = torch.randperm(E, generator=g)[:n].numpy(), torch.randperm(P, generator=g)[:n].numpy()
+        src, dst = host.data_ptr() + experts * nbytes, pool.data_ptr() + slots * stride
+        batch_copy(dst[:3], src[:3], nbytes, stream)
+        batch_copy(dst[3:], src[3:], nbytes, stream)
+        stream.synchronize()
+        want = torch.zeros(P, stride, dtype=torch.uint8)
+        for d, s in run_copies(want, host.cpu(), experts, slots):
+            d.copy_(s)
+        assert torch.equal(pool.cpu(), want), (nbytes, stride)
+
+
+def test_on_the_cpu_every_layer_copies_by_copy_calls_and_a_bad_mode_warns(monkeypatch, caplog):
+    from moestream.experts.slots import _copy_mode
+    from moestream.kernels.batch_copy import batch_copy_available
+    assert not batch_copy_available(torch.device("cpu"))
+    llm = LLM("synth:tiny", ubatch_size=32, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=20)
+    assert set(llm.engine.host.slots.copier.values()) == {"calls"}
+    monkeypatch.setenv("MOESTREAM_COPY", "kernel")
+    assert _copy_mode() == "kernel"
+    monkeypatch.setenv("MOESTREAM_COPY", "dma")
+    assert _copy_mode() == "batch" and "not one of batch, kernel, calls" in caplog.text
+
+
 def test_the_programs_knob_takes_a_positive_whole_number_or_warns(monkeypatch, caplog):
     from moestream.kernels.copy_rows import _programs
     monkeypatch.setenv("MOESTREAM_COPY_PROGRAMS", "8")
@@ -78,22 +113,24 @@ def test_the_copy_queue_runs_launched_pieces_and_pairs_in_order():
 
 
 @pytest.mark.cuda
-def test_a_cache_filled_by_the_kernel_computes_what_copy_calls_fill():
-    """The prompt path's misses and copy-ahead go through the kernel on CUDA; the logits are the all-GPU model's,
-    and those of the same cache filled by copy calls."""
+def test_a_cache_filled_by_batch_calls_or_the_kernel_computes_what_copy_calls_fill():
+    """The prompt path's misses and copy-ahead go by batch calls (or the kernel) on CUDA; the logits are the all-GPU
+    model's, and those of the same cache filled by copy calls."""
     import moestream.experts.slots as slots_mod
     ids = torch.randint(0, 1000, (96,), generator=torch.Generator().manual_seed(1)).tolist()
     kw = dict(ubatch_size=32, ctx_size=128, device="cuda")
     want = LLM("synth:tiny", **kw).logits(ids)
-    for by_kernel, max_row in ((True, slots_mod.KERNEL_MAX_ROW), (False, slots_mod.KERNEL_MAX_ROW), (True, 0)):
-        slots_mod.KERNEL_COPIES, default = by_kernel, slots_mod.KERNEL_MAX_ROW
-        slots_mod.KERNEL_MAX_ROW = max_row                 # 0: rows too wide for the kernel keep copy calls
+    cap = slots_mod.KERNEL_MAX_ROW
+    for mode, max_row, copier in (("batch", cap, "batch"), ("kernel", cap, "kernel"), ("calls", cap, "calls"),
+                                  ("kernel", 0, "calls")):              # 0: rows too wide for the kernel
+        default = slots_mod.COPY_MODE, slots_mod.KERNEL_MAX_ROW
+        slots_mod.COPY_MODE, slots_mod.KERNEL_MAX_ROW = mode, max_row
         try:
             llm = LLM("synth:tiny", **kw, cpu_moe=True, moe_cache_mib=20)
         finally:
-            slots_mod.KERNEL_COPIES, slots_mod.KERNEL_MAX_ROW = True, default
-        assert bool(llm.engine.host.slots.by_kernel) == (by_kernel and max_row > 0)
-        assert torch.equal(llm.logits(ids), want), (by_kernel, max_row)
+            slots_mod.COPY_MODE, slots_mod.KERNEL_MAX_ROW = default
+        assert set(llm.engine.host.slots.copier.values()) == {copier}, (mode, max_row)
+        assert torch.equal(llm.logits(ids), want), (mode, max_row)
         assert llm.stats()["total"]["misses"] > 0
 
 

@@ -26,26 +26,45 @@ Invariants (tests/test_slots.py checks them without a model):
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
 import torch
 
+from ..kernels.batch_copy import batch_copy, batch_copy_available
 from ..kernels.copy_rows import copy_rows, copy_rows_available
 from .copy_queue import CopyQueue
 from .provider import ExpertWeights
 from .residency import Residency
 from .store import ExpertStore
 
+log = logging.getLogger("moestream")
+
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
 RUN_BYTES = 32 << 20                      # copy_experts: at most this much in one copy (the copy stream's
                                           # progress is seen a copy at a time)
-# copy_experts on CUDA: a launch of the row-copy kernel per RUN_BYTES, not a copy call per run of experts
-# (kernels/copy_rows.py), for rows of at most KERNEL_MAX_ROW bytes. A copy call costs the host ~30 µs, what 1.6 MB
-# take on the link, so the host fell behind on Q4_K_M rows (2-3 MB); bf16 rows (6-9 MB) keep the copy engine, whose
-# copies take no SM from the GEMMs. MOESTREAM_COPY_KERNEL=0 gives copy calls back (an A/B in one tree).
-KERNEL_COPIES = os.environ.get("MOESTREAM_COPY_KERNEL", "1") != "0"
+# How copy_experts moves a layer's misses on CUDA (a copy call costs the host ~30 µs, what 1.6 MB take on the link,
+# so the host fell behind on Q4_K_M rows of 2-3 MB, bench/RESULTS.md stop 25):
+#   batch   one driver call per RUN_BYTES hands the copy engines every (from, to) pair (kernels/batch_copy.py);
+#   kernel  one launch of the row-copy kernel per RUN_BYTES (kernels/copy_rows.py), for rows of at most
+#           KERNEL_MAX_ROW bytes; its programs take SMs from the GEMMs beside it;
+#   calls   a copy call per run of consecutive experts (run_copies): the CPU path, and rows not pinned.
+# Each falls back to the next where it cannot run. MOESTREAM_COPY=kernel or =calls picks another for a whole
+# process (an A/B in one tree).
+COPY_MODES = ("batch", "kernel", "calls")
 KERNEL_MAX_ROW = 4 << 20
+
+
+def _copy_mode(default: str = "batch") -> str:
+    v = os.environ.get("MOESTREAM_COPY", default)
+    if v not in COPY_MODES:
+        log.warning("MOESTREAM_COPY=%r is not one of %s: expert copies by %s", v, ", ".join(COPY_MODES), default)
+        return default
+    return v
+
+
+COPY_MODE = _copy_mode()
 
 
 class SlotPool:
@@ -57,10 +76,7 @@ class SlotPool:
         self.pool = torch.empty(n_slots, width, dtype=any_rows.dtype, device=device.torch)   # (S, row)
         self.layouts = store.layouts
         self.store_rows = store.rows
-        # Layers whose misses one kernel launch copies (kernels/copy_rows.py): pinned rows of whole 4-byte words.
-        self.by_kernel = {l for l, r in store.rows.items() if copy_rows_available(self.pool.device) and
-                          r.is_pinned() and (row := r.shape[1] * r.element_size()) % 4 == 0 and
-                          row <= KERNEL_MAX_ROW} if KERNEL_COPIES else set()
+        self.copier = {l: self._copier(r) for l, r in store.rows.items()}      # layer -> one of COPY_MODES
         self.aligned = store.aligned16(self.pool)
         # Each host layer's region of the pool, as its rows (quantized layouts read only their own row's bytes).
         self.regions = {l: (self.pool[a:b, :store.rows[l].shape[1]], a) for l, (a, b) in enumerate(residency.bounds)
@@ -78,6 +94,16 @@ class SlotPool:
     @property
     def n_slots(self) -> int:
         return self.residency.n_slots
+
+    def _copier(self, rows: torch.Tensor) -> str:
+        """How copy_experts moves this layer's rows (COPY_MODES): COPY_MODE, or the first after it that can."""
+        pinned, dev = rows.is_pinned(), self.pool.device
+        row = rows.shape[1] * rows.element_size()
+        if COPY_MODE == "batch" and pinned and batch_copy_available(dev):
+            return "batch"
+        if COPY_MODE != "calls" and pinned and copy_rows_available(dev) and row % 4 == 0 and row <= KERNEL_MAX_ROW:
+            return "kernel"
+        return "calls"
 
     # --- copies -----------------------------------------------------------------------------------------------
     def submit(self, copies: list[tuple[int, torch.Tensor]], nbytes: int, speculative: bool, after=None) -> int:
@@ -97,18 +123,38 @@ class SlotPool:
         pairs = pairs[np.argsort(pairs[:, 1], kind="stable")]               # by slot
         e, s = pairs[:, 0], pairs[:, 1]
         row_bytes = rows.shape[1] * rows.element_size()
-        if layer in self.by_kernel:
+        how = self.copier[layer]
+        if how == "batch":
+            copies = self._batch_copies(rows, e, s, row_bytes)
+        elif how == "kernel":
             copies = self._kernel_copies(rows, e, s, row_bytes)
         else:
             copies = run_copies(self.pool, rows, e, s)
         return self._queue(copies, s, len(s) * row_bytes, speculative)
 
+    def _addresses(self, rows: torch.Tensor, experts: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """(2, n) int64: each pair's host row address and slot address."""
+        pool_row = self.pool.stride(0) * self.pool.element_size()
+        return np.stack([rows.data_ptr() + experts * (rows.stride(0) * rows.element_size()),
+                         self.pool.data_ptr() + slots * pool_row])
+
+    def _batch_copies(self, rows: torch.Tensor, experts: np.ndarray, slots: np.ndarray, row_bytes: int) -> list:
+        """copy_experts' pieces as batch calls to the copy engines (kernels/batch_copy.py), RUN_BYTES each (the
+        queue marks its progress a piece at a time)."""
+        src, dst = self._addresses(rows, experts, slots)
+        stream = self.queue.stream
+
+        def piece(a: int, b: int) -> int:
+            batch_copy(dst[a:b], src[a:b], row_bytes, stream)
+            return (b - a) * row_bytes
+
+        cap = max(1, RUN_BYTES // row_bytes)
+        return [lambda a=a: piece(a, min(a + cap, len(slots))) for a in range(0, len(slots), cap)]
+
     def _kernel_copies(self, rows: torch.Tensor, experts: np.ndarray, slots: np.ndarray, row_bytes: int) -> list:
         """copy_experts' pieces as launches of the row-copy kernel (kernels/copy_rows.py), RUN_BYTES each (the
         queue marks its progress a piece at a time), after one upload of every pair's addresses."""
-        pool_row = self.pool.stride(0) * self.pool.element_size()
-        addrs = np.stack([rows.data_ptr() + experts * (rows.stride(0) * rows.element_size()),
-                          self.pool.data_ptr() + slots * pool_row])                 # (2, n): from, to
+        addrs = self._addresses(rows, experts, slots)                               # (2, n): from, to
         dev = []
 
         def upload() -> int:
