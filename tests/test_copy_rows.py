@@ -108,7 +108,7 @@ def test_the_copy_queue_runs_launched_pieces_and_pairs_in_order():
         dst[1] = dst[0] + 1                 # sees the pair before it
         return 8
 
-    seq = q.submit([(dst[0:1], torch.tensor([5])), launch], 16, speculative=False)
+    seq = q.submit([(dst[0:1], torch.tensor([5])), launch], speculative=False)
     assert order == ["launch"] and dst.tolist() == [5, 6, 0] and q.poll() == seq
 
 

@@ -110,12 +110,12 @@ def test_copy_queue_counts_the_copies_not_done():
     q = CopyQueue(Device("cuda:0"))
     src = torch.ones(4, 64 << 20, dtype=torch.uint8).pin_memory()     # 4 x 64 MiB: about 5 ms over the link
     dst = torch.zeros_like(src, device="cuda")
-    seq = q.submit(list(zip(dst, src)), src.numel(), speculative=True)
+    seq = q.submit(list(zip(dst, src)), speculative=True)
     assert 0 < q.pending_bytes() <= src.numel() and q.speculative_inflight() > 0
     q.wait(seq, torch.cuda.current_stream())
     torch.cuda.synchronize()
     assert q.pending_bytes() == 0 and q.speculative_inflight() == 0 and bool((dst == 1).all())
-    q.submit(list(zip(dst, src)), src.numel(), speculative=False)   # done batches' marks go with poll, not only
+    q.submit(list(zip(dst, src)), speculative=False)   # done batches' marks go with poll, not only
     torch.cuda.synchronize()                                         # with pending (decode never asks pending)
     q.poll()
     assert not q.marks

@@ -110,6 +110,19 @@ def test_no_room_in_flight_ends_the_fill():
     assert not c.prompt._fill() and c.prompt.fill == [] and (c.residency.slot_of[2] < 0).all()
 
 
+def test_the_fill_waits_while_the_speculative_bytes_in_flight_are_at_their_bound():
+    """The copy stream near its end (pending under the fill's low mark) may still hold a full bound of speculative
+    bytes: the fill keeps its guesses and copies them once the bound has room, instead of ending."""
+    c = _cache()
+    c.prepare(0, _counts(e0=5), [_counts(e2=1), _counts(e4=2)])
+    c.prompt._copy_pending()
+    queue = c.slots.queue
+    queue.speculative_inflight = lambda: PrefetchConfig().max_inflight_mib << 20
+    assert c.prompt._fill() and c.prompt.fill and (c.residency.slot_of[2] < 0).all()     # waits, keeps the guess
+    del queue.speculative_inflight
+    assert c.prompt._fill() and c.residency.slot_of[2, 4] >= 0
+
+
 def test_guesses_for_a_layer_on_the_gpu_are_skipped():
     c = _cache(layers=(0, 2, 3), moe_layers=[0, 1, 2, 3])                # layer 1's experts are not the cache's
     c.prepare(0, _counts(e0=5), [_counts(e1=1), _counts(e4=2), _counts(e6=3)])

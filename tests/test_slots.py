@@ -30,8 +30,7 @@ def _load(store, planner, slots, layer, experts, speculative=False):
     slots.refresh_pins()
     plan = planner.plan(layer, np.array(experts, dtype=np.int64))
     if plan.misses:
-        slots.submit([(s, store.rows[layer][e]) for e, s in plan.misses], len(plan.misses) * store.expert_bytes,
-                     speculative)
+        slots.submit([(s, store.rows[layer][e]) for e, s in plan.misses], speculative)
     slots.hand_out(layer, plan.slots)
     return plan
 
@@ -43,7 +42,7 @@ class Lagging:
         self.seq = self.done = 0
         self.held = []
 
-    def submit(self, pairs, nbytes, speculative, after=None):
+    def submit(self, pairs, speculative, after=None):
         self.seq += 1
         self.held.append((self.seq, list(pairs)))
         return self.seq

@@ -328,7 +328,7 @@ class LaggingQueue:
         self.polls = polls
         self.held = []                                   # [seq, [(dst, src)], polls left] not landed yet
 
-    def submit(self, pairs, nbytes, speculative, after=None):
+    def submit(self, pairs, speculative, after=None):
         self.land(self.seq)
         self.seq += 1
         self.held.append([self.seq, list(pairs), self.polls])

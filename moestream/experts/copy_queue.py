@@ -1,13 +1,14 @@
 """The copy queue: host-to-device expert copies on their own CUDA stream, each batch returning an event.
 
     q = CopyQueue(device)
-    seq = q.submit([(pool[s], store_row)], nbytes, speculative=False)    # a sequence number (None on the CPU)
+    seq = q.submit([(pool[s], store_row)], speculative=False)    # a sequence number (None on the CPU)
     q.wait(seq, compute_stream)      # the compute stream waits for that batch (and, FIFO, all before it)
 
 One stream keeps copies in order, so waiting for batch n waits for every batch before it too. Speculative bytes in
 flight are bounded by the caller (`speculative_inflight()`), so a demand miss never queues behind more than that.
-`pending_bytes()` counts the bytes of the copies not yet done (an event after each), so a caller can keep the
-stream fed a copy at a time. On the CPU copies run inline and every call is a no-op.
+`pending_bytes()` and `speculative_inflight()` count the bytes of the copies not yet done (an event after each
+piece, not each batch), so a caller can keep the stream fed a copy at a time: a batch near its end no longer counts
+whole. On the CPU copies run inline and every call is a no-op.
 """
 from __future__ import annotations
 
@@ -23,10 +24,9 @@ class CopyQueue:
         self.events: dict[int, torch.cuda.Event] = {}                    # seq -> event, until known complete
         self.seq = 0                                                     # last submitted batch
         self.done = 0                                                    # every batch <= done has completed
-        self.spec = deque()                                              # (seq, nbytes) speculative in flight
-        self.marks = deque()                                 # (seq, event after each copy, its bytes) not done
+        self.marks = deque()                        # (seq, event after each piece, its bytes, speculative) not done
 
-    def submit(self, pieces: list, nbytes: int, speculative: bool, after=None) -> int:
+    def submit(self, pieces: list, speculative: bool, after=None) -> int:
         """Queue the copies: each piece a (dst, src) pair of tensors, or a callable that launches copies on the
         current stream (the copy stream) and returns their bytes (kernels/copy_rows.py). `after`: a compute-stream
         event they must wait for (their slots' last readers). Returns the batch's sequence number."""
@@ -43,12 +43,10 @@ class CopyQueue:
                 n = _run(piece, non_blocking=True)
                 mark = torch.cuda.Event()
                 mark.record(self.stream)
-                self.marks.append((self.seq, mark, n))
+                self.marks.append((self.seq, mark, n, speculative))
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.events[self.seq] = ev
-        if speculative:
-            self.spec.append((self.seq, nbytes))
         return self.seq
 
     def poll(self) -> int:
@@ -59,21 +57,24 @@ class CopyQueue:
                 break
             self.events.pop(self.done + 1, None)
             self.done += 1
-        for queue in (self.spec, self.marks):       # what completed batches left behind
-            while queue and queue[0][0] <= self.done:
-                queue.popleft()
+        while self.marks and self.marks[0][0] <= self.done:     # what completed batches left behind
+            self.marks.popleft()
         return self.done
 
-    def pending_bytes(self) -> int:
-        """Bytes of the copies queued and not done yet."""
+    def _pending(self) -> deque:
+        """The marks of the pieces not done yet (events complete in order)."""
         self.poll()
         while self.marks and self.marks[0][1].query():
             self.marks.popleft()
-        return sum(m[2] for m in self.marks)
+        return self.marks
+
+    def pending_bytes(self) -> int:
+        """Bytes of the copies queued and not done yet."""
+        return sum(m[2] for m in self._pending())
 
     def speculative_inflight(self) -> int:
-        self.poll()
-        return sum(n for _, n in self.spec)
+        """Bytes of the speculative copies (prefetch) queued and not done yet."""
+        return sum(m[2] for m in self._pending() if m[3])
 
     def wait(self, seq: int, stream) -> bool:
         """Make `stream` wait for batch `seq`; False when it had already completed (no wait was queued)."""

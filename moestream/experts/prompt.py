@@ -190,10 +190,19 @@ class PromptPath:
     def _fill(self, low: int | None = None) -> bool:
         """When the copy stream has less than `low` bytes left to copy (FILL_LOW_BYTES), copy ahead the next guessed
         experts of the layers after the next one (`fill`, most likely first) up to that. False once there is
-        nothing to copy."""
+        nothing to copy. While the speculative bytes in flight are at their bound the fill waits (True): it used to
+        end there, and a prompt that sweeps every expert left the link idle until the next routing (RESULTS.md,
+        stop 26)."""
         eb = self.store.expert_bytes
-        room = (FILL_LOW_BYTES if low is None else low) - self.slots.queue.pending_bytes()
+        queue = self.slots.queue
+        room = (FILL_LOW_BYTES if low is None else low) - queue.pending_bytes()
         if room < eb:
+            return True
+        bound = self.prefetch.max_inflight_mib << 20
+        if bound < eb:                                  # never room for one expert
+            self.fill = []
+            return False
+        if self.fill and bound - queue.speculative_inflight() < eb:
             return True
         while self.fill:
             layer, experts = self.fill[0]
@@ -202,7 +211,7 @@ class PromptPath:
                 self.fill.pop(0)
                 continue
             copied = self._prefetch(layer, missing[:max(1, room // eb)])       # the first ones, in order
-            if not copied:                          # no room: the in-flight bound, or every slot is pinned
+            if not copied:                          # every slot is pinned
                 self.fill = []
                 return False
             self.fill[0] = (layer, missing[copied:])

@@ -1,7 +1,7 @@
 """The slot pool: the GPU tier of expert slots, the copies that fill them and the compute that reads them.
 
     slots = SlotPool(store, planner.residency, device)
-    seq = slots.submit([(slot, store.rows[layer][e])], store.expert_bytes, speculative=False)   # one copy batch
+    seq = slots.submit([(slot, store.rows[layer][e])], speculative=False)   # one copy batch
     seq = slots.copy_experts(layer, [(e, slot), ...], speculative=True)     # the same from the layer's rows, in runs
     slots.hand_out(layer, plan.slots)    # compute waits for their copies; they stay pinned until it has read them
     lut = slots.upload_table(layer, slots.table(layer))      # (E,) each expert's slot in the layer's region
@@ -106,13 +106,12 @@ class SlotPool:
         return "calls"
 
     # --- copies -----------------------------------------------------------------------------------------------
-    def submit(self, copies: list[tuple[int, torch.Tensor]], nbytes: int, speculative: bool, after=None) -> int:
+    def submit(self, copies: list[tuple[int, torch.Tensor]], speculative: bool, after=None) -> int:
         """Copy each (slot, host row) into its slot on the copy stream, as one batch behind the compute event
         `after` (the slots' last readers), if given. A speculative batch (a prefetch) counts against the queue's
         in-flight bound and marks its slots `prefetched`. Returns the batch's sequence number."""
         slots = np.array([s for s, _ in copies], dtype=np.int64)
-        return self._queue([(self.pool[s, :src.shape[0]], src) for s, src in copies], slots, nbytes, speculative,
-                           after)
+        return self._queue([(self.pool[s, :src.shape[0]], src) for s, src in copies], slots, speculative, after)
 
     def copy_experts(self, layer: int, misses: list[tuple[int, int]], speculative: bool) -> int:
         """Copy the (expert, slot) pairs of one layer from its host rows, as submit does: one copy for each run of
@@ -130,7 +129,7 @@ class SlotPool:
             copies = self._kernel_copies(rows, e, s, row_bytes)
         else:
             copies = run_copies(self.pool, rows, e, s)
-        return self._queue(copies, s, len(s) * row_bytes, speculative)
+        return self._queue(copies, s, speculative)
 
     def _addresses(self, rows: torch.Tensor, experts: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """(2, n) int64: each pair's host row address and slot address."""
@@ -168,10 +167,10 @@ class SlotPool:
         cap = max(1, RUN_BYTES // row_bytes)
         return [upload] + [lambda a=a: launch(a, min(a + cap, len(slots))) for a in range(0, len(slots), cap)]
 
-    def _queue(self, copies: list, slots: np.ndarray, nbytes: int, speculative: bool, after=None) -> int:
+    def _queue(self, copies: list, slots: np.ndarray, speculative: bool, after=None) -> int:
         """Queue the copies ((pool rows, host rows) pairs or kernel launches, CopyQueue.submit's pieces) as one
         batch, the slots they fill marked as filled by it."""
-        seq = self.queue.submit(copies, nbytes, speculative=speculative, after=after)
+        seq = self.queue.submit(copies, speculative=speculative, after=after)
         self.ready[slots] = seq
         if speculative:
             self.prefetched[slots] = True

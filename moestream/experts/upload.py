@@ -156,7 +156,7 @@ class UploadPerUbatch(ExpertProvider):
             return
         copies = run_copies(self.sets[self.rows_of[layer] % len(self.sets)], self.store.rows[layer], experts, experts)
         nb = len(experts) * self.store.layer_bytes(layer)
-        seq = self.queue.submit(copies, nb, speculative=False, after=after)
+        seq = self.queue.submit(copies, speculative=False, after=after)
         copied = np.zeros(E, dtype=bool)
         copied[experts] = True
         self.ahead[layer] = (copied, seq)

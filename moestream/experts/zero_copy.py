@@ -379,7 +379,7 @@ class ZeroCopyDecode:
         """Copy (slot, host row) into slots no queued step reads at once, the others behind `after`."""
         for batch, wait in ((now, None), (behind, after)):
             if batch:
-                self.slots.submit(batch, sum(src.nbytes for _, src in batch), speculative=False, after=wait)
+                self.slots.submit(batch, speculative=False, after=wait)
 
 
 class Pending:
