@@ -77,6 +77,38 @@ def test_a_batch_call_copies_pinned_host_rows_into_scattered_slots():
         assert torch.equal(pool.cpu(), want), (nbytes, stride)
 
 
+def test_a_layer_s_copier_is_the_batch_call_for_pinned_rows_up_to_4_mib_else_the_kernel_else_copy_calls(monkeypatch):
+    """The rule of SlotPool._copier, with the device's answers stood in for (no CUDA here)."""
+    import moestream.experts.slots as slots_mod
+
+    class Rows:                         # a layer's host rows: (E, row) of bytes, pinned or not
+        def __init__(self, row, pinned=True):
+            self.shape, self._pinned = (8, row), pinned
+
+        def is_pinned(self):
+            return self._pinned
+
+        def element_size(self):
+            return 1
+
+    pool = slots_mod.SlotPool.__new__(slots_mod.SlotPool)
+    pool.pool = torch.empty(0)
+    q4, bf16 = 3 << 20, 9 << 20                                         # a Q4_K_M expert's row, a bf16 one's
+    for batch, kernel, mode, rows, want in (
+            (True, True, "batch", Rows(q4), "batch"),
+            (True, True, "batch", Rows(bf16), "calls"),
+            (True, True, "batch", Rows(q4, pinned=False), "calls"),
+            (False, True, "batch", Rows(q4), "kernel"),                 # a driver with no batch call
+            (False, True, "batch", Rows(q4 + 2), "calls"),              # not whole 4-byte words
+            (True, True, "kernel", Rows(q4), "kernel"),
+            (True, True, "calls", Rows(q4), "calls"),
+            (False, False, "batch", Rows(q4), "calls")):
+        monkeypatch.setattr(slots_mod, "batch_copy_available", lambda dev, ok=batch: ok)
+        monkeypatch.setattr(slots_mod, "copy_rows_available", lambda dev, ok=kernel: ok)
+        monkeypatch.setattr(slots_mod, "COPY_MODE", mode)
+        assert pool._copier(rows) == want, (batch, kernel, mode, rows.shape, rows._pinned)
+
+
 def test_on_the_cpu_every_layer_copies_by_copy_calls_and_a_bad_mode_warns(monkeypatch, caplog):
     from moestream.experts.slots import _copy_mode
     from moestream.kernels.batch_copy import batch_copy_available
@@ -120,15 +152,15 @@ def test_a_cache_filled_by_batch_calls_or_the_kernel_computes_what_copy_calls_fi
     ids = torch.randint(0, 1000, (96,), generator=torch.Generator().manual_seed(1)).tolist()
     kw = dict(ubatch_size=32, ctx_size=128, device="cuda")
     want = LLM("synth:tiny", **kw).logits(ids)
-    cap = slots_mod.KERNEL_MAX_ROW
+    cap = slots_mod.MANY_ROWS_MAX
     for mode, max_row, copier in (("batch", cap, "batch"), ("kernel", cap, "kernel"), ("calls", cap, "calls"),
-                                  ("kernel", 0, "calls")):              # 0: rows too wide for the kernel
-        default = slots_mod.COPY_MODE, slots_mod.KERNEL_MAX_ROW
-        slots_mod.COPY_MODE, slots_mod.KERNEL_MAX_ROW = mode, max_row
+                                  ("batch", 0, "calls")):               # 0: rows too wide for either
+        default = slots_mod.COPY_MODE, slots_mod.MANY_ROWS_MAX
+        slots_mod.COPY_MODE, slots_mod.MANY_ROWS_MAX = mode, max_row
         try:
             llm = LLM("synth:tiny", **kw, cpu_moe=True, moe_cache_mib=20)
         finally:
-            slots_mod.COPY_MODE, slots_mod.KERNEL_MAX_ROW = default
+            slots_mod.COPY_MODE, slots_mod.MANY_ROWS_MAX = default
         assert set(llm.engine.host.slots.copier.values()) == {copier}, (mode, max_row)
         assert torch.equal(llm.logits(ids), want), (mode, max_row)
         assert llm.stats()["total"]["misses"] > 0

@@ -47,13 +47,15 @@ RUN_BYTES = 32 << 20                      # copy_experts: at most this much in o
 # How copy_experts moves a layer's misses on CUDA (a copy call costs the host ~30 µs, what 1.6 MB take on the link,
 # so the host fell behind on Q4_K_M rows of 2-3 MB, bench/RESULTS.md stop 25):
 #   batch   one driver call per RUN_BYTES hands the copy engines every (from, to) pair (kernels/batch_copy.py);
-#   kernel  one launch of the row-copy kernel per RUN_BYTES (kernels/copy_rows.py), for rows of at most
-#           KERNEL_MAX_ROW bytes; its programs take SMs from the GEMMs beside it;
-#   calls   a copy call per run of consecutive experts (run_copies): the CPU path, and rows not pinned.
+#   kernel  one launch of the row-copy kernel per RUN_BYTES (kernels/copy_rows.py), where the driver has no batch
+#           call; its programs take SMs from the GEMMs beside it;
+#   calls   a copy call per run of consecutive experts (run_copies): the CPU path, rows not pinned, and rows of
+#           more than MANY_ROWS_MAX bytes (bf16 experts, 6-9 MB: the host keeps up with their copy calls, and the
+#           batch call read 15% slower on the 30B's in one lease, +4% on Qwen3-Next's: RESULTS.md stop 26).
 # Each falls back to the next where it cannot run. MOESTREAM_COPY=kernel or =calls picks another for a whole
 # process (an A/B in one tree).
 COPY_MODES = ("batch", "kernel", "calls")
-KERNEL_MAX_ROW = 4 << 20
+MANY_ROWS_MAX = 4 << 20
 
 
 def _copy_mode(default: str = "batch") -> str:
@@ -97,11 +99,11 @@ class SlotPool:
 
     def _copier(self, rows: torch.Tensor) -> str:
         """How copy_experts moves this layer's rows (COPY_MODES): COPY_MODE, or the first after it that can."""
-        pinned, dev = rows.is_pinned(), self.pool.device
         row = rows.shape[1] * rows.element_size()
-        if COPY_MODE == "batch" and pinned and batch_copy_available(dev):
+        many, dev = rows.is_pinned() and row <= MANY_ROWS_MAX, self.pool.device
+        if COPY_MODE == "batch" and many and batch_copy_available(dev):
             return "batch"
-        if COPY_MODE != "calls" and pinned and copy_rows_available(dev) and row % 4 == 0 and row <= KERNEL_MAX_ROW:
+        if COPY_MODE != "calls" and many and copy_rows_available(dev) and row % 4 == 0:
             return "kernel"
         return "calls"
 
