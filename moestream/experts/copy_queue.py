@@ -28,8 +28,8 @@ class CopyQueue:
 
     def submit(self, pieces: list, speculative: bool, after=None) -> int:
         """Queue the copies: each piece a (dst, src) pair of tensors, or a callable that launches copies on the
-        current stream (the copy stream) and returns their bytes (kernels/copy_rows.py). `after`: a compute-stream
-        event they must wait for (their slots' last readers). Returns the batch's sequence number."""
+        current stream (the copy stream) and returns their bytes (kernels/batch_copy.py, copy_rows.py). `after`: a
+        compute-stream event they must wait for (their slots' last readers). Returns the batch's sequence number."""
         self.seq += 1
         if self.stream is None:
             for piece in pieces:

@@ -116,9 +116,9 @@ class SlotPool:
         return self._queue([(self.pool[s, :src.shape[0]], src) for s, src in copies], slots, speculative, after)
 
     def copy_experts(self, layer: int, misses: list[tuple[int, int]], speculative: bool) -> int:
-        """Copy the (expert, slot) pairs of one layer from its host rows, as submit does: one copy for each run of
-        consecutive experts into consecutive slots (up to RUN_BYTES), not one an expert. A prompt's misses are
-        mostly such runs, and each copy costs the host some microseconds. Returns the batch's sequence number."""
+        """Copy the (expert, slot) pairs of one layer from its host rows, as one batch as submit does, by the layer's
+        copier (COPY_MODES): a batch call or a kernel launch per RUN_BYTES, or a copy call for each run of
+        consecutive experts into consecutive slots (up to RUN_BYTES). Returns the batch's sequence number."""
         rows = self.store_rows[layer]                                        # (E, row) pinned
         pairs = np.asarray(misses, dtype=np.int64).reshape(-1, 2)
         pairs = pairs[np.argsort(pairs[:, 1], kind="stable")]               # by slot
