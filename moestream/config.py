@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import UserError
+from .experts.policy import POLICIES
 from .experts.prefetch import PrefetchConfig
 from .models.families import FAMILIES, family_named, option, titles
 
@@ -277,15 +278,15 @@ class CacheConfig:
     """The GPU expert cache over host layers, and what it copies ahead (experts/prefetch.py documents those)."""
     mib: int | None = None           # None: no cache, each ubatch uploads its experts; 0: the smallest pool that
                                      # works (one layer's experts); N: N MiB (experts/budget.py turns it into slots)
-    policy: str = "lfru"             # lfru (decayed frequency, scan-resistant) | lru
+    policy: str = "lfru"             # lfru (decayed frequency, scan-resistant) | lru | cycle (experts/policy.py)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def __post_init__(self):
         if self.mib is not None and (isinstance(self.mib, bool) or not isinstance(self.mib, (int, float))
                                      or self.mib < 0):
             raise UserError(f"--moe-cache-mib must be >= 0 (a number of MiB), got {self.mib!r}")
-        if self.policy not in ("lfru", "lru"):
-            raise UserError(f"--cache-policy must be lfru or lru, got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise UserError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         pf = self.prefetch
         if pf.min_batch <= 0:
             raise UserError(f"--prefetch-min-batch must be positive, got {pf.min_batch}")

@@ -18,14 +18,16 @@ L, E = 3, 12
 
 # --- residency, without a model --------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
-@given(policy=st.sampled_from(["lfru", "lru"]), n_slots=st.integers(4, 30), max_region=st.integers(4, 30),
+@given(policy=st.sampled_from(["lfru", "lru", "cycle"]), n_slots=st.integers(4, 30), max_region=st.integers(4, 30),
        steps=st.lists(st.tuples(st.integers(0, L - 1), st.sets(st.integers(0, E - 1), min_size=1, max_size=6),
                                 st.sets(st.integers(0, 29), max_size=3)), min_size=1, max_size=40))
 def test_residency_invariants(policy, n_slots, max_region, steps):
     """Also with the pool split into regions (one per launch of the grouped kernel): check() asserts that every
     expert sits in its layer's region, and a layer can only use its region's slots."""
-    res = Residency(n_slots, L, E, make_policy(policy, n_slots), split_regions(n_slots, list(range(L)), max_region))
+    res = Residency(n_slots, L, E, make_policy(policy, n_slots, list(range(L))),
+                    split_regions(n_slots, list(range(L)), max_region))
     for layer, experts, pins in steps:
+        res.policy.at_layer(layer, sweeping=len(experts) > 3)       # (cycle's order by layers, some of the time)
         res.pinned[:] = False
         pins = [p for p in pins if p < n_slots]
         res.pinned[pins] = True
@@ -105,7 +107,7 @@ def base_logits():
 
 
 @pytest.mark.parametrize("mib", [None, 0, 1, 3, 1000])
-@pytest.mark.parametrize("policy", ["lfru", "lru"])
+@pytest.mark.parametrize("policy", ["lfru", "lru", "cycle"])
 def test_logits_bit_identical_across_cache_sizes_and_policies(base_logits, mib, policy):
     """1 MiB (2 slots) runs in waves, 0 is one layer's 16 experts, 3 MiB is 7 slots, 1000 MiB holds every expert."""
     llm = LLM("synth:tiny", ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=mib,
@@ -158,7 +160,7 @@ def test_stats_per_layer_add_up():
 def test_cache_size_errors():
     with pytest.raises(UserError, match="must be >= 0"):
         LLM("synth:tiny", device="cpu", cpu_moe=True, moe_cache_mib=-1)
-    with pytest.raises(UserError, match="cache policy|must be lfru or lru"):
+    with pytest.raises(UserError, match="cache policy|must be one of lfru, lru, cycle"):
         LLM("synth:tiny", device="cpu", cpu_moe=True, moe_cache_mib=1, cache_policy="fifo")
 
 
@@ -168,7 +170,7 @@ def counts_only(d: dict) -> dict:
     return {k: v for k, v in d.items() if k not in ("sync_s", "host_s", "wait_s")}
 
 
-@pytest.mark.parametrize("policy,mib", [("lfru", 1), ("lru", 3), ("lfru", 0)])
+@pytest.mark.parametrize("policy,mib", [("lfru", 1), ("lru", 3), ("lfru", 0), ("cycle", 1), ("cycle", 3)])
 def test_trace_replay_predicts_the_live_cache(tmp_path, policy, mib):
     llm = LLM("synth:tiny", ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=mib,
               cache_policy=policy, prefetch=False)       # the replay models demand misses, not prefetch

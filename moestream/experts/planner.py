@@ -18,6 +18,7 @@ from .stats import CacheStats
 REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a float layer's region is one
                                           # launch (quantized rows are dequantized into a compact stack first, so
                                           # a pool of them is one region of any size)
+SWEEP_SHARE = 0.9                         # a ubatch that routes this share of a layer's experts sweeps the layer
 
 
 class CachePlanner:
@@ -29,8 +30,9 @@ class CachePlanner:
         """one_region: the kernels index a compact stack, not the pool (every host layer quantized), so the pool is
         one region whatever its size: a layer's experts may take any slot."""
         max_region = max(1, n_slots) if one_region else REGION_SLOTS
-        regions = split_regions(n_slots, layers if layers is not None else list(range(n_layers)), max_region)
-        self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots), regions)
+        layers = layers if layers is not None else list(range(n_layers))
+        regions = split_regions(n_slots, layers, max_region)
+        self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots, layers), regions)
         self.stats = CacheStats()
         self.policy_name, self.expert_bytes = policy, expert_bytes
         self.layer_bytes = layer_bytes or {}            # a layer's expert bytes where they differ from expert_bytes
@@ -41,6 +43,7 @@ class CachePlanner:
         if self._last_layer is None or layer <= self._last_layer:
             self.residency.policy.tick()                # a new ubatch: the policy's clock counts ubatches
         self._last_layer = layer
+        self.residency.policy.at_layer(layer, len(wanted) >= SWEEP_SHARE * self.residency.slot_of.shape[1])
         n = self.residency.region_size(layer)
         return [wanted] if len(wanted) <= n else [wanted[i:i + n] for i in range(0, len(wanted), n)]
 

@@ -2,8 +2,10 @@
 
     p = make_policy("lfru", n_slots=1700)
     p.tick()                      # a new ubatch began
+    p.at_layer(layer, sweeping)   # the ubatch's experts of this layer are planned now (sweeping: nearly all)
     p.touch(slots)                # these slots were used (hits and fresh inserts)
     victims = p.order(candidates) # candidates sorted best victim first
+    victims = p.lowest(candidates, n, layers)   # the n best, knowing each candidate's layer (cycle uses it)
 
 A policy only ranks slots: the residency table says which slots are free, pinned or in use.
 """
@@ -25,6 +27,9 @@ class LRU:
     def tick(self) -> None:
         self.clock += 1
 
+    def at_layer(self, layer: int, sweeping: bool) -> None:
+        """The ubatch's routed experts of `layer` are planned now; `sweeping`: nearly all of the layer's."""
+
     def touch(self, slots: np.ndarray) -> None:
         self.last[slots] = self.clock
 
@@ -38,11 +43,16 @@ class LRU:
         """candidates (ascending slots) sorted by eviction preference (lowest score first; ties by slot index)."""
         return candidates[np.argsort(self.score(candidates), kind="stable")]
 
-    def lowest(self, candidates: np.ndarray, n: int) -> np.ndarray:
-        """order(candidates)[:n] without sorting them all (a miss picks a few victims among ~all slots)."""
+    def rank(self, candidates: np.ndarray, layers: np.ndarray | None) -> np.ndarray:
+        """The candidates' eviction scores (lowest first), given their layers where known."""
+        return self.score(candidates)
+
+    def lowest(self, candidates: np.ndarray, n: int, layers: np.ndarray | None = None) -> np.ndarray:
+        """order(candidates)[:n] without sorting them all (a miss picks a few victims among ~all slots). layers:
+        each candidate's layer, for a policy that ranks by it."""
+        s = self.rank(candidates, layers)
         if n >= len(candidates):
-            return self.order(candidates)
-        s = self.score(candidates)
+            return candidates[np.argsort(s, kind="stable")]
         cut = np.partition(s, n - 1)[n - 1]
         below = np.flatnonzero(s < cut)
         at = np.flatnonzero(s == cut)[:n - len(below)]          # ties at the cut: lowest slots, as order() has
@@ -83,10 +93,42 @@ class LFRU(LRU):
         return self._now(slots) + 1e-9 * self.last[slots]
 
 
-POLICIES = {"lru": LRU, "lfru": LFRU}
+class Cycle(LFRU):
+    """lfru, but while a prompt ubatch sweeps (routes nearly every expert of each layer, as Qwen3-Next's 2048-token
+    ubatches do), the victims are the experts of the layers it has just passed, the latest first: the ones whose
+    next use is farthest, the next sweep's pass over the layers (Belady's order for this cycle). lfru ranks a sweep's
+    experts alike and evicts the oldest, which are the next layers' kept experts: at 4000 MiB a Qwen3-Next prompt
+    moved 92-100% of its experts. `bench/sweep_residency.py` simulates 85.5% with this order (two layers copied
+    ahead), and 75.6% for BF16 at 16000 MiB against 87-88% live (bench/RESULTS.md, stop 26). Decode and prompts
+    that route part of a layer keep lfru's order, scan resistance included. Opt-in (`--cache-policy cycle`) until
+    measured on the GPU."""
+    name = "cycle"
+    WEIGHT = 1e6                    # a layer step outweighs any decayed frequency
+
+    def __init__(self, n_slots: int, layers: list[int] | None = None):
+        super().__init__(n_slots)
+        order = sorted(layers) if layers else [0]
+        self.pos = np.zeros(max(order) + 1, dtype=np.int64)        # layer id -> its place in a pass
+        self.pos[order] = np.arange(len(order))
+        self.n_layers = len(order)
+        self.cursor: int | None = None                              # the sweeping layer's place, else None
+
+    def at_layer(self, layer: int, sweeping: bool) -> None:
+        self.cursor = int(self.pos[layer]) if sweeping and layer < len(self.pos) else None
+
+    def rank(self, candidates: np.ndarray, layers: np.ndarray | None) -> np.ndarray:
+        s = self.score(candidates)
+        if self.cursor is None or layers is None:
+            return s
+        ahead = (self.pos[layers] - self.cursor) % self.n_layers    # layers until their next use: the largest go
+        return s - self.WEIGHT * ahead
 
 
-def make_policy(name: str, n_slots: int):
+POLICIES = {"lfru": LFRU, "lru": LRU, "cycle": Cycle}
+
+
+def make_policy(name: str, n_slots: int, layers: list[int] | None = None):
+    """layers: the cache's host layers, in the order a forward passes them (cycle ranks by it)."""
     if name not in POLICIES:
         raise UserError(f"unknown cache policy {name!r}; choose one of: {', '.join(POLICIES)}")
-    return POLICIES[name](n_slots)
+    return Cycle(n_slots, layers) if name == "cycle" else POLICIES[name](n_slots)

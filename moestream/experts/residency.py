@@ -83,7 +83,8 @@ class Residency:
             owned = self.owner[free, 0] >= 0
             victims = free[~owned][:len(need)]                  # empty slots first
             if len(victims) < len(need):
-                taken = self.policy.lowest(free[owned], len(need) - len(victims))
+                cand = free[owned]
+                taken = self.policy.lowest(cand, len(need) - len(victims), self.owner[cand, 0])
                 plan.evicted = self.evict(taken)
                 # in slot order: ascending experts then fill runs of consecutive slots, each run one copy
                 victims = np.sort(np.concatenate([victims, taken]))

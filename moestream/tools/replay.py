@@ -15,6 +15,7 @@ import argparse
 
 from .. import flags
 from ..errors import UserError
+from ..experts.policy import POLICIES
 
 
 def _ints(s: str) -> list[int]:
@@ -45,9 +46,9 @@ def main(a: argparse.Namespace) -> int:
     from ..experts.budget import cache_slots
     from ..experts.trace import load_trace, replay
     policies = a.policy.split(",")
-    bad = [p for p in policies if p not in ("lfru", "lru")]
+    bad = [p for p in policies if p not in POLICIES]
     if bad:
-        raise UserError(f"--policy takes lfru and/or lru, got {bad[0]!r}")
+        raise UserError(f"--policy takes {', '.join(POLICIES)} (a comma list), got {bad[0]!r}")
     if not (a.slots or a.moe_cache_mib):
         raise UserError("give cache sizes with --moe-cache-mib or --slots")
     tr = load_trace(a.trace)
