@@ -39,9 +39,9 @@ class LRU:
     def score(self, slots: np.ndarray) -> np.ndarray:
         return self.last[slots].astype(np.float64)
 
-    def order(self, candidates: np.ndarray) -> np.ndarray:
+    def order(self, candidates: np.ndarray, layers: np.ndarray | None = None) -> np.ndarray:
         """candidates (ascending slots) sorted by eviction preference (lowest score first; ties by slot index)."""
-        return candidates[np.argsort(self.score(candidates), kind="stable")]
+        return candidates[np.argsort(self.rank(candidates, layers), kind="stable")]
 
     def rank(self, candidates: np.ndarray, layers: np.ndarray | None) -> np.ndarray:
         """The candidates' eviction scores (lowest first), given their layers where known."""
@@ -50,9 +50,9 @@ class LRU:
     def lowest(self, candidates: np.ndarray, n: int, layers: np.ndarray | None = None) -> np.ndarray:
         """order(candidates)[:n] without sorting them all (a miss picks a few victims among ~all slots). layers:
         each candidate's layer, for a policy that ranks by it."""
-        s = self.rank(candidates, layers)
         if n >= len(candidates):
-            return candidates[np.argsort(s, kind="stable")]
+            return self.order(candidates, layers)
+        s = self.rank(candidates, layers)
         cut = np.partition(s, n - 1)[n - 1]
         below = np.flatnonzero(s < cut)
         at = np.flatnonzero(s == cut)[:n - len(below)]          # ties at the cut: lowest slots, as order() has

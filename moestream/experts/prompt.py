@@ -194,15 +194,16 @@ class PromptPath:
         end there, and a prompt that sweeps every expert left the link idle until the next routing (RESULTS.md,
         stop 26)."""
         eb = self.store.expert_bytes
-        queue = self.slots.queue
-        room = (FILL_LOW_BYTES if low is None else low) - queue.pending_bytes()
+        room = (FILL_LOW_BYTES if low is None else low) - self.slots.queue.pending_bytes()
         if room < eb:
             return True
-        bound = self.prefetch.max_inflight_mib << 20
-        if bound < eb:                                  # never room for one expert
+        if (self.prefetch.max_inflight_mib << 20) < eb:        # never room for one expert
             self.fill = []
             return False
-        if self.fill and bound - queue.speculative_inflight() < eb:
+        if not self.fill:
+            return False
+        in_flight_room = self._in_flight_room()
+        if in_flight_room < eb:
             return True
         while self.fill:
             layer, experts = self.fill[0]
@@ -210,7 +211,7 @@ class PromptPath:
             if not len(missing):
                 self.fill.pop(0)
                 continue
-            copied = self._prefetch(layer, missing[:max(1, room // eb)])       # the first ones, in order
+            copied = self._prefetch(layer, missing[:max(1, room // eb)], in_flight_room)   # the first ones
             if not copied:                          # every slot is pinned
                 self.fill = []
                 return False
@@ -219,14 +220,18 @@ class PromptPath:
             return True
         return False
 
-    def _prefetch(self, layer: int, experts: np.ndarray) -> int:
-        """Copy ahead the experts of `layer` not resident, in the given order, within the in-flight bound. Returns
-        how many it copied."""
+    def _in_flight_room(self) -> int:
+        """Speculative bytes the in-flight bound still admits."""
+        return (self.prefetch.max_inflight_mib << 20) - self.slots.queue.speculative_inflight()
+
+    def _prefetch(self, layer: int, experts: np.ndarray, room: int | None = None) -> int:
+        """Copy ahead the experts of `layer` not resident, in the given order, within the in-flight bound (`room`:
+        what it admits, if the caller has just asked). Returns how many it copied."""
         res = self.residency
         experts = experts[res.slot_of[layer, experts] < 0]
         if not len(experts):
             return 0
-        room = self.prefetch.max_inflight_mib * (1 << 20) - self.slots.queue.speculative_inflight()
+        room = self._in_flight_room() if room is None else room
         n = min(len(experts), max(0, room // self.store.expert_bytes))
         self.slots.refresh_pins()
         a, b = res.bounds[layer]            # the layer's region of the pool: the slots it can take (not the pool's)

@@ -149,8 +149,7 @@ class SlotPool:
             batch_copy(dst[a:b], src[a:b], row_bytes, stream)
             return (b - a) * row_bytes
 
-        cap = max(1, RUN_BYTES // row_bytes)
-        return [lambda a=a: piece(a, min(a + cap, len(slots))) for a in range(0, len(slots), cap)]
+        return _pieces(piece, len(slots), row_bytes)
 
     def _kernel_copies(self, rows: torch.Tensor, experts: np.ndarray, slots: np.ndarray, row_bytes: int) -> list:
         """copy_experts' pieces as launches of the row-copy kernel (kernels/copy_rows.py), RUN_BYTES each (the
@@ -166,8 +165,7 @@ class SlotPool:
             copy_rows(dev[0][0], dev[0][1], row_bytes, self.aligned, first=a, count=b - a)
             return (b - a) * row_bytes
 
-        cap = max(1, RUN_BYTES // row_bytes)
-        return [upload] + [lambda a=a: launch(a, min(a + cap, len(slots))) for a in range(0, len(slots), cap)]
+        return [upload] + _pieces(launch, len(slots), row_bytes)
 
     def _queue(self, copies: list, slots: np.ndarray, speculative: bool, after=None) -> int:
         """Queue the copies ((pool rows, host rows) pairs or kernel launches, CopyQueue.submit's pieces) as one
@@ -272,6 +270,12 @@ class SlotPool:
         """Float layouts: the (S_region, 2I, H) and (S_region, H, I) views of the layer's region."""
         rows, _ = self.regions[layer]
         return self.layouts[layer].views(rows)
+
+
+def _pieces(copy, n: int, row_bytes: int) -> list:
+    """The queue's pieces that copy n rows of row_bytes by `copy(a, b)` (rows a to b), RUN_BYTES or so each."""
+    cap = max(1, RUN_BYTES // row_bytes)
+    return [lambda a=a: copy(a, min(a + cap, n)) for a in range(0, n, cap)]
 
 
 def run_copies(dst: torch.Tensor, src: torch.Tensor, experts: np.ndarray, slots: np.ndarray) -> list:
