@@ -278,7 +278,7 @@ class CacheConfig:
     """The GPU expert cache over host layers, and what it copies ahead (experts/prefetch.py documents those)."""
     mib: int | None = None           # None: no cache, each ubatch uploads its experts; 0: the smallest pool that
                                      # works (one layer's experts); N: N MiB (experts/budget.py turns it into slots)
-    policy: str = "lfru"             # lfru (decayed frequency, scan-resistant) | lru | cycle (experts/policy.py)
+    policy: str = "cycle"            # cycle (lfru, sweeps evict the layers just passed) | lfru | lru (experts/policy.py)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def __post_init__(self):

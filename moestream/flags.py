@@ -56,8 +56,8 @@ OPTIONS = (
     Option("moe_cache_mib", "cache.mib", ("--moe-cache-mib",),
            "GPU cache for host-resident experts, in MiB (0: the smallest that works)", type=int, metavar="MIB"),
     Option("cache_policy", "cache.policy", ("--cache-policy",),
-           "expert cache eviction: lfru (default), lru, or cycle (lfru, but a prompt ubatch that routes nearly "
-           "every expert of a layer evicts the layers it has just passed first)"),
+           "expert cache eviction: cycle (default: lfru, but a prompt ubatch that routes nearly every expert of a "
+           "layer evicts the layers it has just passed first), lfru (decayed frequency) or lru"),
     Option("prefetch", "cache.prefetch.enabled", ("--no-prefetch",),
            "upload on demand only: no copy-ahead, with a cache or without", "off"),
     Option("prefetch_min_batch", "cache.prefetch.min_batch", ("--prefetch-min-batch",),

@@ -203,7 +203,7 @@ def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib, looka
     path = tmp_path / "run.npz"
     rec.save(str(path))
     from moestream.experts.prefetch import PrefetchConfig
-    got = replay(load_trace(str(path)), llm.stats()["cache"]["slots"], "lfru",
+    got = replay(load_trace(str(path)), llm.stats()["cache"]["slots"], llm.engine.ecfg.cache.policy,
                  PrefetchConfig(min_batch=8, lookahead=lookahead))
     live = llm.stats()
     assert live["total"]["prefetched"] > 0

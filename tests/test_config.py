@@ -133,7 +133,7 @@ def test_flat_names_reach_the_nested_fields():
                        zero_copy_decode=False, n_seq=3)
     assert ecfg.placement.cpu_moe and ecfg.cache.mib == 16 and ecfg.batching.ubatch_size == 256
     assert not ecfg.cache.prefetch.seed_previous and ecfg.decode.zero_copy is False and ecfg.batching.n_seq == 3
-    assert ecfg.cache.policy == "lfru" and ecfg.batching.ubatch == 256       # untouched fields keep their values
+    assert ecfg.cache.policy == "cycle" and ecfg.batching.ubatch == 256      # untouched fields keep their values
     assert flags.apply(ecfg) == ecfg
 
 

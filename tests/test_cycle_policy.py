@@ -56,3 +56,30 @@ def test_sweeping_prompts_upload_fewer_experts_under_cycle_than_lfru():
     assert all(c <= 48 for c in cycle) and cycle_wasted == 0
     assert sum(cycle[1:]) < sum(lfru[1:]) and lfru_wasted > 0, (cycle, lfru)
     assert max(cycle[1:]) <= 0.8 * 48                       # a fifth or more kept across prompts
+
+
+def _decode_set_after_sweeps(policy: str, L: int = 4, E: int = 8, n_slots: int = 16) -> int:
+    """Decode uses experts 0 and 1 of every layer for a while; then three prompts sweep every expert of every layer,
+    layer by layer: how many of the decode set's 2 * L experts are still resident."""
+    from moestream.experts.residency import Residency
+    res = Residency(n_slots, L, E, make_policy(policy, n_slots, list(range(L))))
+    hot = np.array([0, 1])
+    for _ in range(50):
+        res.policy.tick()
+        for layer in range(L):
+            res.policy.at_layer(layer, sweeping=False)
+            res.ensure(layer, hot)
+    for _ in range(3):
+        res.policy.tick()
+        for layer in range(L):
+            res.policy.at_layer(layer, sweeping=True)
+            res.ensure(layer, np.arange(E))
+    return int((res.slot_of[:, hot] >= 0).sum())
+
+
+def test_sweeps_keep_the_decode_set_under_cycle_as_under_lfru():
+    """A sweep evicts the layer it has just passed, but within that layer lfru's order: the experts decode used
+    often stay, the sweep's own (used once) go. So a server's prompt does not flush the streams' decode set where
+    the pool holds it beside a layer's sweep; lru flushes it."""
+    assert _decode_set_after_sweeps("cycle") == _decode_set_after_sweeps("lfru") == 8
+    assert _decode_set_after_sweeps("lru") < 8

@@ -152,9 +152,9 @@ def test_a_trace_of_a_quantized_file_replays_its_one_region_pool(files, tmp_path
     slots = llm.stats()["cache"]["slots"]
     timing = ("sync_s", "host_s", "wait_s")
     live = {k: v for k, v in llm.stats()["total"].items() if k not in timing}
-    assert {k: v for k, v in replay(trace, slots, "lfru")["total"].items() if k not in timing} == live
+    assert {k: v for k, v in replay(trace, slots, llm.engine.ecfg.cache.policy)["total"].items() if k not in timing} == live
     trace.quantized = False
-    assert {k: v for k, v in replay(trace, slots, "lfru")["total"].items() if k not in timing} != live
+    assert {k: v for k, v in replay(trace, slots, llm.engine.ecfg.cache.policy)["total"].items() if k not in timing} != live
 
 
 def test_a_quantized_file_runs_float32_on_the_cpu(files):

@@ -308,7 +308,7 @@ def test_trace_replay_predicts_zero_copy_decode(tmp_path, mib, prefetch, read_th
         llm.generate(p, max_tokens=12, ignore_eos=True)
     path = tmp_path / "zc.npz"
     rec.save(str(path))
-    got = replay(load_trace(str(path)), llm.stats()["cache"]["slots"], "lfru",
+    got = replay(load_trace(str(path)), llm.stats()["cache"]["slots"], llm.engine.ecfg.cache.policy,
                  PrefetchConfig(min_batch=8) if prefetch else None, zero_copy=True, read_through=read_through,
                  staged=stage)
     live = llm.stats()

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-cache-mib", type=_ints, default=None,
                    help="cache sizes in MiB, comma list (0: the smallest pool, one layer's experts, as live)")
     p.add_argument("--slots", type=_ints, default=None, help="cache sizes in expert slots, comma list")
-    p.add_argument("--policy", default="lfru,lru", help="policies, comma list (default lfru,lru)")
+    p.add_argument("--policy", default="cycle,lfru,lru", help="policies, comma list (default cycle,lfru,lru)")
     p.add_argument("--prefetch", action="store_true",
                    help="also run the prefetch: the prompt-path rules, and lookahead from the guesses the trace holds")
     flags.add_engine_arguments(p, flags.PREFETCH_RULES)        # the rules' flags, as the engine takes them
