@@ -54,6 +54,7 @@ def test_summary_roofline_is_link_bound_over_measured():
     assert row["test"] == "pp512" and row["uploaded_gb"] == pytest.approx(1.0)
     assert row["bound_s"] == pytest.approx(0.02) and row["roofline_frac"] == pytest.approx(0.02 / 0.05)
     assert row["tps_mean"] == pytest.approx((512 / 0.04 + 512 / 0.06) / 2)
+    assert row["samples_ts"] == pytest.approx([512 / 0.04, 512 / 0.06])        # each repetition, in order
     assert row["wait_ms_per_layer"] == pytest.approx(1.0)                       # 48 ms over 48 layers
     row = summarise(t, runs, 48, link_bps=None, compute_s_per_token=1e-4)      # the CPU: compute bound only
     assert row["bound_s"] == pytest.approx(0.0512) and row["link_gbps"] is None

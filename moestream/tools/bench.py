@@ -221,6 +221,7 @@ def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float 
     wait, host = tot["wait_s"], tot["host_s"]
     return {"test": test.name, "n_prompt": test.n_prompt, "n_gen": test.n_gen, "reps": len(runs),
             "tps_mean": statistics.mean(tps), "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0,
+            "samples_ts": tps,                                      # each repetition's t/s (llama-bench's json)
             "seconds_mean": seconds,
             "uploaded_gb": None if tot["uploaded_bytes"] is None else tot["uploaded_bytes"] / 1e9,
             "copies": tot["copies"], "hit_rate": tot["hit_rate"],
