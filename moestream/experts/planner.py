@@ -9,15 +9,35 @@ demand counts.
 """
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
 
 from .policy import make_policy
 from .residency import Residency, split_regions
 from .stats import CacheStats
 
+log = logging.getLogger("moestream")
 REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a float layer's region is one
                                           # launch (quantized rows are dequantized into a compact stack first, so
                                           # a pool of them is one region of any size)
+# MOESTREAM_FLOAT_POOL=one makes a float pool one region as well: a layer whose slots span more than one launch
+# reads a compact stack of them, gathered on the device (ExpertWeights.dense). Regions keep three layers' experts
+# resident during a sweep (the layers take them in turn); one region lets a sweep evict the layer just passed, and
+# keeps more across prompts (bench/RESULTS.md, stop 27). Opt-in until measured on the GPU.
+FLOAT_POOLS = ("regions", "one")
+
+
+def _float_pool() -> str:
+    v = os.environ.get("MOESTREAM_FLOAT_POOL", "regions")
+    if v not in FLOAT_POOLS:
+        log.warning("MOESTREAM_FLOAT_POOL=%r is not one of %s: float pools in regions", v, ", ".join(FLOAT_POOLS))
+        return "regions"
+    return v
+
+
+FLOAT_POOL = _float_pool()
 SWEEP_SHARE = 0.9                         # a ubatch that routes this share of a layer's experts sweeps the layer
 
 
@@ -29,7 +49,7 @@ class CachePlanner:
                  one_region: bool = False):
         """one_region: the kernels index a compact stack, not the pool (every host layer quantized), so the pool is
         one region whatever its size: a layer's experts may take any slot."""
-        max_region = max(1, n_slots) if one_region else REGION_SLOTS
+        max_region = max(1, n_slots) if one_region or FLOAT_POOL == "one" else REGION_SLOTS
         layers = layers if layers is not None else list(range(n_layers))
         regions = split_regions(n_slots, layers, max_region)
         self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots, layers), regions)

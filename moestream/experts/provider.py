@@ -41,7 +41,7 @@ class ExpertWeights:
         slots, ascending, if the provider has them on the host already (a quantized run then needs no host sync)."""
         if layout.quantized:
             return ExpertWeights(None, None, slots, rows, layout, used)
-        return ExpertWeights(*layout.views(rows), slots)
+        return ExpertWeights(*layout.views(rows), slots, used=used)
 
     def run(self, kernel, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """kernel(x, slots, w13, w2) -> (T, k, H), over the weights `dense` gives for `slots` (default: self's)."""
@@ -57,15 +57,35 @@ class ExpertWeights:
         kernels while its uploads cross the link)."""
         slots = self.slots if slots is None else slots
         if self.layout is None:
-            return ExpertWeights(self.w13, self.w2, slots)
+            return self._float(slots)
         from ..kernels.dequant import dequantize_rows     # Triton on CUDA, plain torch elsewhere: the same values
-        if slots is self.slots and self.used is not None:
-            used = host_to_device(self.used, slots.device)
-            compact = torch.searchsorted(used, slots)
-        else:
-            used, compact = torch.unique(slots, sorted=True, return_inverse=True)
+        used, compact = self._compact(slots)
         w13, w2 = dequantize_rows(self.rows, used, self.layout, dtype)
         return ExpertWeights(w13, w2, compact)
+
+    def _float(self, slots: torch.Tensor) -> "ExpertWeights":
+        """Float rows: the stacks themselves where one grouped GEMM launch takes them (at most MAX_GROUPS slots);
+        in a larger pool (one region of float slots) the window of MAX_GROUPS slots that holds every slot read, or
+        else those slots gathered into a compact stack in slot order. Each expert meets the same weights in the
+        same order wherever they lie: the same bits."""
+        from ..kernels.grouped import MAX_GROUPS
+        S = self.w13.shape[0]
+        if S <= MAX_GROUPS:
+            return ExpertWeights(self.w13, self.w2, slots)
+        if slots is self.slots and self.used is not None and len(self.used):
+            lo = min(int(self.used[0]), S - MAX_GROUPS)
+            if int(self.used[-1]) < lo + MAX_GROUPS:                 # one window: views, no copy
+                return ExpertWeights(self.w13[lo:lo + MAX_GROUPS], self.w2[lo:lo + MAX_GROUPS], slots - lo)
+        used, compact = self._compact(slots)
+        return ExpertWeights(self.w13[used], self.w2[used], compact)
+
+    def _compact(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distinct slots read (ascending, on the device) and each choice's index among them: from `used` where
+        the provider knew them on the host, else torch.unique (which waits for the device)."""
+        if slots is self.slots and self.used is not None:
+            used = host_to_device(self.used, slots.device)
+            return used, torch.searchsorted(used, slots)
+        return torch.unique(slots, sorted=True, return_inverse=True)[:2]
 
 
 class ExpertProvider:
