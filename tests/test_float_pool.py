@@ -92,3 +92,20 @@ def test_sweeps_keep_more_in_one_region_than_in_regions(launch_of_8, monkeypatch
     one = _uploads_per_prompt(30)
     assert regions[0] == one[0] == 48
     assert sum(one[1:]) < sum(regions[1:]), (one, regions)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pool", ["regions", "one"])
+def test_grouped_kernel_over_windows_and_gathers_gives_the_all_gpu_logits_on_cuda(launch_of_8, monkeypatch, pool):
+    """bf16, the grouped kernel and the copy stream: launches of 8 slots over a pool of every expert (64 slots),
+    read through windows and gathered stacks, give the bits of every expert on the GPU."""
+    spec = "synth:tiny:dtype=bfloat16"
+    prompts = [list(range(1 + s, 300 + s, 3)) for s in range(2)]
+    base = LLM(spec, ctx_size=512, device="cuda", ubatch_size=64)
+    want = [base.logits(p) for p in prompts]
+    monkeypatch.setattr(planner, "FLOAT_POOL", pool)
+    for mib in (3, 100):
+        llm = LLM(spec, ctx_size=512, device="cuda", ubatch_size=64, cpu_moe=True, moe_cache_mib=mib)
+        for p, w in zip(prompts, want):
+            assert torch.equal(llm.logits(p), w), (pool, mib)
