@@ -9,16 +9,12 @@ demand counts.
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 
+from .. import knobs
 from .policy import make_policy
 from .residency import Residency, split_regions
 from .stats import CacheStats
-
-log = logging.getLogger("moestream")
 REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a float layer's region is one
                                           # launch (quantized rows are dequantized into a compact stack first, so
                                           # a pool of them is one region of any size)
@@ -29,15 +25,7 @@ REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 group
 FLOAT_POOLS = ("regions", "one")
 
 
-def _float_pool() -> str:
-    v = os.environ.get("MOESTREAM_FLOAT_POOL", "regions")
-    if v not in FLOAT_POOLS:
-        log.warning("MOESTREAM_FLOAT_POOL=%r is not one of %s: float pools in regions", v, ", ".join(FLOAT_POOLS))
-        return "regions"
-    return v
-
-
-FLOAT_POOL = _float_pool()
+FLOAT_POOL = knobs.choice("MOESTREAM_FLOAT_POOL", FLOAT_POOLS, "regions")
 SWEEP_SHARE = 0.9                         # a ubatch that routes this share of a layer's experts sweeps the layer
 
 

@@ -26,12 +26,10 @@ Invariants (tests/test_slots.py checks them without a model):
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 import torch
 
+from .. import knobs
 from ..kernels.batch_copy import batch_copy, batch_copy_available
 from ..kernels.copy_rows import copy_rows, copy_rows_available
 from .copy_queue import CopyQueue
@@ -39,7 +37,6 @@ from .provider import ExpertWeights
 from .residency import Residency
 from .store import ExpertStore
 
-log = logging.getLogger("moestream")
 
 NOT_YET = np.iinfo(np.int64).max          # a slot handed out whose reading compute has no event yet
 RUN_BYTES = 32 << 20                      # copy_experts: at most this much in one copy (the copy stream's
@@ -58,12 +55,8 @@ COPY_MODES = ("batch", "kernel", "calls")
 MANY_ROWS_MAX = 4 << 20
 
 
-def _copy_mode(default: str = "batch") -> str:
-    v = os.environ.get("MOESTREAM_COPY", default)
-    if v not in COPY_MODES:
-        log.warning("MOESTREAM_COPY=%r is not one of %s: expert copies by %s", v, ", ".join(COPY_MODES), default)
-        return default
-    return v
+def _copy_mode() -> str:
+    return knobs.choice("MOESTREAM_COPY", COPY_MODES, "batch")
 
 
 COPY_MODE = _copy_mode()

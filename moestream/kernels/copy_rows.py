@@ -14,24 +14,15 @@ oracle, and nothing downstream can tell which made a slot.
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
+from .. import knobs
 from .decode import triton
 
-log = logging.getLogger("moestream")
 
-
-def _programs(default: int = 16) -> int:
+def _programs() -> int:
     """MOESTREAM_COPY_PROGRAMS=N sets the programs for a whole process (a measurement's knob)."""
-    v = os.environ.get("MOESTREAM_COPY_PROGRAMS", "")
-    if v.isdigit() and int(v) > 0:
-        return int(v)
-    if v:
-        log.warning("MOESTREAM_COPY_PROGRAMS=%r is not a positive whole number: %d programs", v, default)
-    return default
+    return knobs.positive_int("MOESTREAM_COPY_PROGRAMS", 16)
 
 
 PROGRAMS = _programs()       # persistent programs: each keeps BLOCK bytes of loads in flight (16 x 64 KB in all)

@@ -34,10 +34,9 @@ landing slots and scratch rows before this kernel runs, so that it reads every r
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import knobs
 from ..quant.layout import ExpertLayout
 from ..quant.types import row_bytes
 from .qblocks import SHAPES, has_path, kvalues, triton
@@ -50,8 +49,8 @@ WARPS = 4
 # 381 / 259 / 40, with the same greedy tokens. One kernel for every placement keeps one file's greedy tokens the same
 # whatever the placement; a layout of a type "runs" does not cover takes "values" on every placement alike.
 # MOESTREAM_DECODE_QUANT=values|subblocks|runs picks one for a whole process (bench/gpu.sh qdecode measures each).
-VARIANT = os.environ.get("MOESTREAM_DECODE_QUANT", "runs")
 VARIANTS = ("values", "subblocks", "runs")
+VARIANT = knobs.choice("MOESTREAM_DECODE_QUANT", VARIANTS, "runs")
 ROWS = 4                 # subblocks: rows a program reads of each matrix (a gate/up program: 2 x 4 x 1152 bytes
 STEP_VALUES = 1024       # of Q4_K); values of a row a step reads, at most (a step: ROWS x STEP_VALUES values)
 

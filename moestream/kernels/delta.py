@@ -38,15 +38,17 @@ too. No kernel here uses atomics, so a forward's bits do not depend on the exper
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .. import knobs
 
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
+
+DELTA_KERNELS = ("fla", "fla-recurrent", "torch")     # MOESTREAM_DELTA's choices (pick_delta_kernels)
 
 
 def fla_available() -> bool:
@@ -220,7 +222,7 @@ def pick_delta_kernels(device: torch.device, dtype: torch.dtype, want: str | Non
     """The DeltaNet kernels for this device and dtype: fla's on CUDA where it is installed, else the references.
     want: fla (the default), fla-recurrent or torch; None: MOESTREAM_DELTA's, or fla."""
     from ..models.deltanet import TORCH, DeltaKernels, causal_conv1d
-    want = want or os.environ.get("MOESTREAM_DELTA", "fla")
+    want = want or knobs.choice("MOESTREAM_DELTA", DELTA_KERNELS, "fla")
     if torch.device(device).type != "cuda" or want == "torch" or not fla_available() or triton is None:
         return TORCH
     if want == "fla-recurrent":
