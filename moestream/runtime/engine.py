@@ -337,11 +337,15 @@ class Engine:
     def _setup_decode(self) -> None:
         """Choose the decode path (runtime/decode.py), with a cache's zero-copy decode under it. A new cache gets a
         new path: its graphs read the new cache's tables."""
-        if isinstance(self.host, ExpertCache) and self.decode_kernel is not None:
+        zero_copy_cache = isinstance(self.host, ExpertCache) and self.decode_kernel is not None
+        if self.ecfg.decode.host_share and not zero_copy_cache:
+            log.warning("--host-compute applies to zero-copy decode over a cache of host experts (CUDA, --cpu-moe or "
+                        "--n-cpu-moe, --moe-cache-mib): ignored here")
+        if zero_copy_cache:
             staged = self.ecfg.decode.stages(self.quantized)
             once = staged or not self.quantized    # (quantized rows land and are read once a step only staged)
             self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.lands(self.quantized), reads_once=once,
-                                       staged=staged)
+                                       staged=staged, host_share=self.ecfg.decode.host_share)
         for rows in self.host.device_rows() if self.host is not None else ():
             self.book.add(rows)              # what decode kernels read by address (the plain-torch one through it)
         self.decoder = choose_decode(self)

@@ -1,0 +1,58 @@
+"""The host's cores as a second link (--host-compute SHARE): in a zero-copy decode step over the cache, a share of
+the experts the step would read from host memory are computed on the host instead, while the GPU reads the rest.
+
+    share = HostShare(store, stats, 0.5, pool, reads_once=True)
+    part = share.split(layer, x, ids, weights, addrs, from_host)     # None, or (addrs, compute)
+    out = decode_kernel(x, addrs, ...)                                 # the GPU's part, queued first
+    out = out + compute().to(out)                                      # the host's part, computed meanwhile
+
+Why: a bf16 expert is read at 61-68 GB/s by 16 host cores (kernels/host_experts.py, numba) against the link's
+50-55, so a step whose misses split between the two moves them in about half the time (bench/RESULTS.md, stop 19).
+The choices the host computes read a zeroed device row in the kernel (their output is exactly 0 there, with no
+host bytes read), and the host adds its float32 sum of them to the layer's output.
+
+What it costs: one host sync a layer (the routing, to choose), so steps run eagerly (runtime/decode.py); no
+read-through or staging (config.DecodeConfig: the kernel does not read what the host computes, so nothing of it
+would land); and the numerics contract: the host's experts are its float32 sums, in another order than the GPU
+kernel's, added to the kernel's rounded output, so a step's bits depend on which experts the host computed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels.host_experts import host_experts
+from .stats import CacheStats
+from .store import ExpertStore
+
+
+class HostShare:
+    def __init__(self, store: ExpertStore, stats: CacheStats, share: float, pool: torch.Tensor, reads_once: bool):
+        self.store, self.stats, self.share, self.reads_once = store, stats, share, reads_once
+        self.zero_row = torch.zeros_like(pool[:1])          # (1, row): what a host-computed choice reads
+        self.zero_addr = self.zero_row.data_ptr()
+
+    def split(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, addrs: torch.Tensor,
+              from_host: np.ndarray):
+        """x (T, H), ids / weights / addrs (T, k) of the step's layer; from_host (E,): the experts its table reads
+        from host memory. The host takes `share` of those the step routes (by count, rounded), the ones fewest
+        tokens chose first (its cost grows with the tokens, the link's does not). Returns None when it takes none."""
+        ids_h = ids.cpu().numpy()                             # the layer's host sync: its routing
+        on_host = from_host[ids_h]                            # (T, k)
+        if not on_host.any():
+            return None
+        experts, counts = np.unique(ids_h[on_host], return_counts=True)
+        n = int(round(self.share * len(experts)))
+        if n == 0:
+            return None
+        mine = experts[np.argsort(counts, kind="stable")[:n]]
+        mask = on_host & np.isin(ids_h, mine)
+        addrs = torch.where(torch.from_numpy(mask).to(addrs.device), self.zero_addr, addrs)
+        xh, wh = x.float().cpu(), weights.float().cpu()
+        cpu_ids = torch.from_numpy(np.where(mask, ids_h, -1))
+        rows, layout = self.store.rows[layer], self.store.layouts[layer]
+        # The kernel does not read these: the step's learning counts them among its host reads, so take them out.
+        unread = n if self.reads_once else int(mask.sum())
+        self.stats.record(layer, host_computed=n, host_reads=-unread,
+                          host_read_bytes=-unread * self.store.layer_bytes(layer))
+        return addrs, lambda: host_experts(xh, rows, cpu_ids, wh, layout)

@@ -1,0 +1,95 @@
+"""--host-compute SHARE (experts/host_share.py): in zero-copy decode steps over the cache, the host's cores compute
+a share of the experts a step would read from host memory. The mode leaves the numerics contract (the host's
+experts are its float32 sums), so these tests hold it to a bound and to the greedy tokens, and check what it
+counts: every host read is either the kernel's or the host's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moestream import LLM
+from moestream.errors import UserError
+from moestream.experts.host_share import HostShare
+from moestream.experts.stats import CacheStats
+from moestream.experts.store import ExpertStore
+from moestream.kernels.host_experts import host_experts_reference
+from moestream.quant.layout import ExpertLayout
+
+from batched import decode_three
+
+KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True, cpu_moe=True)
+PROMPT = "Once upon a time"
+
+
+def _counts(llm) -> dict:
+    t = llm.stats()["total"]
+    return {k: t[k] for k in ("host_computed", "host_reads", "hits", "misses")}
+
+
+@pytest.mark.parametrize("mib", [1, 3])
+def test_one_token_steps_keep_their_greedy_tokens_and_every_host_read_is_counted_once(mib):
+    base = LLM("synth:tiny", **KW, moe_cache_mib=mib)
+    want = base.generate(PROMPT, max_tokens=24, ignore_eos=True).sha256
+    reads = _counts(base)["host_reads"]
+    assert reads > 0 and _counts(base)["host_computed"] == 0
+    for share in (0.5, 1.0):
+        llm = LLM("synth:tiny", **KW, moe_cache_mib=mib, host_compute=share)
+        assert llm.generate(PROMPT, max_tokens=24, ignore_eos=True).sha256 == want, share
+        c = _counts(llm)
+        assert c["host_computed"] + c["host_reads"] == reads and c["host_computed"] > 0
+        assert (c["host_reads"] == 0) == (share == 1.0)
+        assert {k: c[k] for k in ("hits", "misses")} == {k: _counts(base)[k] for k in ("hits", "misses")}
+
+
+def test_several_token_steps_stay_within_the_hosts_rounding_and_pick_the_same_tokens():
+    want = decode_three(LLM("synth:tiny", **KW, moe_cache_mib=2, n_seq=3).engine)
+    llm = LLM("synth:tiny", **KW, moe_cache_mib=2, n_seq=3, host_compute=0.5)
+    got = decode_three(llm.engine)
+    assert _counts(llm)["host_computed"] > 0
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-4)      # float32 sums in another order than the kernel's
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+def test_the_host_takes_the_experts_fewest_tokens_chose_and_the_kernel_reads_zeros_for_them():
+    E, H, I, T, k = 6, 16, 8, 3, 2
+    g = torch.Generator().manual_seed(0)
+    layout = ExpertLayout(I, H)
+    rows = torch.randn(E, 3 * I * H, generator=g)
+    store = ExpertStore({0: rows}, layout)
+    pool = torch.randn(4, 3 * I * H, generator=g)
+    stats = CacheStats()
+    share = HostShare(store, stats, 0.5, pool, reads_once=True)
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3]])              # from host: 0 (three tokens), 1, 2 (one each); 3 not
+    from_host = np.array([True, True, True, False, False, False])
+    addrs = torch.arange(T * k).view(T, k) + 1000
+    new, compute = share.split(0, x, ids, w, addrs, from_host)
+    # Two of the three host experts (share 0.5 of 3, rounded), the ones fewest tokens chose: 1 and 2.
+    assert torch.equal(new == share.zero_addr, torch.tensor([[False, True], [False, True], [False, False]]))
+    assert torch.equal(new[new != share.zero_addr], addrs[new != share.zero_addr])
+    mine = torch.tensor([[-1, 1], [-1, 2], [-1, -1]])
+    assert torch.allclose(compute(), host_experts_reference(x, rows, mine, w, layout), rtol=1e-5, atol=1e-6)
+    assert stats.total[0].host_computed == 2 and stats.total[0].host_reads == -2     # the kernel's count, less 2
+    assert not share.zero_row.any() and share.zero_row.shape == (1, pool.shape[1])
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True])
+def test_a_share_outside_zero_to_one_is_a_one_line_error(bad):
+    with pytest.raises(UserError, match="--host-compute must be a share from 0 to 1"):
+        LLM("synth:tiny", **KW, moe_cache_mib=1, host_compute=bad)
+
+
+def test_the_mode_turns_read_through_and_staging_off():
+    from moestream.config import DecodeConfig
+    d = DecodeConfig(zero_copy=True, stage=True, host_share=0.25)
+    assert not d.lands(False) and not d.stages(True)
+    assert DecodeConfig(zero_copy=True).lands(False) and DecodeConfig(zero_copy=True, stage=True).stages(True)
+
+
+def test_where_decode_does_not_read_in_place_over_a_cache_the_share_is_ignored_with_a_warning(caplog):
+    llm = LLM("synth:tiny", ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=2, host_compute=0.5)
+    assert "--host-compute applies to zero-copy decode" in caplog.text
+    llm.generate(PROMPT, max_tokens=4, ignore_eos=True)
+    assert _counts(llm)["host_computed"] == 0
