@@ -93,3 +93,17 @@ def test_where_decode_does_not_read_in_place_over_a_cache_the_share_is_ignored_w
     assert "--host-compute applies to zero-copy decode" in caplog.text
     llm.generate(PROMPT, max_tokens=4, ignore_eos=True)
     assert _counts(llm)["host_computed"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_hosts_share_stays_within_bf16_rounding_of_the_kernels():
+    """bf16, the Triton decode kernel reading the rest, eager steps: three sequences, six steps."""
+    kw = dict(ctx_size=128, device="cuda", cpu_moe=True, moe_cache_mib=2, n_seq=3)
+    spec = "synth:tiny:dtype=bfloat16"
+    want = decode_three(LLM(spec, **kw).engine)
+    llm = LLM(spec, **kw, host_compute=0.5)
+    got = decode_three(llm.engine)
+    assert _counts(llm)["host_computed"] > 0
+    for g, w in zip(got, want):
+        assert torch.allclose(g.float(), w.float(), rtol=0.05, atol=0.05)
