@@ -12,8 +12,8 @@ The choices the host computes read a zeroed device row in the kernel (their outp
 host bytes read), and the host adds its float32 sum of them to the layer's output.
 
 What it costs: one host sync a layer (the routing, to choose), so steps run eagerly (runtime/decode.py); no
-read-through or staging (config.DecodeConfig: the kernel does not read what the host computes, so nothing of it
-would land); and the numerics contract: the host's experts are its float32 sums, in another order than the GPU
+read-through or staging (engine_config.DecodeConfig: the kernel does not read what the host computes, so nothing
+of it would land); and the numerics contract: the host's experts are its float32 sums, in another order than the GPU
 kernel's, added to the kernel's rounded output, so a step's bits depend on which experts the host computed.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ class HostShare:
         mine = experts[np.argsort(counts, kind="stable")[:n]]
         mask = on_host & np.isin(ids_h, mine)
         addrs = torch.where(torch.from_numpy(mask).to(addrs.device), self.zero_addr, addrs)
-        xh, wh = x.float().cpu(), weights.float().cpu()
+        xh, wh = x.cpu().float(), weights.cpu().float()         # (widened on the host: half the bytes moved)
         cpu_ids = torch.from_numpy(np.where(mask, ids_h, -1))
         rows, layout = self.store.rows[layer], self.store.layouts[layer]
         # The kernel does not read these: the step's learning counts them among its host reads, so take them out.

@@ -15,6 +15,7 @@ from .. import knobs
 from .policy import make_policy
 from .residency import Residency, split_regions
 from .stats import CacheStats
+
 REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a float layer's region is one
                                           # launch (quantized rows are dequantized into a compact stack first, so
                                           # a pool of them is one region of any size)
@@ -23,8 +24,6 @@ REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 group
 # resident during a sweep (the layers take them in turn); one region lets a sweep evict the layer just passed, and
 # keeps more across prompts (bench/RESULTS.md, stop 27). Opt-in until measured on the GPU.
 FLOAT_POOLS = ("regions", "one")
-
-
 FLOAT_POOL = knobs.choice("MOESTREAM_FLOAT_POOL", FLOAT_POOLS, "regions")
 SWEEP_SHARE = 0.9                         # a ubatch that routes this share of a layer's experts sweeps the layer
 
