@@ -15,7 +15,7 @@ import time
 import torch
 
 from . import flags
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .errors import UserError
 from .loading.source import open_source
 from .quant.layout import expert_layouts

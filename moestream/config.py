@@ -1,9 +1,7 @@
-"""Configs: one frozen dataclass per concern, validated where it is made.
+"""A model's config: its shape and family options, from HF or GGUF, frozen and validated where it is made (what
+the engine is told is engine_config.py).
 
     cfg = ModelConfig.from_hf(json.load(open("config.json")))
-    eng = EngineConfig(placement=Placement(cpu_moe=True), batching=Batching(ubatch_size=512))
-    eng = flags.apply(EngineConfig(), cpu_moe=True, ubatch_size=512)       # the same, by flat names (flags.py)
-    eng = eng.resolve(torch.bfloat16)     # "auto" decided for this machine and checkpoint (LLM does this)
 
 Tensor names inside moestream are GGUF's (`blk.3.attn_q.weight`, `blk.3.ffn_gate_exps.weight`, ...), whatever
 the file they came from: the names are family-independent, and a GGUF file then needs no renaming at all.
@@ -11,11 +9,9 @@ the file they came from: the names are family-independent, and a GGUF file then 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import UserError
-from .experts.policy import POLICIES
-from .experts.prefetch import PrefetchConfig
 from .models.families import FAMILIES, family_named, option, titles
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
@@ -217,189 +213,3 @@ def _hybrid_options(c: dict, rope: dict, arch: str) -> dict:
                 linear_value_head_dim=c["linear_value_head_dim"], linear_conv_kernel=c["linear_conv_kernel_dim"],
                 partial_rotary_factor=float(factor), attn_output_gate=True, zero_centred_norm=True)
 
-
-# --- the engine: one frozen dataclass per concern ----------------------------------------------------------------
-# Each field is documented once, here; flags.py maps every command-line flag (and LLM's flat keyword) to one of
-# them. "auto" values are decided by EngineConfig.resolve, before Engine.load, which takes resolved configs only.
-@dataclass(frozen=True)
-class Placement:
-    """Where the weights live."""
-    device: str = "auto"             # auto (cuda:0 where CUDA is, else cpu) | cpu | cuda | cuda:N
-    dtype: str = "auto"              # auto (the checkpoint's, bfloat16 for other types) | float32 | bfloat16 | float16
-    cpu_moe: bool = False            # every MoE layer's experts in pinned host memory
-    n_cpu_moe: int = 0               # the first N MoE layers' experts in host memory
-
-    def __post_init__(self):
-        if self.device is None:                       # LLM(device=None), as before: auto
-            object.__setattr__(self, "device", "auto")
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
-            raise UserError(f"unknown device {self.device!r}; use --device cpu, cuda or cuda:N")
-        if self.dtype not in ("auto", *DTYPE_NAMES):
-            raise UserError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.n_cpu_moe < 0:
-            raise UserError(f"--n-cpu-moe must be >= 0, got {self.n_cpu_moe}")
-
-    def host_layers(self, cfg: ModelConfig) -> set[int]:
-        """Layers whose experts live in pinned host memory."""
-        moe = cfg.moe_layers
-        if self.cpu_moe:
-            return set(moe)
-        if self.n_cpu_moe > len(moe):
-            raise UserError(f"--n-cpu-moe {self.n_cpu_moe} is more than the model's {len(moe)} MoE layers; "
-                            f"use --n-cpu-moe {len(moe)} or --cpu-moe")
-        return set(moe[: self.n_cpu_moe])
-
-
-@dataclass(frozen=True)
-class Batching:
-    """How work is cut: sequences, their context, and the tokens of one forward."""
-    ctx_size: int = 4096             # KV cache length per sequence
-    n_seq: int = 1                   # sequences with a KV cache each (the server's slots, -np)
-    batch_size: int = 2048           # logical batch: tokens submitted per call
-    ubatch_size: int = 512           # physical batch: tokens per forward
-    by_layer: bool = True            # with host experts, a prompt's batch runs layer by layer over its ubatches
-
-    def __post_init__(self):
-        if self.ctx_size <= 0:
-            raise UserError(f"--ctx-size must be positive, got {self.ctx_size}")
-        if self.ubatch_size <= 0 or self.batch_size <= 0:
-            raise UserError(f"-b and -ub must be positive, got {self.batch_size} and {self.ubatch_size}")
-        if self.n_seq <= 0:
-            raise UserError(f"the number of sequences (-np) must be positive, got {self.n_seq}")
-
-    @property
-    def ubatch(self) -> int:
-        """Tokens per forward: -ub, never more than -b."""
-        return min(self.ubatch_size, self.batch_size)
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The GPU expert cache over host layers, and what it copies ahead (experts/prefetch.py documents those)."""
-    mib: int | None = None           # None: no cache, each ubatch uploads its experts; 0: the smallest pool that
-                                     # works (one layer's experts); N: N MiB (experts/budget.py turns it into slots)
-    policy: str = "cycle"            # cycle (lfru, sweeps evict the layers just passed) | lfru | lru (experts/policy.py)
-    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
-
-    def __post_init__(self):
-        if self.mib is not None and (isinstance(self.mib, bool) or not isinstance(self.mib, (int, float))
-                                     or self.mib < 0):
-            raise UserError(f"--moe-cache-mib must be >= 0 (a number of MiB), got {self.mib!r}")
-        if self.policy not in POLICIES:
-            raise UserError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        pf = self.prefetch
-        if pf.min_batch <= 0:
-            raise UserError(f"--prefetch-min-batch must be positive, got {pf.min_batch}")
-        if not 1 <= pf.lookahead_layers <= 4:
-            raise UserError(f"--lookahead-layers must be 1 to 4, got {pf.lookahead_layers}")
-        if not 0.0 <= pf.min_use <= 1.0:
-            raise UserError(f"--prefetch-min-use must be within [0, 1], got {pf.min_use}")
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """How decode steps run."""
-    zero_copy: bool | None = None    # decode kernels read each expert where it lies, a slot or pinned host memory
-                                     # (None: where the Triton kernel runs, CUDA with 16-bit weights)
-    read_through: bool = True        # ... and a one-token step writes what it read from host into free cache slots
-    stage: bool | None = None        # ... copying the step's host reads into device rows first, in one launch
-                                     # (kernels/stage.py; None: for quantized experts)
-    cuda_graphs: bool = True         # decode steps replay CUDA graphs (on CUDA, with a kernel other than reference)
-    host_share: float = 0.0          # zero-copy decode over a cache: the share of a step's host-read experts that the
-                                     # host's cores compute (kernels/host_experts.py) while the GPU reads the rest
-
-    def __post_init__(self):
-        s = self.host_share
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 1:
-            raise UserError(f"--host-compute must be a share from 0 to 1, got {s!r}")
-
-    def stages(self, quantized: bool) -> bool:
-        """Whether zero-copy decode stages its host reads (kernels/stage.py): `stage`, by default for quantized
-        experts (their kernels read host rows in place at 29-34 GB/s of the link's 55); never while the host
-        computes some of them (host_share)."""
-        return bool(self.zero_copy) and not self.host_share and (self.stage if self.stage is not None else quantized)
-
-    def lands(self, quantized: bool) -> bool:
-        """Whether decode steps land what they read from host in free cache slots (read-through): quantized rows
-        only where they are staged (the unstaged quantized kernel reads a row once per choice, and lands nothing);
-        never while the host computes some of them (its experts are not read by the kernel, and would not land)."""
-        return self.read_through and not self.host_share and (self.stages(quantized) or not quantized)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine is told: built from flags (flags.py) or LLM(..., **overrides), resolved, then loaded.
-
-        ecfg = EngineConfig(cache=CacheConfig(mib=16000)).resolve(torch.bfloat16)
-        ecfg.placement.host_layers(model_cfg), ecfg.batching.ubatch, ecfg.cache.prefetch.min_batch
-    """
-    placement: Placement = field(default_factory=Placement)
-    batching: Batching = field(default_factory=Batching)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
-    kernel: str = "auto"             # the expert GEMM of every forward: auto (grouped where it runs) | reference
-                                     # | grouped
-
-    def __post_init__(self):
-        if self.kernel not in ("auto", "reference", "grouped"):
-            raise UserError(f"--kernel must be auto, reference or grouped, got {self.kernel!r}")
-
-    def get(self, path: str):
-        """The value at a dotted path: get("cache.prefetch.min_batch")."""
-        obj = self
-        for name in path.split("."):
-            obj = getattr(obj, name)
-        return obj
-
-    def updated(self, changes: dict[str, object]) -> "EngineConfig":
-        """A copy with {dotted path: value} changed; each concern touched is validated again."""
-        return _replace_paths(self, changes)
-
-    @property
-    def resolved(self) -> bool:
-        """Whether every "auto" is decided (what Engine.load takes)."""
-        return (self.placement.device != "auto" and self.placement.dtype != "auto" and self.kernel != "auto"
-                and self.decode.zero_copy is not None)
-
-    def resolve(self, file_dtype) -> "EngineConfig":
-        """This config with every "auto" decided for this machine and a checkpoint whose weights are the torch
-        dtype `file_dtype` (None: quantized): the device, the dtype, the expert kernel, zero-copy decode. The one place they are
-        decided; raises UserError for a device or kernel this machine does not have."""
-        import torch
-
-        from .device import Device
-        from .kernels import experts_reference, pick_kernel
-        from .kernels.decode import decode_available
-
-        dev = Device.resolve(self.placement.device)
-        dtype_name = self.placement.dtype
-        if dtype_name == "auto" and file_dtype is None:      # a quantized checkpoint: bf16 kernels on CUDA
-            dtype_name = "bfloat16" if dev.is_cuda else "float32"
-        elif dtype_name == "auto":
-            dtype_name = {torch.float32: "float32", torch.float16: "float16"}.get(file_dtype, "bfloat16")
-        dtype = getattr(torch, dtype_name)
-        kernel = "reference" if pick_kernel(self.kernel, dev.torch, dtype) is experts_reference else "grouped"
-        zero_copy = self.decode.zero_copy
-        if zero_copy is None:
-            zero_copy = decode_available(dev.torch, dtype)
-        return self.updated({"placement.device": dev.name, "placement.dtype": dtype_name, "kernel": kernel,
-                             "decode.zero_copy": zero_copy})
-
-
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-def _replace_paths(obj, changes: dict[str, object]):
-    """dataclasses.replace through nested frozen dataclasses: {"cache.prefetch.min_batch": 8} rebuilds the
-    PrefetchConfig, then the CacheConfig holding it, then obj."""
-    direct: dict[str, object] = {}
-    nested: dict[str, dict[str, object]] = {}
-    for path, value in changes.items():
-        head, _, rest = path.partition(".")
-        if rest:
-            nested.setdefault(head, {})[rest] = value
-        else:
-            direct[head] = value
-    for head, sub in nested.items():
-        direct[head] = _replace_paths(getattr(obj, head), sub)
-    return dataclasses.replace(obj, **direct) if direct else obj

@@ -7,7 +7,7 @@
     apply(ecfg, ubatch_size=256)         # by flat names, as LLM(..., ubatch_size=256) and reconfigure_cache take them
 
 The flat name is the argparse dest, LLM's keyword and reconfigure_cache's; defaults come from the config
-dataclasses, so a new option is its config field (config.py) plus one row here. Light on purpose: no torch, so
+dataclasses, so a new option is its config field (engine_config.py) plus one row here. Light on purpose: no torch, so
 `moestream --help` answers at once.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import difflib
 from dataclasses import dataclass
 
-from .config import EngineConfig
+from .engine_config import EngineConfig
 
 @dataclass(frozen=True)
 class Option:

@@ -194,7 +194,7 @@ def test_prompt_file_not_utf8_and_missing(capsys, tmp_path):
 
 
 def test_kv_cache_too_big_for_host_memory_is_refused_before_allocating(capsys):
-    from moestream.config import EngineConfig
+    from moestream.engine_config import EngineConfig
     from moestream.errors import UserError
     from moestream.loading.source import open_source
     from moestream import flags

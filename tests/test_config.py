@@ -10,7 +10,7 @@ import pytest
 
 from moestream import flags
 from moestream.cli import SUBCOMMANDS, build_parser
-from moestream.config import Batching, CacheConfig, EngineConfig, Placement
+from moestream.engine_config import Batching, CacheConfig, EngineConfig, Placement
 from moestream.errors import UserError
 from moestream.experts.budget import cache_slots, check_cache_fits, check_placement_fits
 from moestream.experts.prefetch import PrefetchConfig

@@ -82,7 +82,7 @@ def test_a_share_outside_zero_to_one_is_a_one_line_error(bad):
 
 
 def test_the_mode_turns_read_through_and_staging_off():
-    from moestream.config import DecodeConfig
+    from moestream.engine_config import DecodeConfig
     d = DecodeConfig(zero_copy=True, stage=True, host_share=0.25)
     assert not d.lands(False) and not d.stages(True)
     assert DecodeConfig(zero_copy=True).lands(False) and DecodeConfig(zero_copy=True, stage=True).stages(True)

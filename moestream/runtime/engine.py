@@ -25,7 +25,8 @@ import torch
 from tqdm import tqdm
 
 from .. import flags
-from ..config import EngineConfig, ModelConfig
+from ..config import ModelConfig
+from ..engine_config import EngineConfig
 from ..device import Device
 from ..errors import UserError
 from ..experts.budget import check_cache_fits

@@ -12,7 +12,8 @@ import logging
 
 import torch
 
-from ..config import EngineConfig, ModelConfig
+from ..config import ModelConfig
+from ..engine_config import EngineConfig
 from ..device import Device
 from ..errors import UserError
 from ..experts.budget import cache_slots, check_cache_fits, check_placement_fits
