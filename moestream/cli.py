@@ -20,7 +20,7 @@ import sys
 from . import compat, flags
 from .argv import Parser, UsageError
 from .errors import UserError
-from .outputs import atomic_path, check_writable
+from .outputs import check_writable
 
 # The subcommands besides generate: name -> (module, one-line help). A module is imported only when its command is
 # the one being run (or asked for --help), so that `moestream --help` and `moestream generate ...` import none of
@@ -111,12 +111,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
               f"-c {ctx}", file=sys.stderr)
     recorder = None
     if a.trace:
-        from .experts.trace import TraceRecorder
-        cfg = llm.model_config
-        store = getattr(llm.engine.host, "store", None)       # a slot's bytes where experts are on the host
-        recorder = TraceRecorder(cfg.n_layers, cfg.n_experts, store.expert_bytes if store is not None else
-                                 cfg.expert_numel * llm.engine.dtype.itemsize, llm.engine.quantized)
-        llm.engine.observe(recorder)
+        from .experts.trace import record
+        recorder = record(llm)
     gen = llm.stream(ids, params)
     if not a.hash_only:
         if llm.tokenizer is not None and not chat:
@@ -129,9 +125,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         gen.run()
     res = gen.result
     if recorder is not None:
-        target = a.trace if a.trace.endswith(".npz") else a.trace + ".npz"     # numpy's rule for the name
-        with atomic_path(target, suffix=".npz") as tmp:
-            recorder.save(tmp)
+        from .experts.trace import save_trace
+        save_trace(recorder, a.trace)
     if a.hash or a.hash_only:
         print(f"sha256 {res.sha256} ({len(res.token_ids)} tokens)")
     if a.verbose or a.timings:

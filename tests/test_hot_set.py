@@ -55,3 +55,92 @@ def test_nothing_is_kept_that_no_step_routed():
     hot.observe(0, np.zeros(E))
     now, behind = hot.fill(set(range(SLOTS)), room=0)
     assert not now and not behind and (res.slot_of < 0).all()
+
+
+def _step(hot, seqs_experts: dict[int, list[int]], k: int = 2):
+    """One step of the given sequences, each token routing its k listed experts, in every layer."""
+    seqs = list(seqs_experts)
+    ids = np.array([e for s in seqs for e in seqs_experts[s][:k]], dtype=np.int64)
+    for l in range(L):
+        hot.observe(l, np.bincount(ids, minlength=E), ids, seqs)
+
+
+def test_a_sequence_that_begins_a_new_request_leaves_the_hot_set():
+    hot, res = _hot()
+    for _ in range(30):                             # sequences 0 and 1 decode together for a while
+        _step(hot, {0: [0, 1], 1: [2, 3]})
+    hot.forget(0)                                   # sequence 0 takes a new request: its experts 0 and 1 leave
+    _step(hot, {0: [4, 5], 1: [2, 3]})
+    assert hot.freq[0, [0, 1]].max() < 1e-9 and hot.freq[0, [2, 3]].min() > 10
+    np.testing.assert_allclose(hot.freq, sum(hot.by_seq.values()))     # the sum is the sequences' counts
+    hot.fill(set(range(SLOTS)), room=3)             # a share of 6, 3 kept: 2, 3 (sequence 1) and one of 4, 5
+    for l in range(L):
+        held = set(np.flatnonzero(res.slot_of[l] >= 0).tolist())
+        assert {2, 3} <= held and not held & {0, 1} and len(held & {4, 5}) == 1
+    res.check()
+
+
+def test_steps_whose_sequences_are_not_told_fade_as_one_sum():
+    hot, _ = _hot()
+    hot.observe(0, np.bincount([0, 1], minlength=E))         # no ids or sequences: counted, never forgotten
+    hot.forget(0)
+    assert hot.freq[0, 0] == 1 and not hot.by_seq
+
+
+def _two_requests_trace(k: int = 2, steps: int = 12):
+    """Sequences 0 and 1 each read a prompt and decode `steps` steps together, twice: the first requests route
+    experts 0-3 of each layer, the second ones 8-11 (prompt and decode alike)."""
+    from moestream.experts.trace import Trace
+    layers, ids, ubatches, ub_of, step_seqs = [], [], [], [], []
+
+    def ubatch(seq, rows, is_prompt, seqs=None):
+        ubatches.append([seq, len(rows), int(is_prompt), int(is_prompt)])
+        step_seqs.append(None if seqs is None else np.array(seqs))
+        for l in range(L):
+            layers.append(l)
+            ids.append(np.array(rows, dtype=np.int16))
+            ub_of.append(len(ubatches) - 1)
+
+    for base in (0, 8):
+        mine = {0: [base, base + 1], 1: [base + 2, base + 3]}
+        for s in (0, 1):
+            ubatch(s, [mine[s]] * 8, True)
+        for _ in range(steps):
+            ubatch(0, [mine[0], mine[1]], False, [0, 1])
+    return Trace(np.array(layers), ids, L, E, 1000, np.array(ub_of), np.array(ubatches), None, False, step_seqs)
+
+
+def test_fresh_requests_read_fewer_experts_from_host_when_the_hot_set_forgets_the_old_ones(monkeypatch):
+    from moestream.experts import hot_set, trace
+    tr = _two_requests_trace()
+    reads = {}
+    for by_seq in (True, False):
+        monkeypatch.setattr(hot_set, "BY_SEQUENCE", by_seq)
+        reads[by_seq] = trace.replay(tr, 2 * 8, "lfru", zero_copy=True, read_through=True)["total"]["host_reads"]
+    assert reads[True] < reads[False]
+
+
+def test_a_prompts_last_tokens_seed_its_sequence_at_its_first_step():
+    from moestream.device import Device
+    from moestream.experts import prompt
+    from moestream.experts.cache import ExpertCache
+    store = ExpertStore({l: torch.zeros(E, 3, dtype=torch.uint8) for l in range(L)}, ExpertLayout(1, 1))
+    c = ExpertCache(store, SLOTS, L, E, Device("cpu"), "lfru", host_layers=list(range(L)), n_seq=2, top_k=2)
+    c.enable_zero_copy(16, read_through=True)
+    c.begin_prompt(1)
+    c.begin_ubatch(1, 64, True)
+    ids = torch.tensor([[0, 1]] * (64 - prompt.TAIL) + [[6, 7]] * prompt.TAIL)     # its last tokens route 6 and 7
+    for l in range(L):
+        w = c.fetch(l, ids)
+        c.experts_launched(l)
+    assert (c.routing.prompts[1].tail[:, [6, 7]] == prompt.TAIL).all() and c.routing.prompts[1].tail.sum() == 64
+    zc = c.zero_copy
+    for _ in range(2):                                 # its first step is learned while the second one is queued
+        c.begin_ubatch(1, 2, False)
+        c.begin_decode_step([1, 0])
+        for l in range(L):
+            zc.replay_route(l, np.array([[2, 3], [4, 5]]))
+        c.end_decode_step(2)
+    f = zc.hot.by_seq[1]
+    assert (f[:, [6, 7]] >= prompt.TAIL * 0.98).all() and (f[:, [2, 3]] == 1).all() and 1 not in zc.hot.unseeded
+    assert 0 not in zc.hot.by_seq or not zc.hot.by_seq[0][:, [6, 7]].any()    # the seed is sequence 1's alone

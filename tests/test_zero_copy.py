@@ -377,8 +377,8 @@ def test_read_through_never_lands_in_a_slot_a_copy_is_still_writing(mib, polls):
                 return p
             zc._prepare = prepared
 
-            def checked():
-                begin()
+            def checked(*a, **kw):
+                begin(*a, **kw)
                 given = zc.land_slots[zc.land_slots >= 0]
                 handed.append(len(given))
                 assert (cache.slots.ready[given] <= cache.slots.queue.done).all(), "a landing slot has a copy in flight"

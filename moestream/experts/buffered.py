@@ -86,9 +86,9 @@ class BufferedCache(ExpertCache):
             res.evict(owned)
         self.slots.prefetched[:] = False
 
-    def begin_decode_step(self) -> None:
+    def begin_decode_step(self, seqs: list[int] | None = None) -> None:
         self.buffering = False
-        super().begin_decode_step()
+        super().begin_decode_step(seqs)
 
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         return 0 if self.buffering else super().lookahead_layers(layer, n_tokens)

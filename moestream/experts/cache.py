@@ -60,7 +60,7 @@ class ExpertCache(ExpertProvider):
         reads (host_share.py)."""
         from .zero_copy import ZeroCopyDecode
         self.zero_copy = ZeroCopyDecode(self.slots, self.planner, self.store, self.layers, max_tokens, self.top_k,
-                                        read_through, reads_once, staged)
+                                        read_through, reads_once, staged, self.routing)
         self.host_share = None
         if host_share:
             from .host_share import HostShare
@@ -82,6 +82,8 @@ class ExpertCache(ExpertProvider):
     # --- context --------------------------------------------------------------------------------------------
     def begin_prompt(self, seq: int = 0) -> None:
         self.flush_decode()
+        if self.zero_copy is not None:
+            self.zero_copy.begin_prompt(seq)
         self.stats.begin_prompt()
         self.routing.prompts[seq].begin_prompt()
 
@@ -125,8 +127,8 @@ class ExpertCache(ExpertProvider):
         rows = [self.pool] + ([z.scratch] if z is not None and z.scratch is not None else [])
         return rows + ([self.host_share.zero_row] if self.host_share is not None else [])
 
-    def begin_decode_step(self) -> None:
-        self.zero_copy.begin_step()
+    def begin_decode_step(self, seqs: list[int] | None = None) -> None:
+        self.zero_copy.begin_step(seqs)
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
         self.zero_copy.end_step(n_tokens, observer)

@@ -1,7 +1,10 @@
 """What zero-copy decode keeps in the pool when a step has several tokens: each layer's most routed experts.
 
     hot = HotSet(residency, stats, store, layers)
-    hot.observe(layer, counts)                     # a step's routing counts (E,) of one layer, each step
+    hot.observe(layer, counts, ids, seqs)          # a step's routing of one layer: counts (E,), ids (T k,), and
+                                                   # each token's sequence (or None), each step
+    hot.forget(seq)                                # the sequence begins a new request: its counts leave
+    hot.seed(seq, tail)                            # its first step: its prompt's last tokens' counts (L, E)
     now, behind = hot.fill(empty, room)            # copies to make: (slot, host row), into empty slots / evicted ones
     hot.make_room(room, writing)                   # keep `room` slots a layer free for the next step to land in
 
@@ -13,17 +16,27 @@ most routed experts of recent steps (counts decayed by FREQ_DECAY a step), at mo
 what it reads from host memory (read-through) at no cost on the link. A pool smaller than one token's experts of
 every host layer keeps its experts this way too. On a skewed routing a few experts a layer take most routings
 (REFERENCE.md: the top 10% take 81%), so even a small share saves much of the link.
+
+The counts are the sum of each sequence's own (the union of the active streams' hot sets). When a sequence begins
+a new request its counts leave at once, and at its first step the routing of its prompt's last tokens (prompt.TAIL)
+counts as its steps: fresh streams would otherwise find the pool kept for the streams before them, whose counts
+fade over ~50 steps. An offline replay of 8 fresh streams' routing after 8 others (bench --parallel 8 -npp 512 -ntg
+64 on a 12-layer reference, 74 slots a layer): 9.7 experts a layer a step crossed the link with one decaying sum,
+4.9 with the sequences' counts, 4.2 seeded (bench/RESULTS.md, stop 28).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .. import knobs
 from .residency import CacheTooSmall, Residency
 from .stats import CacheStats
 from .store import ExpertStore
 
 FREQ_DECAY = 0.98          # per step, of the routing counts the hottest experts are chosen by
 FILL_PER_STEP = 64         # uploads a step at most (fresh streams warm the pool faster than at 32)
+# MOESTREAM_HOT_SET=sum: one decaying sum, a sequence's new request forgets nothing (before stop 36; an A/B)
+BY_SEQUENCE = knobs.choice("MOESTREAM_HOT_SET", ("sequences", "sum"), "sequences") == "sequences"
 
 
 class HotSet:
@@ -31,12 +44,43 @@ class HotSet:
         self.residency, self.stats, self.store, self.layers = residency, stats, store, layers
         L, E = residency.slot_of.shape
         self.freq = np.zeros((L, E))                        # decayed routing counts of decode steps
+        self.by_seq: dict[int, np.ndarray] = {}             # each sequence's part of freq (L, E)
+        self.unseeded: set[int] = set()                     # sequences that began a request and took no step yet
         bounds = [residency.bounds[l] for l in layers]
         self.layers_in_region = {b: bounds.count(b) for b in bounds}     # host layers sharing each region
 
-    def observe(self, layer: int, counts: np.ndarray) -> None:
-        """One step's routing counts (E,) of a layer (every step, whatever its size: a server's steps change)."""
+    def observe(self, layer: int, counts: np.ndarray, ids: np.ndarray | None = None,
+                seqs: list[int] | None = None) -> None:
+        """One step's routing of a layer (every step, whatever its size: a server's steps change): counts (E,),
+        and its ids (T k,) in token order with each token's sequence (None: the sequences are not known, and the
+        counts stay in freq until they fade)."""
         self.freq[layer] = self.freq[layer] * FREQ_DECAY + counts
+        for f in self.by_seq.values():
+            f[layer] *= FREQ_DECAY
+        if seqs is None or ids is None or not BY_SEQUENCE:
+            return
+        k = len(ids) // len(seqs)
+        for t, s in enumerate(seqs):
+            f = self.by_seq.get(s)
+            if f is None:
+                f = self.by_seq[s] = np.zeros_like(self.freq)
+            np.add.at(f[layer], ids[t * k:(t + 1) * k], 1)
+
+    def forget(self, seq: int) -> None:
+        """Sequence `seq` begins a new request: the counts of its earlier steps leave the hot set."""
+        f = self.by_seq.pop(seq, None)
+        if f is not None:
+            np.maximum(self.freq - f, 0, out=self.freq)
+        if BY_SEQUENCE:
+            self.unseeded.add(seq)
+
+    def seed(self, seq: int, counts: np.ndarray) -> None:
+        """The sequence's first step of a request: the routing of its prompt's last tokens (L, E), each token
+        counted as one of its steps, so that the pool takes in its experts before its own steps have shown them."""
+        self.unseeded.discard(seq)
+        f = self.by_seq.setdefault(seq, np.zeros_like(self.freq))
+        f += counts
+        self.freq += counts
 
     def share(self, layer: int) -> int:
         """The layer's equal share of its region's slots."""

@@ -15,12 +15,14 @@ import numpy as np
 
 
 class RoutingStats:
-    """Expert counts per layer: the current prompt so far, its last ubatch, and the previous prompt."""
+    """Expert counts per layer: the current prompt so far, its last ubatch, the previous prompt, and the last
+    ubatch's last tokens (prompt.TAIL: the decode hot set's seed)."""
 
     def __init__(self, n_layers: int, n_experts: int):
         self.current = np.zeros((n_layers, n_experts), dtype=np.int64)
         self.previous = np.zeros((n_layers, n_experts), dtype=np.int64)
         self.last_ubatch = np.zeros((n_layers, n_experts), dtype=np.int64)
+        self.tail = np.zeros((n_layers, n_experts), dtype=np.int64)
         self.ubatches = 0               # prompt ubatches seen in the current prompt
         self.last_ubatch_tokens = 0
 
@@ -29,6 +31,7 @@ class RoutingStats:
             self.previous = self.current.copy()
         self.current[:] = 0
         self.last_ubatch[:] = 0
+        self.tail[:] = 0
         self.ubatches = 0
         self.last_ubatch_tokens = 0
 

@@ -29,6 +29,8 @@ FILL_LOW_BYTES = 24 << 20                 # fill: copy ahead when no more than t
 FILL_LAUNCH_BYTES = 96 << 20              # ... and up to this much once a layer's experts are queued (the host
                                           # looks again only at the next routing)
 FILL_POLL_S = 50e-6                       # ... looking this often while the host waits for a routing
+TAIL = 16                                 # a prompt ubatch's last tokens, whose routing seeds its sequence's share
+                                          # of the decode hot set (hot_set.py; the same read-back carries it)
 
 
 class Waves:
@@ -60,7 +62,7 @@ class PromptPath:
         self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
         self.fill: list[tuple[int, np.ndarray]] = []           # later layers' guesses, for a copy stream short of work
-        self.counts_host = device.pinned_empty((1 + max(1, prefetch.lookahead_layers), self.n_experts), torch.int64)
+        self.counts_host = device.pinned_empty((2 + max(1, prefetch.lookahead_layers), self.n_experts), torch.int64)
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
         self.seq, self.is_prompt, self.n_tokens = seq, is_prompt, n_tokens
@@ -91,11 +93,14 @@ class PromptPath:
         self.slots.mark_reads()
         t0 = time.perf_counter()
         E = self.n_experts
-        parts = [ids, *(lookahead or ())]
+        parts = [ids, *(lookahead or ())] + ([ids[-TAIL:]] if self.is_prompt else [])
         counts = torch.zeros(len(parts), E, dtype=torch.int64, device=ids.device)
         for row, p in zip(counts, parts):        # routings per expert, on the device: no sort, no big read-back
             row.scatter_add_(0, p.reshape(-1), torch.ones(p.numel(), dtype=torch.int64, device=ids.device))
         got = self._read_back(counts)            # the one host sync of this layer: its routing and the guesses
+        if self.is_prompt:
+            self.routing.prompts[self.seq].tail[layer] = got[-1]
+            got = got[:-1]
         t1 = time.perf_counter()
         table = self.prepare(layer, got[0], got[1:] if lookahead else None)
         if isinstance(table, list):

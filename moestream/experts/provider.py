@@ -151,8 +151,8 @@ class ExpertProvider:
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
         pass
 
-    def begin_decode_step(self) -> None:
-        pass
+    def begin_decode_step(self, seqs: list[int] | None = None) -> None:
+        """A zero-copy decode step begins; seqs: each token's sequence."""
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
         pass

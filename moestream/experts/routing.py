@@ -24,8 +24,9 @@ class RouteObserver:
     def begin_prompt(self, seq: int) -> None:
         """A new prompt of context `seq` begins (its prompt counters and statistics restart)."""
 
-    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
-        """A forward of n_tokens tokens begins; seq is its first segment's sequence."""
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
+        """A forward of n_tokens tokens begins; seq is its first segment's sequence, seqs (a decode step of
+        several sequences) each token's."""
 
     def on_route(self, layer: int, ids, guess=None) -> None:
         """Layer `layer` routed ids (T, k); guess (T, k): the next MoE layer's guessed experts, or None."""
@@ -53,9 +54,9 @@ class RouteObservers(RouteObserver):
         for o in self.observers:
             o.begin_prompt(seq)
 
-    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         for o in self.observers:
-            o.begin_ubatch(seq, n_tokens, is_prompt)
+            o.begin_ubatch(seq, n_tokens, is_prompt, seqs)
 
     def on_route(self, layer: int, ids, guess=None) -> None:
         for o in self.observers:

@@ -41,6 +41,7 @@ class Trace:
     ubatches: np.ndarray | None = None      # (U, 4): sequence, tokens, is_prompt, begins a prompt
     guesses: list[np.ndarray | None] | None = None   # R lookahead guesses (T, k) of the next layer's experts
     quantized: bool = False     # the experts were quantized rows: their pool is one region (planner.py)
+    step_seqs: list[np.ndarray | None] | None = None   # (U,) each decode ubatch's tokens' sequences, where told
 
 
 class TraceRecorder(RouteObserver):
@@ -54,14 +55,16 @@ class TraceRecorder(RouteObserver):
         self.guesses: list[np.ndarray | None] = []
         self.ubatch_of: list[int] = []
         self.ubatches: list[list[int]] = []
+        self.step_seqs: list[list[int]] = []        # each ubatch's tokens' sequences ([] where not told)
         self._new_prompt = False
 
     # The engine calls these around forwards, so the trace knows where prompts and ubatches begin.
     def begin_prompt(self, seq: int) -> None:
         self._new_prompt = True
 
-    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         self.ubatches.append([seq, n_tokens, int(is_prompt), int(self._new_prompt and is_prompt)])
+        self.step_seqs.append(list(seqs) if seqs is not None and len(seqs) == n_tokens else [])
         if is_prompt:
             self._new_prompt = False
 
@@ -83,7 +86,28 @@ class TraceRecorder(RouteObserver):
                             meta=np.array([self.n_layers, self.n_experts, self.expert_bytes, int(self.quantized)],
                                               dtype=np.int64),
                             ubatch_of=np.array(self.ubatch_of, dtype=np.int64),
-                            ubatches=np.array(self.ubatches, dtype=np.int64).reshape(-1, 4))
+                            ubatches=np.array(self.ubatches, dtype=np.int64).reshape(-1, 4),
+                            step_seq_counts=np.array([len(s) for s in self.step_seqs], dtype=np.int64),
+                            step_seqs=np.array([s for ss in self.step_seqs for s in ss], dtype=np.int64))
+
+
+def record(llm) -> TraceRecorder:
+    """A recorder of every forward of `llm` (api.LLM) from now on, its expert size the host store's slot."""
+    cfg = llm.model_config
+    store = getattr(llm.engine.host, "store", None)       # a slot's bytes where experts are on the host
+    recorder = TraceRecorder(cfg.n_layers, cfg.n_experts, store.expert_bytes if store is not None else
+                             cfg.expert_numel * llm.engine.dtype.itemsize, llm.engine.quantized)
+    llm.engine.observe(recorder)
+    return recorder
+
+
+def save_trace(recorder: TraceRecorder, path: str) -> str:
+    """Writes the trace to `path` (.npz added, numpy's rule for the name) whole or not at all; returns the name."""
+    from ..outputs import atomic_path
+    target = path if path.endswith(".npz") else path + ".npz"
+    with atomic_path(target, suffix=".npz") as tmp:
+        recorder.save(tmp)
+    return target
 
 
 def load_trace(path: str) -> Trace:
@@ -93,6 +117,7 @@ def load_trace(path: str) -> Trace:
         ub_of = z["ubatch_of"] if "ubatch_of" in z.files else None
         ubs = z["ubatches"] if "ubatches" in z.files else None
         g_rows, g_flat = (z["guess_rows"], z["guesses"]) if "guesses" in z.files else (None, None)
+        s_rows, s_flat = (z["step_seq_counts"], z["step_seqs"]) if "step_seqs" in z.files else (None, None)
     except (OSError, KeyError, ValueError) as e:
         raise UserError(f"cannot read routing trace {path!r} ({e}); record one with generate --trace FILE") from None
     ids = np.split(flat, np.cumsum(rows)[:-1]) if len(rows) else []
@@ -101,7 +126,11 @@ def load_trace(path: str) -> Trace:
         parts = np.split(g_flat, np.cumsum(g_rows)[:-1]) if len(g_rows) else []
         guesses = [p if n else None for p, n in zip(parts, g_rows.tolist())]
     quantized = len(meta) > 3 and bool(meta[3])            # (older traces: float experts)
-    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses, quantized)
+    step_seqs = None
+    if s_rows is not None:
+        parts = np.split(s_flat, np.cumsum(s_rows)[:-1]) if len(s_rows) else []
+        step_seqs = [p if len(p) else None for p in parts]
+    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses, quantized, step_seqs)
 
 
 def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None,
@@ -152,7 +181,8 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
             current = ub
             step = n if zc is not None and not is_prompt and n <= zc.max_tokens else None
             if step is not None:
-                zc.begin_step()
+                told = trace.step_seqs[ub] if trace.step_seqs is not None else None
+                zc.begin_step(None if told is None else told.tolist())
         if step is not None:                 # the step's kernel reads where the table says: no fetch
             zc.replay_route(layer, ids)
             continue

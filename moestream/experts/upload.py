@@ -108,7 +108,7 @@ class UploadPerUbatch(ExpertProvider):
                     after = start
                 self._copy_ahead(l, after)
 
-    def begin_decode_step(self) -> None:
+    def begin_decode_step(self, seqs: list[int] | None = None) -> None:
         self.forget_readers()
 
     def forget_readers(self) -> None:

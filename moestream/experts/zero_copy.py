@@ -63,7 +63,7 @@ RESERVE_SHARE = 4          # the empty slots kept (two steps' landing slots, or 
 class ZeroCopyDecode:
     def __init__(self, slots: SlotPool, planner: CachePlanner, store: ExpertStore, layers: list[int],
                  max_tokens: int, top_k: int, read_through: bool = False, reads_once: bool = True,
-                 staged: bool = False):
+                 staged: bool = False, routing=None):
         dev, (L, E) = slots.device, planner.residency.slot_of.shape
         self.slots, self.planner, self.store, self.layers = slots, planner, store, layers
         self.residency, self.stats, self.device, self.n_experts = planner.residency, planner.stats, dev, E
@@ -81,7 +81,9 @@ class ZeroCopyDecode:
         self.routed_host = dev.pinned_empty((L, max_tokens * top_k), torch.int64)
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
+        self.seqs = None                                    # each token's sequence in the queued step, if told
         self.hot = HotSet(self.residency, self.stats, store, layers)   # what several-token steps keep
+        self.routing = routing                              # RoutingStore: prompts[seq].tail seeds the hot set
         # Read-through: the layer's free slots a step writes the experts it reads from host into: a one-token step
         # up to n_land of them (a token's top_k; land_count[l] are handed out, as many as the layer's recent misses
         # ask for), a several-token step n_land_several.
@@ -123,11 +125,17 @@ class ZeroCopyDecode:
     def _n_land(self, n_tokens: int) -> int:
         return self.n_land if n_tokens == 1 else self.n_land_several
 
-    def begin_step(self) -> None:
+    def begin_prompt(self, seq: int) -> None:
+        """Sequence `seq` begins a new request: the hot set forgets its earlier steps."""
+        self.hot.forget(seq)
+
+    def begin_step(self, seqs: list[int] | None = None) -> None:
         """Put the step's address table on the device: an expert resident in a slot whose copy has landed reads
         from the slot, every other one from its host row. The table was prepared while the last step ran (or is
         prepared now, after a prompt); here it only takes in what changed since: with read-through, the experts the
-        last step wrote into its landing slots (the next step reads them there), and copies that have landed."""
+        last step wrote into its landing slots (the next step reads them there), and copies that have landed.
+        seqs: each token's sequence (the hot set keeps each sequence's counts; None: not told)."""
+        self.seqs = seqs
         p = self.pending
         if p is not None and p.event is not None:
             p.event.synchronize()                # that step has run: its table copy is done, its landings are in
@@ -192,7 +200,7 @@ class ZeroCopyDecode:
         if self.n_land:
             writes = self.land_slots.copy()
             writes[:, self._n_land(n_tokens):] = -1
-        self.pending = Pending(n_tokens, event, self.from_host.copy(), writes)
+        self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
         self.next = self._prepare(1 - self.current, writing=self.pending.land_slots)
@@ -215,7 +223,7 @@ class ZeroCopyDecode:
 
     def _take_pending(self):
         p, self.pending = self.pending, None
-        return None if p is None else (self._routed(p), p.from_host)
+        return None if p is None else (self._routed(p), p.from_host, p.seqs)
 
     def _absorb(self, p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The experts a step wrote into its landing slots as it read them (read-through) become resident there:
@@ -277,7 +285,7 @@ class ZeroCopyDecode:
                     out[l, lo:lo + len(got)] = got
         return out
 
-    def _learn(self, routed: np.ndarray, from_host: np.ndarray, after, writing) -> None:
+    def _learn(self, routed: np.ndarray, from_host: np.ndarray, seqs, after, writing) -> None:
         """The policy and counters see one step's routing (L, T k); the pool changes for the steps to come.
 
         - A one-token step, in a pool that holds a step's experts, with read-through: its misses landed in free
@@ -301,6 +309,9 @@ class ZeroCopyDecode:
         res, E, stats = self.residency, self.n_experts, self.stats
         one_token = routed.shape[1] == self.top_k and self._holds_a_step(self.top_k)
         upload = one_token and not self.n_land
+        if seqs is not None and self.routing is not None:       # a sequence's first step: its prompt's tail
+            for s in self.hot.unseeded.intersection(seqs):
+                self.hot.seed(s, self.routing.prompts[s].tail)
         self.slots.mark_reads()                  # slots a prompt handed out are free once its compute has run
         self.slots.refresh_pins()
         if writing is not None:
@@ -317,7 +328,7 @@ class ZeroCopyDecode:
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
                 # the rest are looked up too, and miss: they were read from host memory
                 stats.record(l, misses=len(routed_l) - len(wanted))
-            self.hot.observe(l, counts)          # (both ways: a server's steps change size)
+            self.hot.observe(l, counts, routed[l], seqs)     # (both ways: a server's steps change size)
             read = int(from_host[l, wanted].sum())           # the misses as the step read them
             if not upload:
                 slots = res.slot_of[l, wanted]
@@ -385,8 +396,10 @@ class ZeroCopyDecode:
 class Pending:
     """A queued step the host has not learned from yet."""
 
-    def __init__(self, n_tokens: int, event, from_host: np.ndarray, land_slots: np.ndarray | None):
+    def __init__(self, n_tokens: int, event, from_host: np.ndarray, land_slots: np.ndarray | None,
+                 seqs: list[int] | None = None):
         self.n_tokens, self.event, self.from_host, self.land_slots = n_tokens, event, from_host, land_slots
+        self.seqs = seqs                # each token's sequence, or None
         self.absorbed = False           # its landed experts (read-through) are in the residency map
 
 

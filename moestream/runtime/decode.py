@@ -56,8 +56,9 @@ class DecodePath:
         host = eng.host if by_address is not None else None
         if host is None:
             return self._step(steps, span, by_address, fused, observed=True)
-        host.begin_decode_step()                    # the step's address table onto the device
-        eng.observers.begin_ubatch(steps[0][0], B, False)
+        seqs = [s for s, _, _ in steps]
+        host.begin_decode_step(seqs)                # the step's address table onto the device
+        eng.observers.begin_ubatch(steps[0][0], B, False, seqs)
         logits = self._step(steps, span, by_address, fused, observed=False)
         host.end_decode_step(B, eng.observers)      # the step is queued: its routing to the observers, then learn
         return logits

@@ -170,7 +170,8 @@ class Engine:
         if self.host is not None:
             self.host.begin_ubatch(seq, n, is_prompt)
         if observer is not None:
-            observer.begin_ubatch(seq, n, is_prompt)
+            observer.begin_ubatch(seq, n, is_prompt, None if is_prompt else [s.seq for s in segments for _ in
+                                                                             range(s.n)])
         logits = self.model.forward_parts(batches, self.kv, self.experts, self.kernel)
         self.kv.end(segments)
         return logits

@@ -286,6 +286,8 @@ def main(a: argparse.Namespace) -> int:
     if a.parallel is not None:
         from . import bench_parallel
         return bench_parallel.main(a)
+    if a.trace:
+        raise UserError("--trace records a --parallel run; for one sequence use moestream generate --trace FILE")
     if a.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {a.repetitions}")
     if a.plot:

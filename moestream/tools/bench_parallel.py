@@ -35,6 +35,7 @@ import torch
 
 from .. import flags
 from ..errors import UserError
+from ..experts.trace import record, save_trace
 from ..runtime.generate import token_hash
 from . import report
 from .bench import _ints, placement, release_memory, scalar
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--parallel: prompt tokens per sequence, comma list (default 128)")
     g.add_argument("-ntg", dest="n_tg", type=_ints, default=[128], metavar="N,...",
                    help="--parallel: generated tokens per sequence, comma list (default 128)")
+    g.add_argument("--trace", metavar="FILE", default=None,
+                   help="--parallel: record the first row's routing (its warm-up and timed runs) to FILE (.npz), "
+                        "for moestream replay")
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,9 @@ COLS = [
 def main(a: argparse.Namespace) -> int:
     check_flags(a)
     tests = tests_of(a)
+    if a.trace:
+        from ..outputs import check_writable
+        check_writable(a.trace, "--trace")
     cols = COLS if a.threads else [c for c in COLS if c.key != "threads"]
     rows, stream_md = [], a.output == "md"
     for ns, mib, llm in configurations(a, max(t.n_pp + t.n_tg for t in tests)):
@@ -232,9 +239,13 @@ def main(a: argparse.Namespace) -> int:
                 torch.set_num_threads(threads)
             eng.set_batching(b, ub)
             for t in tests:
+                recorder = record(llm) if a.trace and not rows else None
                 if not a.no_warmup:
                     decode_together(eng, t.prompts(vocab, -1), t.n_pp, t.n_tg)
                 runs = [decode_together(eng, t.prompts(vocab, i), t.n_pp, t.n_tg) for i in range(a.repetitions)]
+                if recorder is not None:
+                    eng.unobserve(recorder)
+                    print(f"trace: {save_trace(recorder, a.trace)}", file=sys.stderr)
                 row = {"model": a.model, "device": eng.device.name, "experts": placement(ns), "moe_cache_mib": mib,
                        "cache_policy": getattr(ns, "cache_policy", None), "threads": torch.get_num_threads(),
                        "n_batch": b, "n_ubatch": ub, **summarise(t, runs)}
