@@ -21,32 +21,34 @@ def _hot():
     return HotSet(res, CacheStats(), store, list(range(L))), res
 
 
-def test_fill_uploads_the_most_routed_experts_of_each_share_and_make_room_frees_the_least_routed():
+def test_fill_uploads_the_regions_most_routed_experts_and_make_room_frees_the_least_routed():
     hot, res = _hot()
-    assert hot.share(0) == hot.share(1) == SLOTS // L
     counts = np.arange(E, dtype=float)              # expert e routed e times a step: the hottest are 15, 14, ...
     for l in range(L):
         hot.observe(l, counts)
     now, behind = hot.fill(set(range(SLOTS)), room=2)
-    # each layer keeps its top share - room = 4 experts, all copied into slots that were empty
+    # the region keeps its 12 slots less 2 a layer: 8 experts, the hottest of both layers ranked as one
     for l in range(L):
         assert sorted(np.flatnonzero(res.slot_of[l] >= 0).tolist()) == [12, 13, 14, 15]
     assert len(now) == 8 and not behind
     res.check()
-    # hotter experts appear in layer 0: the next fill replaces its coldest residents, not layer 1's
-    hot.observe(0, np.r_[np.zeros(8), np.full(8, 100.0)])
-    hot.fill(set(), room=2)
-    assert sorted(np.flatnonzero(res.slot_of[1] >= 0).tolist()) == [12, 13, 14, 15]
-    assert set(np.flatnonzero(res.slot_of[0] >= 0).tolist()) >= {14, 15}
-    res.check()
-    # make_room: a share holding more than share - room gives back its least routed experts, never a pinned one
-    for e in (0, 1):
-        res.ensure(1, np.array([e]))
-    pinned = res.slot_of[1, 0]
-    res.pinned[pinned] = True
+
+
+
+def test_a_layer_whose_routing_spreads_takes_more_of_the_region_and_make_room_frees_the_least_routed():
+    hot, res = _hot()
+    hot.observe(0, np.r_[np.zeros(14), 10, 10])              # layer 0: two experts take every choice
+    hot.observe(1, np.r_[np.arange(10, 0, -1), np.zeros(6)])  # layer 1: ten experts, expert e routed 10 - e times
+    now, _ = hot.fill(set(range(SLOTS)), room=2)
+    # 12 slots less 2 a layer: 8, the hottest of both layers ranked as one (an equal share would give layer 1 four)
+    assert sorted(res.resident(0).tolist()) == [14, 15] and sorted(res.resident(1).tolist()) == list(range(6))
+    assert len(now) == 8
+    # make_room: fewer than 2 free slots a layer, so the region's least routed residents go, never a pinned one
+    res.ensure(1, np.array([6, 7]))
+    res.pinned[res.slot_of[1, 7]] = True
     hot.make_room(2, writing=None)
-    held = np.flatnonzero(res.slot_of[1] >= 0)
-    assert len(held) == hot.share(1) - 2 and 0 in held and 1 not in held      # 1 evicted, 0 kept (pinned)
+    assert (res.owner[:, 0] < 0).sum() == 4
+    assert sorted(res.resident(1).tolist()) == [0, 1, 2, 3, 4, 7]     # 6 and then 5 went; 7 is pinned
     res.check()
 
 
@@ -73,10 +75,10 @@ def test_a_sequence_that_begins_a_new_request_leaves_the_hot_set():
     _step(hot, {0: [4, 5], 1: [2, 3]})
     assert hot.freq[0, [0, 1]].max() < 1e-9 and hot.freq[0, [2, 3]].min() > 10
     np.testing.assert_allclose(hot.freq, sum(hot.by_seq.values()))     # the sum is the sequences' counts
-    hot.fill(set(range(SLOTS)), room=3)             # a share of 6, 3 kept: 2, 3 (sequence 1) and one of 4, 5
-    for l in range(L):
-        held = set(np.flatnonzero(res.slot_of[l] >= 0).tolist())
-        assert {2, 3} <= held and not held & {0, 1} and len(held & {4, 5}) == 1
+    hot.fill(set(range(SLOTS)), room=3)             # 12 slots less 3 a layer: 2, 3 of each layer (sequence 1)
+    for l in range(L):                              # and 4, 5 of one (sequence 0), not 0, 1
+        assert {2, 3} <= set(res.resident(l).tolist()) and not set(res.resident(l).tolist()) & {0, 1}
+    assert len(res.resident(0)) + len(res.resident(1)) == 6
     res.check()
 
 

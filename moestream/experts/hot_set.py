@@ -10,12 +10,14 @@
 
 Several streams decoded together route more experts than a pool holds, and uploading each step's misses evicts
 what the next step reads (bench/RESULTS.md, issue 15: on the reference at 16000 MiB, 8 streams, 43 ms a step that
-way). So a several-token step uploads no miss. Each layer gets an equal share of its region and keeps there its
-most routed experts of recent steps (counts decayed by FREQ_DECAY a step), at most FILL_PER_STEP uploads a step;
-`room` slots of each share stay free, emptied of the layer's least routed experts, so that the step's kernel lands
-what it reads from host memory (read-through) at no cost on the link. A pool smaller than one token's experts of
-every host layer keeps its experts this way too. On a skewed routing a few experts a layer take most routings
-(REFERENCE.md: the top 10% take 81%), so even a small share saves much of the link.
+way). So a several-token step uploads no miss. Each region of the pool keeps the most routed experts of its
+layers in recent steps (counts decayed by FREQ_DECAY a step), ranked across the layers as one (a layer whose routing
+is spread takes more slots than one whose few experts take most of its choices: on 8 streams' replayed routing,
+3.6 experts a layer a step over the link against 4.2 with an equal share a layer), at most FILL_PER_STEP uploads a
+step, into empty slots first. `room` slots a layer stay free, emptied of the region's least routed experts, so that
+the step's kernel lands what it reads from host memory (read-through) at no cost on the link. A pool smaller than
+one token's experts of every host layer keeps its experts this way too. On a skewed routing a few experts a layer
+take most routings (REFERENCE.md: the top 10% take 81%), so even a small share saves much of the link.
 
 The counts are the sum of each sequence's own (the union of the active streams' hot sets). When a sequence begins
 a new request its counts leave at once, and at its first step the routing of its prompt's last tokens (prompt.TAIL)
@@ -46,8 +48,9 @@ class HotSet:
         self.freq = np.zeros((L, E))                        # decayed routing counts of decode steps
         self.by_seq: dict[int, np.ndarray] = {}             # each sequence's part of freq (L, E)
         self.unseeded: set[int] = set()                     # sequences that began a request and took no step yet
-        bounds = [residency.bounds[l] for l in layers]
-        self.layers_in_region = {b: bounds.count(b) for b in bounds}     # host layers sharing each region
+        self.regions: dict[tuple[int, int], list[int]] = {}             # each region's host layers
+        for l in layers:
+            self.regions.setdefault(residency.bounds[l], []).append(l)
 
     def observe(self, layer: int, counts: np.ndarray, ids: np.ndarray | None = None,
                 seqs: list[int] | None = None) -> None:
@@ -82,40 +85,45 @@ class HotSet:
         f += counts
         self.freq += counts
 
-    def share(self, layer: int) -> int:
-        """The layer's equal share of its region's slots."""
-        res = self.residency
-        return res.region_size(layer) // self.layers_in_region[res.bounds[layer]]
+    def desired(self, room: int) -> np.ndarray:
+        """(L, E): the experts the pool keeps for several-token steps. Each region keeps the hottest experts of all
+        its layers by decayed counts, one ranking (a layer whose routing is spread gets more slots than one whose
+        few experts take most of its choices), as many as it holds less `room` free slots a layer; none that no
+        step routed."""
+        want = np.zeros(self.freq.shape, dtype=bool)
+        for (a, b), layers in self.regions.items():
+            f = self.freq[layers].ravel()
+            top = np.argsort(-f, kind="stable")[:max(b - a - room * len(layers), 0)]
+            keep = np.zeros(f.shape, dtype=bool)
+            keep[top[f[top] >= 1.0]] = True
+            want[layers] = keep.reshape(len(layers), -1)
+        return want
 
     def fill(self, empty_before: set, room: int) -> tuple[list, list]:
-        """Upload (at most FILL_PER_STEP, hottest first) the experts of each layer's top (share - room) by decayed
-        counts that are not resident, into free slots or ones whose experts are not in the top: ([(slot, host
-        row)] into slots empty before this step's learning, [(slot, host row)] into slots a queued step may read)."""
+        """Upload (at most FILL_PER_STEP, hottest first) the experts of `desired(room)` that are not resident, into
+        free slots or ones whose experts are not desired: ([(slot, host row)] into slots empty before this step's
+        learning, [(slot, host row)] into slots a queued step may read)."""
         res = self.residency
-        desired = np.zeros(self.freq.shape, dtype=bool)
-        for l in self.layers:
-            top = np.argsort(-self.freq[l], kind="stable")[:self.share(l) - room]
-            desired[l, top[self.freq[l, top] >= 1.0]] = True
+        desired = self.desired(room)
         want = [(self.freq[l, e], l, e) for l in self.layers
                 for e in np.flatnonzero(desired[l] & (res.slot_of[l] < 0))]
         want.sort(key=lambda w: -w[0])
         now, behind = [], []
         for _, l, e in want[:FILL_PER_STEP]:
             a, b = res.bounds[l]
-            own = res.owner[a:b]
-            taken = own[:, 0] >= 0
-            keep = np.zeros(b - a, dtype=bool)
-            keep[taken] = desired[own[taken, 0], own[taken, 1]]
-            free = a + np.flatnonzero(~keep & ~res.pinned[a:b])
-            if not len(free):
-                continue
-            slot = int(free[0])
-            if res.owner[slot, 0] >= 0:
-                for old_l, _ in res.evict(np.array([slot])):
+            own, free = res.owner[a:b], ~res.pinned[a:b]
+            if not (free & (own[:, 0] < 0)).any():   # no empty slot: the least routed resident not desired goes
+                ok = free & (own[:, 0] >= 0)
+                ok[ok] = ~desired[own[ok, 0], own[ok, 1]]
+                if not ok.any():
+                    continue
+                cand = a + np.flatnonzero(ok)
+                victim = cand[np.argmin(self.freq[res.owner[cand, 0], res.owner[cand, 1]])]
+                for old_l, _ in res.evict(np.array([victim])):
                     self.stats.record(old_l, evictions=1)
             try:
-                res.ensure(l, np.array([e]))         # takes the lowest empty slot of the region: `slot` or one
-            except CacheTooSmall:                    # emptied earlier
+                res.ensure(l, np.array([e]))         # takes the lowest empty unpinned slot of the region
+            except CacheTooSmall:
                 continue
             slot = int(res.slot_of[l, e])
             (now if slot in empty_before else behind).append((slot, self.store.rows[l][e]))
@@ -123,20 +131,22 @@ class HotSet:
         return now, behind
 
     def make_room(self, room: int, writing) -> None:
-        """Keep `room` slots of each layer's share free, evicting the layer's least routed residents, so that the
-        next step lands what it reads from host memory instead of reading it again at every step. Never a pinned
-        slot, nor one a queued step writes (`writing`: its landing slots, or None)."""
+        """Keep `room` slots a layer free in each region, evicting the region's least routed residents, so that
+        the next step lands what it reads from host memory instead of reading it again at every step. Never a
+        pinned slot, nor one a queued step writes (`writing`: its landing slots, or None)."""
         if not room:
             return
         res = self.residency
-        keep_out = set() if writing is None else set(writing[writing >= 0].tolist())
-        for l in self.layers:
-            held = np.flatnonzero(res.slot_of[l] >= 0)
-            over = len(held) - (self.share(l) - room)
+        for (a, b), layers in self.regions.items():
+            own = res.owner[a:b]
+            over = room * len(layers) - int((own[:, 0] < 0).sum())
             if over <= 0:
                 continue
-            slots = res.slot_of[l, held]
-            ok = ~res.pinned[slots] & np.array([s not in keep_out for s in slots.tolist()], dtype=bool)
-            held, slots = held[ok], slots[ok]
-            victims = slots[np.argsort(self.freq[l, held], kind="stable")[:over]]
+            ok = (own[:, 0] >= 0) & ~res.pinned[a:b]
+            if writing is not None:
+                w = writing[writing >= 0]
+                ok[w[(w >= a) & (w < b)] - a] = False
+            slots = a + np.flatnonzero(ok)
+            heat = self.freq[res.owner[slots, 0], res.owner[slots, 1]]
+            victims = slots[np.argsort(heat, kind="stable")[:over]]
             self.stats.count(np.array([old_l for old_l, _ in res.evict(victims)]), "evictions")

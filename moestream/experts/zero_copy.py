@@ -368,7 +368,7 @@ class ZeroCopyDecode:
         at them, so the misses learned while that step runs can be copied into them at once, and land before the
         step after it, instead of queuing behind the step in flight; and the next step lands its misses in them."""
         res = self.residency
-        for a, b in sorted(self.hot.layers_in_region):
+        for a, b in sorted(self.hot.regions):
             lands = 2 * int(sum(self.land_count[l] for l in self.layers if res.bounds[l] == (a, b)))
             keep = min(lands if self.n_land else RESERVE, (b - a) // RESERVE_SHARE)
             owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
