@@ -14,6 +14,9 @@ import tempfile
 
 from .errors import UserError
 
+_UMASK = os.umask(0)                        # (read once: the only way to read it is to set it)
+os.umask(_UMASK)
+
 
 def check_writable(path: str, flag: str) -> None:
     """Refuse `path` (given with `flag`) if a file cannot be created there: a missing or read-only directory, a
@@ -39,6 +42,7 @@ def atomic_path(path: str, suffix: str = ""):
     os.close(fd)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_UMASK)      # as open() would have made it (mkstemp's file is the owner's alone)
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):

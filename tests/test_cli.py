@@ -245,6 +245,14 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"] and target.read_text() == "old"
 
 
+def test_a_written_file_gets_the_mode_open_would_give_it(tmp_path):
+    from moestream.outputs import atomic_path
+    with atomic_path(str(tmp_path / "out.bin")) as tmp:
+        open(tmp, "w").write("x")
+    (tmp_path / "plain.bin").write_text("x")
+    assert (tmp_path / "out.bin").stat().st_mode == (tmp_path / "plain.bin").stat().st_mode
+
+
 def test_trace_without_npz_suffix_and_perplexity_base_are_written_whole(capsys, tmp_path):
     code, _, _ = run(capsys, "generate", "-m", "synth:tiny", "-p", "hi", "-n", "3", "--cpu-moe", "--trace",
                      str(tmp_path / "run"))
