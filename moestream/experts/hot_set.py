@@ -13,7 +13,7 @@ what the next step reads (bench/RESULTS.md, issue 15: on the reference at 16000 
 way). So a several-token step uploads no miss. Each region of the pool keeps the most routed experts of its
 layers in recent steps (counts decayed by FREQ_DECAY a step), ranked across the layers as one (a layer whose routing
 is spread takes more slots than one whose few experts take most of its choices: on 8 streams' replayed routing,
-3.6 experts a layer a step over the link against 4.2 with an equal share a layer), at most FILL_PER_STEP uploads a
+4.1 experts a layer a step over the link against 4.6 with an equal share a layer), at most FILL_PER_STEP uploads a
 step, into empty slots first. `room` slots a layer stay free, emptied of the region's least routed experts, so that
 the step's kernel lands what it reads from host memory (read-through) at no cost on the link. A pool smaller than
 one token's experts of every host layer keeps its experts this way too. On a skewed routing a few experts a layer
@@ -23,8 +23,8 @@ The counts are the sum of each sequence's own (the union of the active streams' 
 a new request its counts leave at once, and at its first step the routing of its prompt's last tokens (prompt.TAIL)
 counts as its steps: fresh streams would otherwise find the pool kept for the streams before them, whose counts
 fade over ~50 steps. An offline replay of 8 fresh streams' routing after 8 others (bench --parallel 8 -npp 512 -ntg
-64 on a 12-layer reference, 74 slots a layer): 9.7 experts a layer a step crossed the link with one decaying sum,
-4.9 with the sequences' counts, 4.2 seeded (bench/RESULTS.md, stop 28).
+64 on a 12-layer reference, 74 slots a layer; bench/replay_streams.py): 9.75 experts a layer a step crossed the
+link with one decaying sum, 4.42 with the sequences' counts, 4.12 seeded (bench/RESULTS.md, stop 28).
 """
 from __future__ import annotations
 
