@@ -50,12 +50,8 @@ from .store import ExpertStore
 RESERVE = 16               # without read-through: empty slots kept per region for the misses of the step in flight
 LAND_PER_LAYER = 2         # read-through: the fewest free slots a layer hands a one-token step to write its misses
                            # into (it hands more where its misses are more: MISS_DECAY, LAND_MARGIN; at most top_k)
-LAND_SEVERAL = 1           # ... and a several-token step, which keeps that many slots a layer free for them,
-                           # evicting the region's least routed experts: each free slot is one the hot set cannot use.
-                           # With the per-sequence hot set, fresh streams' replayed routing (bench/replay_streams.py,
-                           # 4 / 8 / 16 streams, 37 and 74 slots a layer) crossed the link least at 0-1 (8 streams,
-                           # 74 slots: 3.89 / 3.87 / 3.94 / 4.12 experts a layer a step at 0 / 1 / 2 / 4); 1 keeps
-                           # the kernels' landing path as measured
+LAND_SEVERAL = 1           # ... and a several-token step (a free slot is one the hot set cannot use: replayed fresh
+                           # streams crossed the link least at 0-1 of 0 / 1 / 2 / 4; RESULTS.md, stop 28)
 MISS_DECAY = 0.9           # per step, of a layer's decayed count of one-token steps' host reads
 LAND_MARGIN = 1.3          # landing slots a layer: its decayed host reads x this + 1 (a replay of near-uniform and
                            # skewed routings, bench/host_learning.py: nearly every miss lands)
