@@ -176,9 +176,26 @@ def test_zero_copy_decode_without_a_cache_reports_its_routing():
     (["-npl", "2", "-npp", "-1"], "-npp takes token counts of at least 0, got -1"),
     (["-npl", "2", "-npp", "0", "-ntg", "0"], "nothing to run"),
     (["-npl", "2", "-r", "0"], "-r must be at least 1, got 0"),
+    (["-npl", "2", "--trace", "/nonexistent-dir/t.npz"], "--trace '/nonexistent-dir/t.npz': the directory"),
+    (["-p", "8", "--trace", "t.npz"], "--trace records a --parallel run"),
 ])
 def test_bad_parallel_input_is_one_line(capsys, args, message):
     assert main(TINY + args) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     assert message in err[0] or re.search(message, err[0]), err
+
+
+def test_trace_records_the_first_rows_routing_with_each_steps_sequences(capsys, tmp_path):
+    from moestream.experts.trace import load_trace
+    path = tmp_path / "p3"
+    assert main(TINY + ["--parallel", "3,2", "-npp", "6", "-ntg", "4", "--cpu-moe", "--moe-cache-mib", "1",
+                        "--trace", str(path)]) == 0
+    assert "trace: " in capsys.readouterr().err
+    tr = load_trace(str(path) + ".npz")
+    decode = [u for u, (_, n, is_prompt, _) in enumerate(tr.ubatches.tolist()) if not is_prompt]
+    assert len(decode) == 2 * 4                       # the warm-up's 4 steps and the timed run's, of B = 3 only
+    assert all(tr.step_seqs[u].tolist() == [0, 1, 2] for u in decode)
+    assert [tr.ubatches[u, 0] for u in range(len(tr.ubatches)) if tr.ubatches[u, 3]] == [0, 1, 2] * 2
+    assert len(tr.ids) == len(tr.layers) and all(len(tr.ids[i]) == 3 for i, u in enumerate(tr.ubatch_of)
+                                                  if u in decode)
