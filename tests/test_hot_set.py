@@ -74,7 +74,7 @@ def test_a_sequence_that_begins_a_new_request_leaves_the_hot_set():
     hot.forget(0)                                   # sequence 0 takes a new request: its experts 0 and 1 leave
     _step(hot, {0: [4, 5], 1: [2, 3]})
     assert hot.freq[0, [0, 1]].max() < 1e-9 and hot.freq[0, [2, 3]].min() > 10
-    np.testing.assert_allclose(hot.freq, sum(hot.by_seq.values()))     # the sum is the sequences' counts
+    np.testing.assert_allclose(hot.freq, hot.by_seq.sum(0))             # the sum is the sequences' counts
     hot.fill(set(range(SLOTS)), room=3)             # 12 slots less 3 a layer: 2, 3 of each layer (sequence 1)
     for l in range(L):                              # and 4, 5 of one (sequence 0), not 0, 1
         assert {2, 3} <= set(res.resident(l).tolist()) and not set(res.resident(l).tolist()) & {0, 1}
@@ -86,7 +86,7 @@ def test_steps_whose_sequences_are_not_told_fade_as_one_sum():
     hot, _ = _hot()
     hot.observe(0, np.bincount([0, 1], minlength=E))         # no ids or sequences: counted, never forgotten
     hot.forget(0)
-    assert hot.freq[0, 0] == 1 and not hot.by_seq
+    assert hot.freq[0, 0] == 1 and not hot.by_seq.any()
 
 
 def _two_requests_trace(k: int = 2, steps: int = 12):
@@ -145,4 +145,4 @@ def test_a_prompts_last_tokens_seed_its_sequence_at_its_first_step():
         c.end_decode_step(2)
     f = zc.hot.by_seq[1]
     assert (f[:, [6, 7]] >= prompt.TAIL * 0.98).all() and (f[:, [2, 3]] == 1).all() and 1 not in zc.hot.unseeded
-    assert 0 not in zc.hot.by_seq or not zc.hot.by_seq[0][:, [6, 7]].any()    # the seed is sequence 1's alone
+    assert not zc.hot.by_seq[0][:, [6, 7]].any()                                # the seed is sequence 1's alone

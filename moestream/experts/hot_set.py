@@ -46,7 +46,8 @@ class HotSet:
         self.residency, self.stats, self.store, self.layers = residency, stats, store, layers
         L, E = residency.slot_of.shape
         self.freq = np.zeros((L, E))                        # decayed routing counts of decode steps
-        self.by_seq: dict[int, np.ndarray] = {}             # each sequence's part of freq (L, E)
+        self.by_seq = np.zeros((0, L, E))                   # (S, L, E): sequence s's part of freq (grown as
+                                                            # sequences appear; a server's are its slots)
         self.unseeded: set[int] = set()                     # sequences that began a request and took no step yet
         self.regions: dict[tuple[int, int], list[int]] = {}             # each region's host layers
         for l in layers:
@@ -58,22 +59,23 @@ class HotSet:
         and its ids (T k,) in token order with each token's sequence (None: the sequences are not known, and the
         counts stay in freq until they fade)."""
         self.freq[layer] = self.freq[layer] * FREQ_DECAY + counts
-        for f in self.by_seq.values():
-            f[layer] *= FREQ_DECAY
+        self.by_seq[:, layer] *= FREQ_DECAY
         if seqs is None or ids is None or not BY_SEQUENCE:
             return
-        k = len(ids) // len(seqs)
-        for t, s in enumerate(seqs):
-            f = self.by_seq.get(s)
-            if f is None:
-                f = self.by_seq[s] = np.zeros_like(self.freq)
-            np.add.at(f[layer], ids[t * k:(t + 1) * k], 1)
+        self._grow(max(seqs))
+        owner = np.repeat(np.asarray(seqs), len(ids) // len(seqs))          # each choice's sequence
+        np.add.at(self.by_seq[:, layer], (owner, ids), 1)
+
+    def _grow(self, seq: int) -> None:
+        if seq >= len(self.by_seq):
+            more = np.zeros((seq + 1 - len(self.by_seq), *self.freq.shape))
+            self.by_seq = np.concatenate([self.by_seq, more])
 
     def forget(self, seq: int) -> None:
         """Sequence `seq` begins a new request: the counts of its earlier steps leave the hot set."""
-        f = self.by_seq.pop(seq, None)
-        if f is not None:
-            np.maximum(self.freq - f, 0, out=self.freq)
+        if seq < len(self.by_seq):
+            np.maximum(self.freq - self.by_seq[seq], 0, out=self.freq)
+            self.by_seq[seq] = 0
         if BY_SEQUENCE:
             self.unseeded.add(seq)
 
@@ -81,8 +83,8 @@ class HotSet:
         """The sequence's first step of a request: the routing of its prompt's last tokens (L, E), each token
         counted as one of its steps, so that the pool takes in its experts before its own steps have shown them."""
         self.unseeded.discard(seq)
-        f = self.by_seq.setdefault(seq, np.zeros_like(self.freq))
-        f += counts
+        self._grow(seq)
+        self.by_seq[seq] += counts
         self.freq += counts
 
     def desired(self, room: int) -> np.ndarray:
