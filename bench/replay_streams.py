@@ -3,7 +3,7 @@ cache's code (experts/trace.py) on the CPU: experts a layer a decode step read f
 uploaded, for pool sizes and the hot set's two forms. No GPU, no model.
 
     moestream bench -m ref.gguf --parallel 8 -npp 512 -ntg 64 -r 1 -ub 512 --trace p8.npz     # record (any device)
-    python bench/replay_streams.py p8.npz [--slots-per-layer 37,74] [--policy cycle] [--belady]
+    python bench/replay_streams.py p8.npz [--slots-per-layer 37,74] [--policy cycle] [--belady] [--quantized]
 
 The trace holds a warm-up batch and then the timed one (bench --parallel's order); the counts are the timed
 batch's decode steps: the replay of the whole trace less the replay up to its first step. `sum` is the hot set's
@@ -22,8 +22,11 @@ ap.add_argument("trace")
 ap.add_argument("--slots-per-layer", default="37,74", help="comma list (74: 16000 MiB of the BF16 reference)")
 ap.add_argument("--policy", default="cycle")
 ap.add_argument("--belady", action="store_true")
+ap.add_argument("--quantized", action="store_true",
+                help="replay as a quantized file's pool: one region, staged host reads (a float trace's routing)")
 ns = ap.parse_args()
 tr = T.load_trace(ns.trace)
+tr.quantized = tr.quantized or ns.quantized
 ub = tr.ubatches
 decode = np.flatnonzero(ub[:, 2] == 0)
 gaps = np.flatnonzero(np.diff(decode) > 1)
@@ -37,7 +40,7 @@ KEYS = ("hits", "misses", "host_reads", "copies")
 
 def link(slots: int) -> tuple[float, float, float]:
     """(hit rate, host reads, uploads) a layer a step of the timed batch's decode."""
-    run = lambda t: T.replay(t, slots * L, ns.policy, zero_copy=True, read_through=True)["total"]
+    run = lambda t: T.replay(t, slots * L, ns.policy, zero_copy=True, read_through=True, staged=tr.quantized)["total"]
     a, b = run(head), run(tr)
     d = {k: (b.get(k) or 0) - (a.get(k) or 0) for k in KEYS}
     return d["hits"] / max(d["hits"] + d["misses"], 1), d["host_reads"] / steps / L, d["copies"] / steps / L
