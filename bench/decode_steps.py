@@ -37,7 +37,7 @@ ap.add_argument("--parallel", default="1", help="sequences decoded together, com
 ap.add_argument("--policy", default="lfru", help="the cache's policy")
 ap.add_argument("--keep-hottest", action="store_true",
                 help="experiment: decode never uploads its misses; the pool keeps each layer's hottest experts")
-ap.add_argument("--fill", type=int, default=None, help="experiment: hot_set.FILL_PER_STEP")
+ap.add_argument("--fill", type=int, default=None, help="experiment: hot_set.FILL_PER_LAYER")
 ap.add_argument("--per-choice", action="store_true",
                 help="experiment: several-token steps read an expert once per token that chose it, landing nothing "
                      "(the kernel before kernels/decode_grouped.py), and count their host reads so")
@@ -156,7 +156,7 @@ if ns.keep_hottest:
     zero_copy.ZeroCopyDecode._holds_a_step = lambda self, n: False
 if ns.fill is not None:
     from moestream.experts import hot_set
-    hot_set.FILL_PER_STEP = ns.fill
+    hot_set.FILL_PER_LAYER = ns.fill
 if ns.per_choice:
     from moestream.kernels import decode as decode_kernel
     kernel = decode_kernel.experts_by_address

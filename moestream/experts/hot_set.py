@@ -13,8 +13,8 @@ what the next step reads (bench/RESULTS.md, issue 15: on the reference at 16000 
 way). So a several-token step uploads no miss. Each region of the pool keeps the most routed experts of its
 layers in recent steps (counts decayed by FREQ_DECAY a step), ranked across the layers as one (a layer whose routing
 is spread takes more slots than one whose few experts take most of its choices: on 8 streams' replayed routing,
-4.1 experts a layer a step over the link against 4.6 with an equal share a layer), at most FILL_PER_STEP uploads a
-step, into empty slots first. `room` slots a layer stay free, emptied of the region's least routed experts, so that
+4.1 experts a layer a step over the link against 4.6 with an equal share a layer), at most FILL_PER_LAYER uploads
+a host layer a step, into empty slots first. `room` slots a layer stay free, emptied of the region's least routed experts, so that
 the step's kernel lands what it reads from host memory (read-through) at no cost on the link. A pool smaller than
 one token's experts of every host layer keeps its experts this way too. On a skewed routing a few experts a layer
 take most routings (REFERENCE.md: the top 10% take 81%), so even a small share saves much of the link.
@@ -36,7 +36,9 @@ from .stats import CacheStats
 from .store import ExpertStore
 
 FREQ_DECAY = 0.98          # per step, of the routing counts the hottest experts are chosen by
-FILL_PER_STEP = 64         # uploads a step at most (fresh streams warm the pool faster than at 32)
+FILL_PER_LAYER = 16        # uploads a step at most, per host layer: fresh streams warm the pool faster (replayed, 8
+                           # streams at 74 slots a layer: 4.27 / 3.87 / 3.75 / 3.65 / 3.63 experts a layer a step over
+                           # the link at 2.7 / 5.3 / 8 / 16 / 32 a layer; 64 a step was 2.7 a layer on the 24-layer file)
 # MOESTREAM_HOT_SET=sum: one decaying sum, a sequence's new request forgets nothing (before stop 36; an A/B)
 BY_SEQUENCE = knobs.choice("MOESTREAM_HOT_SET", ("sequences", "sum"), "sequences") == "sequences"
 
@@ -102,7 +104,7 @@ class HotSet:
         return want
 
     def fill(self, empty_before: set, room: int) -> tuple[list, list]:
-        """Upload (at most FILL_PER_STEP, hottest first) the experts of `desired(room)` that are not resident, into
+        """Upload (at most FILL_PER_LAYER a host layer, hottest first) the experts of `desired(room)` that are not resident, into
         free slots or ones whose experts are not desired: ([(slot, host row)] into slots empty before this step's
         learning, [(slot, host row)] into slots a queued step may read)."""
         res = self.residency
@@ -111,7 +113,7 @@ class HotSet:
                 for e in np.flatnonzero(desired[l] & (res.slot_of[l] < 0))]
         want.sort(key=lambda w: -w[0])
         now, behind = [], []
-        for _, l, e in want[:FILL_PER_STEP]:
+        for _, l, e in want[:FILL_PER_LAYER * len(self.layers)]:
             a, b = res.bounds[l]
             own, free = res.owner[a:b], ~res.pinned[a:b]
             if not (free & (own[:, 0] < 0)).any():   # no empty slot: the least routed resident not desired goes
