@@ -50,8 +50,10 @@ from .store import ExpertStore
 RESERVE = 16               # without read-through: empty slots kept per region for the misses of the step in flight
 LAND_PER_LAYER = 2         # read-through: the fewest free slots a layer hands a one-token step to write its misses
                            # into (it hands more where its misses are more: MISS_DECAY, LAND_MARGIN; at most top_k)
-LAND_SEVERAL = 1           # ... and a several-token step (a free slot is one the hot set cannot use: replayed fresh
-                           # streams crossed the link least at 0-1 of 0 / 1 / 2 / 4; RESULTS.md, stop 28)
+LAND_SEVERAL = 4           # ... and a several-token step (the free slots past a layer's land_count serve one-token
+                           # steps too)
+ROOM_SEVERAL = 1           # of which the hot set keeps this many a layer free, evicting for them: a free slot is one
+                           # it cannot use (replayed fresh streams crossed the link least at 1; RESULTS.md, stop 28)
 MISS_DECAY = 0.9           # per step, of a layer's decayed count of one-token steps' host reads
 LAND_MARGIN = 1.3          # landing slots a layer: its decayed host reads x this + 1 (a replay of near-uniform and
                            # skewed routings, bench/host_learning.py: nearly every miss lands)
@@ -379,7 +381,7 @@ class ZeroCopyDecode:
     def _landing_room(self) -> int:
         """Free slots a layer keeps for several-token steps to land their misses in (0 without read-through or in
         a pool smaller than a token's experts, where nothing lands)."""
-        return self.n_land_several if self.n_land_several and self._holds_a_step(self.top_k) else 0
+        return ROOM_SEVERAL if self.n_land_several and self._holds_a_step(self.top_k) else 0
 
     def _holds_a_step(self, n_choices: int) -> bool:
         """Whether the pool holds a step's routed experts (n_choices per host layer): else it keeps its hottest."""
