@@ -21,7 +21,7 @@ def _hot():
     return HotSet(res, CacheStats(), store, list(range(L))), res
 
 
-def test_fill_uploads_the_regions_most_routed_experts_and_make_room_frees_the_least_routed():
+def test_fill_uploads_the_regions_most_routed_experts_into_empty_slots_first():
     hot, res = _hot()
     counts = np.arange(E, dtype=float)              # expert e routed e times a step: the hottest are 15, 14, ...
     for l in range(L):
@@ -32,7 +32,11 @@ def test_fill_uploads_the_regions_most_routed_experts_and_make_room_frees_the_le
         assert sorted(np.flatnonzero(res.slot_of[l] >= 0).tolist()) == [12, 13, 14, 15]
     assert len(now) == 8 and not behind
     res.check()
-
+    # layer 0's expert 11 turns hot while 4 slots are empty: it takes one, and 12, no longer wanted, stays
+    hot.observe(0, np.r_[np.zeros(11), 100, np.zeros(4)])
+    now, behind = hot.fill(set(), room=2)
+    assert sorted(res.resident(0).tolist()) == [11, 12, 13, 14, 15] and len(behind) == 1 and not now
+    res.check()
 
 
 def test_a_layer_whose_routing_spreads_takes_more_of_the_region_and_make_room_frees_the_least_routed():
