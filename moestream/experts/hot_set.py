@@ -1,10 +1,10 @@
 """What zero-copy decode keeps in the pool when a step has several tokens: each layer's most routed experts.
 
-    hot = HotSet(residency, stats, store, layers)
+    hot = HotSet(residency, stats, store, layers, routing)        # routing: the RoutingStore of the prompts' tails
     hot.observe(layer, counts, ids, seqs)          # a step's routing of one layer: counts (E,), ids (T k,), and
                                                    # each token's sequence (or None), each step
     hot.forget(seq)                                # the sequence begins a new request: its counts leave
-    hot.seed(seq, tail)                            # its first step: its prompt's last tokens' counts (L, E)
+    hot.seed(seqs)                                 # a step's sequences: those new to it take their prompts' tails
     now, behind = hot.fill(empty, room)            # copies to make: (slot, host row), into empty slots / evicted ones
     hot.make_room(room, writing)                   # keep `room` slots a layer free for the next step to land in
 
@@ -14,10 +14,11 @@ way). So a several-token step uploads no miss. Each region of the pool keeps the
 layers in recent steps (counts decayed by FREQ_DECAY a step), ranked across the layers as one (a layer whose routing
 is spread takes more slots than one whose few experts take most of its choices: on 8 streams' replayed routing,
 4.1 experts a layer a step over the link against 4.6 with an equal share a layer), at most FILL_PER_LAYER uploads
-a host layer a step, into empty slots first. `room` slots a layer stay free, emptied of the region's least routed experts, so that
-the step's kernel lands what it reads from host memory (read-through) at no cost on the link. A pool smaller than
-one token's experts of every host layer keeps its experts this way too. On a skewed routing a few experts a layer
-take most routings (REFERENCE.md: the top 10% take 81%), so even a small share saves much of the link.
+a host layer a step, into empty slots first. `room` slots a layer stay free, emptied of the region's least routed
+experts, so that the step's kernel lands what it reads from host memory (read-through) at no cost on the link. A
+pool smaller than one token's experts of every host layer keeps its experts this way too. On a skewed routing a few
+experts a layer take most routings (REFERENCE.md: the top 10% take 81%), so even a small share saves much of the
+link.
 
 The counts are the sum of each sequence's own (the union of the active streams' hot sets). When a sequence begins
 a new request its counts leave at once, and at its first step the routing of its prompt's last tokens (prompt.TAIL)
@@ -32,20 +33,24 @@ import numpy as np
 
 from .. import knobs
 from .residency import CacheTooSmall, Residency
+from .routing import RoutingStore
 from .stats import CacheStats
 from .store import ExpertStore
 
 FREQ_DECAY = 0.98          # per step, of the routing counts the hottest experts are chosen by
 FILL_PER_LAYER = 16        # uploads a step at most, per host layer: fresh streams warm the pool faster (replayed, 8
                            # streams at 74 slots a layer: 4.27 / 3.87 / 3.75 / 3.65 / 3.63 experts a layer a step over
-                           # the link at 2.7 / 5.3 / 8 / 16 / 32 a layer; 64 a step was 2.7 a layer on the 24-layer file)
-# MOESTREAM_HOT_SET=sum: one decaying sum, a sequence's new request forgets nothing (before stop 36; an A/B)
+                           # the link at 2.7 / 5.3 / 8 / 16 / 32 a layer; 64 a step was 2.7 a layer on the 24-layer
+                           # file)
+# MOESTREAM_HOT_SET=sum: one decaying sum; a new request forgets nothing, seeds nothing (before stop 36; an A/B)
 BY_SEQUENCE = knobs.choice("MOESTREAM_HOT_SET", ("sequences", "sum"), "sequences") == "sequences"
 
 
 class HotSet:
-    def __init__(self, residency: Residency, stats: CacheStats, store: ExpertStore, layers: list[int]):
+    def __init__(self, residency: Residency, stats: CacheStats, store: ExpertStore, layers: list[int],
+                 routing: RoutingStore | None = None):
         self.residency, self.stats, self.store, self.layers = residency, stats, store, layers
+        self.routing = routing                              # prompts[seq].tail: what seeds a sequence (None: nothing)
         L, E = residency.slot_of.shape
         self.freq = np.zeros((L, E))                        # decayed routing counts of decode steps
         self.by_seq = np.zeros((0, L, E))                   # (S, L, E): sequence s's part of freq (grown as
@@ -81,13 +86,18 @@ class HotSet:
         if BY_SEQUENCE:
             self.unseeded.add(seq)
 
-    def seed(self, seq: int, counts: np.ndarray) -> None:
-        """The sequence's first step of a request: the routing of its prompt's last tokens (L, E), each token
-        counted as one of its steps, so that the pool takes in its experts before its own steps have shown them."""
-        self.unseeded.discard(seq)
-        self._grow(seq)
-        self.by_seq[seq] += counts
-        self.freq += counts
+    def seed(self, seqs: list[int]) -> None:
+        """A learned step's sequences: each one's first step of a request takes the routing of its prompt's last
+        tokens (routing.prompts[seq].tail, L x E), each token counted as one of its steps, so that the pool takes in
+        its experts before its own steps have shown them."""
+        if self.routing is None:
+            return
+        for seq in self.unseeded.intersection(seqs):
+            self.unseeded.discard(seq)
+            self._grow(seq)
+            tail = self.routing.prompts[seq].tail
+            self.by_seq[seq] += tail
+            self.freq += tail
 
     def desired(self, room: int) -> np.ndarray:
         """(L, E): the experts the pool keeps for several-token steps. Each region keeps the hottest experts of all
@@ -104,9 +114,9 @@ class HotSet:
         return want
 
     def fill(self, empty_before: set, room: int) -> tuple[list, list]:
-        """Upload (at most FILL_PER_LAYER a host layer, hottest first) the experts of `desired(room)` that are not resident, into
-        free slots or ones whose experts are not desired: ([(slot, host row)] into slots empty before this step's
-        learning, [(slot, host row)] into slots a queued step may read)."""
+        """Upload (at most FILL_PER_LAYER a host layer, hottest first) the experts of `desired(room)` that are not
+        resident, into free slots or ones whose experts are not desired: ([(slot, host row)] into slots empty before
+        this step's learning, [(slot, host row)] into slots a queued step may read)."""
         res = self.residency
         desired = self.desired(room)
         want = [(self.freq[l, e], l, e) for l in self.layers

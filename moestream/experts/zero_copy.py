@@ -83,8 +83,7 @@ class ZeroCopyDecode:
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
         self.seqs = None                                    # each token's sequence in the queued step, if told
-        self.hot = HotSet(self.residency, self.stats, store, layers)   # what several-token steps keep
-        self.routing = routing                              # RoutingStore: prompts[seq].tail seeds the hot set
+        self.hot = HotSet(self.residency, self.stats, store, layers, routing)     # what several-token steps keep
         # Read-through: the layer's free slots a step writes the experts it reads from host into: a one-token step
         # up to n_land of them (a token's top_k; land_count[l] are handed out, as many as the layer's recent misses
         # ask for), a several-token step n_land_several.
@@ -310,9 +309,8 @@ class ZeroCopyDecode:
         res, E, stats = self.residency, self.n_experts, self.stats
         one_token = routed.shape[1] == self.top_k and self._holds_a_step(self.top_k)
         upload = one_token and not self.n_land
-        if seqs is not None and self.routing is not None:       # a sequence's first step: its prompt's tail
-            for s in self.hot.unseeded.intersection(seqs):
-                self.hot.seed(s, self.routing.prompts[s].tail)
+        if seqs is not None:
+            self.hot.seed(seqs)                  # a sequence's first step of a request: its prompt's tail
         self.slots.mark_reads()                  # slots a prompt handed out are free once its compute has run
         self.slots.refresh_pins()
         if writing is not None:
