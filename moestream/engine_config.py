@@ -18,6 +18,11 @@ from .experts.policy import POLICIES
 from .experts.prefetch import PrefetchConfig
 
 
+def _number(v) -> bool:
+    """An int or a float, not a bool (True would pass as 1 MiB, or a share of 1)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the weights live."""
@@ -79,8 +84,7 @@ class CacheConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def __post_init__(self):
-        if self.mib is not None and (isinstance(self.mib, bool) or not isinstance(self.mib, (int, float))
-                                     or self.mib < 0):
+        if self.mib is not None and (not _number(self.mib) or self.mib < 0):
             raise UserError(f"--moe-cache-mib must be >= 0 (a number of MiB), got {self.mib!r}")
         if self.policy not in POLICIES:
             raise UserError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -107,7 +111,7 @@ class DecodeConfig:
 
     def __post_init__(self):
         s = self.host_share
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 1:
+        if not _number(s) or not 0 <= s <= 1:
             raise UserError(f"--host-compute must be a share from 0 to 1, got {s!r}")
 
     def stages(self, quantized: bool) -> bool:
@@ -160,8 +164,8 @@ class EngineConfig:
 
     def resolve(self, file_dtype) -> "EngineConfig":
         """This config with every "auto" decided for this machine and a checkpoint whose weights are the torch
-        dtype `file_dtype` (None: quantized): the device, the dtype, the expert kernel, zero-copy decode. The one place they are
-        decided; raises UserError for a device or kernel this machine does not have."""
+        dtype `file_dtype` (None: quantized): the device, the dtype, the expert kernel, zero-copy decode. The one
+        place they are decided; raises UserError for a device or kernel this machine does not have."""
         import torch
 
         from .device import Device

@@ -118,7 +118,7 @@ class ExpertCache(ExpertProvider):
         return self.zero_copy.landing(layer, ids)
 
     def host_part(self, layer: int, x, ids, weights, addrs):
-        if self.zero_copy is None or self.host_share is None:
+        if self.host_share is None:             # (set only with zero-copy decode)
             return None
         return self.host_share.split(layer, x, ids, weights, addrs, self.zero_copy.from_host[layer])
 

@@ -169,9 +169,9 @@ class Engine:
         self.kv.begin(segments)
         if self.host is not None:
             self.host.begin_ubatch(seq, n, is_prompt)
-        if observer is not None:
-            observer.begin_ubatch(seq, n, is_prompt, None if is_prompt else [s.seq for s in segments for _ in
-                                                                             range(s.n)])
+        if observer is not None:              # (a decode step: each token's sequence)
+            seqs = None if is_prompt else [s.seq for s in segments for _ in range(s.n)]
+            observer.begin_ubatch(seq, n, is_prompt, seqs)
         logits = self.model.forward_parts(batches, self.kv, self.experts, self.kernel)
         self.kv.end(segments)
         return logits
