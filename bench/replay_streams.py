@@ -69,8 +69,9 @@ def belady(slots: int) -> float:
 
 print(f"{ns.trace}: {L} layers x {tr.n_experts} experts; the timed batch: {steps} steps of "
       f"{int(ub[first, 1])} tokens; per layer and step:")
-print("| slots a layer | hot set | hit rate | host reads | uploads | over the link |" + (" Belady |" if ns.belady else ""))
-print("| ---: | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if ns.belady else ""))
+bound = (" Belady |", " ---: |") if ns.belady else ("", "")
+print("| slots a layer | hot set | hit rate | host reads | uploads | over the link |" + bound[0])
+print("| ---: | --- | ---: | ---: | ---: | ---: |" + bound[1])
 for slots in (int(s) for s in ns.slots_per_layer.split(",")):
     for by_seq in (False, True):
         hot_set.BY_SEQUENCE = by_seq

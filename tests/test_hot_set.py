@@ -137,7 +137,7 @@ def test_a_prompts_last_tokens_seed_its_sequence_at_its_first_step():
     c.begin_ubatch(1, 64, True)
     ids = torch.tensor([[0, 1]] * (64 - prompt.TAIL) + [[6, 7]] * prompt.TAIL)     # its last tokens route 6 and 7
     for l in range(L):
-        w = c.fetch(l, ids)
+        c.fetch(l, ids)
         c.experts_launched(l)
     assert (c.routing.prompts[1].tail[:, [6, 7]] == prompt.TAIL).all() and c.routing.prompts[1].tail.sum() == 64
     zc = c.zero_copy
