@@ -60,19 +60,21 @@ def test_the_host_takes_the_experts_fewest_tokens_chose_and_the_kernel_reads_zer
     store = ExpertStore({0: rows}, layout)
     pool = torch.randn(4, 3 * I * H, generator=g)
     stats = CacheStats()
-    share = HostShare(store, stats, 0.5, pool, reads_once=True)
+    share = HostShare(store, stats, 0.5, pool, top_k=k, reads_once=True)
     x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
     ids = torch.tensor([[0, 1], [0, 2], [0, 3]])              # from host: 0 (three tokens), 1, 2 (one each); 3 not
     from_host = np.array([True, True, True, False, False, False])
     addrs = torch.arange(T * k).view(T, k) + 1000
     new, compute = share.split(0, x, ids, w, addrs, from_host)
-    # Two of the three host experts (share 0.5 of 3, rounded), the ones fewest tokens chose: 1 and 2.
-    assert torch.equal(new == share.zero_addr, torch.tensor([[False, True], [False, True], [False, False]]))
-    assert torch.equal(new[new != share.zero_addr], addrs[new != share.zero_addr])
+    # Two of the three host experts (share 0.5 of 3, rounded), the ones fewest tokens chose: 1 and 2. Their choices
+    # read the zero row of their choice index (j = 1 here), so each token's addresses stay distinct.
+    zero = share.zero_addrs.expand(T, k)
+    assert torch.equal(new == zero, torch.tensor([[False, True], [False, True], [False, False]]))
+    assert torch.equal(new[new != zero], addrs[new != zero])
     mine = torch.tensor([[-1, 1], [-1, 2], [-1, -1]])
     assert torch.allclose(compute(), host_experts_reference(x, rows, mine, w, layout), rtol=1e-5, atol=1e-6)
     assert stats.total[0].host_computed == 2 and stats.total[0].host_reads == -2     # the kernel's count, less 2
-    assert not share.zero_row.any() and share.zero_row.shape == (1, pool.shape[1])
+    assert not share.zero_rows.any() and share.zero_rows.shape == (k, pool.shape[1])
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True])
@@ -107,3 +109,24 @@ def test_on_cuda_the_hosts_share_stays_within_bf16_rounding_of_the_kernels():
     assert _counts(llm)["host_computed"] > 0
     for g, w in zip(got, want):
         assert torch.allclose(g.float(), w.float(), rtol=0.05, atol=0.05)
+
+
+def test_a_token_whose_choices_the_host_takes_keeps_distinct_addresses():
+    """Two host-computed choices of one token read two zero rows: the kernels' runs hold one choice a token (the
+    grouped kernel left a choice unwritten when they shared one, on the GPU); the reference refuses equal ones."""
+    E, H, I, T, k = 4, 16, 8, 2, 3
+    g = torch.Generator().manual_seed(1)
+    layout = ExpertLayout(I, H)
+    store = ExpertStore({0: torch.randn(E, 3 * I * H, generator=g)}, layout)
+    share = HostShare(store, CacheStats(), 1.0, torch.randn(4, 3 * I * H, generator=g), top_k=k, reads_once=True)
+    ids = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    x, w, addrs = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g), torch.arange(T * k).view(T, k) + 10
+    new, _ = share.split(0, x, ids, w, addrs, np.ones(E, dtype=bool))
+    assert torch.equal(new, share.zero_addrs.expand(T, k))          # all host-computed, each choice its own row
+    assert bool((new.sort(dim=1).values.diff(dim=1) != 0).all())
+    from moestream.kernels.reference import AddressBook, experts_by_address_reference
+    book = AddressBook()
+    book.add(share.zero_rows)
+    assert not experts_by_address_reference(x, new, w, layout, book=book).any()
+    with pytest.raises(ValueError, match="distinct"):
+        experts_by_address_reference(x, new[:, [0, 0, 1]], w, layout, book=book)

@@ -64,7 +64,7 @@ class ExpertCache(ExpertProvider):
         self.host_share = None
         if host_share:
             from .host_share import HostShare
-            self.host_share = HostShare(self.store, self.stats, host_share, self.pool, reads_once)
+            self.host_share = HostShare(self.store, self.stats, host_share, self.pool, self.top_k, reads_once)
 
     @property
     def pool(self):
@@ -125,7 +125,7 @@ class ExpertCache(ExpertProvider):
     def device_rows(self) -> list[torch.Tensor]:
         z = self.zero_copy
         rows = [self.pool] + ([z.scratch] if z is not None and z.scratch is not None else [])
-        return rows + ([self.host_share.zero_row] if self.host_share is not None else [])
+        return rows + ([self.host_share.zero_rows] if self.host_share is not None else [])
 
     def begin_decode_step(self, seqs: list[int] | None = None) -> None:
         self.zero_copy.begin_step(seqs)

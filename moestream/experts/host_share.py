@@ -1,7 +1,7 @@
 """The host's cores as a second link (--host-compute SHARE): in a zero-copy decode step over the cache, a share of
 the experts the step would read from host memory are computed on the host instead, while the GPU reads the rest.
 
-    share = HostShare(store, stats, 0.5, pool, reads_once=True)
+    share = HostShare(store, stats, 0.5, pool, top_k=8, reads_once=True)
     part = share.split(layer, x, ids, weights, addrs, from_host)     # None, or (addrs, compute)
     out = decode_kernel(x, addrs, ...)                                 # the GPU's part, queued first
     out = out + compute().to(out)                                      # the host's part, computed meanwhile
@@ -9,7 +9,9 @@ the experts the step would read from host memory are computed on the host instea
 Why: a bf16 expert is read at 61-68 GB/s by 16 host cores (kernels/host_experts.py, numba) against the link's
 50-55, so a step whose misses split between the two moves them in about half the time (bench/RESULTS.md, stop 19).
 The choices the host computes read a zeroed device row in the kernel (their output is exactly 0 there, with no
-host bytes read), and the host adds its float32 sum of them to the layer's output.
+host bytes read), and the host adds its float32 sum of them to the layer's output. Choice j reads zero row j: a
+token's k addresses stay distinct, as the kernels ask (decode_grouped.py's runs hold one choice a token; a token
+whose two host-computed choices shared one zero row left a choice unwritten there, on the GPU).
 
 What it costs: one host sync a layer (the routing, to choose), so steps run eagerly (runtime/decode.py); no
 read-through or staging (engine_config.DecodeConfig: the kernel does not read what the host computes, so nothing
@@ -27,10 +29,12 @@ from .store import ExpertStore
 
 
 class HostShare:
-    def __init__(self, store: ExpertStore, stats: CacheStats, share: float, pool: torch.Tensor, reads_once: bool):
+    def __init__(self, store: ExpertStore, stats: CacheStats, share: float, pool: torch.Tensor, top_k: int,
+                 reads_once: bool):
         self.store, self.stats, self.share, self.reads_once = store, stats, share, reads_once
-        self.zero_row = torch.zeros_like(pool[:1])          # (1, row): what a host-computed choice reads
-        self.zero_addr = self.zero_row.data_ptr()
+        self.zero_rows = pool.new_zeros(top_k, pool.shape[1])   # (k, row): what a host-computed choice j reads
+        stride = self.zero_rows.stride(0) * self.zero_rows.element_size()
+        self.zero_addrs = self.zero_rows.data_ptr() + stride * torch.arange(top_k, device=pool.device)   # (k,)
 
     def split(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, addrs: torch.Tensor,
               from_host: np.ndarray):
@@ -47,7 +51,7 @@ class HostShare:
             return None
         mine = experts[np.argsort(counts, kind="stable")[:n]]
         mask = on_host & np.isin(ids_h, mine)
-        addrs = torch.where(torch.from_numpy(mask).to(addrs.device), self.zero_addr, addrs)
+        addrs = torch.where(torch.from_numpy(mask).to(addrs.device), self.zero_addrs[:addrs.shape[1]], addrs)
         xh, wh = x.cpu().float(), weights.cpu().float()         # (widened on the host: half the bytes moved)
         cpu_ids = torch.from_numpy(np.where(mask, ids_h, -1))
         rows, layout = self.store.rows[layer], self.store.layouts[layer]

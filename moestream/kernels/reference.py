@@ -79,6 +79,8 @@ def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: 
     from .decode import landing_slots, landing_slots_grouped
     T, H = x.shape
     k = addrs.shape[1]
+    if k > 1 and bool((addrs.sort(dim=1).values.diff(dim=1) == 0).any()):
+        raise ValueError("a token's k addresses must be distinct (the grouped kernel's runs hold one choice a token)")
     layout = inter if isinstance(inter, ExpertLayout) else ExpertLayout(inter, H)
     inter = layout.inter
     if landing is not None:
