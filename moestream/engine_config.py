@@ -122,9 +122,9 @@ class DecodeConfig:
 
     def lands(self, quantized: bool) -> bool:
         """Whether decode steps land what they read from host in free cache slots (read-through): quantized rows
-        only where they are staged (the unstaged quantized kernel reads a row once per choice, and lands nothing);
-        never while the host computes some of them (its experts are not read by the kernel, and would not land)."""
-        return self.read_through and not self.host_share and (self.stages(quantized) or not quantized)
+        only where they are staged (the unstaged quantized kernel reads a row once per choice, and lands nothing).
+        (A step the host shares lands nothing: experts/host_share.py.)"""
+        return self.read_through and (self.stages(quantized) or not quantized)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import torch
 
 from moestream import LLM
 from moestream.errors import UserError
+from moestream.experts import host_share
 from moestream.experts.host_share import HostShare
 from moestream.experts.stats import CacheStats
 from moestream.experts.store import ExpertStore
@@ -22,13 +23,19 @@ KW = dict(ctx_size=128, device="cpu", zero_copy_decode=True, cpu_moe=True)
 PROMPT = "Once upon a time"
 
 
+@pytest.fixture
+def every_step_shares(monkeypatch):
+    """Every step shares (on synth:tiny no step reads the 1 GB from host that makes a step worth sharing)."""
+    monkeypatch.setattr(host_share, "MIN_STEP_BYTES", 0)
+
+
 def _counts(llm) -> dict:
     t = llm.stats()["total"]
     return {k: t[k] for k in ("host_computed", "host_reads", "hits", "misses")}
 
 
 @pytest.mark.parametrize("mib", [1, 3])
-def test_one_token_steps_keep_their_greedy_tokens_and_every_host_read_is_counted_once(mib):
+def test_one_token_steps_keep_their_greedy_tokens_and_every_host_read_is_counted_once(mib, every_step_shares):
     base = LLM("synth:tiny", **KW, moe_cache_mib=mib)
     want = base.generate(PROMPT, max_tokens=24, ignore_eos=True).sha256
     reads = _counts(base)["host_reads"]
@@ -42,7 +49,7 @@ def test_one_token_steps_keep_their_greedy_tokens_and_every_host_read_is_counted
         assert {k: c[k] for k in ("hits", "misses")} == {k: _counts(base)[k] for k in ("hits", "misses")}
 
 
-def test_several_token_steps_stay_within_the_hosts_rounding_and_pick_the_same_tokens():
+def test_several_token_steps_stay_within_the_hosts_rounding_and_pick_the_same_tokens(every_step_shares):
     want = decode_three(LLM("synth:tiny", **KW, moe_cache_mib=2, n_seq=3).engine)
     llm = LLM("synth:tiny", **KW, moe_cache_mib=2, n_seq=3, host_compute=0.5)
     got = decode_three(llm.engine)
@@ -65,6 +72,8 @@ def test_the_host_takes_the_experts_fewest_tokens_chose_and_the_kernel_reads_zer
     ids = torch.tensor([[0, 1], [0, 2], [0, 3]])              # from host: 0 (three tokens), 1, 2 (one each); 3 not
     from_host = np.array([True, True, True, False, False, False])
     addrs = torch.arange(T * k).view(T, k) + 1000
+    assert share.split(0, x, ids, w, addrs, from_host) is None       # a step that does not share
+    share.active = True
     new, compute = share.split(0, x, ids, w, addrs, from_host)
     # Two of the three host experts (share 0.5 of 3, rounded), the ones fewest tokens chose: 1 and 2. Their choices
     # read the zero row of their choice index (j = 1 here), so each token's addresses stay distinct.
@@ -83,10 +92,10 @@ def test_a_share_outside_zero_to_one_is_a_one_line_error(bad):
         LLM("synth:tiny", **KW, moe_cache_mib=1, host_compute=bad)
 
 
-def test_the_mode_turns_read_through_and_staging_off():
+def test_the_mode_turns_staging_off_and_keeps_read_through_for_the_steps_it_does_not_share():
     from moestream.engine_config import DecodeConfig
     d = DecodeConfig(zero_copy=True, stage=True, host_share=0.25)
-    assert not d.lands(False) and not d.stages(True)
+    assert d.lands(False) and not d.stages(True)
     assert DecodeConfig(zero_copy=True).lands(False) and DecodeConfig(zero_copy=True, stage=True).stages(True)
 
 
@@ -97,9 +106,26 @@ def test_where_decode_does_not_read_in_place_over_a_cache_the_share_is_ignored_w
     assert _counts(llm)["host_computed"] == 0
 
 
+def test_steps_that_read_little_from_host_do_not_share_and_keep_their_bits(monkeypatch):
+    """Below MIN_STEP_BYTES a step runs as without the mode: no host sync, read-through on, the same bits. Once the
+    steps read more, they share (and the step after a shared one is judged by what that one read)."""
+    want = decode_three(LLM("synth:tiny", **KW, moe_cache_mib=2, n_seq=3).engine)
+    llm = LLM("synth:tiny", **KW, moe_cache_mib=2, n_seq=3, host_compute=0.5)
+    got = decode_three(llm.engine)
+    assert _counts(llm)["host_computed"] == 0 and all(torch.equal(g, w) for g, w in zip(got, want))
+    reads = llm.stats()["total"]["host_read_bytes"]
+    assert reads > 0
+    monkeypatch.setattr(host_share, "MIN_STEP_BYTES", 1)
+    llm = LLM("synth:tiny", **KW, moe_cache_mib=2, n_seq=3, host_compute=0.5)
+    got = decode_three(llm.engine)
+    assert _counts(llm)["host_computed"] > 0
+    assert torch.equal(got[0], want[0])                 # the first step: nothing learned yet, not shared
+    assert not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_the_hosts_share_stays_within_bf16_rounding_of_the_kernels():
+def test_on_cuda_the_hosts_share_stays_within_bf16_rounding_of_the_kernels(every_step_shares):
     """bf16, the Triton decode kernel reading the rest, eager steps: three sequences, six steps."""
     kw = dict(ctx_size=128, device="cuda", cpu_moe=True, moe_cache_mib=2, n_seq=3)
     spec = "synth:tiny:dtype=bfloat16"
@@ -119,6 +145,7 @@ def test_a_token_whose_choices_the_host_takes_keeps_distinct_addresses():
     layout = ExpertLayout(I, H)
     store = ExpertStore({0: torch.randn(E, 3 * I * H, generator=g)}, layout)
     share = HostShare(store, CacheStats(), 1.0, torch.randn(4, 3 * I * H, generator=g), top_k=k, reads_once=True)
+    share.active = True
     ids = torch.tensor([[0, 1, 2], [1, 2, 3]])
     x, w, addrs = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g), torch.arange(T * k).view(T, k) + 10
     new, _ = share.split(0, x, ids, w, addrs, np.ones(E, dtype=bool))

@@ -127,8 +127,15 @@ class ExpertCache(ExpertProvider):
         rows = [self.pool] + ([z.scratch] if z is not None and z.scratch is not None else [])
         return rows + ([self.host_share.zero_rows] if self.host_share is not None else [])
 
+    def shares_step(self) -> bool:
+        hs = self.host_share
+        return hs is not None and hs.wants(self.zero_copy.step_bytes)
+
     def begin_decode_step(self, seqs: list[int] | None = None) -> None:
-        self.zero_copy.begin_step(seqs)
+        shared = self.shares_step()
+        if self.host_share is not None:
+            self.host_share.active = shared
+        self.zero_copy.begin_step(seqs, lands=not shared)
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
         self.zero_copy.end_step(n_tokens, observer)

@@ -2,6 +2,7 @@
 the experts the step would read from host memory are computed on the host instead, while the GPU reads the rest.
 
     share = HostShare(store, stats, 0.5, pool, top_k=8, reads_once=True)
+    share.active = share.wants(last_step_host_bytes)                  # a step worth an eager step's cost
     part = share.split(layer, x, ids, weights, addrs, from_host)     # None, or (addrs, compute)
     out = decode_kernel(x, addrs, ...)                                 # the GPU's part, queued first
     out = out + compute().to(out)                                      # the host's part, computed meanwhile
@@ -13,9 +14,13 @@ host bytes read), and the host adds its float32 sum of them to the layer's outpu
 token's k addresses stay distinct, as the kernels ask (decode_grouped.py's runs hold one choice a token; a token
 whose two host-computed choices shared one zero row left a choice unwritten there, on the GPU).
 
-What it costs: one host sync a layer (the routing, to choose), so steps run eagerly (runtime/decode.py); no
-read-through or staging (engine_config.DecodeConfig: the kernel does not read what the host computes, so nothing
-of it would land); and the numerics contract: the host's experts are its float32 sums, in another order than the GPU
+When: only in steps whose experts read from host memory are heavy. A step the host shares costs one host sync a
+layer (the routing, to choose), so it runs eagerly, not as a CUDA graph (runtime/decode.py), and lands nothing
+(read-through: the kernel does not read what the host computes). On the H200 that cost ~7 ms a step (8 streams of
+the BF16 reference at 16000 MiB: 18.9 ms a step as graphs reading 0.53 GB from host, 25.6 ms shared; RESULTS.md,
+stop 29), and a share of 0.5 saves about bytes / 110 GB/s: a step shares when the last step learned from read at
+least MIN_STEP_BYTES from host (MOESTREAM_HOST_SHARE_MB). Staging stays off (engine_config.DecodeConfig). And the
+numerics contract: the host's experts are its float32 sums, in another order than the GPU
 kernel's, added to the kernel's rounded output, so a step's bits depend on which experts the host computed.
 """
 from __future__ import annotations
@@ -23,9 +28,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import knobs
 from ..kernels.host_experts import host_experts
 from .stats import CacheStats
 from .store import ExpertStore
+
+MIN_STEP_BYTES = knobs.positive_int("MOESTREAM_HOST_SHARE_MB", 1000) * 1e6   # host reads of a step worth sharing
 
 
 class HostShare:
@@ -35,12 +43,21 @@ class HostShare:
         self.zero_rows = pool.new_zeros(top_k, pool.shape[1])   # (k, row): what a host-computed choice j reads
         stride = self.zero_rows.stride(0) * self.zero_rows.element_size()
         self.zero_addrs = self.zero_rows.data_ptr() + stride * torch.arange(top_k, device=pool.device)   # (k,)
+        self.active = False             # the step now running shares (set by the cache at begin_decode_step)
+
+    @staticmethod
+    def wants(step_bytes: float) -> bool:
+        """Whether a step shares, given the bytes the last learned step read from host memory."""
+        return step_bytes >= MIN_STEP_BYTES
 
     def split(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, addrs: torch.Tensor,
               from_host: np.ndarray):
         """x (T, H), ids / weights / addrs (T, k) of the step's layer; from_host (E,): the experts its table reads
         from host memory. The host takes `share` of those the step routes (by count, rounded), the ones fewest
-        tokens chose first (its cost grows with the tokens, the link's does not). Returns None when it takes none."""
+        tokens chose first (its cost grows with the tokens, the link's does not). Returns None when it takes none,
+        or when the step does not share (no host sync then: graph-safe)."""
+        if not self.active:
+            return None
         ids_h = ids.cpu().numpy()                             # the layer's host sync: its routing
         on_host = from_host[ids_h]                            # (T, k)
         if not on_host.any():

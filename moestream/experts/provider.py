@@ -151,6 +151,11 @@ class ExpertProvider:
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
         pass
 
+    def shares_step(self) -> bool:
+        """Whether the next zero-copy step has the host's cores compute some of its experts (--host-compute): a
+        step that must run eagerly (a host sync a layer), and lands nothing."""
+        return False
+
     def begin_decode_step(self, seqs: list[int] | None = None) -> None:
         """A zero-copy decode step begins; seqs: each token's sequence."""
 

@@ -83,6 +83,8 @@ class ZeroCopyDecode:
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
         self.seqs = None                                    # each token's sequence in the queued step, if told
+        self.step_lands = True                              # whether the queued step lands (not a host-shared one)
+        self.step_bytes = 0.0                               # bytes the last learned step read from host memory
         self.hot = HotSet(self.residency, self.stats, store, layers, routing)     # what several-token steps keep
         # Read-through: the layer's free slots a step writes the experts it reads from host into: a one-token step
         # up to n_land of them (a token's top_k; land_count[l] are handed out, as many as the layer's recent misses
@@ -117,7 +119,7 @@ class ZeroCopyDecode:
         """Read-through and staging: the layer's kernels.stage.Landing (ids, host-row addresses, landing slots'
         addresses: a one-token step gets the first n_land slots, a several-token step n_land_several; the
         scratch rows when staged); None when neither is on."""
-        if not self.n_land and self.scratch is None:
+        if not self.step_lands or (not self.n_land and self.scratch is None):
             return None
         return Landing(ids, self.host_tab[layer], self.land[layer, :self._n_land(ids.shape[0])], self.scratch,
                        self.aligned)
@@ -129,13 +131,14 @@ class ZeroCopyDecode:
         """Sequence `seq` begins a new request: the hot set forgets its earlier steps."""
         self.hot.forget(seq)
 
-    def begin_step(self, seqs: list[int] | None = None) -> None:
+    def begin_step(self, seqs: list[int] | None = None, lands: bool = True) -> None:
         """Put the step's address table on the device: an expert resident in a slot whose copy has landed reads
         from the slot, every other one from its host row. The table was prepared while the last step ran (or is
         prepared now, after a prompt); here it only takes in what changed since: with read-through, the experts the
         last step wrote into its landing slots (the next step reads them there), and copies that have landed.
-        seqs: each token's sequence (the hot set keeps each sequence's counts; None: not told)."""
-        self.seqs = seqs
+        seqs: each token's sequence (the hot set keeps each sequence's counts; None: not told). lands=False: the
+        step lands nothing (the host computes some of its experts: host_share.py)."""
+        self.seqs, self.step_lands = seqs, lands
         p = self.pending
         if p is not None and p.event is not None:
             p.event.synchronize()                # that step has run: its table copy is done, its landings are in
@@ -197,7 +200,7 @@ class ZeroCopyDecode:
         else:
             self.routed_host.copy_(self.routed)
         writes = None                            # the landing slots this step's kernel may write
-        if self.n_land:
+        if self.n_land and self.step_lands:
             writes = self.land_slots.copy()
             writes[:, self._n_land(n_tokens):] = -1
         self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs)
@@ -316,12 +319,14 @@ class ZeroCopyDecode:
         if writing is not None:
             self.slots.pin(writing[writing >= 0])
         empty = set(np.flatnonzero(res.owner[:, 0] < 0).tolist())     # no step in flight reads these
+        self.step_bytes = 0.0
         now, behind = [], []                     # copies into empty slots (unread), into evicted ones (read)
         for l in self.layers:
             counts = np.bincount(routed[l], minlength=E)
             per_choice = counts[from_host[l]]        # each expert read from host: once, or once per choice
             reads = int(np.count_nonzero(per_choice) if self.reads_once else per_choice.sum())
             stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.layer_bytes(l))
+            self.step_bytes += reads * self.store.layer_bytes(l)
             routed_l = wanted = np.flatnonzero(counts).astype(np.int64)
             if len(self.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])

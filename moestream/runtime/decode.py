@@ -114,8 +114,7 @@ def choose_decode(engine) -> DecodePath:
     zero-copy decode); else EagerDecode. Zero-copy decode's expert kernel runs in eager steps alike."""
     eng = engine
     capturable = (eng.ecfg.decode.cuda_graphs and eng.device.is_cuda and eng.model.capturable
-                  and eng.kernel is not experts_reference
-                  and not (eng.host is not None and eng.ecfg.decode.host_share))    # a host sync a layer
+                  and eng.kernel is not experts_reference)      # (a step the host shares runs eagerly: engine.decode)
     # Quantized experts are dequantized per ubatch (a host sync, to size the scratch) unless decode reads in place.
     fetch_ok = eng.host is None and not eng.quantized
     if capturable and (fetch_ok or eng.decode_kernel is not None):

@@ -227,7 +227,8 @@ class Engine:
             # one, rather than one eager step that decides on the host between layers.
             return torch.cat([self.decode(steps[i:i + MAX_TOKENS]) for i in range(0, len(steps), MAX_TOKENS)])
         span = self.kv.span(max(p for _, _, p in steps) + 1)
-        path = self.decoder if self.decoder.takes(len(steps)) else self.eager
+        shared = self.host is not None and self.host.shares_step()      # --host-compute: eager, a sync a layer
+        path = self.decoder if self.decoder.takes(len(steps)) and not shared else self.eager
         return path.run(steps, span)
 
     def warm_up_decode(self, n_seq: int) -> None:
