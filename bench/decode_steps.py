@@ -151,9 +151,9 @@ def run(llm, label: str, last: bool, B: int) -> None:
 print("| config | rep | tok/s | wall ms/step (median) | GPU ms/step (events) | gap ms | host ms before the step | "
       "host ms while it runs | counts |")
 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-from moestream.experts import zero_copy  # noqa: E402
+from moestream.experts import read_through, zero_copy  # noqa: E402
 if ns.keep_hottest:
-    zero_copy.ZeroCopyDecode._holds_a_step = lambda self, n: False
+    read_through.ReadThrough.holds_a_step = lambda self, n: False
 if ns.fill is not None:
     from moestream.experts import hot_set
     hot_set.FILL_PER_LAYER = ns.fill
@@ -161,7 +161,7 @@ if ns.per_choice:
     from moestream.kernels import decode as decode_kernel
     kernel = decode_kernel.experts_by_address
     kernel.__defaults__ = kernel.__defaults__[:-1] + (False,)            # grouped=False
-    zero_copy.ZeroCopyDecode._n_land = lambda self, n_tokens: self.n_land if n_tokens == 1 else 0
+    read_through.ReadThrough.count = lambda self, n_tokens: self.n_land if n_tokens == 1 else 0
     _init = zero_copy.ZeroCopyDecode.__init__
 
     def _per_choice(self, *a, **kw):

@@ -58,7 +58,7 @@ def test_rows_that_hold_a_token_of_every_layer_land_what_decode_reads_and_upload
     churn: they keep the plain buffer."""
     eng = LLM("synth:tiny", **KW, cpu_moe=True).engine
     host = eng.host
-    assert type(host) is BufferedCache and host.zero_copy._holds_a_step(eng.cfg.n_experts_used)
+    assert type(host) is BufferedCache and host.zero_copy.rt.holds_a_step(eng.cfg.n_experts_used)
     tok = int(eng.prefill(0, list(range(5, 25)))[-1].argmax())
     before = eng.stats()["total"]
     for pos in range(20, 36):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moestream.device import Device
-from moestream.experts import zero_copy
+from moestream.experts import read_through
 from moestream.experts.cache import ExpertCache
 from moestream.experts.store import ExpertStore
 from moestream.quant.layout import ExpertLayout
@@ -53,12 +53,12 @@ def test_one_token_steps_land_their_misses_and_count_them_as_misses(read_through
 def test_a_layer_hands_out_as_many_landing_slots_as_its_misses_ask_for():
     cache = _cache(True)
     zc = cache.zero_copy
-    assert zc.n_land == K and (zc.land_count == zero_copy.LAND_PER_LAYER).all()
+    assert zc.n_land == K and (zc.rt.land_count == read_through.LAND_PER_LAYER).all()
     _decode(cache, 40)                                   # uniform: most of a token's K choices miss
-    assert (zc.land_count[:L] > zero_copy.LAND_PER_LAYER).all() and (zc.land_count <= K).all()
+    assert (zc.rt.land_count[:L] > read_through.LAND_PER_LAYER).all() and (zc.rt.land_count <= K).all()
     zc.begin_step()                                      # the next step's landing slots: land_count[l] a layer
     handed = (zc.land_slots[:L, :K] >= 0).sum(axis=1)
-    assert (handed == zc.land_count[:L]).all()
+    assert (handed == zc.rt.land_count[:L]).all()
     given = zc.land_slots[zc.land_slots >= 0]
     assert len(set(given.tolist())) == len(given) and (cache.residency.owner[given, 0] < 0).all()
 

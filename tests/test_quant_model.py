@@ -217,7 +217,7 @@ def test_zero_copy_decode_reads_quantized_rows_in_place(files):
             assert zc.n_land == (cfg.n_experts_used if staged else 0)
             host.flush_decode()
             landed = host.stats.summary(host.stats.total)["landed"]
-            assert (landed > 0) == (staged and zc._holds_a_step(cfg.n_experts_used)), (extra, landed)
+            assert (landed > 0) == (staged and zc.rt.holds_a_step(cfg.n_experts_used)), (extra, landed)
         else:
             assert host.staged == staged
 

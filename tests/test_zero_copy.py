@@ -123,7 +123,7 @@ def test_cache_under_zero_copy_keeps_its_invariants_and_a_reserve_of_empty_slots
     """A pool that evicts: after every step the table points only at landed experts, residency holds, and each
     region keeps empty slots that the step in flight cannot read (the next misses are copied into them at once);
     with read-through, less the landing slots the last step may have filled."""
-    from moestream.experts.zero_copy import RESERVE
+    from moestream.experts.read_through import RESERVE
     llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=12, read_through=read_through)
     eng, cache = llm.engine, llm.engine.host
     assert cache.n_slots >= len(cache.layers) * llm.model_config.n_experts_used       # big enough to upload
@@ -230,7 +230,7 @@ def test_a_several_token_step_reads_each_missed_expert_once_and_lands_it(stage):
         on_host = p.from_host[l, routed[l]]
         choices += int(on_host.sum())
         distinct += len(set(routed[l][on_host].tolist()))
-        rule = rule_of(routed[l], on_host, zc.n_land_several)
+        rule = rule_of(routed[l], on_host, zc.rt.n_land_several)
         lands[l] = [(e, int(p.land_slots[l, r])) for e, r in rule if p.land_slots[l, r] >= 0]
     new_reads, new_landed = count("host_reads"), count("landed")       # (reading them learns from the step)
     for l in cache.layers:

@@ -10,13 +10,10 @@ link once, read in place by the kernel (kernels/decode.py). The cache still lear
 host reads the previous step's routing back and runs the policy on it (_learn says what each kind of step keeps).
 It works through the slot pool (slots.py) and the planner, as the prompt path (prompt.py) does: they are peers.
 
-Read-through (on by default; --no-read-through): a step is also handed empty slots per layer (none a copy is
-still writing), and its kernel writes the first experts it reads from host memory into them as it reads them (a
-one-token step its first host-read choices, a several-token step its distinct host-read experts in ascending id:
-kernels/decode.py's landing_slots and landing_slots_grouped). Before the next step's table goes to the device the
-host replays the kernel's rule on the step's routing and takes those experts in, so the next step reads them from
-their slots: a miss crosses the link once, and a one-token step uploads nothing. The slots a step writes are
-pinned while it runs, so no copy targets them. Staged host reads (`staged`, the default for quantized experts:
+Read-through (on by default; --no-read-through; read_through.py): a step is also handed empty slots per layer,
+and its kernel writes the first experts it reads from host memory into them as it reads them. Before the next
+step's table goes to the device the host replays the kernel's rule on the step's routing and takes those experts
+in, so the next step reads them from their slots. Staged host reads (`staged`, the default for quantized experts:
 kernels/stage.py): a step's first launch a layer copies the experts it reads from host memory into device memory,
 its landing slots first (the same read-through, for every kernel and any number of tokens: distinct experts in
 order of first choice, stage.landed_experts) and then scratch rows, and the expert kernel reads them all there.
@@ -38,27 +35,15 @@ import time
 import numpy as np
 import torch
 
-from ..kernels.stage import MAX_CHOICES, Landing, landed_experts, staging_rows
+from ..kernels.stage import Landing, staging_rows
 from .hot_set import HotSet
 from .planner import CachePlanner
 from .provider import row_addresses
+from .read_through import ReadThrough
 from .residency import CacheTooSmall
 from .routing import report_route
 from .slots import SlotPool
 from .store import ExpertStore
-
-RESERVE = 16               # without read-through: empty slots kept per region for the misses of the step in flight
-LAND_PER_LAYER = 2         # read-through: the fewest free slots a layer hands a one-token step to write its misses
-                           # into (it hands more where its misses are more: MISS_DECAY, LAND_MARGIN; at most top_k)
-LAND_SEVERAL = 4           # ... and a several-token step (the free slots past a layer's land_count serve one-token
-                           # steps too)
-ROOM_SEVERAL = 1           # of which the hot set keeps this many a layer free, evicting for them: a free slot is one
-                           # it cannot use (replayed fresh streams crossed the link least at 1; RESULTS.md, stop 28)
-MISS_DECAY = 0.9           # per step, of a layer's decayed count of one-token steps' host reads
-LAND_MARGIN = 1.3          # landing slots a layer: its decayed host reads x this + 1 (a replay of near-uniform and
-                           # skewed routings, bench/host_learning.py: nearly every miss lands)
-RESERVE_SHARE = 4          # the empty slots kept (two steps' landing slots, or RESERVE) are at most a quarter of a
-                           # region (an eighth read more from host in every replayed routing)
 
 
 class ZeroCopyDecode:
@@ -86,17 +71,12 @@ class ZeroCopyDecode:
         self.step_lands = True                              # whether the queued step lands (not a host-shared one)
         self.step_bytes = 0.0                               # bytes the last learned step read from host memory
         self.hot = HotSet(self.residency, self.stats, store, layers, routing)     # what several-token steps keep
-        # Read-through: the layer's free slots a step writes the experts it reads from host into: a one-token step
-        # up to n_land of them (a token's top_k; land_count[l] are handed out, as many as the layer's recent misses
-        # ask for), a several-token step n_land_several.
-        self.n_land = top_k if read_through else 0
-        self.n_land_several = LAND_SEVERAL if read_through else 0
-        self.land_count = np.full(L, LAND_PER_LAYER, dtype=np.int64)
-        self.miss_avg = np.zeros(L)                         # one-token steps' host reads a layer, decayed
+        self.rt = ReadThrough(slots, self.residency, self.stats, layers, top_k, read_through, staged)
+        self.n_land = self.rt.n_land                        # a one-token step's landing slots a layer (0: none)
         self.host_tab = torch.from_numpy(self.host_addr).to(dev.torch)              # (L, E) host-row addresses
         self.scratch = staging_rows(slots.pool, top_k) if staged else None          # (S, row)
         self.aligned = store.aligned16(slots.pool, self.scratch)
-        shape = (L, max(self.n_land, self.n_land_several, 1))                               # (L, R)
+        shape = (L, max(self.n_land, self.rt.n_land_several, 1))                            # (L, R)
         self.land = torch.zeros(shape, dtype=torch.int64, device=dev.torch)                # addresses
         self.land_slots = np.full(shape, -1, dtype=np.int64)                      # the queued step's, as slots
         # The next step's table is prepared while the step before it runs (end_step), in the staging buffer that
@@ -117,15 +97,12 @@ class ZeroCopyDecode:
 
     def landing(self, layer: int, ids: torch.Tensor):
         """Read-through and staging: the layer's kernels.stage.Landing (ids, host-row addresses, landing slots'
-        addresses: a one-token step gets the first n_land slots, a several-token step n_land_several; the
-        scratch rows when staged); None when neither is on."""
+        addresses: as many as ReadThrough.count gives a step of its tokens; the scratch rows when staged); None when
+        neither is on."""
         if not self.step_lands or (not self.n_land and self.scratch is None):
             return None
-        return Landing(ids, self.host_tab[layer], self.land[layer, :self._n_land(ids.shape[0])], self.scratch,
+        return Landing(ids, self.host_tab[layer], self.land[layer, :self.rt.count(ids.shape[0])], self.scratch,
                        self.aligned)
-
-    def _n_land(self, n_tokens: int) -> int:
-        return self.n_land if n_tokens == 1 else self.n_land_several
 
     def begin_prompt(self, seq: int) -> None:
         """Sequence `seq` begins a new request: the hot set forgets its earlier steps."""
@@ -180,7 +157,7 @@ class ZeroCopyDecode:
         staging, land_staging = self.stagings[buffer]
         staging.numpy()[:] = np.where(landed, self.pool_addr + slot * self.row_bytes, self.host_addr)
         waiting = np.flatnonzero((held & ~landed).ravel())
-        land_slots = self._landing_slots(writing)
+        land_slots = self.rt.hand_out(self.land_slots.shape, writing)
         if self.n_land:
             land_staging.numpy()[:] = np.where(land_slots >= 0, self.pool_addr + land_slots * self.row_bytes, 0)
         return Prepared(buffer, ~landed, land_slots, waiting, slot.ravel()[waiting])
@@ -202,7 +179,7 @@ class ZeroCopyDecode:
         writes = None                            # the landing slots this step's kernel may write
         if self.n_land and self.step_lands:
             writes = self.land_slots.copy()
-            writes[:, self._n_land(n_tokens):] = -1
+            writes[:, self.rt.count(n_tokens):] = -1
         self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
@@ -229,71 +206,18 @@ class ZeroCopyDecode:
         return None if p is None else (self._routed(p), p.from_host, p.seqs)
 
     def _absorb(self, p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The experts a step wrote into its landing slots as it read them (read-through) become resident there:
-        the step has completed, so their bytes are in place. The host replays the kernel's rule on the step's
-        routing and table: one token's first host-read choices in choice order (kernels.decode.landing_slots and
-        stage.landed_experts agree there), several tokens' by landing_slots_grouped or, staged, landed_experts.
-        Returns the (layers, experts, slots) placed. (This runs between steps: one token's rule is vectorised.)"""
+        """The experts the pending step landed (read-through) become resident: (layers, experts, slots)."""
         p.absorbed = True
-        none = (np.zeros(0, dtype=np.int64),) * 3
         if p.land_slots is None:
-            return none
-        n = p.n_tokens * self.top_k
-        if self.scratch is not None and n > MAX_CHOICES:
-            return none                          # read in place, landing nothing (kernels.staged)
-        routed, res = self._routed(p), self.residency
-        layers = np.asarray(self.layers)
-        ids = routed[layers, :n]
-        on_host = p.from_host[layers[:, None], ids]                  # (host layers, T k): read from host memory
-        n_land = self._n_land(p.n_tokens)
-        if p.n_tokens == 1:
-            rank = np.cumsum(on_host, axis=1) - 1
-            i, j = np.nonzero(on_host & (rank < n_land))
-            ls, es, rs = layers[i], ids[i, j], rank[i, j]
-        else:
-            from ..kernels.decode import landing_slots_grouped
-            rule = landed_experts if self.scratch is not None else landing_slots_grouped
-            lands = [(layers[i], e, r) for i in np.flatnonzero(on_host.any(axis=1))
-                     for e, r in rule(ids[i], on_host[i], n_land)]
-            ls, es, rs = (np.array(c, dtype=np.int64) for c in zip(*lands)) if lands else none
-        ss = p.land_slots[ls, rs]
-        ok = ss >= 0
-        ok[ok] = res.slot_of[ls[ok], es[ok]] < 0              # (one being uploaded already keeps that slot)
-        ls, es, ss = ls[ok], es[ok], ss[ok]
-        res.place(ls, es, ss)
-        self.slots.written(ss)
-        self.stats.count(ls, "landed")
-        return ls, es, ss
-
-    def _landing_slots(self, writing) -> np.ndarray:
-        """(L, R) slots for each host layer to land up to R experts in during the next step, -1 for none: empty,
-        unread, not written by the step in flight (`writing`), and no copy still writing them (a slot emptied
-        while its upload is in flight would get that upload's bytes after the step landed its own). Only with
-        read-through, and where the pool holds a whole step's experts: a smaller one keeps its hottest experts.
-        Every layer's first n_land (a one-token step's) are handed out first, then the several-token steps' rest."""
-        res = self.residency
-        out = np.full(self.land_slots.shape, -1, dtype=np.int64)
-        if self.n_land and self._holds_a_step(self.top_k):
-            self.slots.refresh_pins()
-            free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
-            if writing is not None:
-                free[writing[writing >= 0]] = False
-            count = self.land_count
-            for los, his in ((np.zeros_like(count), count), (count, np.full_like(count, self.n_land_several))):
-                for l in self.layers:
-                    lo, hi = int(los[l]), int(his[l])
-                    a, b = res.bounds[l]
-                    got = a + np.flatnonzero(free[a:b])[:max(hi - lo, 0)]
-                    free[got] = False
-                    out[l, lo:lo + len(got)] = got
-        return out
+            return (np.zeros(0, dtype=np.int64),) * 3
+        return self.rt.absorb(self._routed(p), p.from_host, p.land_slots, p.n_tokens)
 
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, seqs, after, writing) -> None:
         """The policy and counters see one step's routing (L, T k); the pool changes for the steps to come.
 
         - A one-token step, in a pool that holds a step's experts, with read-through: its misses landed in free
           slots as it read them (_absorb), so nothing is uploaded; each layer hands the next steps as many landing
-          slots as its recent misses ask for (land_count), and the regions keep that many empty (_keep_reserve).
+          slots as its recent misses ask for, and the regions keep that many empty (read_through.py).
           An upload would move the bytes the step just read a second time: on a near-uniform routing (Qwen3-Next's
           reference) it moved 40% of the link's bytes, with no more hits (bench/host_learning.py, RESULTS.md).
         - The same without read-through: its misses are uploaded, in one batch on the copy stream, behind `after`
@@ -310,7 +234,7 @@ class ZeroCopyDecode:
         kernel)."""
         t0 = time.perf_counter()
         res, E, stats = self.residency, self.n_experts, self.stats
-        one_token = routed.shape[1] == self.top_k and self._holds_a_step(self.top_k)
+        one_token = routed.shape[1] == self.top_k and self.rt.holds_a_step(self.top_k)
         upload = one_token and not self.n_land
         if seqs is not None:
             self.hot.seed(seqs)                  # a sequence's first step of a request: its prompt's tail
@@ -341,7 +265,7 @@ class ZeroCopyDecode:
                 self.slots.claim(slots)          # read by decode: no prefetch into them is pending
                 stats.record(l, hits=len(wanted) - read, misses=read)
                 if one_token:
-                    self.miss_avg[l] = self.miss_avg[l] * MISS_DECAY + reads * (1 - MISS_DECAY)
+                    self.rt.note_one_token(l, reads)
                 continue
             try:
                 plan = self.planner.plan(l, wanted, read)
@@ -355,40 +279,14 @@ class ZeroCopyDecode:
                 (now if slot in empty else behind).append((slot, src[e]))
         self._submit(now, behind, after)
         if one_token:
-            if self.n_land:
-                self.land_count[:] = np.clip(np.ceil(self.miss_avg * LAND_MARGIN) + 1, LAND_PER_LAYER, self.n_land)
-            self._keep_reserve()
+            self.rt.after_one_token(self.hot.regions)
         else:
-            room = self._landing_room()
+            room = self.rt.room()
             self._submit(*self.hot.fill(empty, room), after)     # (the loop above moved nothing: `empty` holds)
             self.hot.make_room(room, writing)
         per_layer = (time.perf_counter() - t0) / len(self.layers)
         for l in self.layers:
             stats.record(l, host_s=per_layer)
-
-    def _keep_reserve(self) -> None:
-        """Empty the least valued slots of each region until RESERVE and two steps' landing slots (the step in
-        flight's and the next's) are empty, at most a quarter of the region. The next step's table will not point
-        at them, so the misses learned while that step runs can be copied into them at once, and land before the
-        step after it, instead of queuing behind the step in flight; and the next step lands its misses in them."""
-        res = self.residency
-        for a, b in sorted(self.hot.regions):
-            lands = 2 * int(sum(self.land_count[l] for l in self.layers if res.bounds[l] == (a, b)))
-            keep = min(lands if self.n_land else RESERVE, (b - a) // RESERVE_SHARE)
-            owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
-            need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
-            if need > 0 and len(owned) > need:
-                gone = res.evict(res.policy.lowest(owned, need))
-                self.stats.count(np.array([l for l, _ in gone]), "evictions")
-
-    def _landing_room(self) -> int:
-        """Free slots a layer keeps for several-token steps to land their misses in (0 without read-through or in
-        a pool smaller than a token's experts, where nothing lands)."""
-        return ROOM_SEVERAL if self.n_land_several and self._holds_a_step(self.top_k) else 0
-
-    def _holds_a_step(self, n_choices: int) -> bool:
-        """Whether the pool holds a step's routed experts (n_choices per host layer): else it keeps its hottest."""
-        return self.residency.n_slots >= len(self.layers) * n_choices
 
     def _submit(self, now: list, behind: list, after) -> None:
         """Copy (slot, host row) into slots no queued step reads at once, the others behind `after`."""

@@ -60,7 +60,7 @@ def staged(kernel, book: AddressBook | None = None):
     """The decode kernel behind staged host reads (kernels/stage.py): where the step's landing carries a scratch,
     its host rows are copied to the device first (by the Triton launch, or on the CPU through `book`), and the
     kernel reads them there and lands nothing itself. A step of more choices than one copy launch plans
-    (stage.MAX_CHOICES) reads its host rows in place and lands nothing (ZeroCopyDecode._absorb replays the
+    (stage.MAX_CHOICES) reads its host rows in place and lands nothing (ReadThrough.absorb replays the
     same rule)."""
     from .stage import stage_host_rows, stage_reference, stages
 

@@ -1,0 +1,152 @@
+"""Read-through: the free cache slots zero-copy decode steps write the experts they read from host memory into.
+
+    rt = ReadThrough(slots, residency, stats, layers, top_k, enabled=True, staged=False)
+    rt.count(n_tokens)                      # the landing slots a step of n_tokens is handed a layer (0: off)
+    land = rt.hand_out(shape, writing)      # (L, R): the next step's free slots, -1 for none
+    ls, es, ss = rt.absorb(routed, from_host, land, n_tokens)   # a completed step's landed experts, now resident
+    rt.note_one_token(layer, reads)         # a one-token step's host reads of a layer ...
+    rt.after_one_token(regions)             # ... set how many slots each layer is handed; the regions keep them empty
+    rt.room()                               # free slots a layer the hot set keeps for several-token steps
+
+A step is handed empty slots per layer (none a copy is still writing), and its kernel writes the first experts it
+reads from host memory into them as it reads them (a one-token step its first host-read choices, a several-token
+step its distinct host-read experts in ascending id: kernels/decode.py's landing_slots and landing_slots_grouped;
+staged, kernels/stage.py's landed_experts). Once the step has completed, the host replays the kernel's rule on the
+step's routing (absorb) and takes those experts in, so the next step reads them from their slots: a miss crosses
+the link once, and a one-token step uploads nothing. zero_copy.py hands the slots out and absorbs them between
+steps; the slots a step writes are pinned while it runs, so no copy targets them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.stage import MAX_CHOICES, landed_experts
+from .residency import Residency
+from .slots import SlotPool
+from .stats import CacheStats
+
+RESERVE = 16               # without read-through: empty slots kept per region for the misses of the step in flight
+LAND_PER_LAYER = 2         # the fewest free slots a layer hands a one-token step to write its misses into (it hands
+                           # more where its misses are more: MISS_DECAY, LAND_MARGIN; at most top_k)
+LAND_SEVERAL = 4           # ... and a several-token step (the free slots past a layer's land_count serve one-token
+                           # steps too)
+ROOM_SEVERAL = 1           # of which the hot set keeps this many a layer free, evicting for them: a free slot is one
+                           # it cannot use (replayed fresh streams crossed the link least at 1; RESULTS.md, stop 28)
+MISS_DECAY = 0.9           # per step, of a layer's decayed count of one-token steps' host reads
+LAND_MARGIN = 1.3          # landing slots a layer: its decayed host reads x this + 1 (a replay of near-uniform and
+                           # skewed routings, bench/host_learning.py: nearly every miss lands)
+RESERVE_SHARE = 4          # the empty slots kept (two steps' landing slots, or RESERVE) are at most a quarter of a
+                           # region (an eighth read more from host in every replayed routing)
+
+
+class ReadThrough:
+    def __init__(self, slots: SlotPool, residency: Residency, stats: CacheStats, layers: list[int], top_k: int,
+                 enabled: bool, staged: bool):
+        self.slots, self.residency, self.stats, self.layers, self.top_k = slots, residency, stats, layers, top_k
+        self.staged = staged                # the host reads are staged (kernels/stage.py): its rule, its limit
+        L = residency.slot_of.shape[0]
+        # A one-token step may land up to n_land experts a layer (a token's top_k; land_count[l] are handed out, as
+        # many as the layer's recent misses ask for), a several-token step n_land_several.
+        self.n_land = top_k if enabled else 0
+        self.n_land_several = LAND_SEVERAL if enabled else 0
+        self.land_count = np.full(L, LAND_PER_LAYER, dtype=np.int64)
+        self.miss_avg = np.zeros(L)                         # one-token steps' host reads a layer, decayed
+
+    def count(self, n_tokens: int) -> int:
+        """The landing slots a step of n_tokens tokens is handed a layer (at most)."""
+        return self.n_land if n_tokens == 1 else self.n_land_several
+
+    def holds_a_step(self, n_choices: int) -> bool:
+        """Whether the pool holds a step's routed experts (n_choices per host layer): else it keeps its hottest."""
+        return self.residency.n_slots >= len(self.layers) * n_choices
+
+    def hand_out(self, shape: tuple[int, int], writing) -> np.ndarray:
+        """(L, R) slots for each host layer to land up to R experts in during the next step, -1 for none: empty,
+        unread, not written by the step in flight (`writing`), and no copy still writing them (a slot emptied
+        while its upload is in flight would get that upload's bytes after the step landed its own). Only where the
+        pool holds a whole step's experts: a smaller one keeps its hottest experts. Every layer's first n_land (a
+        one-token step's) are handed out first, then the several-token steps' rest."""
+        res = self.residency
+        out = np.full(shape, -1, dtype=np.int64)
+        if self.n_land and self.holds_a_step(self.top_k):
+            self.slots.refresh_pins()
+            free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
+            if writing is not None:
+                free[writing[writing >= 0]] = False
+            count = self.land_count
+            for los, his in ((np.zeros_like(count), count), (count, np.full_like(count, self.n_land_several))):
+                for l in self.layers:
+                    lo, hi = int(los[l]), int(his[l])
+                    a, b = res.bounds[l]
+                    got = a + np.flatnonzero(free[a:b])[:max(hi - lo, 0)]
+                    free[got] = False
+                    out[l, lo:lo + len(got)] = got
+        return out
+
+    def absorb(self, routed: np.ndarray, from_host: np.ndarray, land_slots: np.ndarray | None,
+               n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The experts a completed step wrote into its landing slots as it read them become resident there: their
+        bytes are in place. The host replays the kernel's rule on the step's routing (L, T k) and what its table
+        read from host (L, E): one token's first host-read choices in choice order (kernels.decode.landing_slots and
+        stage.landed_experts agree there), several tokens' by landing_slots_grouped or, staged, landed_experts.
+        Returns the (layers, experts, slots) placed. (This runs between steps: one token's rule is vectorised.)"""
+        none = (np.zeros(0, dtype=np.int64),) * 3
+        if land_slots is None:
+            return none
+        n = n_tokens * self.top_k
+        if self.staged and n > MAX_CHOICES:
+            return none                          # read in place, landing nothing (kernels.staged)
+        res = self.residency
+        layers = np.asarray(self.layers)
+        ids = routed[layers, :n]
+        on_host = from_host[layers[:, None], ids]                    # (host layers, T k): read from host memory
+        n_land = self.count(n_tokens)
+        if n_tokens == 1:
+            rank = np.cumsum(on_host, axis=1) - 1
+            i, j = np.nonzero(on_host & (rank < n_land))
+            ls, es, rs = layers[i], ids[i, j], rank[i, j]
+        else:
+            from ..kernels.decode import landing_slots_grouped
+            rule = landed_experts if self.staged else landing_slots_grouped
+            lands = [(layers[i], e, r) for i in np.flatnonzero(on_host.any(axis=1))
+                     for e, r in rule(ids[i], on_host[i], n_land)]
+            ls, es, rs = (np.array(c, dtype=np.int64) for c in zip(*lands)) if lands else none
+        ss = land_slots[ls, rs]
+        ok = ss >= 0
+        ok[ok] = res.slot_of[ls[ok], es[ok]] < 0              # (one being uploaded already keeps that slot)
+        ls, es, ss = ls[ok], es[ok], ss[ok]
+        res.place(ls, es, ss)
+        self.slots.written(ss)
+        self.stats.count(ls, "landed")
+        return ls, es, ss
+
+    def note_one_token(self, layer: int, reads: int) -> None:
+        """A one-token step read `reads` experts of the layer from host memory."""
+        self.miss_avg[layer] = self.miss_avg[layer] * MISS_DECAY + reads * (1 - MISS_DECAY)
+
+    def after_one_token(self, regions) -> None:
+        """After a one-token step is learned: each layer is handed as many landing slots as its recent misses ask
+        for, and the regions ({(a, b): layers}) keep two steps' worth of them empty (keep_reserve)."""
+        if self.n_land:
+            self.land_count[:] = np.clip(np.ceil(self.miss_avg * LAND_MARGIN) + 1, LAND_PER_LAYER, self.n_land)
+        self.keep_reserve(regions)
+
+    def keep_reserve(self, regions) -> None:
+        """Empty the least valued slots of each region until RESERVE and two steps' landing slots (the step in
+        flight's and the next's) are empty, at most a quarter of the region. The next step's table will not point
+        at them, so the misses learned while that step runs can be copied into them at once, and land before the
+        step after it, instead of queuing behind the step in flight; and the next step lands its misses in them."""
+        res = self.residency
+        for a, b in sorted(regions):
+            lands = 2 * int(sum(self.land_count[l] for l in self.layers if res.bounds[l] == (a, b)))
+            keep = min(lands if self.n_land else RESERVE, (b - a) // RESERVE_SHARE)
+            owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
+            need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
+            if need > 0 and len(owned) > need:
+                gone = res.evict(res.policy.lowest(owned, need))
+                self.stats.count(np.array([l for l, _ in gone]), "evictions")
+
+    def room(self) -> int:
+        """Free slots a layer keeps for several-token steps to land their misses in (0 without read-through or in
+        a pool smaller than a token's experts, where nothing lands)."""
+        return ROOM_SEVERAL if self.n_land_several and self.holds_a_step(self.top_k) else 0
