@@ -126,12 +126,13 @@ def test_steps_that_read_little_from_host_do_not_share_and_keep_their_bits(monke
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_hosts_share_stays_within_bf16_rounding_of_the_kernels(every_step_shares):
-    """bf16, the Triton decode kernel reading the rest, eager steps: three sequences, six steps."""
+    """bf16, the Triton decode kernel reading the rest, eager steps: three sequences, six steps, on the same tokens
+    (bf16 rounding may flip a near tie, and a flipped token changes every later step)."""
     kw = dict(ctx_size=128, device="cuda", cpu_moe=True, moe_cache_mib=2, n_seq=3)
     spec = "synth:tiny:dtype=bfloat16"
     want = decode_three(LLM(spec, **kw).engine)
     llm = LLM(spec, **kw, host_compute=0.5)
-    got = decode_three(llm.engine)
+    got = decode_three(llm.engine, follow=want)
     assert _counts(llm)["host_computed"] > 0
     for g, w in zip(got, want):
         assert torch.allclose(g.float(), w.float(), rtol=0.05, atol=0.05)
