@@ -4,14 +4,18 @@ uploaded, for pool sizes and the hot set's two forms. No GPU, no model.
 
     moestream bench -m ref.gguf --parallel 8 -npp 512 -ntg 64 -r 1 -ub 512 --trace p8.npz     # record (any device)
     python bench/replay_streams.py p8.npz [--slots-per-layer 37,74] [--policy cycle] [--belady] [--quantized]
+    python bench/replay_streams.py p8.npz --slots-per-layer 74 --set hot_set.FREQ_DECAY=0.95 --set prompt.TAIL=32
 
 The trace holds a warm-up batch and then the timed one (bench --parallel's order); the counts are the timed
 batch's decode steps: the replay of the whole trace less the replay up to its first step. `sum` is the hot set's
 single decaying sum (MOESTREAM_HOT_SET=sum), `sequences` the per-sequence counts (the default). `--belady`: the
 fewest misses any pool of that size could have had on those steps, knowing the future, starting empty, a miss
-landing for free (bench/RESULTS.md, stop 28).
+landing for free (bench/RESULTS.md, stop 28). `--set MODULE.NAME=VALUE` changes a constant of moestream.experts
+(hot_set, read_through, prompt, zero_copy) for the replay: how stop 29 swept the hot set's.
 """
 import argparse
+import importlib
+import sys
 
 import numpy as np
 
@@ -24,7 +28,18 @@ ap.add_argument("--policy", default="cycle")
 ap.add_argument("--belady", action="store_true")
 ap.add_argument("--quantized", action="store_true",
                 help="replay as a quantized file's pool: one region, staged host reads (a float trace's routing)")
+ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                help="a constant of moestream.experts.MODULE for the replay (repeatable), e.g. hot_set.FREQ_DECAY=0.95")
 ns = ap.parse_args()
+for item in ns.set:
+    name, _, value = item.partition("=")
+    mod_name, _, const = name.partition(".")
+    try:
+        mod = importlib.import_module(f"moestream.experts.{mod_name}")
+        old = getattr(mod, const)
+        setattr(mod, const, type(old)(value))
+    except (ImportError, AttributeError, ValueError) as e:
+        sys.exit(f"error: --set {item}: want MODULE.NAME=VALUE, a constant of moestream.experts.MODULE ({e})")
 tr = T.load_trace(ns.trace)
 tr.quantized = tr.quantized or ns.quantized
 ub = tr.ubatches
@@ -68,7 +83,7 @@ def belady(slots: int) -> float:
 
 
 print(f"{ns.trace}: {L} layers x {tr.n_experts} experts; the timed batch: {steps} steps of "
-      f"{int(ub[first, 1])} tokens; per layer and step:")
+      f"{int(ub[first, 1])} tokens; per layer and step{' (' + ', '.join(ns.set) + ')' if ns.set else ''}:")
 bound = (" Belady |", " ---: |") if ns.belady else ("", "")
 print("| slots a layer | hot set | hit rate | host reads | uploads | over the link |" + bound[0])
 print("| ---: | --- | ---: | ---: | ---: | ---: |" + bound[1])
