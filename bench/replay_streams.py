@@ -37,6 +37,8 @@ for item in ns.set:
     try:
         mod = importlib.import_module(f"moestream.experts.{mod_name}")
         old = getattr(mod, const)
+        if isinstance(old, bool):            # (bool("False") is True; the switches have their own flags)
+            raise ValueError(f"{name} is a switch, not a number")
         setattr(mod, const, type(old)(value))
     except (ImportError, AttributeError, ValueError) as e:
         sys.exit(f"error: --set {item}: want MODULE.NAME=VALUE, a constant of moestream.experts.MODULE ({e})")

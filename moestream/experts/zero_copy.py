@@ -208,8 +208,6 @@ class ZeroCopyDecode:
     def _absorb(self, p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The experts the pending step landed (read-through) become resident: (layers, experts, slots)."""
         p.absorbed = True
-        if p.land_slots is None:
-            return (np.zeros(0, dtype=np.int64),) * 3
         return self.rt.absorb(self._routed(p), p.from_host, p.land_slots, p.n_tokens)
 
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, seqs, after, writing) -> None:
@@ -249,8 +247,9 @@ class ZeroCopyDecode:
             counts = np.bincount(routed[l], minlength=E)
             per_choice = counts[from_host[l]]        # each expert read from host: once, or once per choice
             reads = int(np.count_nonzero(per_choice) if self.reads_once else per_choice.sum())
-            stats.record(l, host_reads=reads, host_read_bytes=reads * self.store.layer_bytes(l))
-            self.step_bytes += reads * self.store.layer_bytes(l)
+            read_bytes = reads * self.store.layer_bytes(l)
+            stats.record(l, host_reads=reads, host_read_bytes=read_bytes)
+            self.step_bytes += read_bytes
             routed_l = wanted = np.flatnonzero(counts).astype(np.int64)
             if len(self.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
                 wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
