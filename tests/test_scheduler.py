@@ -189,12 +189,12 @@ def test_zero_copy_decode_batched_keeps_results_and_slot_routing(ref):
 
 
 def test_prefill_interval_paces_prompts_between_decode_steps(ref):
-    """--prefill-interval N: while a request generates, another request's prompt ubatches run only after every N
+    """--prefill-interval N: while a request generates, another request's prompt batches run only after every N
     decode steps (and back to back when nobody generates); the results still equal each request alone."""
-    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=2, ubatch_size=2)
+    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=2, ubatch_size=2, batch_size=2)
     calls = []
-    prefill, decode = llm.engine.prefill, llm.engine.decode
-    llm.engine.prefill = lambda *a, **kw: (calls.append("p"), prefill(*a, **kw))[1]
+    prefill, decode = llm.engine.prefill_parts, llm.engine.decode
+    llm.engine.prefill_parts = lambda *a, **kw: (calls.append("p"), prefill(*a, **kw))[1]
     llm.engine.decode = lambda steps: (calls.append(f"d{len(steps)}"), decode(steps))[1]
     s = Scheduler(llm, n_slots=2, max_queue=4, prefill_interval=3)
     s.start()
@@ -219,3 +219,26 @@ def test_scheduler_config_rejects_bad_values(llm2):
     from moestream.errors import UserError
     with pytest.raises(UserError, match="prefill_interval must be at least 1"):
         Scheduler(llm2, n_slots=2, prefill_interval=0)
+
+
+def test_prompts_arriving_together_run_as_one_batch_of_at_most_b_tokens(ref):
+    """Prompts waiting together run in prompt batches of up to -b tokens, oldest request first, each cut into
+    ubatches of -ub from where its slot stands; with host experts each result still equals the request alone."""
+    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=3, ubatch_size=4, batch_size=8, cpu_moe=True, moe_cache_mib=1)
+    batches = []
+    prefill = llm.engine.prefill_parts
+    llm.engine.prefill_parts = lambda parts: (batches.append(list(parts)), prefill(parts))[1]
+    s = Scheduler(llm, n_slots=3, max_queue=4)
+    s.start()
+    try:
+        prompts = [ref.encode("Once upon a time"), ref.encode("Light travels about three hundred thousand"),
+                   ref.encode("The")]
+        results, _ = run(s, prompts, max_tokens=6)
+    finally:
+        s.stop()
+    for (_, _, res), p in zip(results, prompts):
+        assert res.token_ids == ref.generate(p, max_tokens=6).token_ids
+    assert all(sum(len(t) for _, _, t in b) <= 8 and all(len(t) <= 4 for _, _, t in b) for b in batches), batches
+    assert any(len({q for q, _, _ in b}) > 1 for b in batches), batches      # several prompts shared a batch
+    fed = sorted((q, st, tuple(t)) for b in batches for q, st, t in b)
+    assert sum(len(t) for _, _, t in fed) == sum(map(len, prompts))           # every prompt token ran once

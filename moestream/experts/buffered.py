@@ -58,14 +58,14 @@ class BufferedCache(ExpertCache):
         self.upload.stats = self.stats                 # one set of counters for both uses of the rows
         self.buffering = False                         # the rows hold a ubatch's uploads, not the cache's slots
 
-    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         if is_prompt:
             through_buffer = n_tokens <= POOL_PROMPT_TOKENS or self.upload.copies_ahead(n_tokens)
         else:                                   # a decode step too long to read in place (the eager path)
             through_buffer = not self._in_place(n_tokens)
         if not through_buffer:
             self.buffering = False
-            super().begin_ubatch(seq, n_tokens, is_prompt)
+            super().begin_ubatch(seq, n_tokens, is_prompt, seqs)
             return
         if not self.buffering:
             self.empty()

@@ -87,10 +87,10 @@ class ExpertCache(ExpertProvider):
         self.stats.begin_prompt()
         self.routing.prompts[seq].begin_prompt()
 
-    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         if is_prompt or not self._in_place(n_tokens):
             self.flush_decode()                 # this ubatch decides on the host: the last zero-copy step first
-        self.prompt.begin_ubatch(seq, n_tokens, is_prompt)
+        self.prompt.begin_ubatch(seq, n_tokens, is_prompt, seqs)
 
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         if self._in_place(n_tokens):

@@ -58,18 +58,29 @@ class PromptPath:
         self.routing = routing                                  # per context: routing.prompts[seq]
         self.seed: Seed | None = None
         self.seq, self.is_prompt, self.n_tokens = 0, False, 0
+        self.rows: dict[int, tuple[int, int]] = {}              # a prompt ubatch's sequences: each one's rows
         self.top_k = top_k
         self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
         self.fill: list[tuple[int, np.ndarray]] = []           # later layers' guesses, for a copy stream short of work
-        self.counts_host = device.pinned_empty((2 + max(1, prefetch.lookahead_layers), self.n_experts), torch.int64)
+        rows = 1 + max(1, prefetch.lookahead_layers) + routing.n_seq      # the routing, the guesses, the tails
+        self.counts_host = device.pinned_empty((rows, self.n_experts), torch.int64)
 
-    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
+        """seqs: each token's sequence where the forward has several (a prompt batch of several sequences' parts,
+        each sequence's tokens together): each one's tail is its own last tokens; the batch's routing is recorded
+        as each one's (it seeds from the first's)."""
         self.seq, self.is_prompt, self.n_tokens = seq, is_prompt, n_tokens
         stats = self.routing.prompts[seq]
         self.seed = choose_seed(n_tokens, is_prompt, stats, self.prefetch)
+        self.rows = {seq: (0, n_tokens)}        # each sequence's rows [a, b): its prompt's tail ends at b
+        if is_prompt and seqs is not None:
+            last = {s: i + 1 for i, s in enumerate(seqs)}
+            first = {s: i for i, s in reversed(list(enumerate(seqs)))}
+            self.rows = {s: (first[s], b) for s, b in last.items()}
         if is_prompt:
-            stats.begin_ubatch(n_tokens)
+            for s in self.rows:
+                self.routing.prompts[s].begin_ubatch(n_tokens)
         self.fill = []
         if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now, the next
             self._prefetch(self.layers[0], self._predicted(self.layers[0]))      # ones as fill
@@ -93,14 +104,16 @@ class PromptPath:
         self.slots.mark_reads()
         t0 = time.perf_counter()
         E = self.n_experts
-        parts = [ids, *(lookahead or ())] + ([ids[-TAIL:]] if self.is_prompt else [])
+        tails = [ids[max(b - TAIL, a):b] for a, b in self.rows.values()] if self.is_prompt else []
+        parts = [ids, *(lookahead or ())] + tails
         counts = torch.zeros(len(parts), E, dtype=torch.int64, device=ids.device)
         for row, p in zip(counts, parts):        # routings per expert, on the device: no sort, no big read-back
             row.scatter_add_(0, p.reshape(-1), torch.ones(p.numel(), dtype=torch.int64, device=ids.device))
         got = self._read_back(counts)            # the one host sync of this layer: its routing and the guesses
         if self.is_prompt:
-            self.routing.prompts[self.seq].tail[layer] = got[-1]
-            got = got[:-1]
+            for s, row in zip(self.rows, got[len(got) - len(tails):]):
+                self.routing.prompts[s].tail[layer] = row
+            got = got[:len(got) - len(tails)]
         t1 = time.perf_counter()
         table = self.prepare(layer, got[0], got[1:] if lookahead else None)
         if isinstance(table, list):
@@ -122,7 +135,8 @@ class PromptPath:
         self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
         if self.is_prompt:
-            self.routing.prompts[self.seq].record(layer, counts)
+            for s in self.rows:
+                self.routing.prompts[s].record(layer, counts)
         self._score_lookahead(layer, counts, len(wanted))
         groups = self.planner.groups(layer, wanted)
         if len(groups) > 1:

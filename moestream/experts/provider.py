@@ -148,8 +148,9 @@ class ExpertProvider:
     def begin_prompt(self, seq: int) -> None:
         self.stats.begin_prompt()
 
-    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
-        pass
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
+        """A forward of n_tokens begins; seq: its first segment's sequence; seqs: each token's sequence, where
+        it has several (a decode step; a prompt batch of several sequences' ubatches), else None."""
 
     def shares_step(self) -> bool:
         """Whether the next zero-copy step has the host's cores compute some of its experts (--host-compute): a

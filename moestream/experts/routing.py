@@ -17,6 +17,8 @@ import torch
 
 from .prefetch import RoutingStats
 
+MAX_KEPT_OWNERS = 64        # counting(list): lists up to this long (decode steps) keep their device tensor
+
 
 class RouteObserver:
     wants_guess = False                 # the forward computes the next layer's lookahead guess for this observer
@@ -95,6 +97,8 @@ class RoutingStore(RouteObserver):
             engine.prefill(2, tokens, start)
         with store.counting([0, 2]):                   # a batched decode: row i is context [0, 2][i]'s
             engine.decode(steps)
+        with store.counting([0] * 3 + [2] * 5):        # a prompt batch of two contexts' parts, row by row
+            engine.prefill_parts([(0, 0, a), (2, 0, b)])
         engine.begin_prompt(2)                         # a new request: context 2's current counts become previous
         store.current(2), store.previous[2]            # (n_layers, n_experts) int64 numpy arrays
         store.prompts[2].current                       # the host layers' prompt counts the cache seeds from
@@ -119,9 +123,12 @@ class RoutingStore(RouteObserver):
         row, a list one row each. A call that raises counts nothing."""
         if isinstance(owner, list):
             key = tuple(owner)
-            if key not in self._owners:
-                self._owners[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
-            owner = self._owners[key]
+            if len(key) > MAX_KEPT_OWNERS:       # a prompt batch of several contexts: made for this call alone
+                owner = torch.tensor(key, dtype=torch.int64, device=self.device)
+            else:                                # a decode step's contexts: the same few come back every step
+                if key not in self._owners:
+                    self._owners[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
+                owner = self._owners[key]
         self._owner, self._routed = owner, []
         try:
             yield

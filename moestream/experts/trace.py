@@ -41,7 +41,7 @@ class Trace:
     ubatches: np.ndarray | None = None      # (U, 4): sequence, tokens, is_prompt, begins a prompt
     guesses: list[np.ndarray | None] | None = None   # R lookahead guesses (T, k) of the next layer's experts
     quantized: bool = False     # the experts were quantized rows: their pool is one region (planner.py)
-    step_seqs: list[np.ndarray | None] | None = None   # (U,) each decode ubatch's tokens' sequences, where told
+    step_seqs: list[np.ndarray | None] | None = None   # (U,) each ubatch's tokens' sequences, where told
 
 
 class TraceRecorder(RouteObserver):
@@ -177,12 +177,13 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
             seq, n, is_prompt, new_prompt = trace.ubatches[ub].tolist()
             if new_prompt:
                 cache.begin_prompt(seq)
-            cache.begin_ubatch(seq, n, bool(is_prompt))
+            told = trace.step_seqs[ub] if trace.step_seqs is not None else None     # each token's sequence
+            told = None if told is None else told.tolist()
+            cache.begin_ubatch(seq, n, bool(is_prompt), told)
             current = ub
             step = n if zc is not None and not is_prompt and n <= zc.max_tokens else None
             if step is not None:
-                told = trace.step_seqs[ub] if trace.step_seqs is not None else None
-                zc.begin_step(None if told is None else told.tolist())
+                zc.begin_step(told)
         if step is not None:                 # the step's kernel reads where the table says: no fetch
             zc.replay_route(layer, ids)
             continue

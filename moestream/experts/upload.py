@@ -91,7 +91,7 @@ class UploadPerUbatch(ExpertProvider):
         return np.mean([len(s) for s in self.seen.values()]) >= WIDE_SHARE * E
 
     # --- prompts: uploads per ubatch ---------------------------------------------------------------------------
-    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool) -> None:
+    def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         if self.ahead:                           # copies nobody waited for (a forward cut short): before any reuse
             self._wait(self.queue.seq)
             self.ahead = {}

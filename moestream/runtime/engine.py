@@ -167,10 +167,12 @@ class Engine:
         # A recurrent state: each segment continues its sequence, or starts it again at 0 (checked before any
         # provider or observer starts a ubatch; a failed check changes nothing).
         self.kv.begin(segments)
+        # each token's sequence: a decode step's, and a prompt batch's of several sequences (their prompts' tails)
+        several = not is_prompt or any(s.seq != seq for s in segments)
+        seqs = [s.seq for s in segments for _ in range(s.n)] if several else None
         if self.host is not None:
-            self.host.begin_ubatch(seq, n, is_prompt)
-        if observer is not None:              # (a decode step: each token's sequence)
-            seqs = None if is_prompt else [s.seq for s in segments for _ in range(s.n)]
+            self.host.begin_ubatch(seq, n, is_prompt, seqs)
+        if observer is not None:
             observer.begin_ubatch(seq, n, is_prompt, seqs)
         logits = self.model.forward_parts(batches, self.kv, self.experts, self.kernel)
         self.kv.end(segments)
@@ -211,11 +213,44 @@ class Engine:
         """Consecutive ubatches (start, tokens) of one sequence's prompt as one forward, layer by layer
         (models/transformer.py's forward_parts): the providers and observers see one ubatch of all their tokens.
         The logits of every token (all_logits) or of the last."""
-        batches = [Batch.make([Segment(seq, s, len(t))], t, self.device.torch, all_logits,
-                              observer=self.observers, logits=all_logits or k == len(parts) - 1)
-                   for k, (s, t) in enumerate(parts)]
-        whole = [Segment(seq, parts[0][0], sum(len(t) for _, t in parts))]
-        return self._run(whole, batches, True, self.observers)
+        return self._forward_parts([(seq, s, t) for s, t in parts], all_logits, every_part=False)
+
+    def prefill_parts(self, parts: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+        """Prompt ubatches of one or several sequences as one batch (the server's: the next ubatch of each prompt
+        being read): parts (seq, start, tokens), each at most -ub tokens, a sequence's parts consecutive and in
+        order. Each part's ops are those of a forward of its own (the same bits as engine.prefill of the part);
+        with host experts the parts run layer by layer, so a host layer's experts cross the link once for all of
+        them. Each part's last token's logits (1, V), in order."""
+        for q, s, t in parts:
+            if not t:
+                raise UserError(f"an empty prompt part for sequence {q}: give at least one token")
+            if len(t) > self.ecfg.batching.ubatch:
+                raise UserError(f"a prompt part of {len(t)} tokens is longer than -ub {self.ecfg.batching.ubatch}")
+            self.check_context(s + len(t))
+        if self.host is not None and self.ecfg.batching.by_layer:
+            out = self._forward_parts(parts, every_part=True)
+            return list(out.split(1))
+        # all on the device nothing crosses the link: the parts run one after the other
+        return [self.forward([Segment(q, s, len(t))], t, is_prompt=True) for q, s, t in parts]
+
+    @torch.inference_mode()
+    def _forward_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,
+                       every_part: bool = False) -> torch.Tensor:
+        """Ubatches (seq, start, tokens) as one forward, layer by layer: the logits of every token (all_logits),
+        of each part's last token (every_part), or of the last part's last token."""
+        batches = [Batch.make([Segment(q, s, len(t))], t, self.device.torch, all_logits, observer=self.observers,
+                              logits=all_logits or every_part or k == len(parts) - 1)
+                   for k, (q, s, t) in enumerate(parts)]
+        whole: dict[int, Segment] = {}      # each sequence's parts as one segment (its cache and state see one)
+        for q, s, t in parts:
+            if q in whole:
+                if s != whole[q].start + whole[q].n:
+                    raise UserError(f"sequence {q}'s prompt parts are not consecutive: one at {s} after "
+                                    f"{whole[q].start + whole[q].n}")
+                whole[q].n += len(t)
+            else:
+                whole[q] = Segment(q, s, len(t))
+        return self._run(list(whole.values()), batches, True, self.observers)
 
     def decode(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""

@@ -37,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache-prompt", action="store_true",
                    help="do not reuse a slot's KV cache for the prefix a new prompt shares with the previous one")
     p.add_argument("--prefill-interval", type=int, default=1, metavar="N",
-                   help="while requests are generating, read a prompt ubatch only after every N decode steps, so "
-                        "that prompts delay at most 1 in N of their tokens (default 1: one each step)")
+                   help="while requests are generating, read a prompt batch (-b tokens) only after every N decode "
+                        "steps, so that prompts delay at most 1 in N of their tokens (default 1: one each step)")
     p.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body in MiB (default 8)")
     compat.add_arguments(p, "serve")
     p.set_defaults(func=main)

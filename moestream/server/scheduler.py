@@ -7,13 +7,16 @@
     sched.stop()
 
 One loop turn: run queued calls (snapshots for /slots and /metrics), drop cancelled requests, give waiting requests
-to idle slots, run ONE prompt ubatch of the oldest prompt still prefilling, then ONE decode step of every slot that
-is generating, batched into one forward (`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for
-that step serve every request in it. A prompt is cut into ubatches (-ub) so that a long prompt arriving delays the
-other requests' next token by at most one ubatch forward; with --prefill-interval N, while requests are generating,
-a prompt ubatch runs only after every N decode steps (so at most 1 in N of their token gaps carries one). Prompt and
-decode forwards stay separate: mixing them would change a decode row's numerics (the prompt attention path, other
-GEMM shapes) and greedy outputs must equal `LLM.generate`'s.
+to idle slots, run ONE prompt batch, then ONE decode step of every slot that is generating, batched into one forward
+(`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for that step serve every request in it.
+A prompt batch is llama-server's: up to -b tokens of the prompts being read, oldest request first, each cut into
+ubatches (-ub) from where its slot stands (`engine.prefill_parts`). With host experts the batch runs layer by layer,
+so a layer's experts cross the link once for every prompt in it rather than once a prompt. So a long prompt
+arriving delays the other requests' next token by at most one batch forward; with --prefill-interval N, while
+requests are generating, a prompt batch runs only after every N decode steps (so at most 1 in N of their token
+gaps carries one). Prompt and decode forwards stay separate: mixing them would change a decode row's numerics (the
+prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as it would alone, so greedy
+outputs equal `LLM.generate`'s (with -b a multiple of -ub, the cuts are the same).
 
 Each request's stop and detokenize rules are runtime/sequence.py's, as `LLM.generate`'s are. Each slot is a context
 of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
@@ -52,7 +55,7 @@ class SchedulerConfig:
     max_queue: int = 64
     cache_prompt: bool = True                 # reuse a slot's KV for the prefix a new prompt shares with its last
     warm_up: bool = True                      # capture the decode graphs of every batch size before serving
-    prefill_interval: int = 1                 # while requests generate: a prompt ubatch after every N decode steps
+    prefill_interval: int = 1                 # while requests generate: a prompt batch after every N decode steps
 
     def __post_init__(self):
         for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1)):
@@ -217,10 +220,10 @@ class Scheduler:
                     fut.set_exception(e)
             self._reap()
             self._admit()
-            filling = [s for s in self.slots if s.state == "prefill"]
+            filling = sorted((s for s in self.slots if s.state == "prefill"), key=lambda s: s.run.req.t_submit)
             generating = any(s.state == "generating" for s in self.slots)
             if filling and (not generating or self._steps_since_prompt >= self.cfg.prefill_interval - 1):
-                self._guard(self._prefill, min(filling, key=lambda s: s.run.req.t_submit))
+                self._prefill(filling)
                 self._steps_since_prompt = 0
             batch = [s for s in self.slots if s.state == "generating"]
             if batch:
@@ -243,7 +246,7 @@ class Scheduler:
         try:
             fn(arg)
         except Exception as e:
-            slots = arg if isinstance(arg, list) else [arg]
+            slots = arg if isinstance(arg, list) else [s for s, _, _ in arg[0]]      # a decode step; a prompt batch
             user = isinstance(e, UserError)
             if not user:
                 log.exception("forward failed; failing %d request(s)", len(slots))
@@ -289,20 +292,39 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.on_admit(req, n)
 
-    def _prefill(self, slot: Slot) -> None:
-        run = slot.run
-        prompt = run.req.prompt
-        chunk = prompt[run.done:run.done + self.engine.ecfg.batching.ubatch]
+    def _prefill(self, filling: list[Slot]) -> None:
+        """One prompt batch: the next ubatches of the prompts being read, oldest request first, up to -b tokens (at
+        least one ubatch). Each ubatch is the one its slot would run alone, so each gets the same bits; with host
+        experts the batch runs layer by layer and a layer's experts cross the link once for all its prompts."""
+        ub, budget = self.engine.ecfg.batching.ubatch, self.engine.ecfg.batching.batch_size
+        parts, taken, total = [], [], 0
+        for slot in filling:
+            run, at = slot.run, slot.run.done
+            while at < len(run.req.prompt) and (not parts or total + min(ub, len(run.req.prompt) - at) <= budget):
+                chunk = run.req.prompt[at:at + ub]
+                parts.append((slot.id, at, chunk))
+                at, total = at + len(chunk), total + len(chunk)
+            if at > run.done:
+                taken.append((slot, at, len(parts) - 1))       # how far its prompt gets, its last part
+            if at < len(run.req.prompt):
+                break                           # the budget is spent (a later prompt waits for the next batch)
+        self._guard(self._run_prompts, (taken, parts))
+
+    def _run_prompts(self, batch) -> None:
+        taken, parts = batch
+        owner = taken[0][0].id if len(taken) == 1 else [q for q, _, t in parts for _ in t]
         threads.use("prompt")
-        with self.routing.counting(slot.id):
-            logits = self.engine.prefill(slot.id, chunk, run.done)                          # (1, V)
-        run.done += len(chunk)
-        slot.cached = prompt[:run.done]
-        if run.done == len(prompt) and run.req.params.max_tokens == 0:
-            self._finish(slot)               # "length", before any token
-        elif run.done == len(prompt):
-            token = int(self._sampler.sample(logits[-1:], [run.req.params], [run.gen], _history([slot]))[0])
-            self._accept(slot, token, logits[-1])
+        with self.routing.counting(owner):
+            logits = self.engine.prefill_parts(parts)                                   # (1, V) each part
+        for slot, at, last in taken:
+            run = slot.run
+            run.done = at
+            slot.cached = run.req.prompt[:at]
+            if at == len(run.req.prompt) and run.req.params.max_tokens == 0:
+                self._finish(slot)               # "length", before any token
+            elif at == len(run.req.prompt):
+                token = int(self._sampler.sample(logits[last], [run.req.params], [run.gen], _history([slot]))[0])
+                self._accept(slot, token, logits[last][0])
 
     def _decode(self, slots: list[Slot]) -> None:
         steps = [(s.id, s.run.seq.ids[-1], s.run.seq.pos) for s in slots]

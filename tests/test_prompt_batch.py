@@ -1,0 +1,74 @@
+"""A prompt batch of several sequences (engine.prefill_parts, the server's): each ubatch gives the bits it gives
+alone, at every placement and cache size; each sequence's prompt tail (the decode hot set's seed) is its own."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moestream import LLM
+from moestream.errors import UserError
+
+UB = 4
+PLACES = {
+    "all on the device": dict(),
+    "host, no cache": dict(cpu_moe=True),
+    "host, cache 0 (one layer)": dict(cpu_moe=True, moe_cache_mib=0),
+    "host, cache 1 MiB (waves)": dict(cpu_moe=True, moe_cache_mib=1),
+    "host, cache 32 MiB (all)": dict(cpu_moe=True, moe_cache_mib=32),
+}
+PROMPTS = {0: list(range(3, 10)), 1: [40, 41, 42, 43, 44], 2: list(range(60, 67))}    # 2 continues from 2 tokens
+
+
+def make(model="synth:tiny", **kw) -> LLM:
+    return LLM(model, ubatch_size=UB, batch_size=64, ctx_size=64, n_seq=3, device="cpu", **kw)
+
+
+def parts_of(prompts: dict[int, list[int]], starts: dict[int, int]) -> list[tuple[int, int, list[int]]]:
+    """Each sequence's prompt from its start, cut into ubatches as the server cuts it, sequences one after another."""
+    return [(q, s, p[s:s + UB]) for q, p in prompts.items() for s in range(starts[q], len(p), UB)]
+
+
+@pytest.mark.parametrize("model", ["synth:tiny", "synth:tiny-next"])
+@pytest.mark.parametrize("place", list(PLACES))
+def test_prompt_batch_gives_each_ubatch_its_bits_alone(model, place):
+    starts = {0: 0, 1: 0, 2: 2}
+    batch, alone = make(model, **PLACES[place]), make(model, **PLACES[place])
+    for eng in (batch.engine, alone.engine):
+        eng.prefill(2, PROMPTS[2][:2], 0)            # sequence 2 holds its first two tokens already
+    parts = parts_of(PROMPTS, starts)
+    got = batch.engine.prefill_parts(parts)
+    want = [alone.engine.prefill(q, t, s) for q, s, t in parts]
+    assert len(got) == len(parts) == 6
+    for (q, s, _), g, w in zip(parts, got, want):
+        assert g.shape == (1, batch.model_config.vocab_size)
+        assert torch.equal(g, w), (place, q, s)
+    # what the batch left in each sequence's cache: the next token's logits are the same too
+    for q, p in PROMPTS.items():
+        assert torch.equal(batch.engine.prefill(q, [7], len(p)), alone.engine.prefill(q, [7], len(p)))
+
+
+def test_prompt_batch_seeds_each_sequence_with_its_own_tail():
+    """The hot set's seed (routing.prompts[seq].tail: the routing of a prompt's last tokens) is each sequence's
+    own in a batch of several, as when each prompt runs alone; the batch's routing is recorded as each one's."""
+    batch, alone = make(cpu_moe=True, moe_cache_mib=32), make(cpu_moe=True, moe_cache_mib=32)
+    prompts = {0: list(range(3, 30)), 1: list(range(40, 49))}        # tails longer and shorter than prompt.TAIL
+    batch.engine.prefill_parts(parts_of(prompts, {0: 0, 1: 0}))
+    for q, p in prompts.items():
+        alone.engine.prefill_parts(parts_of({q: p}, {q: 0}))
+        got, want = batch.engine.routing.prompts[q].tail, alone.engine.routing.prompts[q].tail
+        assert want.sum() > 0 and np.array_equal(got, want), q
+    both = batch.engine.routing.prompts
+    assert np.array_equal(both[0].current, both[1].current) and both[0].current.sum() > 0
+
+
+def test_prompt_batch_refuses_bad_parts():
+    eng = make(cpu_moe=True, moe_cache_mib=32).engine
+    with pytest.raises(UserError, match="not consecutive"):
+        eng.prefill_parts([(0, 0, [1, 2]), (0, 3, [3])])
+    with pytest.raises(UserError, match="longer than -ub"):
+        eng.prefill_parts([(0, 0, [1] * (UB + 1))])
+    with pytest.raises(UserError, match="empty prompt part"):
+        eng.prefill_parts([(0, 0, [])])
+    with pytest.raises(UserError, match="context"):
+        eng.prefill_parts([(1, 62, [1, 2, 3])])
