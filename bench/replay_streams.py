@@ -50,7 +50,7 @@ gaps = np.flatnonzero(np.diff(decode) > 1)
 first = int(decode[gaps[-1] + 1] if len(gaps) else decode[0])         # the timed batch's first step
 cut = int(np.flatnonzero(tr.ubatch_of == first)[0])
 head = T.Trace(tr.layers[:cut], tr.ids[:cut], tr.n_layers, tr.n_experts, tr.expert_bytes, tr.ubatch_of[:cut], ub,
-               tr.guesses[:cut] if tr.guesses else None, tr.quantized, tr.step_seqs)
+               tr.guesses[:cut] if tr.guesses else None, tr.quantized, tr.step_seqs, tr.begun)
 steps, L = len(ub) - first, tr.n_layers
 KEYS = ("hits", "misses", "host_reads", "copies")
 

@@ -196,6 +196,8 @@ def test_trace_records_the_first_rows_routing_with_each_steps_sequences(capsys, 
     decode = [u for u, (_, n, is_prompt, _) in enumerate(tr.ubatches.tolist()) if not is_prompt]
     assert len(decode) == 2 * 4                       # the warm-up's 4 steps and the timed run's, of B = 3 only
     assert all(tr.step_seqs[u].tolist() == [0, 1, 2] for u in decode)
-    assert [tr.ubatches[u, 0] for u in range(len(tr.ubatches)) if tr.ubatches[u, 3]] == [0, 1, 2] * 2
+    # each run's three prompts begin before its prompt batch (one forward of all three: its first sequence is 0)
+    assert [tr.begun[u].tolist() for u in range(len(tr.ubatches)) if len(tr.begun[u])] == [[0, 1, 2]] * 2
+    assert [tr.ubatches[u, 0] for u in range(len(tr.ubatches)) if tr.ubatches[u, 3]] == [0] * 2
     assert len(tr.ids) == len(tr.layers) and all(len(tr.ids[i]) == 3 for i, u in enumerate(tr.ubatch_of)
                                                   if u in decode)

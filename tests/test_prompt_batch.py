@@ -72,3 +72,31 @@ def test_prompt_batch_refuses_bad_parts():
         eng.prefill_parts([(0, 0, [])])
     with pytest.raises(UserError, match="context"):
         eng.prefill_parts([(1, 62, [1, 2, 3])])
+
+
+@pytest.mark.parametrize("mib", [2, 12])
+def test_trace_replay_of_prompt_batches_predicts_the_live_cache(tmp_path, mib):
+    """A trace of several sequences' prompts read in batches, then decoded together, replays to the live cache's
+    counters: each batch's begun prompts, its sequences and tails travel in the trace."""
+    from moestream.experts.prefetch import PrefetchConfig
+    from moestream.experts.trace import TraceRecorder, load_trace, replay
+    from moestream.tools.bench_parallel import decode_together
+    llm = LLM("synth:tiny", ubatch_size=8, batch_size=16, ctx_size=128, n_seq=3, device="cpu", cpu_moe=True,
+              moe_cache_mib=mib, prefetch_min_batch=8, lookahead_layers=1)
+    cfg = llm.model_config
+    rec = TraceRecorder(cfg.n_layers, cfg.n_experts, llm.engine.host.store.expert_bytes)
+    llm.engine.observe(rec)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        prompts = [torch.randint(0, cfg.vocab_size, (20,), generator=g).tolist() for _ in range(3)]
+        decode_together(llm.engine, prompts, 20, 4)
+    rec.save(str(tmp_path / "run.npz"))
+    trace = load_trace(str(tmp_path / "run.npz"))
+    assert any(len(set(s.tolist())) > 1 for s, (_, _, p, _) in zip(trace.step_seqs, trace.ubatches.tolist())
+               if p and s is not None)                   # a prompt batch held several sequences
+    got = replay(trace, llm.stats()["cache"]["slots"], llm.engine.ecfg.cache.policy,
+                 PrefetchConfig(min_batch=8, lookahead_layers=1))
+    live = llm.stats()
+    drop = ("sync_s", "host_s", "wait_s")
+    assert {k: v for k, v in got["total"].items() if k not in drop} == \
+        {k: v for k, v in live["total"].items() if k not in drop}

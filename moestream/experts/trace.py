@@ -42,6 +42,7 @@ class Trace:
     guesses: list[np.ndarray | None] | None = None   # R lookahead guesses (T, k) of the next layer's experts
     quantized: bool = False     # the experts were quantized rows: their pool is one region (planner.py)
     step_seqs: list[np.ndarray | None] | None = None   # (U,) each ubatch's tokens' sequences, where told
+    begun: list[np.ndarray] | None = None   # (U,) the sequences whose prompts began just before each ubatch
 
 
 class TraceRecorder(RouteObserver):
@@ -56,15 +57,20 @@ class TraceRecorder(RouteObserver):
         self.ubatch_of: list[int] = []
         self.ubatches: list[list[int]] = []
         self.step_seqs: list[list[int]] = []        # each ubatch's tokens' sequences ([] where not told)
+        self.begun: list[list[int]] = []            # the sequences whose prompts began just before each ubatch
         self._new_prompt = False
+        self._begun: list[int] = []
 
     # The engine calls these around forwards, so the trace knows where prompts and ubatches begin.
     def begin_prompt(self, seq: int) -> None:
         self._new_prompt = True
+        self._begun.append(seq)
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         self.ubatches.append([seq, n_tokens, int(is_prompt), int(self._new_prompt and is_prompt)])
         self.step_seqs.append(list(seqs) if seqs is not None and len(seqs) == n_tokens else [])
+        self.begun.append(self._begun)
+        self._begun = []
         if is_prompt:
             self._new_prompt = False
 
@@ -88,7 +94,9 @@ class TraceRecorder(RouteObserver):
                             ubatch_of=np.array(self.ubatch_of, dtype=np.int64),
                             ubatches=np.array(self.ubatches, dtype=np.int64).reshape(-1, 4),
                             step_seq_counts=np.array([len(s) for s in self.step_seqs], dtype=np.int64),
-                            step_seqs=np.array([s for ss in self.step_seqs for s in ss], dtype=np.int64))
+                            step_seqs=np.array([s for ss in self.step_seqs for s in ss], dtype=np.int64),
+                            begun_counts=np.array([len(b) for b in self.begun], dtype=np.int64),
+                            begun=np.array([s for b in self.begun for s in b], dtype=np.int64))
 
 
 def record(llm) -> TraceRecorder:
@@ -118,6 +126,7 @@ def load_trace(path: str) -> Trace:
         ubs = z["ubatches"] if "ubatches" in z.files else None
         g_rows, g_flat = (z["guess_rows"], z["guesses"]) if "guesses" in z.files else (None, None)
         s_rows, s_flat = (z["step_seq_counts"], z["step_seqs"]) if "step_seqs" in z.files else (None, None)
+        b_rows, b_flat = (z["begun_counts"], z["begun"]) if "begun" in z.files else (None, None)
     except (OSError, KeyError, ValueError) as e:
         raise UserError(f"cannot read routing trace {path!r} ({e}); record one with generate --trace FILE") from None
     ids = np.split(flat, np.cumsum(rows)[:-1]) if len(rows) else []
@@ -130,7 +139,9 @@ def load_trace(path: str) -> Trace:
     if s_rows is not None:
         parts = np.split(s_flat, np.cumsum(s_rows)[:-1]) if len(s_rows) else []
         step_seqs = [p if len(p) else None for p in parts]
-    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses, quantized, step_seqs)
+    begun = np.split(b_flat, np.cumsum(b_rows)[:-1]) if b_rows is not None and len(b_rows) else None
+    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses, quantized, step_seqs,
+                 begun)
 
 
 def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None,
@@ -175,7 +186,10 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
             if step is not None:
                 zc.end_step(step)
             seq, n, is_prompt, new_prompt = trace.ubatches[ub].tolist()
-            if new_prompt:
+            if trace.begun is not None:      # every sequence whose prompt began (a prompt batch holds several)
+                for s in trace.begun[ub].tolist():
+                    cache.begin_prompt(s)
+            elif new_prompt:                 # (older traces: the ubatch's first sequence's)
                 cache.begin_prompt(seq)
             told = trace.step_seqs[ub] if trace.step_seqs is not None else None     # each token's sequence
             told = None if told is None else told.tolist()

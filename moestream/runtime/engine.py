@@ -129,7 +129,7 @@ class Engine:
         if dev_rows:
             resident = ResidentExperts(dev_rows, layouts)
             providers.update({l: resident for l in dev_rows})
-        routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's and the engine's
+        routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, the engine's
         if host_rows:
             store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
             hosted = host_provider(cfg, ecfg, store, dev, n_slots, routing)

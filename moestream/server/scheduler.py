@@ -40,6 +40,7 @@ import torch
 
 from ..errors import UserError
 from ..runtime import threads
+from ..runtime.prompt_batch import next_batch, reached
 from ..runtime.sampling import Sampler, SamplingParams, make_generator, token_logprobs
 from ..runtime.sequence import SequenceState
 from .routing import slot_routing
@@ -241,12 +242,12 @@ class Scheduler:
         except Exception:                    # serving can still try: each batch size is captured when first needed
             log.exception("decode warm-up failed")
 
-    def _guard(self, fn, arg) -> None:
-        """Run one forward; if it fails, fail the requests it served (400 for a UserError) and keep serving."""
+    def _guard(self, fn, slots: list[Slot], *args) -> None:
+        """Run fn(slots, *args), one forward for those slots; if it fails, fail their requests (400 for a
+        UserError) and keep serving."""
         try:
-            fn(arg)
+            fn(slots, *args)
         except Exception as e:
-            slots = arg if isinstance(arg, list) else [s for s, _, _ in arg[0]]      # a decode step; a prompt batch
             user = isinstance(e, UserError)
             if not user:
                 log.exception("forward failed; failing %d request(s)", len(slots))
@@ -293,31 +294,22 @@ class Scheduler:
                 self.metrics.on_admit(req, n)
 
     def _prefill(self, filling: list[Slot]) -> None:
-        """One prompt batch: the next ubatches of the prompts being read, oldest request first, up to -b tokens (at
-        least one ubatch). Each ubatch is the one its slot would run alone, so each gets the same bits; with host
-        experts the batch runs layer by layer and a layer's experts cross the link once for all its prompts."""
-        ub, budget = self.engine.ecfg.batching.ubatch, self.engine.ecfg.batching.batch_size
-        parts, taken, total = [], [], 0
-        for slot in filling:
-            run, at = slot.run, slot.run.done
-            while at < len(run.req.prompt) and (not parts or total + min(ub, len(run.req.prompt) - at) <= budget):
-                chunk = run.req.prompt[at:at + ub]
-                parts.append((slot.id, at, chunk))
-                at, total = at + len(chunk), total + len(chunk)
-            if at > run.done:
-                taken.append((slot, at, len(parts) - 1))       # how far its prompt gets, its last part
-            if at < len(run.req.prompt):
-                break                           # the budget is spent (a later prompt waits for the next batch)
-        self._guard(self._run_prompts, (taken, parts))
+        """One prompt batch (runtime/prompt_batch.py): the next ubatches of the prompts being read, oldest request
+        first, up to -b tokens. Each ubatch is the one its slot would run alone, so each gets the same bits."""
+        batching = self.engine.ecfg.batching
+        parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], batching.ubatch,
+                           batching.batch_size)
+        ends = reached(parts)
+        self._guard(self._run_prompts, [s for s in filling if s.id in ends], parts)
 
-    def _run_prompts(self, batch) -> None:
-        taken, parts = batch
-        owner = taken[0][0].id if len(taken) == 1 else [q for q, _, t in parts for _ in t]
+    def _run_prompts(self, slots: list[Slot], parts) -> None:
+        owner = slots[0].id if len(slots) == 1 else [q for q, _, t in parts for _ in t]
         threads.use("prompt")
         with self.routing.counting(owner):
             logits = self.engine.prefill_parts(parts)                                   # (1, V) each part
-        for slot, at, last in taken:
-            run = slot.run
+        ends = reached(parts)
+        for slot in slots:
+            run, (at, last) = slot.run, ends[slot.id]
             run.done = at
             slot.cached = run.req.prompt[:at]
             if at == len(run.req.prompt) and run.req.params.max_tokens == 0:

@@ -4,9 +4,11 @@
     moestream bench -m ref.gguf -npl 1,8,16 -npp 512 -ntg 64 --cpu-moe --moe-cache-mib 0,8000,16000 -o json
 
 A row of B sequences (-npl B), PP prompt tokens (-npp) and TG generated tokens (-ntg) each: the B prompts are
-prefilled one after another, each from position 0 in ubatches (-ub), as the server's slots are; then TG decode steps
-run all B sequences together, one forward of B tokens a step (`engine.decode([(seq, token, pos), ...])`), greedy,
-each step waiting for the previous one's argmax as a real decode does. The model loads once with max(-npl)
+read as the server reads prompts arriving together (runtime/prompt_batch.py): batches of up to -b tokens, each
+prompt from position 0 in ubatches of -ub, the first sequences first (with host experts a batch runs layer by
+layer, its experts crossing the link once for all its prompts, as llama-batched-bench's batches do); then TG
+decode steps run all B sequences together, one forward of B tokens a step (`engine.decode([(seq, token, pos),
+...])`), greedy, each step waiting for the previous one's argmax as a real decode does. The model loads once with max(-npl)
 sequences, each with a KV cache of max(-c, PP + TG) positions. -npp, -ntg and -npl take comma lists (every
 combination runs, as in llama-batched-bench).
 
@@ -37,6 +39,7 @@ from .. import flags
 from ..errors import UserError
 from ..experts.trace import record, save_trace
 from ..runtime.generate import token_hash
+from ..runtime.prompt_batch import next_batch, reached
 from . import report
 from .bench import _ints, placement, release_memory, scalar
 from .report import Col, na
@@ -94,17 +97,25 @@ def diff(after: dict, before: dict) -> dict:
 
 
 def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> dict:
-    """Sequence s = prompts[s]: each prompt prefilled from position 0 (n_pp tokens; n_pp = 0: its first token is the
-    first decode step's input), then n_tg decode steps of every sequence together, greedy. Returns each sequence's
-    generated tokens, the seconds of both phases and the counters over each."""
+    """Sequence s = prompts[s]: the prompts read in prompt batches from position 0 (n_pp tokens; n_pp = 0: its
+    first token is the first decode step's input), then n_tg decode steps of every sequence together, greedy.
+    Returns each sequence's generated tokens, the seconds of both phases and the counters over each."""
     B = len(prompts)
     tokens = [p[0] for p in prompts]
 
     def prompt_phase():
-        for s, ids in enumerate(prompts):
+        for s in range(B):
             engine.begin_prompt(s)             # the scheduler's call when a request takes its slot
-            if n_pp:
-                tokens[s] = int(engine.prefill(s, ids[:n_pp], 0)[-1].argmax())
+        done = [0] * B
+        batching = engine.ecfg.batching
+        while n_pp and done[-1] < n_pp:        # the server's prompt batches: -b tokens, oldest (lowest s) first
+            parts = next_batch([(s, p[:n_pp], done[s]) for s, p in enumerate(prompts) if done[s] < n_pp],
+                               batching.ubatch, batching.batch_size)
+            logits = engine.prefill_parts(parts)
+            for s, (at, last) in reached(parts).items():
+                done[s] = at
+                if at == n_pp:
+                    tokens[s] = int(logits[last][0].argmax())
 
     generated: list[list[int]] = [[] for _ in prompts]
 
