@@ -107,6 +107,27 @@ class LLM:
         self.engine.begin_prompt(seq)
         return self.engine.prefill(seq, self.encode(list(token_ids)), 0, all_logits=True).float().cpu()
 
+    @torch.inference_mode()
+    def logits_many(self, chunks: list[list[int]]) -> list[torch.Tensor]:
+        """logits() of several token lists at once, chunk i on sequence i (llama-perplexity's several sequences a
+        batch): their ubatches as one prompt batch (engine.prefill_parts; with host experts layer by layer, so a
+        layer's experts cross the link once for all of them). Each chunk's logits are the bits logits() gives it."""
+        if len(chunks) == 1:
+            return [self.logits(chunks[0])]
+        ub = self.engine.ecfg.batching.ubatch
+        if len(chunks) > self.engine.kv.n_seq or any(len(c) > self.engine.ecfg.batching.batch_size for c in chunks):
+            raise UserError(f"logits_many takes at most {self.engine.kv.n_seq} lists (the engine's sequences) of "
+                            f"at most -b {self.engine.ecfg.batching.batch_size} tokens each")
+        ids = [self.encode(list(c)) for c in chunks]
+        for s in range(len(ids)):
+            self.engine.begin_prompt(s)
+        parts = [(s, j, c[j:j + ub]) for s, c in enumerate(ids) for j in range(0, len(c), ub)]
+        out = self.engine.prefill_parts(parts, all_logits=True)
+        per = [[] for _ in ids]
+        for (s, _, _), lg in zip(parts, out):
+            per[s].append(lg)
+        return [torch.cat(p).float().cpu() for p in per]
+
     def stats(self) -> dict:
         """Cache and upload counters: {"cache", "total", "prompt", "per_layer", "uploaded_bytes", "uploaded_experts"};
         totals and per-layer counts are cumulative, "prompt" counts since the last prompt began."""

@@ -19,8 +19,8 @@ FINAL_RE = re.compile(r"Final estimate: PPL = (\d+\.\d+) \+/- (\d+\.\d+)")
 
 
 def known_logits(p_target: dict[int, float], vocab: int = 8):
-    """A fake LLM.logits: at position j the next token (j+1 in the chunk) has probability p_target[j % 2], the rest
-    of the mass spread evenly over the other tokens."""
+    """A fake LLM.logits_many: at position j the next token (j+1 in the chunk) has probability p_target[j % 2],
+    the rest of the mass spread evenly over the other tokens."""
     def fn(ids):
         rows = []
         for j in range(len(ids)):
@@ -29,7 +29,7 @@ def known_logits(p_target: dict[int, float], vocab: int = 8):
             row[ids[j + 1] if j + 1 < len(ids) else 0] = p
             rows.append(row.log())
         return torch.stack(rows).float()
-    return fn
+    return lambda chunks: [fn(c) for c in chunks]
 
 
 def test_perplexity_of_a_known_distribution_and_its_uncertainty():
@@ -122,7 +122,7 @@ def test_cli_prints_llama_perplexity_lines(tmp_path, capsys):
     from moestream import LLM
     llm = LLM("synth:tiny", device="cpu", ctx_size=32)
     tokens = llm.tokenizer.encode(open(f).read())
-    res = perplexity(llm.logits, make_chunks(tokens, 32, 3))
+    res = perplexity(llm.logits_many, make_chunks(tokens, 32, 3))
     assert res.estimate[0] == pytest.approx(ppl, abs=1e-4)
 
     ids = tmp_path / "ids.txt"                                               # token ids: commas and whitespace
@@ -147,7 +147,7 @@ def test_cpu_moe_against_every_expert_on_the_device_is_kld_zero(tmp_path, capsys
     from moestream.tools.perplexity import load_base
     d = load_base(base)
     llm = LLM("synth:tiny", device="cpu", ctx_size=64, cpu_moe=True)
-    st = kl_divergence(llm.logits, d["tokens"].tolist(), Summary.from_dict(d))
+    st = kl_divergence(llm.logits_many, d["tokens"].tolist(), Summary.from_dict(d))
     assert st.count == 4 * 31 and all(v == 0.0 for v in st.kld_values) and st.n_same_top == st.count
     assert st.nll == st.nll_base                                           # the same nll bits, token by token
 
@@ -174,3 +174,33 @@ def test_plot(tmp_path, capsys):
     assert main(common + ["-f", f, "--kl-divergence-base", base, "--plot", str(tmp_path / "ppl.png")]) == 0
     assert main(common + ["-ub", "8", "--kl-divergence-base", base, "--kl-divergence", "--plot", str(png)]) == 0
     assert (tmp_path / "ppl.png").stat().st_size > 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("place", [[], ["--cpu-moe"], ["--cpu-moe", "--moe-cache-mib", "1"]])
+def test_several_chunks_a_batch_change_no_figure(tmp_path, capsys, place):
+    """-b 4 n_ctx runs four chunks a batch (llama-perplexity's n_seq), with host experts layer by layer: every
+    running PPL and the final estimate are the same as one chunk a batch, and the KL divergence between them is 0."""
+    f, base = _text(tmp_path), str(tmp_path / "base.kld")
+    common = ["perplexity", "-m", "synth:tiny", "--device", "cpu", "-c", "32", "-ub", "16"] + place
+    assert main(common + ["-f", f, "--chunks", "6", "-b", "32", "--kl-divergence-base", base]) == 0
+    one = capsys.readouterr()
+    assert "n_seq=1" in one.err
+    assert main(common + ["-f", f, "--chunks", "6", "-b", "128"]) == 0
+    four = capsys.readouterr()
+    assert "n_seq=4" in four.err
+    assert CHUNK_RE.findall(one.out) == CHUNK_RE.findall(four.out) and len(CHUNK_RE.findall(one.out)) == 6
+    assert FINAL_RE.search(one.out).groups() == FINAL_RE.search(four.out).groups()
+    assert main(common + ["-b", "128", "--kl-divergence-base", base, "--kl-divergence"]) == 0
+    assert re.search(r"Maximum KLD:\s+0\.000000", capsys.readouterr().out)
+
+
+def test_logits_many_gives_each_list_the_bits_logits_gives_it():
+    from moestream import LLM
+    llm = LLM("synth:tiny", device="cpu", ctx_size=64, n_seq=3, ubatch_size=8, cpu_moe=True, moe_cache_mib=1)
+    chunks = [list(range(3, 23)), list(range(40, 49)), list(range(100, 130))]
+    together = llm.logits_many(chunks)
+    assert [t.shape[0] for t in together] == [20, 9, 30]
+    assert all(torch.equal(t, llm.logits(c)) for t, c in zip(together, chunks))
+    from moestream.errors import UserError
+    with pytest.raises(UserError, match="at most 3 lists"):
+        llm.logits_many(chunks + [[1, 2]])

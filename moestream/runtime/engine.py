@@ -129,7 +129,7 @@ class Engine:
         if dev_rows:
             resident = ResidentExperts(dev_rows, layouts)
             providers.update({l: resident for l in dev_rows})
-        routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, the engine's
+        routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, ours
         if host_rows:
             store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
             hosted = host_provider(cfg, ecfg, store, dev, n_slots, routing)
@@ -215,12 +215,13 @@ class Engine:
         The logits of every token (all_logits) or of the last."""
         return self._forward_parts([(seq, s, t) for s, t in parts], all_logits, every_part=False)
 
-    def prefill_parts(self, parts: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+    def prefill_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
         """Prompt ubatches of one or several sequences as one batch (the server's: the next ubatch of each prompt
-        being read): parts (seq, start, tokens), each at most -ub tokens, a sequence's parts consecutive and in
-        order. Each part's ops are those of a forward of its own (the same bits as engine.prefill of the part);
-        with host experts the parts run layer by layer, so a host layer's experts cross the link once for all of
-        them. Each part's last token's logits (1, V), in order."""
+        being read; perplexity's chunks): parts (seq, start, tokens), each at most -ub tokens, a sequence's parts
+        consecutive and in order. Each part's ops are those of a forward of its own (the same bits as
+        engine.prefill of the part); with host experts the parts run layer by layer, so a host layer's experts
+        cross the link once for all of them. Each part's last token's logits (1, V), or every token's (n, V)
+        with all_logits, in order."""
         for q, s, t in parts:
             if not t:
                 raise UserError(f"an empty prompt part for sequence {q}: give at least one token")
@@ -228,10 +229,10 @@ class Engine:
                 raise UserError(f"a prompt part of {len(t)} tokens is longer than -ub {self.ecfg.batching.ubatch}")
             self.check_context(s + len(t))
         if self.host is not None and self.ecfg.batching.by_layer:
-            out = self._forward_parts(parts, every_part=True)
-            return list(out.split(1))
+            out = self._forward_parts(parts, all_logits, every_part=True)
+            return list(out.split([len(t) for _, _, t in parts] if all_logits else 1))
         # all on the device nothing crosses the link: the parts run one after the other
-        return [self.forward([Segment(q, s, len(t))], t, is_prompt=True) for q, s, t in parts]
+        return [self.forward([Segment(q, s, len(t))], t, all_logits, is_prompt=True) for q, s, t in parts]
 
     @torch.inference_mode()
     def _forward_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,

@@ -18,8 +18,10 @@ tokenizer, or --token-ids, reads token ids instead: integers separated by whites
 the top --kl-top-k log-probs (float32; 0 keeps the whole vocabulary), the log of the probability outside them, the
 log-prob of the actual next token and the argmax (see ppl_stats for the KL this gives). With --kl-divergence the
 tokens and -c come from that file (-f is not needed) and the output is llama-perplexity's KL table and statistics.
--b and -ub cut each chunk into forwards as in `generate`; logits are bit-identical for one -ub whatever the
-placement of the experts, so `--cpu-moe` against every expert on the device gives KLD 0 exactly.
+As llama-perplexity, -b / -c chunks run together, one sequence each (n_seq; 4 at -b 2048 -c 512), each cut into
+ubatches of -ub: with host experts they run layer by layer, so a layer's experts cross the link once for all of
+them. Each ubatch gives the bits it gives alone, so -b changes no figure; logits are bit-identical for one -ub
+whatever the placement of the experts, so `--cpu-moe` against every expert on the device gives KLD 0 exactly.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ BASE_FORMAT = "moestream-kld-base"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
-    flags.add_engine_arguments(p, ctx_size=dict(default=512, help="chunk size: tokens per evaluated chunk (default 512)"))
+    flags.add_engine_arguments(p, ctx_size=dict(default=512,
+                                                help="chunk size: tokens per evaluated chunk (default 512)"))
     p.add_argument("-f", "--file", help="the text to score (or token ids, see --token-ids)")
     p.add_argument("--chunks", type=int, default=-1, help="score at most N chunks (default: all)")
     p.add_argument("--token-ids", action="store_true",
@@ -111,12 +114,22 @@ def scored(chunk: list[int]) -> tuple[int, torch.Tensor]:
     return first, torch.tensor(chunk[first + 1:])
 
 
-def perplexity(logits_fn, chunks: list[list[int]], top_k: int | None = None, on_chunk=None) -> PerplexityResult:
-    """logits_fn(ids) -> (len(ids), V) float32 logits; top_k (not None): also keep the base summary."""
+def chunk_logits(logits_fn, chunks: list[list[int]], per_batch: int = 1):
+    """(i, chunk, its logits) in chunk order, `per_batch` chunks a call of logits_fn(list of chunks) -> their
+    (len, V) float32 logits (LLM.logits_many: llama-perplexity's several sequences a batch)."""
+    for i in range(0, len(chunks), per_batch):
+        group = chunks[i:i + per_batch]
+        yield from zip(range(i, i + len(group)), group, logits_fn(group))
+
+
+def perplexity(logits_fn, chunks: list[list[int]], top_k: int | None = None, on_chunk=None,
+               per_batch: int = 1) -> PerplexityResult:
+    """logits_fn(list of chunks) -> their (len, V) float32 logits, `per_batch` chunks a call; top_k (not None):
+    also keep the base summary."""
     nlls, parts, out = [], [], PerplexityResult(torch.empty(0, dtype=torch.float64))
-    for i, chunk in enumerate(chunks):
+    for i, chunk, logits in chunk_logits(logits_fn, chunks, per_batch):
         first, targets = scored(chunk)
-        lp = log_probs(logits_fn(chunk)[first:-1])                                  # (c-1-first, V)
+        lp = log_probs(logits[first:-1])                                            # (c-1-first, V)
         nlls.append(-lp.gather(-1, targets[:, None])[:, 0])
         if top_k is not None:
             parts.append(Summary.of(lp, targets, top_k))
@@ -129,14 +142,15 @@ def perplexity(logits_fn, chunks: list[list[int]], top_k: int | None = None, on_
     return out
 
 
-def kl_divergence(logits_fn, chunks: list[list[int]], base: Summary, on_chunk=None) -> KLStats:
-    """Compare every chunk's log-probs with the base's (its rows in chunk order); on_chunk(i, stats) after each."""
+def kl_divergence(logits_fn, chunks: list[list[int]], base: Summary, on_chunk=None, per_batch: int = 1) -> KLStats:
+    """Compare every chunk's log-probs with the base's (its rows in chunk order); on_chunk(i, stats) after each.
+    logits_fn and per_batch as perplexity's."""
     st, row = KLStats(), 0
-    for i, chunk in enumerate(chunks):
+    for i, chunk, logits in chunk_logits(logits_fn, chunks, per_batch):
         first, targets = scored(chunk)
         b = base.rows(row, row + len(targets))
         row += len(targets)
-        cur = b.compare(log_probs(logits_fn(chunk)[first:-1]), targets)
+        cur = b.compare(log_probs(logits[first:-1]), targets)
         st.add(-cur.target, -b.target, kl_per_token(b, cur), cur.top1 == b.top1)
         if on_chunk is not None:
             on_chunk(i, st)
@@ -174,22 +188,28 @@ def load_base(path: str) -> dict:
 
 
 # --- the command ---------------------------------------------------------------------------------------------
+def per_batch(a: argparse.Namespace, n_ctx: int) -> int:
+    """Chunks a batch, as llama-perplexity's n_seq: -b / n_ctx (at least one)."""
+    return max(1, a.batch_size // n_ctx)
+
+
 def _load(a: argparse.Namespace, n_ctx: int):
     from ..cli import load_model
     a.ctx_size = n_ctx
-    llm = load_model(a, flags.to_config(a), progress=a.verbose)
+    llm = load_model(a, flags.to_config(a), progress=a.verbose, n_seq=per_batch(a, n_ctx))
     threads.use("prompt")                   # every forward here is a prompt's (-tb, else -t)
     return llm
 
 
 def _timed_logits(llm):
+    """LLM.logits_many, and the seconds a chunk of its first call (t["first"])."""
     t = {"first": None}
 
-    def fn(ids):
+    def fn(chunks):
         t0 = time.perf_counter()
-        out = llm.logits(ids)
+        out = llm.logits_many(chunks)
         if t["first"] is None:
-            t["first"] = time.perf_counter() - t0
+            t["first"] = (time.perf_counter() - t0) / len(chunks)
         return out
     return fn, t
 
@@ -226,7 +246,7 @@ def main(a: argparse.Namespace) -> int:
                 print(f"kl_divergence: {t['first']:.2f} seconds per pass - ETA "
                       f"{t['first'] * len(chunks) / 60:.2f} minutes", file=err)
             print(st.chunk_line(i + 1), flush=True)
-        st = kl_divergence(fn, chunks, Summary.from_dict(d), on_chunk)
+        st = kl_divergence(fn, chunks, Summary.from_dict(d), on_chunk, per_batch(a, d["n_ctx"]))
         if st.count < 100:
             print(f"kl_divergence: only {st.count} scored tokens (llama-perplexity prints no statistics under 100)",
                   file=err)
@@ -246,7 +266,8 @@ def main(a: argparse.Namespace) -> int:
     chunks = make_chunks(tokens, a.ctx_size, a.chunks, tok.bos_id if tok is not None and tok.add_bos else None)
     n_scored = a.ctx_size - 1 - a.ctx_size // 2
     print(f"perplexity: calculating perplexity over {len(chunks)} chunks, n_ctx={a.ctx_size}, "
-          f"batch_size={a.batch_size}, ubatch_size={a.ubatch_size}; scoring the second half of each chunk "
+          f"batch_size={a.batch_size}, ubatch_size={a.ubatch_size}, n_seq={per_batch(a, a.ctx_size)}; scoring the "
+          "second half of each chunk "
           f"({n_scored} tokens, as llama-perplexity)", file=err)
     fn, t = _timed_logits(llm)
 
@@ -256,7 +277,7 @@ def main(a: argparse.Namespace) -> int:
                   file=err)
         print("[%d]%.4f," % (i + 1, ppl), end="", flush=True)
     saving = a.kl_divergence_base is not None
-    res = perplexity(fn, chunks, a.kl_top_k if saving else None, on_chunk)
+    res = perplexity(fn, chunks, a.kl_top_k if saving else None, on_chunk, per_batch(a, a.ctx_size))
     print()
     ppl, unc = res.estimate
     if unc is None:
