@@ -4,11 +4,13 @@
     llm = LLM("synth:tiny", cpu_moe=True)
     out = llm.generate("The capital of France is", max_tokens=16)
     print(out.text)
+    outs = LLM("synth:tiny", n_seq=4).generate(["Once upon", "Light travels"], max_tokens=16)   # together
     logits = llm.logits([1, 2, 3])          # (3, V) float32 on the CPU
 """
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 import time
 
@@ -89,14 +91,47 @@ class LLM:
         """An iterator of text pieces; its `.result` is the Completion once exhausted."""
         return Generation(self.engine, self.tokenizer, self.encode(prompt), params or SamplingParams(**kw))
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> Completion:
-        """Greedy by default: generate(prompt, max_tokens=32, temperature=0.8, top_p=0.95, seed=1, stop=["\\n"])."""
+    def generate(self, prompt, params: SamplingParams | None = None, **kw) -> Completion | list[Completion]:
+        """Greedy by default: generate(prompt, max_tokens=32, temperature=0.8, top_p=0.95, seed=1, stop=["\\n"]).
+
+        A list of prompts (strings, or lists of token ids) gives a list of Completions, in order: they run as the
+        server runs requests, up to n_seq at a time (LLM(..., n_seq=8)): prompts in batches (-b tokens; with host
+        experts a layer's experts cross the link once a batch), decode steps of every running sequence together.
+        Each gets the tokens it gets alone (greedy, or with a seed)."""
         if "stop" in kw and isinstance(kw["stop"], str):
             kw["stop"] = (kw["stop"],)
         for key in ("stop", "stop_token_ids"):
             if key in kw:
                 kw[key] = tuple(kw[key])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(p, (str, list, tuple)) for p in prompt) and prompt:
+            return self._generate_many(list(prompt), params or SamplingParams(**kw))
         return self.stream(prompt, params, **kw).run()
+
+    def _generate_many(self, prompts: list, params: SamplingParams) -> list[Completion]:
+        from .server.scheduler import Request, Scheduler
+        ids = [self.encode(p) for p in prompts]
+        for p in ids:                          # refused before anything runs, as generate() refuses one
+            if not p:
+                raise UserError("empty prompt: give at least one token")
+            self.engine.check_context(len(p))
+        events: queue.Queue = queue.Queue()
+        reqs = [Request(p, params, events.put, index=i) for i, p in enumerate(ids)]
+        sched = Scheduler(self, n_slots=self.engine.kv.n_seq, max_queue=len(reqs), warm_up=False)
+        sched.start()
+        results: dict[int, object] = {}
+        try:
+            sched.submit(reqs)
+            while len(results) < len(reqs):
+                ev = events.get()
+                if ev[0] == "error":
+                    raise UserError(f"prompt {ev[1]}: {ev[3]}")
+                if ev[0] == "done":
+                    results[ev[1]] = ev[2]
+        finally:
+            sched.stop()
+        return [Completion(r.token_ids, r.text if self.tokenizer is not None else None, r.finish_reason,
+                           r.prompt_tokens, prompt_s=r.ttft_s, decode_s=r.duration_s - r.ttft_s)
+                for r in (results[i] for i in range(len(reqs)))]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **kw) -> Completion:
         return self.generate(self.chat_prompt(messages), params, **kw)
