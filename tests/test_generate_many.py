@@ -19,6 +19,17 @@ def alone():
 @pytest.mark.parametrize("kw", [dict(), dict(cpu_moe=True, moe_cache_mib=1)])
 def test_a_list_of_prompts_gives_each_the_tokens_it_gets_alone(alone, kw):
     llm = LLM("synth:tiny", ctx_size=128, device="cpu", n_seq=3, ubatch_size=4, batch_size=8, **kw)
+    check_against(llm, alone)
+
+
+def test_a_hybrid_models_prompts_together_keep_their_tokens():
+    """Qwen3-Next's recurrent states: each sequence's in a batch of several, as alone."""
+    alone = LLM("synth:tiny-next", ctx_size=128, device="cpu")
+    check_against(LLM("synth:tiny-next", ctx_size=128, device="cpu", n_seq=3, ubatch_size=4, batch_size=8,
+                      cpu_moe=True, moe_cache_mib=1), alone)
+
+
+def check_against(llm, alone):
     outs = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
     assert len(outs) == len(PROMPTS)                 # five prompts over three sequences: two wait for a slot
     for out, p in zip(outs, PROMPTS):
