@@ -25,7 +25,7 @@ def test_fill_uploads_the_regions_most_routed_experts_into_empty_slots_first():
     hot, res = _hot()
     counts = np.arange(E, dtype=float)              # expert e routed e times a step: the hottest are 15, 14, ...
     for l in range(L):
-        hot.observe(l, counts)
+        hot.observe(np.array([l]), counts[None])
     now, behind = hot.fill(set(range(SLOTS)), room=2)
     # the region keeps its 12 slots less 2 a layer: 8 experts, the hottest of both layers ranked as one
     for l in range(L):
@@ -33,7 +33,7 @@ def test_fill_uploads_the_regions_most_routed_experts_into_empty_slots_first():
     assert len(now) == 8 and not behind
     res.check()
     # layer 0's expert 11 turns hot while 4 slots are empty: it takes one, and 12, no longer wanted, stays
-    hot.observe(0, np.r_[np.zeros(11), 100, np.zeros(4)])
+    hot.observe(np.array([0]), np.r_[np.zeros(11), 100, np.zeros(4)][None])
     now, behind = hot.fill(set(), room=2)
     assert sorted(res.resident(0).tolist()) == [11, 12, 13, 14, 15] and len(behind) == 1 and not now
     res.check()
@@ -41,8 +41,8 @@ def test_fill_uploads_the_regions_most_routed_experts_into_empty_slots_first():
 
 def test_a_layer_whose_routing_spreads_takes_more_of_the_region_and_make_room_frees_the_least_routed():
     hot, res = _hot()
-    hot.observe(0, np.r_[np.zeros(14), 10, 10])              # layer 0: two experts take every choice
-    hot.observe(1, np.r_[np.arange(10, 0, -1), np.zeros(6)])  # layer 1: ten experts, expert e routed 10 - e times
+    hot.observe(np.array([0]), np.r_[np.zeros(14), 10, 10][None])     # layer 0: two experts take every choice
+    hot.observe(np.array([1]), np.r_[np.arange(10, 0, -1), np.zeros(6)][None])  # layer 1: expert e routed 10 - e times
     now, _ = hot.fill(set(range(SLOTS)), room=2)
     # 12 slots less 2 a layer: 8, the hottest of both layers ranked as one (an equal share would give layer 1 four)
     assert sorted(res.resident(0).tolist()) == [14, 15] and sorted(res.resident(1).tolist()) == list(range(6))
@@ -58,7 +58,7 @@ def test_a_layer_whose_routing_spreads_takes_more_of_the_region_and_make_room_fr
 
 def test_nothing_is_kept_that_no_step_routed():
     hot, res = _hot()
-    hot.observe(0, np.zeros(E))
+    hot.observe(np.array([0]), np.zeros((1, E)))
     now, behind = hot.fill(set(range(SLOTS)), room=0)
     assert not now and not behind and (res.slot_of < 0).all()
 
@@ -68,7 +68,7 @@ def _step(hot, seqs_experts: dict[int, list[int]], k: int = 2):
     seqs = list(seqs_experts)
     ids = np.array([e for s in seqs for e in seqs_experts[s][:k]], dtype=np.int64)
     for l in range(L):
-        hot.observe(l, np.bincount(ids, minlength=E), ids, seqs)
+        hot.observe(np.array([l]), np.bincount(ids, minlength=E)[None], ids[None], seqs)
 
 
 def test_a_sequence_that_begins_a_new_request_leaves_the_hot_set():
@@ -88,7 +88,7 @@ def test_a_sequence_that_begins_a_new_request_leaves_the_hot_set():
 
 def test_steps_whose_sequences_are_not_told_fade_as_one_sum():
     hot, _ = _hot()
-    hot.observe(0, np.bincount([0, 1], minlength=E))         # no ids or sequences: counted, never forgotten
+    hot.observe(np.array([0]), np.bincount([0, 1], minlength=E)[None])   # no ids or sequences: never forgotten
     hot.forget(0)
     assert hot.freq[0, 0] == 1 and not hot.by_seq.any()
 

@@ -1,7 +1,7 @@
 """What zero-copy decode keeps in the pool when a step has several tokens: each layer's most routed experts.
 
     hot = HotSet(residency, stats, store, layers, routing)        # routing: the RoutingStore of the prompts' tails
-    hot.observe(layer, counts, ids, seqs)          # a step's routing of one layer: counts (E,), ids (T k,), and
+    hot.observe(layers, counts, ids, seqs)         # a step's routing of its layers: counts (n, E), ids (n, T k), and
                                                    # each token's sequence (or None), each step
     hot.forget(seq)                                # the sequence begins a new request: its counts leave
     hot.seed(seqs)                                 # a step's sequences: those new to it take their prompts' tails
@@ -60,18 +60,18 @@ class HotSet:
         for l in layers:
             self.regions.setdefault(residency.bounds[l], []).append(l)
 
-    def observe(self, layer: int, counts: np.ndarray, ids: np.ndarray | None = None,
+    def observe(self, layers: np.ndarray, counts: np.ndarray, ids: np.ndarray | None = None,
                 seqs: list[int] | None = None) -> None:
-        """One step's routing of a layer (every step, whatever its size: a server's steps change): counts (E,),
-        and its ids (T k,) in token order with each token's sequence (None: the sequences are not known, and the
-        counts stay in freq until they fade)."""
-        self.freq[layer] = self.freq[layer] * FREQ_DECAY + counts
-        self.by_seq[:, layer] *= FREQ_DECAY
+        """One step's routing of its layers (every step, whatever its size: a server's steps change): counts
+        (n, E) of layers (n,), and their ids (n, T k) in token order with each token's sequence (None: the
+        sequences are not known, and the counts stay in freq until they fade)."""
+        self.freq[layers] = self.freq[layers] * FREQ_DECAY + counts
+        self.by_seq[:, layers] *= FREQ_DECAY
         if seqs is None or ids is None or not BY_SEQUENCE:
             return
         self._grow(max(seqs))
-        owner = np.repeat(np.asarray(seqs), len(ids) // len(seqs))          # each choice's sequence
-        np.add.at(self.by_seq[:, layer], (owner, ids), 1)
+        owner = np.repeat(np.asarray(seqs), ids.shape[1] // len(seqs))     # each choice's sequence
+        np.add.at(self.by_seq, (owner[None, :], np.asarray(layers)[:, None], ids), 1)
 
     def _grow(self, seq: int) -> None:
         if seq >= len(self.by_seq):

@@ -45,12 +45,17 @@ class CachePlanner:
         self.layer_bytes = layer_bytes or {}            # a layer's expert bytes where they differ from expert_bytes
         self._last_layer = None
 
+    def see(self, layer: int, n_wanted: int) -> None:
+        """The policy learns that the ubatch's routing of `layer` (n_wanted distinct experts) is planned now: its
+        clock counts ubatches, and a sweep of the layer orders the victims (policy.at_layer)."""
+        if self._last_layer is None or layer <= self._last_layer:
+            self.residency.policy.tick()                # a new ubatch
+        self._last_layer = layer
+        self.residency.policy.at_layer(layer, n_wanted >= SWEEP_SHARE * self.residency.slot_of.shape[1])
+
     def groups(self, layer: int, wanted: np.ndarray) -> list[np.ndarray]:
         """The ubatch's routed experts of `layer` (distinct): one group, or waves when they can't all fit."""
-        if self._last_layer is None or layer <= self._last_layer:
-            self.residency.policy.tick()                # a new ubatch: the policy's clock counts ubatches
-        self._last_layer = layer
-        self.residency.policy.at_layer(layer, len(wanted) >= SWEEP_SHARE * self.residency.slot_of.shape[1])
+        self.see(layer, len(wanted))
         n = self.residency.region_size(layer)
         return [wanted] if len(wanted) <= n else [wanted[i:i + n] for i in range(0, len(wanted), n)]
 

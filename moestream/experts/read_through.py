@@ -4,7 +4,7 @@
     rt.count(n_tokens)                      # the landing slots a step of n_tokens is handed a layer (0: off)
     land = rt.hand_out(shape, writing)      # (L, R): the next step's free slots, -1 for none
     ls, es, ss = rt.absorb(routed, from_host, land, n_tokens)   # a completed step's landed experts, now resident
-    rt.note_one_token(layer, reads)         # a one-token step's host reads of a layer ...
+    rt.note_one_token(layers, reads)        # a one-token step's host reads of its layers ...
     rt.after_one_token(regions)             # ... set how many slots each layer is handed; the regions keep them empty
     rt.room()                               # free slots a layer the hot set keeps for several-token steps
 
@@ -73,14 +73,17 @@ class ReadThrough:
             free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
             if writing is not None:
                 free[writing[writing >= 0]] = False
-            count = self.land_count
-            for los, his in ((np.zeros_like(count), count), (count, np.full_like(count, self.n_land_several))):
+            count = self.land_count.astype(np.int64)
+            spare = {}                           # each region's free slots, ascending, and how many are taken
+            for lo, his in ((np.zeros_like(count), count), (count, np.full_like(count, self.n_land_several))):
                 for l in self.layers:
-                    lo, hi = int(los[l]), int(his[l])
                     a, b = res.bounds[l]
-                    got = a + np.flatnonzero(free[a:b])[:max(hi - lo, 0)]
-                    free[got] = False
-                    out[l, lo:lo + len(got)] = got
+                    if (a, b) not in spare:
+                        spare[(a, b)] = [a + np.flatnonzero(free[a:b]), 0]
+                    slots, taken = spare[(a, b)]
+                    got = slots[taken:taken + max(int(his[l]) - int(lo[l]), 0)]
+                    spare[(a, b)][1] = taken + len(got)
+                    out[l, lo[l]:lo[l] + len(got)] = got
         return out
 
     def absorb(self, routed: np.ndarray, from_host: np.ndarray, land_slots: np.ndarray | None,
@@ -120,9 +123,9 @@ class ReadThrough:
         self.stats.count(ls, "landed")
         return ls, es, ss
 
-    def note_one_token(self, layer: int, reads: int) -> None:
-        """A one-token step read `reads` experts of the layer from host memory."""
-        self.miss_avg[layer] = self.miss_avg[layer] * MISS_DECAY + reads * (1 - MISS_DECAY)
+    def note_one_token(self, layers: np.ndarray, reads: np.ndarray) -> None:
+        """A one-token step read reads[i] experts of layers[i] from host memory."""
+        self.miss_avg[layers] = self.miss_avg[layers] * MISS_DECAY + reads * (1 - MISS_DECAY)
 
     def after_one_token(self, regions) -> None:
         """After a one-token step is learned: each layer is handed as many landing slots as its recent misses ask

@@ -58,6 +58,10 @@ class ZeroCopyDecode:
         # per token that chose it (the quantized kernel): what the host-read counters count.
         self.reads_once = reads_once
         self.row_bytes = store.expert_bytes                # the pool's row stride: a slot's address step
+        self.layer_ids = np.asarray(layers, dtype=np.int64)            # the host layers, for the host's learning
+        self.layer_base = (np.arange(len(layers)) * E)[:, None]         # ... a layer's block of (n, E) counts
+        self.layer_bytes = np.array([store.layer_bytes(l) for l in layers], dtype=np.int64)
+        self.region_sizes = np.array([planner.residency.region_size(l) for l in layers], dtype=np.int64)
         self.host_addr = np.zeros((L, E), dtype=np.int64)
         for l, rows in store.rows.items():
             self.host_addr[l] = row_addresses(rows, "cpu").numpy()
@@ -241,51 +245,66 @@ class ZeroCopyDecode:
         if writing is not None:
             self.slots.pin(writing[writing >= 0])
         empty = set(np.flatnonzero(res.owner[:, 0] < 0).tolist())     # no step in flight reads these
-        self.step_bytes = 0.0
+        # Every host layer at once: (n, E) routings per expert, what was read from host memory and its bytes.
+        L, ids = self.layer_ids, routed[self.layer_ids]                                # (n,), (n, T k)
+        counts = np.bincount((ids + self.layer_base).ravel(), minlength=len(L) * E).reshape(len(L), E)
+        per_choice = np.where(from_host[L], counts, 0)  # each expert read from host: once, or once per choice
+        reads = np.count_nonzero(per_choice, axis=1) if self.reads_once else per_choice.sum(axis=1)
+        read_bytes = reads * self.layer_bytes
+        self.step_bytes = float(read_bytes.sum())
+        wanted = counts > 0                      # (n, E)
+        n_routed = wanted.sum(axis=1)
+        extra = np.zeros(len(L), dtype=np.int64)    # routed beyond what a layer's region holds: looked up, missed
+        for i in np.flatnonzero(n_routed > self.region_sizes):     # (rare: more than the layer's region)
+            routed_i = np.flatnonzero(wanted[i])
+            keep = routed_i[np.argsort(-counts[i, routed_i], kind="stable")[:self.region_sizes[i]]]
+            wanted[i] = False
+            wanted[i, keep] = True
+            extra[i] = len(routed_i) - len(keep)
+        self.hot.observe(L, counts, ids, seqs)       # (both ways: a server's steps change size)
+        read = (wanted & from_host[L]).sum(axis=1)       # the misses as the step read them
+        if upload:
+            self._upload(wanted, n_routed, read, empty, after)
+        else:
+            for l, n in zip(L.tolist(), n_routed.tolist()):
+                self.planner.see(l, n)           # the policy's clock and the layer it is at, as a plan's would
+            slots = res.slot_of[L][wanted]
+            slots = slots[slots >= 0]
+            res.policy.touch(slots)
+            self.slots.claim(slots)              # read by decode: no prefetch into them is pending
+            if one_token:
+                self.rt.note_one_token(L, reads)
+        if one_token:
+            self.rt.after_one_token(self.hot.regions)
+        else:
+            room = self.rt.room()
+            self._submit(*self.hot.fill(empty, room), after)     # (nothing moved above: `empty` holds)
+            self.hot.make_room(room, writing)
+        if upload:                               # (the plans counted the hits and misses of what they loaded)
+            hits, misses = np.zeros_like(extra), extra
+        else:
+            hits, misses = wanted.sum(axis=1) - read, read + extra
+        per_layer = (time.perf_counter() - t0) / len(L)
+        for l, r, b, h, m in zip(L.tolist(), reads.tolist(), read_bytes.tolist(), hits.tolist(), misses.tolist()):
+            stats.record(l, host_reads=r, host_read_bytes=b, hits=h, misses=m, host_s=per_layer)
+
+    def _upload(self, wanted: np.ndarray, n_routed: np.ndarray, read: np.ndarray, empty: set, after) -> None:
+        """A one-token step without read-through: each layer's misses uploaded (plans count hits and misses)."""
         now, behind = [], []                     # copies into empty slots (unread), into evicted ones (read)
-        for l in self.layers:
-            counts = np.bincount(routed[l], minlength=E)
-            per_choice = counts[from_host[l]]        # each expert read from host: once, or once per choice
-            reads = int(np.count_nonzero(per_choice) if self.reads_once else per_choice.sum())
-            read_bytes = reads * self.store.layer_bytes(l)
-            stats.record(l, host_reads=reads, host_read_bytes=read_bytes)
-            self.step_bytes += read_bytes
-            routed_l = wanted = np.flatnonzero(counts).astype(np.int64)
-            if len(self.planner.groups(l, wanted)) > 1:      # more than the layer's region holds: the most routed
-                wanted = np.sort(wanted[np.argsort(-counts[wanted], kind="stable")[:res.region_size(l)]])
-                # the rest are looked up too, and miss: they were read from host memory
-                stats.record(l, misses=len(routed_l) - len(wanted))
-            self.hot.observe(l, counts, routed[l], seqs)     # (both ways: a server's steps change size)
-            read = int(from_host[l, wanted].sum())           # the misses as the step read them
-            if not upload:
-                slots = res.slot_of[l, wanted]
-                slots = slots[slots >= 0]
-                res.policy.touch(slots)
-                self.slots.claim(slots)          # read by decode: no prefetch into them is pending
-                stats.record(l, hits=len(wanted) - read, misses=read)
-                if one_token:
-                    self.rt.note_one_token(l, reads)
-                continue
+        for i, l in enumerate(self.layers):
+            want = np.flatnonzero(wanted[i]).astype(np.int64)
+            self.planner.see(l, int(n_routed[i]))
             try:
-                plan = self.planner.plan(l, wanted, read)
+                plan = self.planner.plan(l, want, int(read[i]))
             except CacheTooSmall:                # a prompt's compute still reads its slots: let it finish
                 self.device.synchronize()
                 self.slots.refresh_pins()
-                plan = self.planner.plan(l, wanted, read)
+                plan = self.planner.plan(l, want, int(read[i]))
             self.slots.claim(plan.slots)         # read or refilled by decode: no prefetch into them is pending
             src = self.store.rows[l]
             for e, slot in plan.misses:
                 (now if slot in empty else behind).append((slot, src[e]))
         self._submit(now, behind, after)
-        if one_token:
-            self.rt.after_one_token(self.hot.regions)
-        else:
-            room = self.rt.room()
-            self._submit(*self.hot.fill(empty, room), after)     # (the loop above moved nothing: `empty` holds)
-            self.hot.make_room(room, writing)
-        per_layer = (time.perf_counter() - t0) / len(self.layers)
-        for l in self.layers:
-            stats.record(l, host_s=per_layer)
 
     def _submit(self, now: list, behind: list, after) -> None:
         """Copy (slot, host row) into slots no queued step reads at once, the others behind `after`."""
