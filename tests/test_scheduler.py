@@ -221,10 +221,12 @@ def test_scheduler_config_rejects_bad_values(llm2):
         Scheduler(llm2, n_slots=2, prefill_interval=0)
 
 
-def test_prompts_arriving_together_run_as_one_batch_of_at_most_b_tokens(ref):
-    """Prompts waiting together run in prompt batches of up to -b tokens, oldest request first, each cut into
-    ubatches of -ub from where its slot stands; with host experts each result still equals the request alone."""
-    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=3, ubatch_size=4, batch_size=8, cpu_moe=True, moe_cache_mib=1)
+@pytest.mark.parametrize("kw,budget", [(dict(cpu_moe=True, moe_cache_mib=1), 8), (dict(), 4)])
+def test_prompts_arriving_together_run_as_one_batch_of_at_most_b_tokens(ref, kw, budget):
+    """Prompts waiting together run in prompt batches of up to -b tokens with host experts (-ub all on the
+    device, where nothing crosses the link), oldest request first, each cut into ubatches of -ub from where its slot
+    stands; each result still equals the request alone."""
+    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=3, ubatch_size=4, batch_size=8, **kw)
     batches = []
     prefill = llm.engine.prefill_parts
     llm.engine.prefill_parts = lambda parts: (batches.append(list(parts)), prefill(parts))[1]
@@ -238,7 +240,8 @@ def test_prompts_arriving_together_run_as_one_batch_of_at_most_b_tokens(ref):
         s.stop()
     for (_, _, res), p in zip(results, prompts):
         assert res.token_ids == ref.generate(p, max_tokens=6).token_ids
-    assert all(sum(len(t) for _, _, t in b) <= 8 and all(len(t) <= 4 for _, _, t in b) for b in batches), batches
+    assert all(sum(len(t) for _, _, t in b) <= budget and all(len(t) <= 4 for _, _, t in b) for b in batches)
+    assert any(sum(len(t) for _, _, t in b) > 4 for b in batches) == (budget > 4), batches
     assert any(len({q for q, _, _ in b}) > 1 for b in batches), batches      # several prompts shared a batch
     fed = sorted((q, st, tuple(t)) for b in batches for q, st, t in b)
     assert sum(len(t) for _, _, t in fed) == sum(map(len, prompts))           # every prompt token ran once

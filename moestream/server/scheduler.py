@@ -11,10 +11,11 @@ to idle slots, run ONE prompt batch, then ONE decode step of every slot that is 
 (`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for that step serve every request in it.
 A prompt batch is llama-server's: up to -b tokens of the prompts being read, oldest request first, each cut into
 ubatches (-ub) from where its slot stands (`engine.prefill_parts`). With host experts the batch runs layer by layer,
-so a layer's experts cross the link once for every prompt in it rather than once a prompt. So a long prompt
-arriving delays the other requests' next token by at most one batch forward; with --prefill-interval N, while
-requests are generating, a prompt batch runs only after every N decode steps (so at most 1 in N of their token
-gaps carries one). Prompt and decode forwards stay separate: mixing them would change a decode row's numerics (the
+so a layer's experts cross the link once for every prompt in it rather than once a prompt; all on the device,
+where nothing crosses the link, a batch holds one ubatch's worth (-ub tokens, of one prompt or several short
+ones). So a long prompt arriving delays the other requests' next token by at most one batch forward; with
+--prefill-interval N, while requests are generating, a prompt batch runs only after every N decode steps (so at
+most 1 in N of their token gaps carries one). Prompt and decode forwards stay separate: mixing them would change a decode row's numerics (the
 prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as it would alone, so greedy
 outputs equal `LLM.generate`'s (with -b a multiple of -ub, the cuts are the same).
 
@@ -297,8 +298,10 @@ class Scheduler:
         """One prompt batch (runtime/prompt_batch.py): the next ubatches of the prompts being read, oldest request
         first, up to -b tokens. Each ubatch is the one its slot would run alone, so each gets the same bits."""
         batching = self.engine.ecfg.batching
-        parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], batching.ubatch,
-                           batching.batch_size)
+        # All on the device nothing crosses the link, so a bigger batch saves nothing: one ubatch's worth a turn,
+        # and the decode steps in between wait for at most one ubatch.
+        budget = batching.batch_size if self.engine.host is not None else batching.ubatch
+        parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], batching.ubatch, budget)
         ends = reached(parts)
         self._guard(self._run_prompts, [s for s in filling if s.id in ends], parts)
 
