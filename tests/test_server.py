@@ -77,11 +77,17 @@ def test_concurrent_requests_each_equal_alone(srv, client, ref):
     assert batches > singles, "no decode step served more than one request"
 
 
-def test_n_and_prompt_batch(client, ref):
+def test_n_and_prompt_batch(srv, client, ref):
+    """A request of two prompts, n=2: four requests admitted together, whose prompts are read in one batch."""
+    def several() -> float:                   # prompt batches of more than one prompt so far
+        return (metric(srv, "moestream_prompt_batch_size_count")
+                - metric(srv, 'moestream_prompt_batch_size_bucket{le="1.0"}'))
+    several0 = several()
     out = client.completions.create(model="tiny", prompt=PROMPTS[:2], n=2, max_tokens=5, temperature=0)
     texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
     want = [ref.generate(p, max_tokens=5).text for p in PROMPTS[:2]]
     assert texts == [want[0], want[0], want[1], want[1]]
+    assert several() > several0, "no prompt batch read more than one prompt"
 
 
 def test_stop_seed_logprobs(client, ref):

@@ -73,6 +73,8 @@ class ServerMetrics:
                                   buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.batch = Histogram("moestream_decode_batch_size", "Requests in one batched decode step",
                                buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.prompt_batch = Histogram("moestream_prompt_batch_size", "Prompts read in one prompt batch (-b tokens)",
+                                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self._engine: dict = {}
         self._lock = threading.Lock()
         self._n_slots, self._queue_sizes = n_slots, queue_sizes
@@ -94,6 +96,9 @@ class ServerMetrics:
 
     def on_decode_batch(self, n: int) -> None:
         self.batch.observe(n)
+
+    def on_prompt_batch(self, n: int) -> None:
+        self.prompt_batch.observe(n)
 
     def on_finish(self, outcome: str, result=None) -> None:
         self.requests.labels(outcome).inc()

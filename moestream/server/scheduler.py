@@ -15,9 +15,9 @@ so a layer's experts cross the link once for every prompt in it rather than once
 where nothing crosses the link, a batch holds one ubatch's worth (-ub tokens, of one prompt or several short
 ones). So a long prompt arriving delays the other requests' next token by at most one batch forward; with
 --prefill-interval N, while requests are generating, a prompt batch runs only after every N decode steps (so at
-most 1 in N of their token gaps carries one). Prompt and decode forwards stay separate: mixing them would change a decode row's numerics (the
-prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as it would alone, so greedy
-outputs equal `LLM.generate`'s (with -b a multiple of -ub, the cuts are the same).
+most 1 in N of their token gaps carries one). Prompt and decode forwards stay separate: mixing them would change
+a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as
+it would alone, so greedy outputs equal `LLM.generate`'s (with -b a multiple of -ub, the cuts are the same).
 
 Each request's stop and detokenize rules are runtime/sequence.py's, as `LLM.generate`'s are. Each slot is a context
 of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
@@ -310,6 +310,8 @@ class Scheduler:
         threads.use("prompt")
         with self.routing.counting(owner):
             logits = self.engine.prefill_parts(parts)                                   # (1, V) each part
+        if self.metrics is not None:
+            self.metrics.on_prompt_batch(len(slots))
         ends = reached(parts)
         for slot in slots:
             run, (at, last) = slot.run, ends[slot.id]
