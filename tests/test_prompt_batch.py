@@ -62,8 +62,9 @@ def test_prompt_batch_seeds_each_sequence_with_its_own_tail():
     assert np.array_equal(both[0].current, both[1].current) and both[0].current.sum() > 0
 
 
-def test_prompt_batch_refuses_bad_parts():
-    eng = make(cpu_moe=True, moe_cache_mib=32).engine
+@pytest.mark.parametrize("place", ["all on the device", "host, cache 32 MiB (all)"])
+def test_prompt_batch_refuses_bad_parts(place):
+    eng = make(**PLACES[place]).engine
     with pytest.raises(UserError, match="not consecutive"):
         eng.prefill_parts([(0, 0, [1, 2]), (0, 3, [3])])
     with pytest.raises(UserError, match="longer than -ub"):

@@ -46,6 +46,7 @@ from ..models.names import dense_names, keeps_float32
 from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, choose_decode
 from .kv_cache import KVCache, make_cache
+from .prompt_batch import segments_of
 from .placement import cache_slots_for, check_device_fits, host_provider, slot_bytes
 
 log = logging.getLogger("moestream")
@@ -222,36 +223,25 @@ class Engine:
         engine.prefill of the part); with host experts the parts run layer by layer, so a host layer's experts
         cross the link once for all of them. Each part's last token's logits (1, V), or every token's (n, V)
         with all_logits, in order."""
-        for q, s, t in parts:
-            if not t:
-                raise UserError(f"an empty prompt part for sequence {q}: give at least one token")
-            if len(t) > self.ecfg.batching.ubatch:
-                raise UserError(f"a prompt part of {len(t)} tokens is longer than -ub {self.ecfg.batching.ubatch}")
-            self.check_context(s + len(t))
+        whole = segments_of(parts, self.ecfg.batching.ubatch)
+        for seg in whole:
+            self.check_context(seg.start + seg.n)
         if self.host is not None and self.ecfg.batching.by_layer:
-            out = self._forward_parts(parts, all_logits, every_part=True)
+            out = self._forward_parts(parts, all_logits, every_part=True, whole=whole)
             return list(out.split([len(t) for _, _, t in parts] if all_logits else 1))
         # all on the device nothing crosses the link: the parts run one after the other
         return [self.forward([Segment(q, s, len(t))], t, all_logits, is_prompt=True) for q, s, t in parts]
 
     @torch.inference_mode()
     def _forward_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,
-                       every_part: bool = False) -> torch.Tensor:
+                       every_part: bool = False, whole: list[Segment] | None = None) -> torch.Tensor:
         """Ubatches (seq, start, tokens) as one forward, layer by layer: the logits of every token (all_logits),
-        of each part's last token (every_part), or of the last part's last token."""
+        of each part's last token (every_part), or of the last part's last token. whole: segments_of(parts)."""
         batches = [Batch.make([Segment(q, s, len(t))], t, self.device.torch, all_logits, observer=self.observers,
                               logits=all_logits or every_part or k == len(parts) - 1)
                    for k, (q, s, t) in enumerate(parts)]
-        whole: dict[int, Segment] = {}      # each sequence's parts as one segment (its cache and state see one)
-        for q, s, t in parts:
-            if q in whole:
-                if s != whole[q].start + whole[q].n:
-                    raise UserError(f"sequence {q}'s prompt parts are not consecutive: one at {s} after "
-                                    f"{whole[q].start + whole[q].n}")
-                whole[q].n += len(t)
-            else:
-                whole[q] = Segment(q, s, len(t))
-        return self._run(list(whole.values()), batches, True, self.observers)
+        whole = whole or segments_of(parts, self.ecfg.batching.ubatch)
+        return self._run(whole, batches, True, self.observers)
 
     def decode(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
