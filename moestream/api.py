@@ -24,6 +24,7 @@ from .quant.layout import expert_layouts
 from .runtime.engine import Engine
 from .runtime.generate import Completion, Generation
 from .runtime.memory import check_host_fits
+from .runtime.prompt_batch import next_batch
 from .runtime.sampling import SamplingParams
 
 log = logging.getLogger("moestream")
@@ -149,14 +150,15 @@ class LLM:
         layer's experts cross the link once for all of them). Each chunk's logits are the bits logits() gives it."""
         if len(chunks) == 1:
             return [self.logits(chunks[0])]
-        ub = self.engine.ecfg.batching.ubatch
         if len(chunks) > self.engine.kv.n_seq or any(len(c) > self.engine.ecfg.batching.batch_size for c in chunks):
             raise UserError(f"logits_many takes at most {self.engine.kv.n_seq} lists (the engine's sequences) of "
                             f"at most -b {self.engine.ecfg.batching.batch_size} tokens each")
         ids = [self.encode(list(c)) for c in chunks]
         for s in range(len(ids)):
             self.engine.begin_prompt(s)
-        parts = [(s, j, c[j:j + ub]) for s, c in enumerate(ids) for j in range(0, len(c), ub)]
+        # every chunk whole, in ubatches from position 0: the server's cuts (runtime/prompt_batch.py)
+        parts = next_batch([(s, c, 0) for s, c in enumerate(ids)], self.engine.ecfg.batching.ubatch,
+                           sum(map(len, ids)))
         out = self.engine.prefill_parts(parts, all_logits=True)
         per = [[] for _ in ids]
         for (s, _, _), lg in zip(parts, out):

@@ -246,9 +246,9 @@ class ZeroCopyDecode:
             self.slots.pin(writing[writing >= 0])
         empty = set(np.flatnonzero(res.owner[:, 0] < 0).tolist())     # no step in flight reads these
         # Every host layer at once: (n, E) routings per expert, what was read from host memory and its bytes.
-        L, ids = self.layer_ids, routed[self.layer_ids]                                # (n,), (n, T k)
+        L, ids, on_host = self.layer_ids, routed[self.layer_ids], from_host[self.layer_ids]   # (n,), (n, T k), (n, E)
         counts = np.bincount((ids + self.layer_base).ravel(), minlength=len(L) * E).reshape(len(L), E)
-        per_choice = np.where(from_host[L], counts, 0)  # each expert read from host: once, or once per choice
+        per_choice = np.where(on_host, counts, 0)       # each expert read from host: once, or once per choice
         reads = np.count_nonzero(per_choice, axis=1) if self.reads_once else per_choice.sum(axis=1)
         read_bytes = reads * self.layer_bytes
         self.step_bytes = float(read_bytes.sum())
@@ -262,7 +262,7 @@ class ZeroCopyDecode:
             wanted[i, keep] = True
             extra[i] = len(routed_i) - len(keep)
         self.hot.observe(L, counts, ids, seqs)       # (both ways: a server's steps change size)
-        read = (wanted & from_host[L]).sum(axis=1)       # the misses as the step read them
+        read = (wanted & on_host).sum(axis=1)            # the misses as the step read them
         if upload:
             self._upload(wanted, n_routed, read, empty, after)
         else:

@@ -201,20 +201,13 @@ class Engine:
             batch = tokens[i:i + b]         # ubatches cut within the batch, as llama.cpp's (the last may be short)
             parts = [(start + i + j, batch[j:j + ub]) for j in range(0, len(batch), ub)]
             if by_layer and len(parts) > 1:
-                out = self.forward_parts(seq, parts, all_logits)
+                out = self.forward_parts([(seq, s, t) for s, t in parts], all_logits)
             else:
                 each = [self.forward([Segment(seq, s, len(t))], t, all_logits, is_prompt=True) for s, t in parts]
                 out = torch.cat(each) if all_logits and len(each) > 1 else each[-1]
             if all_logits or last:
                 outs.append(out)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    @torch.inference_mode()
-    def forward_parts(self, seq: int, parts: list[tuple[int, list[int]]], all_logits: bool = False) -> torch.Tensor:
-        """Consecutive ubatches (start, tokens) of one sequence's prompt as one forward, layer by layer
-        (models/transformer.py's forward_parts): the providers and observers see one ubatch of all their tokens.
-        The logits of every token (all_logits) or of the last."""
-        return self._forward_parts([(seq, s, t) for s, t in parts], all_logits, every_part=False)
 
     def prefill_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
         """Prompt ubatches of one or several sequences as one batch (the server's: the next ubatch of each prompt
@@ -227,16 +220,18 @@ class Engine:
         for seg in whole:
             self.check_context(seg.start + seg.n)
         if self.host is not None and self.ecfg.batching.by_layer:
-            out = self._forward_parts(parts, all_logits, every_part=True, whole=whole)
+            out = self.forward_parts(parts, all_logits, every_part=True, whole=whole)
             return list(out.split([len(t) for _, _, t in parts] if all_logits else 1))
         # all on the device nothing crosses the link: the parts run one after the other
         return [self.forward([Segment(q, s, len(t))], t, all_logits, is_prompt=True) for q, s, t in parts]
 
     @torch.inference_mode()
-    def _forward_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,
-                       every_part: bool = False, whole: list[Segment] | None = None) -> torch.Tensor:
-        """Ubatches (seq, start, tokens) as one forward, layer by layer: the logits of every token (all_logits),
-        of each part's last token (every_part), or of the last part's last token. whole: segments_of(parts)."""
+    def forward_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,
+                      every_part: bool = False, whole: list[Segment] | None = None) -> torch.Tensor:
+        """Prompt ubatches (seq, start, tokens) as one forward, layer by layer (models/transformer.py's
+        forward_parts): the providers and observers see one ubatch of all their tokens. The logits of every token
+        (all_logits), of each part's last token (every_part), or of the last part's last token. whole:
+        segments_of(parts), where the caller has it."""
         batches = [Batch.make([Segment(q, s, len(t))], t, self.device.torch, all_logits, observer=self.observers,
                               logits=all_logits or every_part or k == len(parts) - 1)
                    for k, (q, s, t) in enumerate(parts)]

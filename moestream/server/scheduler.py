@@ -303,16 +303,15 @@ class Scheduler:
         budget = batching.batch_size if self.engine.host is not None else batching.ubatch
         parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], batching.ubatch, budget)
         ends = reached(parts)
-        self._guard(self._run_prompts, [s for s in filling if s.id in ends], parts)
+        self._guard(self._run_prompts, [s for s in filling if s.id in ends], parts, ends)
 
-    def _run_prompts(self, slots: list[Slot], parts) -> None:
+    def _run_prompts(self, slots: list[Slot], parts, ends: dict[int, tuple[int, int]]) -> None:
         owner = slots[0].id if len(slots) == 1 else [q for q, _, t in parts for _ in t]
         threads.use("prompt")
         with self.routing.counting(owner):
             logits = self.engine.prefill_parts(parts)                                   # (1, V) each part
         if self.metrics is not None:
             self.metrics.on_prompt_batch(len(slots))
-        ends = reached(parts)
         for slot in slots:
             run, (at, last) = slot.run, ends[slot.id]
             run.done = at

@@ -8,8 +8,8 @@ read as the server reads prompts arriving together (runtime/prompt_batch.py): ba
 prompt from position 0 in ubatches of -ub, the first sequences first (with host experts a batch runs layer by
 layer, its experts crossing the link once for all its prompts, as llama-batched-bench's batches do); then TG
 decode steps run all B sequences together, one forward of B tokens a step (`engine.decode([(seq, token, pos),
-...])`), greedy, each step waiting for the previous one's argmax as a real decode does. The model loads once with max(-npl)
-sequences, each with a KV cache of max(-c, PP + TG) positions. -npp, -ntg and -npl take comma lists (every
+...])`), greedy, each step waiting for the previous one's argmax as a real decode does. The model loads once with
+max(-npl) sequences, each with a KV cache of max(-c, PP + TG) positions. -npp, -ntg and -npl take comma lists (every
 combination runs, as in llama-batched-bench).
 
 Columns, as llama-batched-bench's: PP, TG, B, N_KV = B (PP + TG), T_PP s and S_PP t/s = B PP / T_PP (the prompts),
