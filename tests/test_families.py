@@ -33,8 +33,8 @@ OPTIONS = {
 }
 
 
-# The hybrid families (Qwen3-Next, Qwen3.5-MoE) are read from HF checkpoints, not written as them yet (write_hf
-# refuses them; both have their GGUF form): tests/test_next_family.py, test_next_engine.py and test_next_gguf.py.
+# The hybrid families (Qwen3-Next, Qwen3.5-MoE) have their own tests: tests/test_next_family.py, test_next_engine.py,
+# test_next_gguf.py and test_next_hf_write.py (their HF directories, whose values write_hf turns back into HF's).
 ENGINE_FAMILIES = [name for name, f in FAMILIES.items() if not f.hybrid]
 
 

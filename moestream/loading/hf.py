@@ -9,6 +9,14 @@ Experts may be stored one tensor per expert and projection (qwen*_moe/olmoe `mlp
 `block_sparse_moe.experts.E.w1/w3/w2`) or fused per layer as transformers 5 holds them in memory
 (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)); a fused expert is sliced out of its
 stack without reading the rest. Each family's spellings and config.json keys are its entry in models/families.py.
+
+The hybrid families (Qwen3-Next, Qwen3.5-MoE) hold other values than HF's (1 + w norms, -exp(A_log), the conv as
+(C, K)): models/next_names.py's canonical_value turns HF's into them, and hf_value back, so that they read back as
+the same bits. (A float32 checkpoint written again gets its norms' w back as fl(1 + w) - 1, within 2**-24, and may
+get another float32 A_log of the same -exp: what transformers and this reader compute from them is unchanged.)
+Qwen3.5-MoE is written in its text-only form (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text, tensors under
+`model.`), which transformers and this reader both load: the multimodal form's config.json needs a vision tower,
+which this model has not.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
 from ..models.names import dense_names
-from ..models.next_names import canonical_value
+from ..models.next_names import canonical_value, hf_value
 
 INDEX = "model.safetensors.index.json"
 
@@ -106,7 +114,7 @@ class HFSource:
         if name.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)                 # some exports keep the shared expert's gate as (H,)
         # hybrid families: zero-centred norms as 1 + w, -exp(A_log), the conv as (C, K) (models/next_names.py)
-        return canonical_value(self.config, name.split(".", 2)[2] if name.startswith("blk.") else name, t)
+        return canonical_value(self.config, _suffix(name), t)
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = f"{self.prefix}layers.{layer}."
@@ -156,6 +164,11 @@ class HFSource:
         return pair[:inter], pair[inter:], dn[e]
 
 
+def _suffix(name: str) -> str:
+    """A canonical name as next_names' values take it: a layer's suffix (`attn_norm.weight`), or a global name."""
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
 def _read_json(path: Path, required_as: str | None) -> dict | None:
     """A JSON file as a dict; None when it is absent and optional (`required_as` None)."""
     if not path.exists():
@@ -179,8 +192,9 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     if cfg.dense_layers and not fam.sparse_step:
         raise UserError(f"a {cfg.family} config.json cannot express dense layers {cfg.dense_layers}")
     eos = list(cfg.eos_token_ids)
+    arch, model_type = fam.hf_text_form or (fam.hf_architecture, fam.hf_model_type)
     d = {
-        "architectures": [fam.hf_architecture], "model_type": fam.hf_model_type, "vocab_size": cfg.vocab_size,
+        "architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "num_experts_per_tok": cfg.n_experts_used, "norm_topk_prob": cfg.norm_topk_prob,
@@ -197,8 +211,14 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                  intermediate_size=cfg.intermediate_size or cfg.moe_intermediate_size,
                  decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers))
     else:
-        d["intermediate_size"] = cfg.moe_intermediate_size
+        d[fam.moe_intermediate_key] = cfg.moe_intermediate_size
     d.update(fam.hf_extra)
+    if fam.hybrid:          # Gated DeltaNet and gated attention, as Qwen3NextConfig and Qwen3_5MoeTextConfig read them
+        d.update(layer_types=list(cfg.layer_types), linear_num_key_heads=cfg.linear_num_key_heads,
+                 linear_num_value_heads=cfg.linear_num_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
+                 linear_value_head_dim=cfg.linear_value_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel,
+                 partial_rotary_factor=cfg.partial_rotary_factor)    # transformers 4's; 5 reads rope_parameters'
+        d["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
     if fam.shared_expert_key:
         d[fam.shared_expert_key] = cfg.shared_expert_intermediate_size
     if fam.clip_qkv_key:
@@ -218,10 +238,19 @@ def _tensors(source):
     names = dense_names(cfg)
     for layer in range(-1, cfg.n_layers):
         for n in (n for n in names if _layer_of(n) == layer):
-            yield hf_names(n, cfg.family)[0], source.tensor(n)
+            yield hf_names(n, cfg.family)[0], _hf_value(source, n)
         if layer in cfg.moe_layers:
             for e in range(cfg.n_experts):
                 yield from zip(_expert_names(cfg.family, layer, e), source.expert(layer, e))
+
+
+def _hf_value(source, name: str) -> torch.Tensor:
+    """Canonical tensor `name` as HF holds it: as it is, but for the hybrid families' values (next_names.hf_value),
+    whose norms go back to the source's own dtype (their 1 + w is float32 whatever the file's was)."""
+    t, cfg = source.tensor(name), source.config
+    if not FAMILIES[cfg.family].hybrid:
+        return t
+    return hf_value(cfg, _suffix(name), t, source.dtype_of(name) if name.endswith("norm.weight") else None)
 
 
 def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30, dtype: str = "auto",
@@ -232,11 +261,9 @@ def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30,
     tensor's own, else float32|bfloat16|float16.
     """
     out = Path(out_dir)
-    fam = FAMILIES[source.config.family]
-    if fam.hybrid:                  # its canonical values (1 + w norms, -exp(A_log)) would need turning back
-        raise UserError(f"writing {fam.title} as a Hugging Face directory is not supported yet")
     if getattr(source, "path", None) is not None and Path(source.path).resolve() == out.resolve():
         raise UserError(f"cannot write a model over itself ({str(out)!r}); choose another output directory")
+    hf_config(source.config, torch.float32)     # a config.json it cannot write is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
     # A previous export's weights would be read together with these (a single file wins over an index).
     for stale in [out / "model.safetensors", out / INDEX, *out.glob("model-*-of-*.safetensors")]:

@@ -54,6 +54,8 @@ class Family:
                                      # keys): the engine runs models/hybrid.py's decoder and a HybridCache
     hf_text_prefixes: tuple[str, ...] = ("model.",)   # where the language model's tensors are (Qwen3.5-MoE's
                                      # multimodal checkpoints: model.language_model.), the written one first
+    hf_text_form: tuple[str, str] = ()   # (architecture, model_type) write_hf writes instead of hf_architecture's:
+                                     # Qwen3.5-MoE's text-only form (its multimodal one needs a vision tower)
     gguf_renames: tuple[tuple[str, str], ...] = ()    # (canonical, GGUF) layer suffixes where llama.cpp's
                                      # architecture spells a tensor otherwise (qwen3next: post_attention_norm)
     gguf_split_qkvz: bool = False    # GGUF holds ssm_in as attn_qkv + attn_gate (models/next_names.py split_qkvz)
@@ -158,6 +160,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gguf_arch="qwen35moe", gguf_norm_topk=True,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True,
            hf_text_prefixes=("model.language_model.", "model."),
+           hf_text_form=("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
            gguf_renames=_POST_ATTENTION_NORM, gguf_tiled_v=True,
            gguf_rope_sections=(11, 11, 10, 0)),
 )}

@@ -1,8 +1,9 @@
-"""Canonical tensors of the hybrid families (Qwen3-Next, Qwen3.5-MoE): their names, and a Hugging Face state dict
-turned into them.
+"""Canonical tensors of the hybrid families (Qwen3-Next, Qwen3.5-MoE): their names, a Hugging Face state dict
+turned into them, and back.
 
     w = canonical_from_hf(cfg, model.state_dict())     # {"blk.0.ssm_in.weight": ..., "blk.3.attn_q.weight": ...}
     hybrid_names(cfg)                                  # every name a model of cfg has (experts as GGUF stacks)
+    hf_value(cfg, "ssm_a", w["blk.0.ssm_a"])           # linear_attn.A_log: canonical_value's inverse (write_hf's)
 
 Names are llama.cpp's (gguf.constants, MODEL_ARCH.QWEN3NEXT / QWEN35MOE), values are what the math takes. After
 `model.layers.N.` (Qwen3.5-MoE's multimodal checkpoints: `model.language_model.layers.N.`):
@@ -84,6 +85,37 @@ def canonical_value(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tenso
     if name == "ssm_conv1d.weight":
         return t.reshape(t.shape[0], -1)
     return t
+
+
+def hf_value(cfg: ModelConfig, name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """canonical_value's inverse: the HF tensor whose canonical value (`name`: a layer's suffix or a global name) is
+    `t`, so that reading it back gives t's bits. dtype: the norms' (1 + w is float32 whatever w was; None: t's).
+
+    A norm's w = c - 1 is exact for every c >= 0.5 (Sterbenz; w >= -0.5), and so is 1 + w read back; below 0.5,
+    c - 1 rounds and c comes back within 2**-25. A_log is log(-a) moved by up to two float32 steps to one whose -exp
+    gives a back as canonical_value computes it (torch's float32 exp, on this machine's CPU): exact for every a that
+    came from a float32 A_log; an a that none gives (none seen in tests) stays log(-a), whose -exp is within a few
+    ulp of a."""
+    if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name == "output_norm.weight"):
+        return (t.float() - 1.0).to(dtype or t.dtype)
+    if name == "ssm_a":
+        return _a_log(t.float())
+    if name == "ssm_conv1d.weight":
+        return t.unsqueeze(1)                    # (C, 1, K): nn.Conv1d's depthwise weight
+    return t
+
+
+def _a_log(a: torch.Tensor) -> torch.Tensor:
+    """A float32 x with -exp(x) == a, searched from log(-a) outwards (closest first); log(-a) where none is found."""
+    x = (-a.double()).log().float()
+    best, found = x, (-x.exp()).eq(a)
+    down = up = x
+    for _ in range(2):
+        down, up = torch.nextafter(down, down - 1), torch.nextafter(up, up + 1)
+        for c in (down, up):
+            hit = (-c.exp()).eq(a) & ~found
+            best, found = torch.where(hit, c, best), found | hit
+    return best
 
 
 def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

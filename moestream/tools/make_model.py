@@ -72,8 +72,11 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Write a synth:PRESET model, or convert a model moestream reads, to a Hugging Face directory or "
-                     "a GGUF file. Presets: tiny, qwen3-30b-a3b; options like qwen3-30b-a3b:layers=4:seed=1:dtype=float32.")
-    p.add_argument("preset", metavar="PRESET", help="synth preset (tiny, qwen3-30b-a3b[:layers=N]) or a model path")
+                     "a GGUF file (Mixtral: HF only; Qwen3.5-MoE's HF directory in its text-only form). Presets: "
+                     "tiny, qwen3-30b-a3b, tiny-next, qwen3-next-80b-a3b; options like "
+                     "qwen3-30b-a3b:layers=4:seed=1:dtype=float32.")
+    p.add_argument("preset", metavar="PRESET", help="synth preset (tiny, qwen3-30b-a3b[:layers=N], tiny-next, "
+                   "qwen3-next-80b-a3b) or a model path")
     p.add_argument("out", metavar="OUT", help="output directory (hf) or .gguf file")
     p.add_argument("--format", choices=FORMATS, default=None, help="hf or gguf (default: gguf for a .gguf OUT)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="weight dtype to write (default: the source's)")
