@@ -13,22 +13,26 @@ from gguf import GGMLQuantizationType as Q
 
 from interpreted import close, run_check
 
+# Q2_K, Q3_K and the grid IQ types (kernels/qblocks_iq.py) are every type moestream loads.
+GRID_TYPES = ["Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
 TRITON_TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16",
-                "F32"]
-DECODE_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "IQ4_NL", "F16", "BF16"]
+                "F32"] + GRID_TYPES
+DECODE_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "IQ4_NL", "F16",
+                "BF16"] + GRID_TYPES
+# In the interpreter the grid types' bits are dequant's checks; the GEMV reads them through the same block_values,
+# so two of them and two mixes check its tiles of (16, 16) and (8, 32) (the compiled tests take every type).
+INTERPRETED_DECODE = [t for t in DECODE_TYPES if t not in GRID_TYPES] + ["Q2_K", "IQ2_XS"]
 # Every Triton type, and the mixes of the files users download (Q4_K_M: Q6_K down; a float down; a fallback).
 DEQUANT = [f"dequant:{t}" for t in TRITON_TYPES] + ["dequant:Q4_K,Q4_K,Q6_K", "dequant:Q5_K,Q5_K,F16",
-                                                    "dequant:Q4_K,Q4_K,Q3_K"]
-DECODE = [f"decode:{t}" for t in DECODE_TYPES] + ["decode:Q4_K,Q4_K,Q6_K", "decode:Q8_0,Q4_0,Q5_K"]
+                                                    "dequant:IQ2_XXS,IQ2_XXS,Q4_K"]
+DECODE = [f"decode:{t}" for t in INTERPRETED_DECODE] + ["decode:Q4_K,Q4_K,Q6_K", "decode:Q8_0,Q4_0,Q5_K",
+                                                  "decode:IQ1_M,IQ1_M,IQ2_XXS", "decode:IQ3_S,IQ3_S,Q3_K"]
 # The "runs" variant (kernels/decode_runs.py) on each type it covers and on Q4_K_M's mixes; a down row of I=768
 # (3 K-quant blocks, Q8_0's 24) is read a block a step. "kv4": its IQ4 codebook on each of the 16 codes.
 RUNS_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
 RUNS = [f"runs:{t}" for t in RUNS_TYPES] + ["runs:Q4_K,Q4_K,Q6_K", "runs:Q6_K,Q6_K,Q8_0", "runs:Q5_0,Q5_0,IQ4_NL",
                                             "kv4", "order:Q4_K,Q4_K,Q6_K", "order:IQ4_XS,IQ4_XS,Q8_0",
                                             "order:Q5_1,Q5_1,Q4_0"]
-# The scale fields (byte offsets of float16 scales) of each block type: set to finite values in [1e-3, 1].
-SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2),
-          Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
 
 
 def layout_of(spec: str, inter: int, hidden: int):
@@ -37,19 +41,17 @@ def layout_of(spec: str, inter: int, hidden: int):
     return ExpertLayout(inter, hidden, tuple(types * 3 if len(types) == 1 else types))
 
 
+def big_blocks(spec: str) -> bool:
+    """Whether a type of spec has blocks of 256 values (the shapes must be multiples of 256)."""
+    from moestream.quant.types import block_size
+    return any(block_size(Q[t]) == 256 for t in spec.split(","))
+
+
 def random_matrix(qtype, rows: int, cols: int, g) -> torch.Tensor:
-    """(rows, row bytes) uint8: random valid blocks (finite scales), or random raw floats."""
-    from moestream.quant.types import block_size, row_bytes, type_size
-    if qtype in (Q.F32, Q.F16, Q.BF16):
-        dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
-        return torch.randn(rows, cols, generator=g).to(dtype).view(torch.uint8)
-    nb = cols // block_size(qtype)
-    data = torch.randint(0, 256, (rows, nb, type_size(qtype)), dtype=torch.uint8, generator=g)
-    for off in SCALES[qtype]:
-        scale = (torch.rand(rows, nb, generator=g) * (1 - 1e-3) + 1e-3).half()
-        data[..., off:off + 2] = scale.view(torch.uint8).view(rows, nb, 2)
-    assert data.shape[-1] * nb == row_bytes(qtype, cols)
-    return data.reshape(rows, -1)
+    """(rows, row bytes) uint8: random valid blocks (finite scales, quant/dequant.py), or random raw floats."""
+    from moestream.quant.dequant import random_blocks
+    from moestream.quant.types import block_size, row_bytes
+    return random_blocks(qtype, rows * cols // block_size(qtype), g).view(rows, row_bytes(qtype, cols))
 
 
 def random_rows(layout, n: int, g, pad: int = 32) -> torch.Tensor:
@@ -67,10 +69,23 @@ def test_quant_kernel_in_the_interpreter(check):
     run_check(__file__, check, timeout=900)
 
 
+def test_the_grid_kernels_read_the_table_where_it_is_laid_out():
+    """kernels/qblocks_iq.py writes the device table's offsets as numbers: they are qblocks.TABLE_OFFSETS', every
+    one; and the table holds what TABLE says, the IQ4 codebook first (the other kernels read it at 0)."""
+    import inspect
+    import re
+
+    from moestream.kernels import qblocks, qblocks_iq
+    literals = {int(n) for n in re.findall(r"tab \+ (\d+)", inspect.getsource(qblocks_iq))}
+    assert literals == set(qblocks.TABLE_OFFSETS.values()) - {0}
+    values = qblocks.table_values()
+    assert len(values) == sum(n for _, n in qblocks.TABLE) and values[:16] == list(qblocks.KVALUES)
+
+
 def dequant_check(spec: str, device="cpu", out_dtypes=(torch.float32, torch.bfloat16)):
     """Bit for bit: dequantize_rows == layout.dequantize(rows[index]).to(out_dtype), for slots in any order."""
     from moestream.kernels.dequant import dequantize_rows
-    k_quant = any(t in spec for t in ("_K", "XS"))
+    k_quant = big_blocks(spec)
     lay = layout_of(spec, 256 if k_quant else 96, 256 if k_quant else 64)
     g = torch.Generator().manual_seed(len(spec))
     rows = random_rows(lay, 4, g).to(device)
@@ -88,7 +103,7 @@ def decode_check(spec: str, T: int, k: int, seed: int = 0, inter: int = 256, var
     from moestream.kernels.decode_quant import decode_quant_available, experts_by_address_quant
     from moestream.kernels.decode_runs import runs_layout
     from moestream.kernels.reference import AddressBook, experts_by_address_reference
-    k_quant = any(t in spec for t in ("_K", "XS"))
+    k_quant = big_blocks(spec)
     lay = layout_of(spec, inter if k_quant else 96, 256 if k_quant else 64)    # 96: 3 blocks a down row, masked
     assert decode_quant_available(lay)
     assert variant != "runs" or runs_layout(lay), spec
@@ -160,7 +175,7 @@ def order_check(spec: str):
     rows a down lane, for one token and several."""
     from moestream.kernels import decode_runs
     from moestream.kernels.decode_runs import experts_by_address_runs
-    k_quant = any(t in spec for t in ("_K", "XS"))
+    k_quant = big_blocks(spec)
     lay = layout_of(spec, 256 if k_quant else 96, 256 if k_quant else 64)
     g = torch.Generator().manual_seed(7)
     rows = random_rows(lay, 6, g)

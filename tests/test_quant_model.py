@@ -23,7 +23,12 @@ EXPS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
 def quantize_experts(src: str, out, types) -> None:
-    """Copy a float32 GGUF with its expert stacks quantized: types(layer, stack) -> the GGML type (gguf.quants)."""
+    """Copy a float32 GGUF with its expert stacks quantized: types(layer, stack) -> the GGML type. gguf.quants
+    quantizes the types it can; the others (K-quants, IQ types) get random valid blocks (quant/dequant.py): the
+    weights change, the files stay what their types say."""
+    from moestream.quant.dequant import random_blocks
+    from moestream.quant.types import block_size
+    g = torch.Generator().manual_seed(0)
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
     for key, f in r.fields.items():
@@ -36,7 +41,11 @@ def quantize_experts(src: str, out, types) -> None:
         m = EXPS.fullmatch(t.name)
         if m and t.tensor_type == Q.F32:
             q = types(int(m[1]), m[2])
-            w.add_tensor(t.name, gguf.quants.quantize(data, q), raw_dtype=q)
+            try:
+                blocks = gguf.quants.quantize(data, q)
+            except NotImplementedError:
+                blocks = random_blocks(q, data.size // block_size(q), g).numpy().reshape(*data.shape[:-1], -1)
+            w.add_tensor(t.name, blocks, raw_dtype=q)
         else:
             w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
@@ -264,6 +273,54 @@ def test_k_quant_files_are_close_to_the_float_model_and_keep_the_contract(kquant
     assert 0 < kl < KL_BOUND[ftype], kl
     cached = LLM(kquant_files[ftype], **kw, cpu_moe=True, moe_cache_mib=1)        # waves, the cache, uploads
     assert torch.equal(cached.engine.prefill(0, ids, all_logits=True), got)
+
+
+# --- the grid IQ types and Q2_K/Q3_K, which no quantizer here writes: random valid blocks ---------------------------
+def _grid_mix(layer, stack):              # every grid kernel branch in one file: IQ1_M, IQ2_XXS, Q3_K, IQ3_S
+    if stack == "down":
+        return Q.Q3_K if layer % 2 else Q.IQ2_XXS
+    return Q.IQ1_M if layer % 2 else Q.IQ3_S
+
+
+@pytest.fixture(scope="module")
+def grid_files(kquant_files, tmp_path_factory):
+    """kquant_files' float32 model with random blocks of _grid_mix's types for experts, and those weights as F32."""
+    d = tmp_path_factory.mktemp("grid")
+    quantize_experts(kquant_files["f32"], d / "grid.gguf", _grid_mix)
+    write_gguf(GGUFSource(d / "grid.gguf"), d / "grid-deq.gguf", dtype="float32")
+    return str(d / "grid.gguf"), str(d / "grid-deq.gguf")
+
+
+def test_a_grid_type_file_computes_its_dequantized_weights_and_keeps_the_contract(grid_files):
+    """IQ1_M, IQ3_S, IQ2_XXS and Q3_K experts: the logits of the same weights as float32, and the same bits at
+    every placement and cache size (CPU, float32)."""
+    qpath, fpath = grid_files
+    kw = dict(ubatch_size=16, ctx_size=128, device="cpu")
+    base = LLM(qpath, **kw)
+    types = {lay.types for lay in LLM(qpath, **kw, cpu_moe=True).engine.host.store.layouts.values()}
+    assert types == {(Q.IQ3_S, Q.IQ3_S, Q.IQ2_XXS), (Q.IQ1_M, Q.IQ1_M, Q.Q3_K)}
+    want = base.logits(_prompt(40, 0))
+    assert torch.isfinite(want).all()
+    assert torch.equal(LLM(fpath, **kw).logits(_prompt(40, 0)), want)
+    for extra in (dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=1)):
+        assert torch.equal(LLM(qpath, **kw, **extra).logits(_prompt(40, 0)), want), extra
+
+
+@pytest.mark.cuda
+def test_a_grid_type_file_decodes_zero_copy_on_cuda_and_keeps_the_contract(grid_files):
+    """On the GPU the grid types have Triton paths (kernels/qblocks_iq.py): zero-copy decode steps, and the same
+    logits and greedy tokens all on the GPU and over the cache at every size."""
+    qpath, _ = grid_files
+    kw = dict(ubatch_size=16, ctx_size=128, device="cuda", dtype="bfloat16")
+    base = LLM(qpath, **kw)
+    assert base.engine.decode_kernel is not None
+    want = base.logits(_prompt(40, 1))
+    greedy = base.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256
+    for extra in (dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=1), dict(cpu_moe=True, moe_cache_mib=1000)):
+        llm = LLM(qpath, **kw, **extra)
+        assert llm.engine.decode_kernel is not None
+        assert torch.equal(llm.logits(_prompt(40, 1)), want), extra
+        assert llm.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256 == greedy, extra
 
 
 def _one_tensor_gguf(path, rows: int, cols: int, qtype=Q.Q8_0):

@@ -10,6 +10,8 @@ block's value of that index in ggml's order, computed with gguf.quants' float32 
 reference's bits. Bytes are loaded one by one: blocks of 34, 18, 22 or 210 bytes align to 2 bytes only.
 
 F32, F16 and BF16 matrices (raw values inside a quantized layout) are read as virtual blocks of 32 values.
+The IQ types' codebooks, sign table and grids are one float32 table on the device (`kvalues`, TABLE's layout),
+read by index: the grid types' blocks are decoded in kernels/qblocks_iq.py.
 """
 from __future__ import annotations
 
@@ -29,8 +31,16 @@ SHAPES = {
     Q.Q8_0: (32, 34, 1, 32), Q.Q4_0: (32, 18, 2, 16), Q.Q5_0: (32, 22, 2, 16), Q.IQ4_NL: (32, 18, 2, 16),
     Q.Q4_1: (32, 20, 2, 16), Q.Q5_1: (32, 24, 2, 16),
     Q.Q4_K: (256, 144, 8, 32), Q.Q5_K: (256, 176, 8, 32), Q.Q6_K: (256, 210, 16, 16), Q.IQ4_XS: (256, 136, 8, 32),
+    Q.Q2_K: (256, 84, 16, 16), Q.Q3_K: (256, 110, 16, 16),
+    Q.IQ2_XXS: (256, 66, 8, 32), Q.IQ2_XS: (256, 74, 8, 32), Q.IQ2_S: (256, 82, 8, 32), Q.IQ3_XXS: (256, 98, 8, 32),
+    Q.IQ3_S: (256, 110, 8, 32), Q.IQ1_S: (256, 50, 8, 32), Q.IQ1_M: (256, 56, 8, 32),
 }
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)     # IQ4_NL's and IQ4_XS's
+# The device table's parts, in order: (what, float32 values). Their offsets are written into qblocks_iq.py's
+# kernels as numbers (TABLE_OFFSETS says them; a test checks the two agree). IQ1_S and IQ1_M share a grid.
+TABLE = (("kvalues", 16), ("ksigns", 128), (Q.IQ2_XXS, 256 * 8), (Q.IQ2_XS, 512 * 8), (Q.IQ2_S, 1024 * 8),
+         (Q.IQ3_XXS, 256 * 4), (Q.IQ3_S, 512 * 4), (Q.IQ1_S, 2048 * 8))
+TABLE_OFFSETS = {what: sum(n for _, n in TABLE[:i]) for i, (what, _) in enumerate(TABLE)}
 
 
 def has_path(qtype: Q, n: int) -> bool:
@@ -39,7 +49,8 @@ def has_path(qtype: Q, n: int) -> bool:
 
 
 def kvalues(device):
-    """The IQ4 codebook on `device`, made once per device (a copy inside a CUDA graph capture is not allowed)."""
+    """The IQ types' table on `device` (TABLE: the IQ4 codebook first, then the sign table and the grids), made
+    once per device (a copy inside a CUDA graph capture is not allowed)."""
     import torch
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -50,19 +61,24 @@ def kvalues(device):
 @functools.lru_cache(maxsize=None)
 def _kvalues(device):
     import torch
-    return torch.tensor(KVALUES, dtype=torch.float32, device=device)
+    return torch.tensor(table_values(), dtype=torch.float32, device=device)
+
+
+def table_values() -> list[float]:
+    """TABLE's values: gguf.quants' own sign table and grids (as quant/dequant_iq.py reads them), flattened."""
+    import gguf.quants
+    out = list(KVALUES) + [float(s) for s in gguf.quants.IQ2_XXS.ksigns]
+    for qtype, n in TABLE[2:]:
+        cls = getattr(gguf.quants, qtype.name)
+        cls.init_grid()
+        grid = [float(v) for v in cls.grid.reshape(-1)]
+        assert len(grid) == n, (qtype, len(grid))
+        out += grid
+    return out
 
 
 if triton is not None:
-    @triton.jit
-    def _u8(p, m):
-        return tl.load(p, mask=m, other=0).to(tl.int32)
-
-    @triton.jit
-    def _f16(p, m):
-        """The little-endian float16 at p, as float32 (exact)."""
-        bits = (_u8(p, m) | (_u8(p + 1, m) << 8)).to(tl.uint16)
-        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    from .qblocks_iq import _f16, _u8, iq_values, k23_values
 
     @triton.jit
     def to_bf16(v):
@@ -132,10 +148,14 @@ if triton is not None:
             sc = tl.load(p + 192 + j, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
             dd = _f16(p + 208, m) * sc
             v = dd * ((lo | (hi << 4)) - 32).to(tl.float32)
-        else:                  # IQ4_XS (23): d, scales_h (u16), scales_l (4), qs (128); sub-block j, value l
+        elif QT == 23:         # IQ4_XS: d, scales_h (u16), scales_l (4), qs (128); sub-block j, value l
             sl = (_u8(p + 4 + j // 2, m) >> (4 * (j % 2))) & 15
             sh = (_u8(p + 2 + j // 4, m) >> (2 * (j % 4))) & 3
             dl = _f16(p, m) * ((sl | (sh << 4)) - 32).to(tl.float32)
             q = (_u8(p + 8 + 16 * j + l % 16, m) >> (4 * (l // 16))) & 15
             v = dl * tl.load(kv_ptr + q)
+        elif QT == 10 or QT == 11:    # Q2_K, Q3_K: 16 sub-blocks of 16, value 16 j + l
+            v = k23_values(p, 16 * j + l, m, QT)
+        else:                  # the grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
+            v = iq_values(p, j * 32 + l, m, kv_ptr, QT)
         return v
