@@ -30,107 +30,21 @@ tokens, and otherwise starts from position 0 (engine.reusable_prefix decides, fo
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import UserError
 from ..runtime import threads
 from ..runtime.prompt_batch import next_batch, reached
-from ..runtime.sampling import Sampler, SamplingParams, make_generator, token_logprobs
-from ..runtime.sequence import SequenceState
+from ..runtime.sampling import Sampler, token_logprobs
 from .routing import slot_routing
+from .slots import QueueFull, Request, Result, Run, SchedulerConfig, Slot, history
 
 log = logging.getLogger("moestream.server")
-_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How the server schedules: its slots (-np), the queue behind them, KV reuse, the warm-up, prompt pacing."""
-    n_slots: int = 1
-    max_queue: int = 64
-    cache_prompt: bool = True                 # reuse a slot's KV for the prefix a new prompt shares with its last
-    warm_up: bool = True                      # capture the decode graphs of every batch size before serving
-    prefill_interval: int = 1                 # while requests generate: a prompt batch after every N decode steps
-
-    def __post_init__(self):
-        for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1)):
-            if getattr(self, name) < low:
-                raise UserError(f"{name} must be at least {low}, got {getattr(self, name)}")
-
-
-class QueueFull(Exception):
-    """More requests are waiting than --max-queue allows."""
-
-
-@dataclass(eq=False)
-class Request:
-    """One completion. `emit(event)` is called on the scheduler thread; it must be thread-safe and quick."""
-    prompt: list[int]
-    params: SamplingParams
-    emit: object                              # callable(event)
-    index: int = 0                            # the choice index this request answers
-    logprobs: int | None = None               # None: none; n: the chosen token's and the top n
-    cache_prompt: bool = True
-    stream: bool = False                      # False: only the final event (with every logprob) is emitted
-    id: int = field(default_factory=lambda: next(_ids))
-    cancelled: bool = False
-    t_submit: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class Result:
-    token_ids: list[int]
-    text: str
-    finish_reason: str                        # stop | length
-    stop_reason: str | int | None             # the stop string or stop token that ended it
-    prompt_tokens: int
-    cached_tokens: int                        # prompt tokens whose KV was reused
-    ttft_s: float
-    duration_s: float
-    logprobs: list = field(default_factory=list)   # (token, logprob, [(id, logprob)] top n) per generated token
-
-
-class _Run:
-    """A request in a slot: its prompt progress, its random stream and its sequence state (runtime/sequence.py:
-    the stop and detokenize rules of runtime.generate.Generation)."""
-
-    def __init__(self, req: Request, engine, tokenizer, n_cached: int):
-        self.req, self.n_cached, self.done = req, n_cached, n_cached     # done: prompt tokens in the KV cache
-        self.gen = make_generator(req.params, engine.device.torch)
-        self.seq = SequenceState(req.params, tokenizer, engine.cfg.eos_token_ids, len(req.prompt), engine.kv.ctx)
-        self.lps: list = []                   # logprob entries not yet sent with a piece
-        self.all_lps: list = []
-        self.t_first = self.t_last = 0.0
-
-
-class Slot:
-    def __init__(self, sid: int):
-        self.id = sid
-        self.run: _Run | None = None
-        self.cached: list[int] = []          # tokens whose K/V this slot's sequence holds, from position 0
-        self.last_used = 0.0
-        self.prompt_tokens = self.generated = self.n_cached = 0
-        self.task: int | None = None
-
-    @property
-    def state(self) -> str:
-        if self.run is None:
-            return "idle"
-        return "prefill" if self.run.done < len(self.run.req.prompt) else "generating"
-
-
-def _history(slots: list[Slot]) -> list[list[int]] | None:
-    """Each slot's tokens so far (prompt, then generated), for the penalties; None when no request has one."""
-    if not any(s.run.req.params.penalized for s in slots):
-        return None
-    return [s.run.req.prompt + s.run.seq.ids if s.run.req.params.penalized else [] for s in slots]
 
 
 class Scheduler:
@@ -287,7 +201,7 @@ class Scheduler:
                     return self.engine.reusable_prefix(s.cached, req.prompt) if use else 0
                 slot = max(idle, key=lambda s: (reused(s), -s.last_used))
                 n = reused(slot)
-                slot.run = _Run(req, self.engine, self.tokenizer, n)
+                slot.run = Run(req, self.engine, self.tokenizer, n)
             self.engine.begin_prompt(slot.id)   # the slot's routing: this request's counts start, the last one's
             slot.cached = slot.cached[:n]
             slot.prompt_tokens, slot.generated, slot.n_cached, slot.task = len(req.prompt), 0, n, req.id
@@ -319,7 +233,7 @@ class Scheduler:
             if at == len(run.req.prompt) and run.req.params.max_tokens == 0:
                 self._finish(slot)               # "length", before any token
             elif at == len(run.req.prompt):
-                token = int(self._sampler.sample(logits[last], [run.req.params], [run.gen], _history([slot]))[0])
+                token = int(self._sampler.sample(logits[last], [run.req.params], [run.gen], history([slot]))[0])
                 self._accept(slot, token, logits[last][0])
 
     def _decode(self, slots: list[Slot]) -> None:
@@ -332,7 +246,7 @@ class Scheduler:
         for s, (_, tok, _) in zip(slots, steps):
             s.cached.append(tok)
         tokens = self._sampler.sample(logits, [s.run.req.params for s in slots], [s.run.gen for s in slots],
-                                      _history(slots)).tolist()
+                                      history(slots)).tolist()
         if self.metrics is not None:
             self.metrics.on_decode_batch(len(slots))
         for i, (s, token) in enumerate(zip(slots, tokens)):
@@ -359,7 +273,7 @@ class Scheduler:
         if done:
             self._finish(slot)
 
-    def _piece(self, run: _Run, piece: str) -> None:
+    def _piece(self, run: Run, piece: str) -> None:
         if piece:
             if run.req.stream:
                 self._emit(run.req, ("token", run.req.index, piece, run.lps))

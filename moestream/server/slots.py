@@ -1,0 +1,101 @@
+"""What the scheduler (server/scheduler.py) works with: its config, a request and its result, a slot and the run of
+a request in it.
+
+    cfg = SchedulerConfig(n_slots=4)                 # -np, --max-queue, cache_prompt, warm-up, --prefill-interval
+    req = Request(prompt_ids, SamplingParams(max_tokens=16), emit=callback)
+    slot.run = Run(req, engine, tokenizer, n_cached)  # a request in a slot: its prompt progress and sequence state
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..runtime.sampling import SamplingParams, make_generator
+from ..runtime.sequence import SequenceState
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the server schedules: its slots (-np), the queue behind them, KV reuse, the warm-up, prompt pacing."""
+    n_slots: int = 1
+    max_queue: int = 64
+    cache_prompt: bool = True                 # reuse a slot's KV for the prefix a new prompt shares with its last
+    warm_up: bool = True                      # capture the decode graphs of every batch size before serving
+    prefill_interval: int = 1                 # while requests generate: a prompt batch after every N decode steps
+
+    def __post_init__(self):
+        for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1)):
+            if getattr(self, name) < low:
+                raise UserError(f"{name} must be at least {low}, got {getattr(self, name)}")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than --max-queue allows."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One completion. `emit(event)` is called on the scheduler thread; it must be thread-safe and quick."""
+    prompt: list[int]
+    params: SamplingParams
+    emit: object                              # callable(event)
+    index: int = 0                            # the choice index this request answers
+    logprobs: int | None = None               # None: none; n: the chosen token's and the top n
+    cache_prompt: bool = True
+    stream: bool = False                      # False: only the final event (with every logprob) is emitted
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    finish_reason: str                        # stop | length
+    stop_reason: str | int | None             # the stop string or stop token that ended it
+    prompt_tokens: int
+    cached_tokens: int                        # prompt tokens whose KV was reused
+    ttft_s: float
+    duration_s: float
+    logprobs: list = field(default_factory=list)   # (token, logprob, [(id, logprob)] top n) per generated token
+
+
+class Run:
+    """A request in a slot: its prompt progress, its random stream and its sequence state (runtime/sequence.py:
+    the stop and detokenize rules of runtime.generate.Generation)."""
+
+    def __init__(self, req: Request, engine, tokenizer, n_cached: int):
+        self.req, self.n_cached, self.done = req, n_cached, n_cached     # done: prompt tokens in the KV cache
+        self.gen = make_generator(req.params, engine.device.torch)
+        self.seq = SequenceState(req.params, tokenizer, engine.cfg.eos_token_ids, len(req.prompt), engine.kv.ctx)
+        self.lps: list = []                   # logprob entries not yet sent with a piece
+        self.all_lps: list = []
+        self.t_first = self.t_last = 0.0
+
+
+class Slot:
+    def __init__(self, sid: int):
+        self.id = sid
+        self.run: Run | None = None
+        self.cached: list[int] = []          # tokens whose K/V this slot's sequence holds, from position 0
+        self.last_used = 0.0
+        self.prompt_tokens = self.generated = self.n_cached = 0
+        self.task: int | None = None
+
+    @property
+    def state(self) -> str:
+        if self.run is None:
+            return "idle"
+        return "prefill" if self.run.done < len(self.run.req.prompt) else "generating"
+
+
+def history(slots: list[Slot]) -> list[list[int]] | None:
+    """Each slot's tokens so far (prompt, then generated), for the penalties; None when no request has one."""
+    if not any(s.run.req.params.penalized for s in slots):
+        return None
+    return [s.run.req.prompt + s.run.seq.ids if s.run.req.params.penalized else [] for s in slots]
