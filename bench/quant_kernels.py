@@ -20,7 +20,9 @@ CUDA graph, as the engine's decode steps do (--no-graphs: one by one, each payin
 older tables' way). Each cell: microseconds a call (median of `reps` timed graph replays, CUDA events, after
 warm-up) and, in brackets, GB/s: the T k expert rows the call reads (a token's 8 rows of 2.65-5.0 MB each) over
 its time. `vs first`: |out - out_first| / |out_first| at T=8 against the first variant
-listed (bf16 outputs: the variants round differently, and must agree to about bf16's precision). Prints markdown.
+listed (bf16 outputs: the variants round differently, and must agree to about bf16's precision). Q2_K, Q3_K and
+the grid IQ types (IQ2_XXS ... IQ1_M) have no runs variant: their rows are "values" and "subblocks" (both value by
+value for them). Rows are random valid blocks (quant/dequant.py's random_blocks). Prints markdown.
 """
 import argparse
 import re
@@ -35,6 +37,7 @@ from moestream.kernels.decode_quant import experts_by_address_quant
 from moestream.kernels import decode_runs
 from moestream.kernels.decode_runs import runs_layout
 from moestream.kernels.dequant import dequantize_rows
+from moestream.quant.dequant import random_blocks
 from moestream.quant.layout import ExpertLayout
 from moestream.quant.types import type_size
 
@@ -52,18 +55,16 @@ ap.add_argument("--shape", default="768,2048,8", help="I,H,k: the expert's shape
 ns = ap.parse_args()
 I, H, K = (int(v) for v in ns.shape.split(","))
 EXPERTS = 128
-SCALES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.Q4_K: (0, 2),
-          Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}
+# Q2_K, Q3_K and the grid IQ types (kernels/qblocks_iq.py: "values" and "subblocks" only, value by value)
+GRID = ((Q.Q2_K,) * 3, (Q.Q3_K,) * 3, (Q.IQ2_XXS,) * 3, (Q.IQ2_XS,) * 3, (Q.IQ2_S,) * 3, (Q.IQ3_XXS,) * 3,
+        (Q.IQ3_S,) * 3, (Q.IQ1_S,) * 3, (Q.IQ1_M,) * 3)
 
 
 def rows_of(lay: ExpertLayout, n: int) -> torch.Tensor:
-    """(n, nbytes) uint8 on the GPU: random blocks, every float16 scale 0.01 (finite values)."""
-    rows = torch.randint(0, 256, (n, lay.nbytes), dtype=torch.uint8, device="cuda")
-    for t, off, size in zip(lay.types, lay.offsets, lay.sizes):
-        blocks = rows[:, off:off + size].view(n, -1, type_size(t))
-        for s in SCALES[t]:
-            blocks[..., s:s + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8).cuda()
-    return rows
+    """(n, nbytes) uint8 on the GPU: random valid blocks (quant/dequant.py's random_blocks: finite scales)."""
+    g = torch.Generator().manual_seed(n)
+    parts = [random_blocks(t, n * size // type_size(t), g).view(n, size) for t, size in zip(lay.types, lay.sizes)]
+    return torch.cat(parts, 1).cuda()
 
 
 def timed(fn, n_inputs: int = 1, graphs: bool = False) -> float:
@@ -108,7 +109,7 @@ if ns.dequant:
     print(f"dequantize_rows: {ns.experts} experts of I={I}, H={H} to bf16\n")
     print("| types | MB read | MB written | ms | GB/s |\n|---|---|---|---|---|")
     for types in ((Q.Q8_0,) * 3, (Q.Q4_0,) * 3, (Q.Q5_0,) * 3, (Q.Q4_1,) * 3, (Q.Q5_1,) * 3, (Q.Q4_K,) * 3,
-                  (Q.Q5_K,) * 3, (Q.Q6_K,) * 3, (Q.IQ4_NL,) * 3, (Q.IQ4_XS,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K)):
+                  (Q.Q5_K,) * 3, (Q.Q6_K,) * 3, (Q.IQ4_NL,) * 3, (Q.IQ4_XS,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K)) + GRID:
         lay = ExpertLayout(I, H, types)
         blocks = rows_of(lay, 64)
         index = torch.randperm(64, device="cuda")[:ns.experts]
@@ -138,7 +139,7 @@ variants = ns.variants.split(",")
 g = torch.Generator().manual_seed(0)
 for types in (None, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_K,) * 3,
               (Q.Q4_0,) * 3, (Q.Q4_1,) * 3, (Q.Q5_0,) * 3, (Q.Q5_1,) * 3, (Q.IQ4_NL,) * 3, (Q.IQ4_XS,) * 3,
-              (Q.IQ4_XS, Q.IQ4_XS, Q.Q6_K)):
+              (Q.IQ4_XS, Q.IQ4_XS, Q.Q6_K)) + GRID:
     label = "bf16" if types is None else ("Q4_K_M" if types == (Q.Q4_K, Q.Q4_K, Q.Q6_K) else name_of(types))
     if ns.types is not None and label not in ns.types.split(","):
         continue
