@@ -15,6 +15,7 @@ searches stay bounded whatever the tensor: a layer's whole expert stack can be p
 """
 from __future__ import annotations
 
+import struct
 from typing import Callable
 
 import torch
@@ -88,6 +89,17 @@ def _abs_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return amax, x.gather(-1, i)
 
 
+def _div(c: float, t: torch.Tensor) -> torch.Tensor:
+    """c / t rounded once, as C divides (torch's `c / t` is c * (1 / t), which rounds twice: a code that ggml
+    rounds from an exact half would then round the other way now and then)."""
+    return torch.full_like(t, c) / t
+
+
+def _f32(v: float) -> float:
+    """v rounded to float32, for constants that ggml computes in float (0.1f * step)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
 def _inverse(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.zeros_like(d), 1 / d)
 
@@ -144,22 +156,27 @@ def _q5_1(x):
 
 
 # --- k-quants ------------------------------------------------------------------------------------------------
-def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
+def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool = False):
     """ggml's make_qkx2_quants for rows of x (G, n) with weights w: a step and a min (x ~ scale * L - min, L in
-    [0, nmax]) that minimise the weighted squared error, trying nstep + 1 steps around nmax / (max - min).
-    Returns scale (G,), min (G,) (>= 0, subtracted) and L (G, n)."""
+    [0, nmax]) that minimise the weighted squared error (absolute error with use_mad, as Q2_K asks), trying
+    nstep + 1 steps around nmax / (max - min). Returns scale (G,), min (G,) (>= 0, subtracted) and L (G, n)."""
+    def error(scale, L, mn):
+        diff = scale * L + mn - x
+        return (w * (diff.abs() if use_mad else diff * diff)).sum(-1, keepdim=True)
+
     mn = x.amin(-1, keepdim=True).clamp(max=0)
     mx = x.amax(-1, keepdim=True)
     flat = mx == mn
     mx = torch.where(flat, mn + 1, mx)
     sum_w, sum_x = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
-    iscale = nmax / (mx - mn)
+    iscale = _div(nmax, mx - mn)
     L = (iscale * (x - mn)).round().clamp(0, nmax)
     scale = 1 / iscale
-    best = (w * (scale * L + mn - x) ** 2).sum(-1, keepdim=True)
+    best = error(scale, L, mn)
     for step in range(nstep + 1):
         # ggml's loop reads the min it has kept so far, so each step starts from the best fit before it
-        La = ((rmin + rdelta * step + nmax) / (mx - mn) * (x - mn)).round().clamp(0, nmax)
+        top = _f32(_f32(rmin + _f32(_f32(rdelta) * step)) + nmax)     # rmin + rdelta * step + nmax, in float
+        La = (_div(top, mx - mn) * (x - mn)).round().clamp(0, nmax)
         wl = w * La
         sl, sl2, sxl = wl.sum(-1, keepdim=True), (wl * La).sum(-1, keepdim=True), (wl * x).sum(-1, keepdim=True)
         D = sum_w * sl2 - sl * sl
@@ -168,7 +185,7 @@ def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
         positive = this_min > 0         # a positive min is clamped to 0 and the step refitted alone
         this_scale = torch.where(positive, sxl / sl2, this_scale)
         this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
-        err = (w * (this_scale * La + this_min - x) ** 2).sum(-1, keepdim=True)
+        err = error(this_scale, La, this_min)
         better = (D > 0) & (err < best)
         L, best = torch.where(better, La, L), torch.where(better, err, best)
         scale, mn = torch.where(better, this_scale, scale), torch.where(better, this_min, mn)
