@@ -11,8 +11,9 @@ from gguf import GGMLQuantizationType as Q
 from moestream.quant.quantize import ENCODERS, quantize
 
 # Relative RMS error (||deq - x|| / ||x||) on N(0, 1) rows, measured ~0.0054, 0.086, 0.079, 0.043, 0.038,
-# 0.072, 0.036, 0.018, 0.076, 0.077 (the numbers ggml's reference quantizers give on such data), with margin.
-MAX_REL_RMS = {Q.Q8_0: 0.01, Q.Q4_0: 0.1, Q.Q4_1: 0.09, Q.Q5_0: 0.05, Q.Q5_1: 0.045,
+# 0.297, 0.151, 0.072, 0.036, 0.018, 0.076, 0.077 (the numbers ggml's reference quantizers give on such data),
+# with margin.
+MAX_REL_RMS = {Q.Q8_0: 0.01, Q.Q4_0: 0.1, Q.Q4_1: 0.09, Q.Q5_0: 0.05, Q.Q5_1: 0.045, Q.Q2_K: 0.31, Q.Q3_K: 0.16,
                Q.Q4_K: 0.08, Q.Q5_K: 0.042, Q.Q6_K: 0.021, Q.IQ4_NL: 0.085, Q.IQ4_XS: 0.085}
 BIT_EXACT = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)       # gguf.quants.quantize implements these
 
@@ -65,8 +66,8 @@ def test_bad_rows():
     from moestream.errors import UserError
     with pytest.raises(UserError, match="not whole Q4_K blocks"):
         quantize(torch.randn(2, 96), Q.Q4_K)
-    with pytest.raises(UserError, match="cannot quantize to Q2_K"):
-        quantize(torch.randn(2, 256), Q.Q2_K)
+    with pytest.raises(UserError, match="cannot quantize to IQ2_XXS"):
+        quantize(torch.randn(2, 256), Q.IQ2_XXS)
 
 
 @pytest.mark.cuda
@@ -299,7 +300,7 @@ BAD = [
     (["synth:tiny", "{existing}", "Q8_0"], "already exists"),
     (["/no/such/model", "{out}", "Q8_0"], "model not found"),
     (["synth:nope", "{out}", "Q8_0"], "synth preset"),
-    (["synth:tiny", "{out}", "Q8_0", "--output-tensor-type", "q3_k"], "q3_k"),
+    (["synth:tiny", "{out}", "Q8_0", "--output-tensor-type", "iq2_xxs"], "iq2_xxs"),
     (["synth:tiny", "{out}", "Q8_0", "--device", "tpu"], "--device"),
     (["synth:tiny", "{out}", "Q8_0", "-3"], "NTHREADS"),
 ] + ([] if torch.cuda.is_available() else [(["synth:tiny", "{out}", "Q8_0", "--device", "cuda"], "no CUDA")])

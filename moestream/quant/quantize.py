@@ -5,10 +5,10 @@
 
 Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 are bit-identical to gguf.quants.quantize (itself ggml's quantize_row_*_ref).
 Q4_K, Q5_K and Q6_K follow ggml's reference (non-imatrix) quantizers, quantize_row_q{4,5,6}_K_ref with
-make_qkx2_quants / make_qx_quants, and IQ4_NL / IQ4_XS follow quantize_row_iq4_nl_impl without an imatrix: each
-search ggml runs one block at a time runs here for all blocks at once, one candidate scale per step. The float
-results may differ from ggml's in the last bits (the order of sums), never the layout: gguf.quants.dequantize of
-the bytes gives `values`.
+make_qkx2_quants / make_qx_quants (Q2_K and Q3_K likewise, in quantize_k23.py), and IQ4_NL / IQ4_XS follow
+quantize_row_iq4_nl_impl without an imatrix: each search ggml runs one block at a time runs here for all blocks at
+once, one candidate scale per step. The float results may differ from ggml's in the last bits (the order of sums),
+never the layout: gguf.quants.dequantize of the bytes gives `values`.
 
 Rows are encoded a chunk at a time (`CHUNK` values on the CPU, `CUDA_CHUNK` on a GPU), so the temporaries of the
 searches stay bounded whatever the tensor: a layer's whole expert stack can be passed at once.
@@ -352,7 +352,16 @@ def _iq4_xs(x):
     return torch.cat([dh.view(torch.uint8), scales_h, scales_l, _iq4_nibbles(L)], -1), v
 
 
+def _lazy(name: str):
+    """An encoder of quantize_k23 (Q2_K, Q3_K), which builds on the helpers here: imported at its first use."""
+    def encode(x):
+        from . import quantize_k23
+        return getattr(quantize_k23, name)(x)
+    return encode
+
+
 ENCODERS: dict[Q, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
-    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
+    Q.Q2_K: _lazy("q2_k"), Q.Q3_K: _lazy("q3_k"), Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
 }
