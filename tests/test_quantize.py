@@ -296,7 +296,8 @@ def _one_line_error(code, err, needle):
 
 
 BAD = [
-    (["synth:tiny", "{out}", "Q3_K_M"], "Q8_0, Q4_0"),
+    (["synth:tiny", "{out}", "IQ2_XXS"], "Q8_0, Q4_0"),
+    (["synth:tiny", "{out}", "Q2_K_S"], "importance matrix"),
     (["synth:tiny", "{existing}", "Q8_0"], "already exists"),
     (["/no/such/model", "{out}", "Q8_0"], "model not found"),
     (["synth:nope", "{out}", "Q8_0"], "synth preset"),

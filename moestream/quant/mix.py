@@ -11,16 +11,20 @@ The rules moestream's families meet (no Falcon, no 70B, no imatrix):
   `ffn_gate_inp.weight`, the DeltaNet's `ssm_conv1d.weight`: F32, as llama.cpp's converters write them.
 - output.weight (token_embd.weight when the embeddings are tied): Q6_K, or Q8_0 for Q8_0 and for rows that are not
   whole blocks of the file type.
-- attn_v: Q6_K in the `use_more_bits` layers for Q4_K_M / Q5_K_M, Q5_K in the first 4 layers for Q4_K_S, Q5_K for
-  IQ4_NL / IQ4_XS when 4 or more query heads share a kv head; Q8_0 whatever the type when the model has 8 experts
-  (llama.cpp's Mixtral rule), as attn_k is then too.
+- attn_v: Q4_K for Q2_K when 4 or more query heads share a kv head, Q3_K otherwise; Q5_K in the first 2 layers and
+  Q4_K after them for Q3_K_M; Q5_K for Q3_K_L; Q6_K in the `use_more_bits` layers for Q4_K_M / Q5_K_M, Q5_K in the
+  first 4 layers for Q4_K_S, Q5_K for IQ4_NL / IQ4_XS when 4 or more query heads share a kv head; Q8_0 whatever the
+  type when the model has 8 experts (llama.cpp's Mixtral rule), as attn_k is then too.
 - ffn_down (dense, expert stacks and shared expert alike): the layer is read from the name (llama.cpp does so when
-  n_expert > 1, and counts n_ffn_down as the layer count), then Q6_K in the `use_more_bits` layers for Q4_K_M and
-  Q5_K_M, Q5_K in the first eighth of the layers for Q4_K_S, IQ4_NL and IQ4_XS.
-- attn_output: Q5_K for Q4_K_S, Q4_K_M, IQ4_NL and IQ4_XS when the model has 8 experts.
-- attn_qkv (the hybrids' DeltaNet input projection): Q5_K for Q4_K_M, Q6_K for Q5_K_M.
-- A row that is not whole blocks of its type falls back as llama.cpp's does: Q4_K -> Q5_0, Q5_K -> Q5_1,
-  Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, and to F16 when not whole 32-blocks either (where llama.cpp stops with an error).
+  n_expert > 1, and counts n_ffn_down as the layer count), then Q3_K for Q2_K; Q5_K in the first sixteenth of the
+  layers and Q4_K after them for Q3_K_M; Q5_K for Q3_K_L; Q6_K in the `use_more_bits` layers for Q4_K_M and Q5_K_M;
+  Q5_K in the first eighth of the layers for Q4_K_S, IQ4_NL and IQ4_XS.
+- attn_output: Q3_K for Q2_K, Q4_K for Q3_K_M, Q5_K for Q3_K_L; with 8 experts instead Q5_K for Q2_K, Q3_K_S,
+  Q3_K_M, Q4_K_S, Q4_K_M, IQ4_NL and IQ4_XS (Q3_K_L then keeps Q3_K).
+- attn_qkv (the hybrids' DeltaNet input projection): Q4_K for Q3_K_M and Q3_K_L, Q5_K for Q4_K_M, Q6_K for Q5_K_M.
+- A row that is not whole blocks of its type falls back as llama.cpp's does: Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0,
+  Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, and to F16 when not whole 32-blocks either.
+- Q2_K_S is not offered: llama-quantize refuses it without an importance matrix, which moestream does not compute.
 """
 from __future__ import annotations
 
@@ -38,22 +42,30 @@ F = gguf.LlamaFileType
 # file type name (llama-quantize's) -> (general.file_type, the type of the tensors no rule singles out)
 FTYPES: dict[str, tuple[F, Q]] = {
     "Q8_0": (F.MOSTLY_Q8_0, Q.Q8_0), "Q4_0": (F.MOSTLY_Q4_0, Q.Q4_0), "Q4_1": (F.MOSTLY_Q4_1, Q.Q4_1),
-    "Q5_0": (F.MOSTLY_Q5_0, Q.Q5_0), "Q5_1": (F.MOSTLY_Q5_1, Q.Q5_1),
+    "Q5_0": (F.MOSTLY_Q5_0, Q.Q5_0), "Q5_1": (F.MOSTLY_Q5_1, Q.Q5_1), "Q2_K": (F.MOSTLY_Q2_K, Q.Q2_K),
+    "Q3_K_S": (F.MOSTLY_Q3_K_S, Q.Q3_K), "Q3_K_M": (F.MOSTLY_Q3_K_M, Q.Q3_K), "Q3_K_L": (F.MOSTLY_Q3_K_L, Q.Q3_K),
     "Q4_K_S": (F.MOSTLY_Q4_K_S, Q.Q4_K), "Q4_K_M": (F.MOSTLY_Q4_K_M, Q.Q4_K),
     "Q5_K_S": (F.MOSTLY_Q5_K_S, Q.Q5_K), "Q5_K_M": (F.MOSTLY_Q5_K_M, Q.Q5_K), "Q6_K": (F.MOSTLY_Q6_K, Q.Q6_K),
     "IQ4_NL": (F.MOSTLY_IQ4_NL, Q.IQ4_NL), "IQ4_XS": (F.MOSTLY_IQ4_XS, Q.IQ4_XS),
     "F16": (F.MOSTLY_F16, Q.F16), "BF16": (F.MOSTLY_BF16, Q.BF16), "F32": (F.ALL_F32, Q.F32),
 }
 FLOAT = (Q.F32, Q.F16, Q.BF16)
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
+# llama-quant.cpp's tensor_type_fallback today (releases before its 2026 refactor sent Q2_K and Q3_K to IQ4_NL)
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
+NEEDS_IMATRIX = ("Q2_K_S",)    # llama-quantize's file types that it refuses without an importance matrix
 _MORE_BITS_V = ("Q4_K_M", "Q5_K_M")
 _IQ4 = ("IQ4_NL", "IQ4_XS")
-_ATTN_OUTPUT_8_EXPERTS = ("Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS")
+_ATTN_OUTPUT_8_EXPERTS = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS")
+_ATTN_OUTPUT = {"Q2_K": Q.Q3_K, "Q3_K_M": Q.Q4_K, "Q3_K_L": Q.Q5_K}       # without 8 experts
+_ATTN_QKV = {"Q3_K_M": Q.Q4_K, "Q3_K_L": Q.Q4_K, "Q4_K_M": Q.Q5_K, "Q5_K_M": Q.Q6_K}
 
 
 def parse_ftype(name: str) -> str:
     """A file type by name, any case (q4_k_m); a one-line error listing the file types otherwise."""
     key = name.upper()
+    if key in NEEDS_IMATRIX:
+        raise UserError(f"{key} needs an importance matrix (llama-quantize refuses it without one), which moestream "
+                        "does not compute; use Q2_K")
     if key not in FTYPES:
         raise UserError(f"unknown file type {name!r}; the types: {', '.join(FTYPES)}")
     return key
@@ -119,7 +131,13 @@ class Mix:
         if name == "token_embd.weight":
             return t
         if "attn_v.weight" in name:     # llama.cpp counts attn_v tensors in file order: one per layer
-            if f in _IQ4 and self.n_gqa >= 4:
+            if f == "Q2_K":
+                t = Q.Q4_K if self.n_gqa >= 4 else Q.Q3_K
+            elif f == "Q3_K_M":
+                t = Q.Q5_K if layer < 2 else Q.Q4_K
+            elif f == "Q3_K_L":
+                t = Q.Q5_K
+            elif f in _IQ4 and self.n_gqa >= 4:
                 t = Q.Q5_K
             elif f in _MORE_BITS_V and use_more_bits(layer, L):
                 t = Q.Q6_K
@@ -129,8 +147,14 @@ class Mix:
         if "attn_k.weight" in name:
             return Q.Q8_0 if self.n_expert == 8 else t
         if "attn_qkv.weight" in name:   # the hybrids' DeltaNet input (llama.cpp's qwen3next, qwen35moe)
-            return {"Q4_K_M": Q.Q5_K, "Q5_K_M": Q.Q6_K}.get(f, t)
+            return _ATTN_QKV.get(f, t)
         if "ffn_down" in name:
+            if f == "Q2_K":
+                return Q.Q3_K
+            if f == "Q3_K_M":
+                return Q.Q5_K if layer < L // 16 else Q.Q4_K
+            if f == "Q3_K_L":
+                return Q.Q5_K
             if f == "Q4_K_M" and use_more_bits(layer, L):
                 return Q.Q6_K
             if layer < L // 8 and f in _IQ4:
@@ -140,8 +164,10 @@ class Mix:
             if f == "Q4_K_S" and layer < L // 8:
                 return Q.Q5_K
             return t
-        if "attn_output.weight" in name and self.n_expert == 8 and f in _ATTN_OUTPUT_8_EXPERTS:
-            return Q.Q5_K
+        if "attn_output.weight" in name:
+            if self.n_expert == 8:
+                return Q.Q5_K if f in _ATTN_OUTPUT_8_EXPERTS else t
+            return _ATTN_OUTPUT.get(f, t)
         return t
 
     @staticmethod
