@@ -53,7 +53,7 @@ def unescape(text: str) -> str:
     """-e: llama.cpp's escapes (\\n, \\t, \\\\, \\xNN, ...) in a prompt; any other backslash stays as it is."""
     def one(m):
         s = m.group(1)
-        return chr(int(s[1:], 16)) if s[0] == "x" else ESCAPES.get(s, "\\" + s)
+        return chr(int(s[1:], 16)) if len(s) == 3 else ESCAPES.get(s, "\\" + s)       # \xZZ stays as it is
     return re.sub(r"\\(x[0-9a-fA-F]{2}|.)", one, text, flags=re.S)
 
 
@@ -86,7 +86,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.escape:
         a.prompt, a.stop = unescape(a.prompt), [unescape(s) for s in a.stop]
         a.system_prompt = a.system_prompt and unescape(a.system_prompt)
-    if a.n_predict < 0:                       # llama.cpp's -n -1: until the context is full or a stop
+    if a.n_predict < -2:
+        raise UserError(f"-n must be a number of tokens, or -1 (until a stop or the end of the context), got "
+                        f"{a.n_predict}")
+    if a.n_predict < 0:                       # llama.cpp's -n -1 (and -2): until the context is full or a stop
         a.n_predict = 1 << 62
     params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
                             min_p=a.min_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos,

@@ -20,6 +20,9 @@ def run(capsys, *argv):
     (["generate", "-m", "synth:tiny", "--n-cpu-moe", "99", "-p", "hi"], "--n-cpu-moe 99"),
     (["generate", "-m", "synth:tiny", "--moe-cache-mib", "-1", "-p", "hi"], "--moe-cache-mib"),
     (["generate", "-m", "synth:tiny", "-p", "hi", "--top-p", "1.5"], "top_p"),
+    (["generate", "-m", "synth:tiny", "-p", "hi", "--temp", "inf"], "temperature must be a finite number"),
+    (["generate", "-m", "synth:tiny", "-p", "hi", "-s", str(10 ** 23)], "seed must be a whole number from"),
+    (["generate", "-m", "synth:tiny", "-p", "hi", "-n", "-5"], "-n must be a number of tokens, or -1"),
     (["generate", "-m", "synth:tiny"], "no prompt"),
     (["generate", "-m", "synth:qwen3-30b-a3b:layers=1", "--dtype", "float32", "-p", "hello"], "token ids"),
     (["generate", "-m", "synth:tiny", "-p", "hi", "--device", "cuda:3"] , "cuda"),
@@ -170,6 +173,7 @@ def test_chat_flags_system_prompt_escape_and_template_file(capsys, tmp_path):
 def test_unescape():
     from moestream.cli import unescape
     assert unescape(r"a\nb\tc\\d\x41\q") == "a\nb\tc\\dA\\q"
+    assert unescape(r"\xZZ\x4") == r"\xZZ\x4"                        # not two hex digits: kept (was a traceback)
 
 
 def test_repeat_penalty_changes_generate_as_the_sampler_says(capsys):

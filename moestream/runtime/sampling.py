@@ -51,16 +51,16 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids or ()))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise UserError(f"max_tokens must be a whole number >= 0, got {self.max_tokens!r}")
-        if not self.temperature >= 0:      # also rejects NaN
-            raise UserError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not 0 <= self.temperature < float("inf"):      # also rejects NaN
+            raise UserError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise UserError(f"top_k must be a whole number >= 0 (0 is off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1] (1 is off), got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
             raise UserError(f"min_p must be in [0, 1] (0 is off), got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise UserError(f"seed must be a whole number, got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(1 << 63) <= self.seed < 1 << 64):
+            raise UserError(f"seed must be a whole number from -2**63 to 2**64-1 (torch's range), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in stop):
             raise UserError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         if not 0 < self.repeat_penalty < float("inf"):
