@@ -36,6 +36,22 @@ NO_COUNTERPART = {
     "--cache-type-k": "the KV cache is kept in the model's dtype (--dtype)",
     "--cache-type-v": "the KV cache is kept in the model's dtype (--dtype)",
 }
+# vLLM's flags (and llama-quantize's) with no counterpart here: what moestream does instead.
+_ONE_GPU = "moestream runs on one GPU (--device cuda:N)"
+VLLM_NO_COUNTERPART = {
+    "--tensor-parallel-size": _ONE_GPU, "-tp": _ONE_GPU, "--pipeline-parallel-size": _ONE_GPU, "-pp": _ONE_GPU,
+    "--gpu-memory-utilization": "the GPU memory that caches experts is given in MiB: --moe-cache-mib MIB",
+    "--trust-remote-code": "moestream runs no code from a model's directory; leave it out",
+    "--quantization": "quantize the model to a GGUF first (moestream quantize IN OUT TYPE), then -m OUT",
+}
+QUANTIZE_NO_COUNTERPART = {
+    "--imatrix": "moestream quantize takes no importance matrix; leave it out",
+    "--leave-output-tensor": "--output-tensor-type f16 (or bf16, f32) keeps output.weight unquantized",
+}
+# Other programs' spellings of flags moestream has (vLLM, transformers' generate, OpenAI's fields): flag -> ours.
+OTHER_SPELLINGS = {"--temperature": "--temp", "--max-tokens": "-n", "--max-new-tokens": "-n", "--max-model-len": "-c",
+                   "--n-ctx": "-c", "--max-num-seqs": "-np", "--max-num-batched-tokens": "-b",
+                   "--enforce-eager": "--no-cuda-graphs"}
 _NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
@@ -62,6 +78,7 @@ class Parser(argparse.ArgumentParser):
         return super()._parse_optional(arg_string)
 
     def parse_known_args(self, args=None, namespace=None):
+        self._args = list(args) if args is not None else []
         ns, extras = super().parse_known_args(args, namespace)
         if extras and self._subparsers is None:
             first = extras[0]
@@ -69,6 +86,14 @@ class Parser(argparse.ArgumentParser):
         return ns, extras
 
     def error(self, message):
+        args = getattr(self, "_args", [])
+        if message.startswith("the following arguments are required") or re.match(r"argument [A-Z]", message):
+            flag = next((x for x in args if x.startswith("-") and x != "-" and " " not in x and not _NEGATIVE.match(x)
+                         and not self._known(x)), None)
+            if flag is not None:             # its value was taken for a positional argument: the flag is the mistake
+                message = self._unknown(flag)
+            elif "-m/--model" in message and args and not args[0].startswith("-"):
+                message = f"the model is given with -m: -m {args[0]} (not as a positional argument, as vLLM takes it)"
         raise UsageError(f"{message} (`{self.prog} --help` lists the flags)")
 
     def _known(self, arg: str) -> bool:
@@ -76,8 +101,15 @@ class Parser(argparse.ArgumentParser):
 
     def _unknown(self, arg: str) -> str:
         flag = arg.split("=", 1)[0]
-        if flag in NO_COUNTERPART:
-            return f"{flag} is llama.cpp's; moestream has no such flag: {NO_COUNTERPART[flag]}"
+        for whose, table in (("llama.cpp's", NO_COUNTERPART), ("vLLM's", VLLM_NO_COUNTERPART),
+                             ("llama-quantize's", QUANTIZE_NO_COUNTERPART)):
+            if flag in table:
+                return f"{flag} is {whose}; moestream has no such flag: {table[flag]}"
+        ours = self._option_string_actions.get(OTHER_SPELLINGS.get(flag.replace("_", "-"), flag.replace("_", "-")))
+        if ours is not None:                # --temperature, --max_new_tokens: another program's spelling
+            return f"unknown flag {flag}; moestream spells it {'/'.join(ours.option_strings)}"
+        if len(flag) == 2:                  # one letter: a longer flag it begins is no likelier than any other
+            return f"unknown flag {flag}"
         names = list(self._option_string_actions)
         longer = [n for n in names if n.startswith(flag)]           # an abbreviation: the flag it abbreviates
         close = longer[:1] if len(longer) == 1 else difflib.get_close_matches(flag, names, n=1, cutoff=0.5)
@@ -85,8 +117,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def _looks_glued(arg: str) -> bool:
-    """A single-dash token of more than one letter (`-ngl`, `-co`, `-fa`), which argparse would split, or a
-    long flag argparse would take as an abbreviation; not a negative number or a value with spaces."""
+    """A single-dash token of more than one letter (`-ngl`, `-co`, `-fa`), which argparse would split, one letter
+    (`-n` where -ngl and -ncmoe are flags), which it would take as their prefix, or a long flag it would take as an
+    abbreviation; not a negative number or a value with spaces."""
     if not arg.startswith("-") or arg == "-" or " " in arg or _NEGATIVE.match(arg):
         return False
-    return len(arg.split("=", 1)[0]) > 2
+    return len(arg.split("=", 1)[0]) > 1

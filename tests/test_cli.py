@@ -93,6 +93,9 @@ def one_error(err: str) -> str:
     (["--repeat-penalty", "0"], "repeat_penalty"),
     (["--chat-template", "/no/such.jinja"], "no such file"),
     (["extra"], "unexpected argument 'extra'"),
+    (["--temperature", "0.5"], "unknown flag --temperature; moestream spells it --temp"),      # not --chat-template
+    (["--max_new_tokens", "5"], "moestream spells it -n/--n-predict"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's; moestream has no such flag"),
 ])
 def test_habit_flags_and_misreadings_are_one_line(capsys, argv, needle):
     code, out, err = run(capsys, *G, *argv)
@@ -174,6 +177,18 @@ def test_unescape():
     from moestream.cli import unescape
     assert unescape(r"a\nb\tc\\d\x41\q") == "a\nb\tc\\dA\\q"
     assert unescape(r"\xZZ\x4") == r"\xZZ\x4"                        # not two hex digits: kept (was a traceback)
+
+
+def test_other_programs_habits_say_what_to_type_instead(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "synth:tiny", "-p", "hi")                     # vllm serve MODEL
+    assert code == 2 and "the model is given with -m: -m synth:tiny" in one_error(err)
+    code, _, err = run(capsys, "perplexity", "-m", "synth:tiny", "-n", "5")              # not "ambiguous option"
+    assert code == 2 and "unknown flag -n (" in one_error(err)
+    code, _, err = run(capsys, "quantize", "--imatrix", "i.dat", "synth:tiny", str(tmp_path / "q.gguf"), "Q8_0")
+    assert code == 2 and "--imatrix is llama-quantize's" in one_error(err)                # not "NTHREADS: 'Q8_0'"
+    (tmp_path / "config.json").write_text("{}")
+    code, _, err = run(capsys, "generate", "-m", str(tmp_path / "config.json"), "-p", "hi")
+    assert code == 1 and f"one file of a Hugging Face model; give its directory: -m '{tmp_path}'" in one_error(err)
 
 
 def test_repeat_penalty_changes_generate_as_the_sampler_says(capsys):

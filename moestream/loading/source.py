@@ -32,6 +32,10 @@ class WeightSource(Protocol):
     def dtype_of(self, name: str) -> torch.dtype | None: ...
 
 
+HF_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json")
+
+
 def open_source(model: str, progress: bool = True) -> WeightSource:
     """A model spec as users write it: `synth:NAME`, a Hugging Face directory, or a `.gguf` file."""
     if model.startswith("synth:"):
@@ -44,5 +48,7 @@ def open_source(model: str, progress: bool = True) -> WeightSource:
     if path.is_dir():
         from .hf import HFSource
         return HFSource(path)
+    if path.suffix == ".safetensors" or path.name in HF_FILES:        # transformers' -m is the directory
+        raise UserError(f"{model!r} is one file of a Hugging Face model; give its directory: -m {str(path.parent)!r}")
     from .gguf import GGUFSource
     return GGUFSource(path)
