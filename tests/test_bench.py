@@ -138,3 +138,14 @@ def test_plot_and_missing_matplotlib(tmp_path, capsys, monkeypatch):
 def test_nothing_to_run_is_an_error(capsys):
     assert main(TINY + ["-p", "0", "-n", "0"]) == 1
     assert "nothing to run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--seed", str(10 ** 23)], "--seed must be from 0 to"),                   # was torch's overflow traceback
+    (["--compute-s-per-token", "-1"], "--compute-s-per-token must be a positive"),      # was a negative roofline
+    (["--link-mib", "-1"], "--link-mib must be >= 0"),
+])
+def test_numbers_out_of_range_are_one_line(capsys, argv, needle):
+    assert main(TINY + ["-p", "8", "-n", "0", *argv]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and "loaded" not in err

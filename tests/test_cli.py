@@ -236,6 +236,7 @@ def test_kv_cache_too_big_for_host_memory_is_refused_before_allocating(capsys):
     ["perplexity", "-m", "synth:tiny", "-f", "{text}", "-c", "16", "--kl-divergence-base", "{tmp}/no/dir/base.kld"],
     ["perplexity", "-m", "synth:tiny", "-f", "{text}", "-c", "16", "--plot", "{tmp}/no/x.png"],
     ["bench", "-m", "synth:tiny", "-p", "8", "-n", "0", "-r", "1", "--plot", "{tmp}/no/x.png"],
+    ["bench", "-m", "synth:tiny", "-p", "8", "-n", "0", "-r", "1", "--plot", "{tmp}/x.txt"],      # matplotlib's
     ["make-model", "tiny", "{tmp}/file.txt/out"],
 ])
 def test_unwritable_outputs_are_refused_before_the_work(capsys, tmp_path, argv):

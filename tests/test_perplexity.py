@@ -165,6 +165,13 @@ def test_errors_are_one_line(tmp_path, capsys):
     assert "llama.cpp logits file" in capsys.readouterr().err
     assert main(cpu + ["-f", f, "--token-ids"]) == 1
     assert "must hold token ids" in capsys.readouterr().err
+    assert main(cpu + ["-f", f, "--chunks", "0"]) == 1                    # was a torch.cat traceback
+    assert "--chunks must be at least 1, or -1 for all, got 0" in capsys.readouterr().err
+    for name, data in (("text.kld", b"the cat sat\n"), ("empty.kld", b""), ("model.gguf", b"GGUF" + bytes(64))):
+        (tmp_path / name).write_bytes(data)                              # tracebacks of torch.load, "()" for empty
+        assert main(cpu + ["--kl-divergence-base", str(tmp_path / name), "--kl-divergence"]) == 1
+        err = capsys.readouterr().err
+        assert f"{name}' is not a moestream base file (write one with" in err and "Traceback" not in err, err
 
 
 def test_plot(tmp_path, capsys):
@@ -174,6 +181,12 @@ def test_plot(tmp_path, capsys):
     assert main(common + ["-f", f, "--kl-divergence-base", base, "--plot", str(tmp_path / "ppl.png")]) == 0
     assert main(common + ["-ub", "8", "--kl-divergence-base", base, "--kl-divergence", "--plot", str(png)]) == 0
     assert (tmp_path / "ppl.png").stat().st_size > 0 and png.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    for bad in ("ppl.txt", "ppl"):                     # matplotlib's ValueError once the work was done
+        assert main(common + ["-f", f, "--plot", str(tmp_path / bad)]) == 1
+        err = capsys.readouterr().err
+        assert f"--plot '{tmp_path / bad}': " in err and "end it in .png" in err and "perplexity:" not in err
+        assert not (tmp_path / bad).exists()
 
 
 @pytest.mark.parametrize("place", [[], ["--cpu-moe"], ["--cpu-moe", "--moe-cache-mib", "1"]])

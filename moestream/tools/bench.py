@@ -43,7 +43,6 @@ import torch
 
 from .. import compat, flags
 from ..errors import UserError
-from ..outputs import check_writable
 from ..runtime.generate import token_hash
 from . import report
 from .report import Col, na
@@ -283,6 +282,12 @@ BENCH_COLS = [
 
 
 def main(a: argparse.Namespace) -> int:
+    if not 0 <= a.seed < 1 << 32:
+        raise UserError(f"--seed must be from 0 to {(1 << 32) - 1}, got {a.seed}")
+    if a.link_mib < 0:
+        raise UserError(f"--link-mib must be >= 0 (0 skips measuring the link), got {a.link_mib}")
+    if a.compute_s_per_token is not None and not 0 < a.compute_s_per_token < float("inf"):
+        raise UserError(f"--compute-s-per-token must be a positive number of seconds, got {a.compute_s_per_token}")
     if a.parallel is not None:
         from . import bench_parallel
         return bench_parallel.main(a)
@@ -291,7 +296,7 @@ def main(a: argparse.Namespace) -> int:
     if a.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {a.repetitions}")
     if a.plot:
-        check_writable(a.plot, "--plot")
+        report.check_plot(a.plot)
     if a.compare is not None:
         from .bench_compare import compare
         return compare(a)

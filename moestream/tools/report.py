@@ -14,11 +14,12 @@ import csv
 import io
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import UserError
-from ..outputs import atomic_path
+from ..outputs import atomic_path, check_writable
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,19 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def check_plot(path: str) -> None:
+    """Refuse a --plot path before the work: one that cannot be created, or whose extension matplotlib cannot write
+    (it takes the format from there)."""
+    check_writable(path, "--plot")
+    pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext not in formats:
+        why = f"matplotlib cannot write .{ext} files" if ext else "the name has no extension to take the format from"
+        raise UserError(f"--plot {path!r}: {why}; end it in .png (or .svg, .pdf, .jpg)")
 
 
 def _integer_x(ax) -> None:
@@ -164,7 +178,6 @@ def plot_bench(rows: list[dict], path: str) -> None:
 
 def _save(fig, path: str) -> None:
     """The figure at path, whole or not at all (its format from path's extension)."""
-    import os
     with atomic_path(path, suffix=os.path.splitext(path)[1]) as tmp:
         fig.savefig(tmp, dpi=110)
 
