@@ -315,6 +315,8 @@ def test_serve_refuses_a_port_in_use_before_loading(capsys):
     finally:
         s.close()
     assert code == 1 and "cannot listen on 127.0.0.1" in one_error(err)
+    code, _, err = run(capsys, "serve", "-m", "synth:tiny", "--max-body-mib", "0")       # it refused every request
+    assert code == 1 and "--max-body-mib must be a positive number" in one_error(err)
 
 
 def test_replay_inputs(capsys, tmp_path):
@@ -322,6 +324,9 @@ def test_replay_inputs(capsys, tmp_path):
     junk.write_bytes(b"not a trace")
     code, _, err = run(capsys, "replay", str(junk), "--slots", "4")
     assert code == 1 and "routing trace" in one_error(err)
+    (tmp_path / "empty.npz").write_bytes(b"")                     # numpy's EOFError
+    code, _, err = run(capsys, "replay", str(tmp_path / "empty.npz"), "--slots", "4")
+    assert code == 1 and "is not a routing trace; record one with generate --trace" in one_error(err)
     trace = tmp_path / "t.npz"
     assert run(capsys, "generate", "-m", "synth:tiny", "-p", "hi", "-n", "3", "--cpu-moe", "--trace", str(trace))[0] == 0
     code, _, err = run(capsys, "replay", str(trace), "--slots", "4", "--policy", "fifo")

@@ -15,6 +15,7 @@ prefetch replay copies ahead from them as the live cache did.
 """
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -127,8 +128,11 @@ def load_trace(path: str) -> Trace:
         g_rows, g_flat = (z["guess_rows"], z["guesses"]) if "guesses" in z.files else (None, None)
         s_rows, s_flat = (z["step_seq_counts"], z["step_seqs"]) if "step_seqs" in z.files else (None, None)
         b_rows, b_flat = (z["begun_counts"], z["begun"]) if "begun" in z.files else (None, None)
-    except (OSError, KeyError, ValueError) as e:
-        raise UserError(f"cannot read routing trace {path!r} ({e}); record one with generate --trace FILE") from None
+    except OSError as e:
+        raise UserError(f"cannot read routing trace {path!r} ({e.strerror or e}); record one with generate --trace "
+                        "FILE") from None
+    except (KeyError, ValueError, EOFError, zipfile.BadZipFile):     # not an .npz, or another program's
+        raise UserError(f"{path!r} is not a routing trace; record one with generate --trace FILE") from None
     ids = np.split(flat, np.cumsum(rows)[:-1]) if len(rows) else []
     guesses = None
     if g_rows is not None:

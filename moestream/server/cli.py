@@ -87,6 +87,8 @@ def main(a: argparse.Namespace) -> int:
         raise UserError(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.prefill_interval < 1:
         raise UserError(f"--prefill-interval must be at least 1, got {a.prefill_interval}")
+    if not 0 < a.max_body_mib < float("inf"):
+        raise UserError(f"--max-body-mib must be a positive number of MiB (default 8), got {a.max_body_mib}")
     if not 0 < a.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {a.port}")
     key = a.api_key or os.environ.get("MOESTREAM_API_KEY") or None
