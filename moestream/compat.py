@@ -127,6 +127,9 @@ def read_chat_template(path: str) -> str:
                         "built-in templates by name)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read --chat-template {path!r}: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():
+        raise UserError(f"--chat-template {path!r} is empty; give a Jinja chat template file (or leave the flag out "
+                        "for the model's own)")
     import jinja2
     try:
         jinja2.Environment().parse(text)

@@ -80,3 +80,13 @@ def test_chat_template_errors():
         with_template(tok, "{% for %}").apply_chat_template([])
     with pytest.raises(UserError, match="chat template"):      # the sandbox refuses internals
         with_template(tok, "{{ messages.__class__.__mro__ }}").apply_chat_template([])
+    for broken in ("{{ messages[0].content + 1 }}", "{{ 1 / 0 }}"):         # the template's own code fails
+        with pytest.raises(UserError, match=r"chat template failed: (TypeError|ZeroDivisionError): .*--chat-templ"):
+            with_template(tok, broken).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_an_empty_chat_template_file_is_refused_as_such(tmp_path):
+    from moestream.compat import read_chat_template
+    (tmp_path / "t.jinja").write_text(" \n")
+    with pytest.raises(UserError, match=r"--chat-template '.*t.jinja' is empty; give a Jinja chat template file"):
+        read_chat_template(str(tmp_path / "t.jinja"))             # not "empty prompt" once it renders nothing

@@ -35,6 +35,11 @@ def render_chat(template: str, messages, special_tokens_map: dict, add_generatio
         return _compile(template).render(context)
     except jinja2.TemplateError as e:
         raise UserError(f"chat template failed: {e}; fix the template or pass --chat-template FILE") from None
+    except UserError:                       # raise_exception's
+        raise
+    except Exception as e:                  # the template's own expressions: a string plus a number, 1 / 0, ...
+        raise UserError(f"chat template failed: {type(e).__name__}: {e}; fix the template or pass --chat-template "
+                        "FILE") from None
 
 
 class _GenerationTag(jinja2.ext.Extension):
