@@ -58,6 +58,19 @@ def test_bad_request(srv, path, body, status):
     assert isinstance(err["message"], str) and set(err) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/completions", {"prompt": [[]]}, "prompt: must be a non-empty string, a list of token ids, a list of str"),
+    ("/v1/completions", {"prompt": None}, "prompt: must be"),          # pydantic's "prompt.constrained-str: ..."
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop: must be a non-empty string or a list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content: must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content: a text content part needs its text"),        # not "only text parts ..., got type 'text'"
+])
+def test_a_value_that_fits_none_of_a_fields_types_names_the_field(srv, path, body, message):
+    err = post(srv, path, body).json()["error"]
+    assert err["message"].startswith(message) and err["param"] == message.split(":")[0], err
+
+
 def test_hostile_transport_and_server_keeps_serving(srv, ref):
     big = b'{"prompt": "' + b"a" * (1 << 20) + b'"}'
     assert post(srv, "/v1/completions", big).status_code == 413                    # Content-Length

@@ -29,7 +29,7 @@ from . import openai_format as fmt
 from .guard import Guard
 from .metrics import CONTENT_TYPE, ServerMetrics, engine_snapshot
 from .scheduler import QueueFull, Request, Scheduler, SchedulerConfig
-from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, validation_message
 
 log = logging.getLogger("moestream.server")
 
@@ -378,14 +378,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_req, e: RequestValidationError):
         errs = e.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        msg = "the body is not valid JSON" if first.get("type") == "json_invalid" else first.get("msg", "invalid")
-        msg = msg.removeprefix("Value error, ")
-        if not where and first.get("type") == "model_attributes_type":
-            msg = "the body must be a JSON object, sent with Content-Type: application/json"
-        return JSONResponse(error_body(f"{where}: {msg}" if where else msg, param=where or None), status_code=400)
+        message, param = validation_message(errs[0] if errs else {"loc": (), "msg": "invalid request"})
+        return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_req, e: HTTPException):

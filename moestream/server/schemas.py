@@ -114,9 +114,11 @@ class Message(_Body):
     @classmethod
     def _text_only(cls, v):
         if isinstance(v, list):
-            bad = [p.type for p in v if p.type != "text" or p.text is None]
+            bad = [p.type for p in v if p.type != "text"]
             if bad:
                 raise ValueError(f"only text content parts are supported, got type {bad[0]!r}")
+            if any(p.text is None for p in v):
+                raise ValueError('a text content part needs its text: {"type": "text", "text": "..."}')
             return "".join(p.text for p in v)
         return v
 
@@ -148,6 +150,30 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     tokens: list[TokenId] = Field(..., max_length=1 << 20)
+
+
+# What a field of several types takes, said when a value fits none of them: pydantic reports each type's failure
+# under a tag of the type's name ("prompt.list[constrained-int].0: Input should be a valid integer"), which names
+# neither the field's types nor, often, the problem.
+TAKES = {"prompt": "a non-empty string, a list of token ids, a list of strings or a list of lists of token ids",
+         "stop": "a non-empty string or a list of at most 16 of them",
+         "content": 'a string or a list of text parts ({"type": "text", "text": "..."})'}
+
+
+def validation_message(error: dict) -> tuple[str, str | None]:
+    """The message and param of a request's first validation error (one of pydantic's error dicts)."""
+    loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    if error.get("type") == "json_invalid":
+        return "the body is not valid JSON", None
+    if not loc and error.get("type") == "model_attributes_type":
+        return "the body must be a JSON object, sent with Content-Type: application/json", None
+    for i, key in enumerate(loc[:-1]):
+        if key in TAKES:                    # followed by a type's tag: the value fits none of the field's types
+            where = ".".join(loc[:i + 1])
+            return f"{where}: must be {TAKES[key]}", where
+    where = ".".join(loc)
+    msg = error.get("msg", "invalid").removeprefix("Value error, ")
+    return (f"{where}: {msg}" if where else msg), where or None
 
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error",
