@@ -215,10 +215,41 @@ def test_prefill_interval_paces_prompts_between_decode_steps(ref):
     assert len(starts) >= 3 and all(n >= 2 for n in between), calls
 
 
+@pytest.mark.parametrize("prompt_len,held", [(4, True), (8, False)])
+def test_the_delay_factor_holds_prompts_until_they_fill_a_batch_or_have_waited(ref, prompt_len, held):
+    """--scheduler-delay-factor F: while a request generates, a prompt waits until it has waited F times the last
+    batch's time (here never: F is huge, so until nobody generates), unless -b tokens wait (8 here): then it is read
+    at once. Either way each request gets the tokens it gets alone."""
+    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=2, ubatch_size=8, batch_size=8)
+    s = Scheduler(llm, n_slots=2, max_queue=4, delay_factor=1e9)
+    s.start()
+    try:
+        first = ref.encode("Once upon")
+        second = list(range(3, 3 + prompt_len))
+        events = queue.Queue()
+        s.submit([Request(first, SamplingParams(max_tokens=30, ignore_eos=True), events.put, index=0, stream=True)])
+        while events.get(timeout=30)[0] != "token":          # the first request generates
+            pass
+        s.submit([Request(second, SamplingParams(max_tokens=3, ignore_eos=True), events.put, index=1, stream=True)])
+        order = []
+        while len([e for e in order if e[0] != "token"]) < 2:
+            order.append(events.get(timeout=30))
+    finally:
+        s.stop()
+    first_done = next(k for k, e in enumerate(order) if e[0] != "token" and e[1] == 0)
+    second_first = next(k for k, e in enumerate(order) if e[1] == 1)
+    assert (second_first > first_done) == held, order
+    done = {e[1]: e for e in order if e[0] != "token"}
+    assert done[0][2].token_ids == ref.generate(first, max_tokens=30, ignore_eos=True).token_ids
+    assert done[1][2].token_ids == ref.generate(second, max_tokens=3, ignore_eos=True).token_ids
+
+
 def test_scheduler_config_rejects_bad_values(llm2):
     from moestream.errors import UserError
     with pytest.raises(UserError, match="prefill_interval must be at least 1"):
         Scheduler(llm2, n_slots=2, prefill_interval=0)
+    with pytest.raises(UserError, match="delay_factor must be at least 0"):
+        Scheduler(llm2, n_slots=2, delay_factor=-1)
 
 
 @pytest.mark.parametrize("kw,budget", [(dict(cpu_moe=True, moe_cache_mib=1), 8), (dict(), 4)])

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-interval", type=int, default=1, metavar="N",
                    help="while requests are generating, read a prompt batch (-b tokens) only after every N decode "
                         "steps, so that prompts delay at most 1 in N of their tokens (default 1: one each step)")
+    p.add_argument("--scheduler-delay-factor", type=float, default=0.0, metavar="F",
+                   help="while requests are generating, hold a prompt batch until its oldest prompt has waited F "
+                        "times the last batch's time, or -b tokens wait (vLLM's flag): prompts arriving a few steps "
+                        "apart share one batch, with host experts one pass of the pool (default 0: no wait)")
     p.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body in MiB (default 8)")
     compat.add_arguments(p, "serve")
     p.set_defaults(func=main)
@@ -87,6 +91,8 @@ def main(a: argparse.Namespace) -> int:
         raise UserError(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.prefill_interval < 1:
         raise UserError(f"--prefill-interval must be at least 1, got {a.prefill_interval}")
+    if not 0 <= a.scheduler_delay_factor < float("inf"):
+        raise UserError(f"--scheduler-delay-factor must be a number >= 0, got {a.scheduler_delay_factor}")
     if not 0 < a.max_body_mib < float("inf"):
         raise UserError(f"--max-body-mib must be a positive number of MiB (default 8), got {a.max_body_mib}")
     if not 0 < a.port < 65536:
@@ -113,7 +119,7 @@ def main(a: argparse.Namespace) -> int:
     from ..cli import load_model
     app = create_app(loader=lambda: load_model(a, ecfg, progress=False, n_seq=a.parallel),
                      sched=SchedulerConfig(a.parallel, a.max_queue, not a.no_cache_prompt, not a.no_warmup,
-                                           a.prefill_interval),
+                                           a.prefill_interval, a.scheduler_delay_factor),
                      api_key=key, model_name=names, max_body=int(a.max_body_mib * (1 << 20)),
                      on_load_error=on_load_error, access_log=not a.no_access_log)
     config = uvicorn.Config(app, log_level="info" if a.verbose else "warning", access_log=False,

@@ -15,9 +15,12 @@ so a layer's experts cross the link once for every prompt in it rather than once
 where nothing crosses the link, a batch holds one ubatch's worth (-ub tokens, of one prompt or several short
 ones). So a long prompt arriving delays the other requests' next token by at most one batch forward; with
 --prefill-interval N, while requests are generating, a prompt batch runs only after every N decode steps (so at
-most 1 in N of their token gaps carries one). Prompt and decode forwards stay separate: mixing them would change
-a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as
-it would alone, so greedy outputs equal `LLM.generate`'s (with -b a multiple of -ub, the cuts are the same).
+most 1 in N of their token gaps carries one); with --scheduler-delay-factor F (vLLM's), only once its oldest prompt
+has waited F times the last batch's time or -b tokens wait, so that prompts arriving a few steps apart share a
+batch (with host experts: one sweep of the pool instead of several). Prompt and decode forwards stay separate:
+mixing them would change a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of
+a prompt batch runs as it would alone, so greedy outputs equal `LLM.generate`'s (with -b a multiple of -ub, the
+cuts are the same).
 
 Each request's stop and detokenize rules are runtime/sequence.py's, as `LLM.generate`'s are. Each slot is a context
 of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
@@ -58,6 +61,7 @@ class Scheduler:
         self.max_queue, self.cache_prompt, self.warm_up = cfg.max_queue, cfg.cache_prompt, cfg.warm_up
         self.slots = [Slot(i) for i in range(cfg.n_slots)]
         self._steps_since_prompt = 0         # decode steps since the last prompt ubatch (--prefill-interval)
+        self._last_prompt_s = 0.0            # how long the last prompt batch took (--scheduler-delay-factor)
         self.pending: collections.deque[Request] = collections.deque()
         self._calls: list[tuple[object, Future]] = []
         self._cv = threading.Condition()
@@ -138,14 +142,30 @@ class Scheduler:
             self._admit()
             filling = sorted((s for s in self.slots if s.state == "prefill"), key=lambda s: s.run.req.t_submit)
             generating = any(s.state == "generating" for s in self.slots)
-            if filling and (not generating or self._steps_since_prompt >= self.cfg.prefill_interval - 1):
+            if filling and (not generating or self._prompts_due(filling)):
+                t0 = time.perf_counter()
                 self._prefill(filling)
-                self._steps_since_prompt = 0
+                if self.cfg.delay_factor:        # the batch's time on the device too, not only its queueing
+                    self.engine.synchronize()
+                self._steps_since_prompt, self._last_prompt_s = 0, time.perf_counter() - t0
             batch = [s for s in self.slots if s.state == "generating"]
             if batch:
                 self._guard(self._decode, batch)
                 self._steps_since_prompt += 1
         self._shutdown()
+
+    def _prompts_due(self, filling: list[Slot]) -> bool:
+        """While requests generate: whether the prompts being read (oldest first) get a batch this turn. After
+        --prefill-interval decode steps since the last batch, and (--scheduler-delay-factor F, vLLM's) once the
+        oldest has waited F times the last batch's time or a whole batch of -b tokens is waiting: prompts that
+        arrive a few steps apart then share one batch, and with host experts one sweep of the pool."""
+        if self._steps_since_prompt < self.cfg.prefill_interval - 1:
+            return False
+        if not self.cfg.delay_factor:
+            return True
+        waited = time.perf_counter() - filling[0].run.req.t_submit
+        waiting = sum(len(s.run.req.prompt) - s.run.done for s in filling)
+        return waited >= self.cfg.delay_factor * self._last_prompt_s or waiting >= self.engine.ecfg.batching.batch_size
 
     def _warm_up(self) -> None:
         """Capture the CUDA graphs of every decode batch size and span now rather than in the middle of serving (a

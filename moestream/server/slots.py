@@ -1,7 +1,7 @@
 """What the scheduler (server/scheduler.py) works with: its config, a request and its result, a slot and the run of
 a request in it.
 
-    cfg = SchedulerConfig(n_slots=4)                 # -np, --max-queue, cache_prompt, warm-up, --prefill-interval
+    cfg = SchedulerConfig(n_slots=4)     # -np, --max-queue, cache_prompt, warm-up, --prefill-interval, delay
     req = Request(prompt_ids, SamplingParams(max_tokens=16), emit=callback)
     slot.run = Run(req, engine, tokenizer, n_cached)  # a request in a slot: its prompt progress and sequence state
 """
@@ -26,11 +26,14 @@ class SchedulerConfig:
     cache_prompt: bool = True                 # reuse a slot's KV for the prefix a new prompt shares with its last
     warm_up: bool = True                      # capture the decode graphs of every batch size before serving
     prefill_interval: int = 1                 # while requests generate: a prompt batch after every N decode steps
+    delay_factor: float = 0.0                 # while requests generate: a prompt batch waits until its oldest prompt
+                                              # has waited F x the last batch's time, or a whole batch (-b) waits
 
     def __post_init__(self):
-        for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1)):
-            if getattr(self, name) < low:
-                raise UserError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1), ("delay_factor", 0)):
+            value = getattr(self, name)
+            if not low <= value < float("inf"):
+                raise UserError(f"{name} must be at least {low}, got {value}")
 
 
 class QueueFull(Exception):
