@@ -214,8 +214,10 @@ def test_trace_replay_with_prefetch_predicts_the_live_cache(tmp_path, mib, looka
 def test_bad_trace_file_is_a_user_error(tmp_path):
     p = tmp_path / "x.npz"
     p.write_bytes(b"not a trace")
-    with pytest.raises(UserError, match="cannot read routing trace"):
+    with pytest.raises(UserError, match="is not a routing trace; record one with generate --trace"):
         load_trace(str(p))
+    with pytest.raises(UserError, match="cannot read routing trace"):
+        load_trace(str(tmp_path / "missing.npz"))
 
 
 def test_reconfigure_cache_keeps_logits_and_restarts_counters():
