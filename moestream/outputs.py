@@ -18,19 +18,27 @@ _UMASK = os.umask(0)                        # (read once: the only way to read i
 os.umask(_UMASK)
 
 
-def check_writable(path: str, flag: str) -> None:
+def check_writable(path: str, flag: str, shown: str | None = None) -> None:
     """Refuse `path` (given with `flag`) if a file cannot be created there: a missing or read-only directory, a
-    directory in its place. Probed by creating (and removing) a file next to it, so permissions are the real ones."""
+    directory in its place. Probed by creating (and removing) a file next to it, so permissions are the real ones.
+    shown: the path the user gave, where `path` is a probe inside the directory that will hold it."""
+    shown = shown or path
     if os.path.isdir(path):
-        raise UserError(f"{flag} {path!r} is a directory; give a file name")
+        raise UserError(f"{flag} {shown!r} is a directory; give a file name")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UserError(f"{flag} {path!r}: the directory {folder!r} does not exist")
+        raise UserError(f"{flag} {shown!r}: the directory {folder!r} does not exist")
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".moestream-probe-"):
             pass
     except OSError as e:
-        raise UserError(f"{flag} {path!r}: cannot write in {folder!r} ({e.strerror})") from None
+        raise UserError(f"{flag} {shown!r}: cannot write in {folder!r} ({e.strerror})") from None
+
+
+def as_created(path, directory: bool = False) -> None:
+    """Give `path` the permissions open() or mkdir() would have (0666 / 0777 less the umask): mkstemp's and
+    mkdtemp's, and safetensors' files, are the owner's alone, so another user could not read a model written."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_UMASK)
 
 
 @contextlib.contextmanager
@@ -42,7 +50,7 @@ def atomic_path(path: str, suffix: str = ""):
     os.close(fd)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_UMASK)      # as open() would have made it (mkstemp's file is the owner's alone)
+        as_created(tmp)
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import numpy as np
@@ -248,6 +249,11 @@ def test_make_model(tmp_path):
     assert GGUFSource(tmp_path / "t.gguf").config == SynthSource.from_spec("tiny").config
     make_model("synth:tiny:layers=2", tmp_path / "hf", progress=False)
     assert HFSource(tmp_path / "hf").config.n_layers == 2
+    umask = os.umask(0)
+    os.umask(umask)                    # as open() and mkdir() make them: others may read the model (umask 022)
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == {0o666 & ~umask}
+    assert (tmp_path / "t.gguf").stat().st_mode & 0o777 == 0o666 & ~umask
     with pytest.raises(UserError, match="already exists"):
         make_model("tiny", tmp_path / "hf", "hf", progress=False)
 

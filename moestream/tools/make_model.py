@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..loading.source import open_source
-from ..outputs import check_writable
+from ..outputs import as_created, check_writable
 
 FORMATS = ("hf", "gguf")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
@@ -48,7 +48,7 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
     existing = out.parent
     while not existing.exists() and existing != existing.parent:       # the folders OUT needs are made
         existing = existing.parent
-    check_writable(str(existing / ".moestream-out"), "OUT")
+    check_writable(str(existing / ".moestream-out"), "OUT", shown=str(out))
     source = open_source(resolve_spec(preset_spec))
     if fmt == "gguf":                       # write_gguf writes OUT.partial, renamed when whole
         from ..loading.gguf_write import write_gguf
@@ -61,6 +61,9 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.part"))
     try:
         write_hf(source, tmp, dtype=dtype, progress=progress)
+        as_created(tmp, directory=True)
+        for f in tmp.iterdir():
+            as_created(f)
         os.replace(tmp, out)                 # onto nothing, or an empty directory
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
