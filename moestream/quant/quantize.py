@@ -76,6 +76,20 @@ def _bits(bits: torch.Tensor) -> torch.Tensor:
     return _bytes((bits.reshape(bits.shape[0], -1, 8).int() << shifts).sum(-1))
 
 
+def _bit_planes(bits: torch.Tensor) -> torch.Tensor:
+    """(B, 256) 0/1 integers -> (B, 32) bytes, bit b of byte m being value 32 b + m (Q5_K's qh, Q3_K's hmask)."""
+    planes = bits.reshape(bits.shape[0], 8, 32) << torch.arange(8, device=bits.device, dtype=torch.int32).view(1, 8, 1)
+    return _bytes(planes.sum(1))
+
+
+def _two_bits(L: torch.Tensor) -> torch.Tensor:
+    """(B, 256) 2-bit codes -> (B, 64) bytes: in each 128 values, byte l holds values l, 32 + l, 64 + l, 96 + l from
+    its lowest bits up (Q2_K's and Q3_K's qs, Q6_K's qh)."""
+    L = L.reshape(L.shape[0], 2, 4, 32)
+    shifts = torch.arange(0, 8, 2, device=L.device, dtype=torch.int32).view(1, 1, 4, 1)
+    return _bytes((L << shifts).sum(2)).reshape(L.shape[0], 64)
+
+
 def _roundf(v: torch.Tensor) -> torch.Tensor:
     """C's roundf (half away from zero), computed the way gguf's np_roundf does, for Q8_0's bit-exactness."""
     a = v.abs()
@@ -263,9 +277,7 @@ def _q5_k(x):
     d, dmin, ls, lm, L, v = _k_scales(x, 31, -0.5, 0.1, 15)
     head = torch.cat([d.view(torch.uint8), dmin.view(torch.uint8), _k_scale_bytes(ls, lm)], -1)
     # qh: bit 2c (2c + 1) of byte j is the 5th bit of value 64c + j (64c + 32 + j)
-    high = (L >> 4).reshape(-1, 8, 32)
-    qh = _bytes((high << torch.arange(8, device=x.device, dtype=torch.int32).view(1, 8, 1)).sum(1))
-    return torch.cat([head, qh, _k_low_nibbles(L)], -1), v
+    return torch.cat([head, _bit_planes(L >> 4), _k_low_nibbles(L)], -1), v
 
 
 def _q6_k(x):
@@ -286,8 +298,7 @@ def _q6_k(x):
     # qh byte l = the top 2 bits of values l, 32 + l, 64 + l, 96 + l
     L = L.reshape(B, 2, 4, 32)
     ql = torch.cat([_nibbles(L[:, :, 0], L[:, :, 2]), _nibbles(L[:, :, 1], L[:, :, 3])], -1).reshape(B, 128)
-    shifts = torch.tensor([0, 2, 4, 6], device=x.device, dtype=torch.int32).view(1, 1, 4, 1)
-    qh = _bytes(((L >> 4) << shifts).sum(2)).reshape(B, 64)
+    qh = _two_bits(L >> 4)
     return torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), d.view(torch.uint8)], -1), v
 
 

@@ -17,15 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import GROUP_MAX_EPS, _abs_max, _bytes, _div, _make_qkx2
-
-
-def _two_bits(L: torch.Tensor) -> torch.Tensor:
-    """(B, 256) 2-bit codes -> (B, 64) qs: in each 128 values, byte l holds values l, 32 + l, 64 + l, 96 + l from
-    its lowest bits up."""
-    L = L.reshape(L.shape[0], 2, 4, 32)
-    shifts = torch.arange(0, 8, 2, device=L.device, dtype=torch.int32).view(1, 1, 4, 1)
-    return _bytes((L << shifts).sum(2)).reshape(L.shape[0], 64)
+from .quantize import GROUP_MAX_EPS, _abs_max, _bit_planes, _bytes, _div, _make_qkx2, _two_bits
 
 
 def q2_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,9 +95,7 @@ def q3_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     L = torch.where(dl == 0, L, requant)                              # a zero step keeps the search's codes
     v = (dl * (L - 4)).reshape(B, 256)
     L = L.int().reshape(B, 256)
-    # hmask: bit b of byte m is the third bit of value 32 b + m
-    high = (L >> 2).reshape(B, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32).view(1, 8, 1)
-    hmask = _bytes(high.sum(1))
+    hmask = _bit_planes(L >> 2)                                       # bit b of byte m: value 32 b + m's third bit
     # scales: bytes 0-7 the low 4 bits of codes 0-7 (low nibble) and 8-15 (high nibble); byte 8 + m the top 2 bits
     # of codes m, 4 + m, 8 + m, 12 + m from its lowest bits up
     low = _bytes((ls[:, :8] & 15) | ((ls[:, 8:] & 15) << 4))
