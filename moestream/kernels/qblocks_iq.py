@@ -28,13 +28,13 @@ if triton is not None:
         return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _f16(p, m):
-        """The little-endian float16 at p, as float32 (exact)."""
-        return _half(_u8(p, m) | (_u8(p + 1, m) << 8))
-
-    @triton.jit
     def _u16(p, m):
         return _u8(p, m) | (_u8(p + 1, m) << 8)
+
+    @triton.jit
+    def _f16(p, m):
+        """The little-endian float16 at p, as float32 (exact)."""
+        return _half(_u16(p, m))
 
     @triton.jit
     def _sign(bits, e):
