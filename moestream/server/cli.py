@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "steps, so that prompts delay at most 1 in N of their tokens (default 1: one each step)")
     p.add_argument("--scheduler-delay-factor", type=float, default=0.0, metavar="F",
                    help="while requests are generating, hold a prompt batch until its oldest prompt has waited F "
-                        "times the last batch's time, or -b tokens wait (vLLM's flag): prompts arriving a few steps "
-                        "apart share one batch, with host experts one pass of the pool (default 0: no wait)")
+                        "times the last batch's time, or a whole batch waits (vLLM's flag): prompts arriving a few "
+                        "steps apart share one batch, with host experts one pass of the pool (default 0: no wait)")
     p.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body in MiB (default 8)")
     compat.add_arguments(p, "serve")
     p.set_defaults(func=main)

@@ -16,7 +16,7 @@ where nothing crosses the link, a batch holds one ubatch's worth (-ub tokens, of
 ones). So a long prompt arriving delays the other requests' next token by at most one batch forward; with
 --prefill-interval N, while requests are generating, a prompt batch runs only after every N decode steps (so at
 most 1 in N of their token gaps carries one); with --scheduler-delay-factor F (vLLM's), only once its oldest prompt
-has waited F times the last batch's time or -b tokens wait, so that prompts arriving a few steps apart share a
+has waited F times the last batch's time or a whole batch waits, so that prompts arriving a few steps apart share a
 batch (with host experts: one sweep of the pool instead of several). Prompt and decode forwards stay separate:
 mixing them would change a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of
 a prompt batch runs as it would alone, so greedy outputs equal `LLM.generate`'s (with -b a multiple of -ub, the
@@ -157,7 +157,7 @@ class Scheduler:
     def _prompts_due(self, filling: list[Slot]) -> bool:
         """While requests generate: whether the prompts being read (oldest first) get a batch this turn. After
         --prefill-interval decode steps since the last batch, and (--scheduler-delay-factor F, vLLM's) once the
-        oldest has waited F times the last batch's time or a whole batch of -b tokens is waiting: prompts that
+        oldest has waited F times the last batch's time or a whole batch's tokens wait (_budget): prompts that
         arrive a few steps apart then share one batch, and with host experts one sweep of the pool."""
         if self._steps_since_prompt < self.cfg.prefill_interval - 1:
             return False
@@ -165,7 +165,13 @@ class Scheduler:
             return True
         waited = time.perf_counter() - filling[0].run.req.t_submit
         waiting = sum(len(s.run.req.prompt) - s.run.done for s in filling)
-        return waited >= self.cfg.delay_factor * self._last_prompt_s or waiting >= self.engine.ecfg.batching.batch_size
+        return waited >= self.cfg.delay_factor * self._last_prompt_s or waiting >= self._budget()
+
+    def _budget(self) -> int:
+        """The prompt tokens a batch takes: -b with host experts; all on the device nothing crosses the link, so a
+        bigger batch saves nothing: one ubatch's worth (-ub), and the decode steps in between wait for at most one."""
+        batching = self.engine.ecfg.batching
+        return batching.batch_size if self.engine.host is not None else batching.ubatch
 
     def _warm_up(self) -> None:
         """Capture the CUDA graphs of every decode batch size and span now rather than in the middle of serving (a
@@ -231,11 +237,8 @@ class Scheduler:
     def _prefill(self, filling: list[Slot]) -> None:
         """One prompt batch (runtime/prompt_batch.py): the next ubatches of the prompts being read, oldest request
         first, up to -b tokens. Each ubatch is the one its slot would run alone, so each gets the same bits."""
-        batching = self.engine.ecfg.batching
-        # All on the device nothing crosses the link, so a bigger batch saves nothing: one ubatch's worth a turn,
-        # and the decode steps in between wait for at most one ubatch.
-        budget = batching.batch_size if self.engine.host is not None else batching.ubatch
-        parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], batching.ubatch, budget)
+        parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], self.engine.ecfg.batching.ubatch,
+                           self._budget())
         ends = reached(parts)
         self._guard(self._run_prompts, [s for s in filling if s.id in ends], parts, ends)
 

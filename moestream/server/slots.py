@@ -27,7 +27,7 @@ class SchedulerConfig:
     warm_up: bool = True                      # capture the decode graphs of every batch size before serving
     prefill_interval: int = 1                 # while requests generate: a prompt batch after every N decode steps
     delay_factor: float = 0.0                 # while requests generate: a prompt batch waits until its oldest prompt
-                                              # has waited F x the last batch's time, or a whole batch (-b) waits
+                                              # has waited F x the last batch's time, or a whole batch waits
 
     def __post_init__(self):
         for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1), ("delay_factor", 0)):
