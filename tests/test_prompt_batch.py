@@ -20,8 +20,8 @@ PLACES = {
 PROMPTS = {0: list(range(3, 10)), 1: [40, 41, 42, 43, 44], 2: list(range(60, 67))}    # 2 continues from 2 tokens
 
 
-def make(model="synth:tiny", **kw) -> LLM:
-    return LLM(model, ubatch_size=UB, batch_size=64, ctx_size=64, n_seq=3, device="cpu", **kw)
+def make(model="synth:tiny", device="cpu", **kw) -> LLM:
+    return LLM(model, ubatch_size=UB, batch_size=64, ctx_size=64, n_seq=3, device=device, **kw)
 
 
 def parts_of(prompts: dict[int, list[int]], starts: dict[int, int]) -> list[tuple[int, int, list[int]]]:
@@ -60,6 +60,51 @@ def test_prompt_batch_seeds_each_sequence_with_its_own_tail():
         assert want.sum() > 0 and np.array_equal(got, want), q
     both = batch.engine.routing.prompts
     assert np.array_equal(both[0].current, both[1].current) and both[0].current.sum() > 0
+
+
+PAUSING = {k: v for k, v in PLACES.items() if k != "host, no cache"}      # (there prompts cannot pause)
+PAUSING["host, cache 32 MiB, zero-copy decode"] = dict(cpu_moe=True, moe_cache_mib=32, zero_copy_decode=True)
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("model", ["synth:tiny", "synth:tiny-next"])
+@pytest.mark.parametrize("place", list(PAUSING))
+def test_a_prompt_batch_paused_for_decode_steps_gives_its_bits_and_routing_unpaused(model, place, device):
+    """engine.prompt_steps (the server's --prefill-layers), paused after every layer for a decode step of another
+    sequence: each part's logits, and each step's, are the bits they are with the batch run whole before the steps;
+    each sequence's prompt routing (the prefetch seeds, the hot set's tail) is recorded as unpaused. (On CUDA the
+    steps are zero-copy and captured, and the prompt's copies ahead may be in flight across them.)"""
+    paused, whole = make(model, device, **PAUSING[place]), make(model, device, **PAUSING[place])
+    assert paused.engine.pauses_prompts
+    generating = list(range(20, 26))                     # sequence 2 generates while 0 and 1 read their prompts
+    for eng in (paused.engine, whole.engine):
+        eng.prefill(2, generating, 0)
+    parts = parts_of({0: PROMPTS[0], 1: PROMPTS[1]}, {0: 0, 1: 0})
+    steps, got_steps = paused.engine.prompt_steps(parts, 1), []
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            got = done.value
+            break
+        pos = len(generating) + len(got_steps)
+        got_steps.append(paused.engine.decode([(2, 5 + len(got_steps), pos)]))
+    n = paused.model_config.n_layers
+    assert len(got_steps) == n - 1
+    want = whole.engine.prefill_parts(parts)
+    want_steps = [whole.engine.decode([(2, 5 + i, len(generating) + i)]) for i in range(n - 1)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == len(want)
+    assert all(torch.equal(g, w) for g, w in zip(got_steps, want_steps))
+    for q in (0, 1):
+        a, b = paused.engine.routing.prompts[q], whole.engine.routing.prompts[q]
+        for field in ("current", "last_ubatch", "tail"):
+            assert np.array_equal(getattr(a, field), getattr(b, field)), (q, field)
+        assert a.ubatches == b.ubatches == (paused.engine.host is not None)     # (the cache records them)
+        assert (a.current.sum() > 0) == (paused.engine.host is not None)
 
 
 @pytest.mark.parametrize("place", ["all on the device", "host, cache 32 MiB (all)"])

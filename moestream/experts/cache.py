@@ -92,6 +92,16 @@ class ExpertCache(ExpertProvider):
             self.flush_decode()                 # this ubatch decides on the host: the last zero-copy step first
         self.prompt.begin_ubatch(seq, n_tokens, is_prompt, seqs)
 
+    def suspend(self):
+        """A prompt ubatch pauses between layers (Engine.prompt_steps): the prompt path's state, which the decode
+        steps in between reset. Over the pool the two are peers as between any prompt and decode step: slots a
+        forward reads are pinned until it has read them, and a zero-copy table points only at landed copies."""
+        return self.prompt.save()
+
+    def resume(self, state) -> None:
+        self.flush_decode()                     # as begin_ubatch: the prompt decides on the host, after the steps
+        self.prompt.restore(state)
+
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         if self._in_place(n_tokens):
             return 0                            # a zero-copy decode step has no host step to copy ahead from

@@ -12,6 +12,8 @@ planner's (planner.py); the slots, copies and pins are the pool's (slots.py), wh
 """
 from __future__ import annotations
 
+import copy
+
 import time
 
 import numpy as np
@@ -85,6 +87,17 @@ class PromptPath:
         if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now, the next
             self._prefetch(self.layers[0], self._predicted(self.layers[0]))      # ones as fill
             self.fill = [(l, self._predicted(l)) for l in self.layers[1:self.prefetch.lookahead_layers]]
+
+    # A prompt ubatch paused between layers (ExpertCache.suspend): what begin_ubatch, prepare and fetch set.
+    _STATE = ("seq", "is_prompt", "n_tokens", "seed", "rows", "predicted", "pending", "fill")
+
+    def save(self) -> tuple:
+        """(the dict and list copied: an eager decode step in between changes them in place)"""
+        return tuple(copy.copy(getattr(self, name)) for name in self._STATE)
+
+    def restore(self, state: tuple) -> None:
+        for name, value in zip(self._STATE, state):
+            setattr(self, name, value)
 
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         """How many MoE layers ahead to guess experts through their routers (0: none): one for decode-sized

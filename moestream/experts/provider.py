@@ -98,6 +98,8 @@ class ExpertProvider:
     lookahead_layers, fetch (or addresses and landing in a zero-copy step) and experts_launched for each of the
     provider's layers."""
 
+    pauses = True       # a prompt ubatch may pause between layers for other forwards (suspend / resume)
+
     def __init__(self):
         self.stats = CacheStats()
 
@@ -151,6 +153,14 @@ class ExpertProvider:
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         """A forward of n_tokens begins; seq: its first segment's sequence; seqs: each token's sequence, where
         it has several (a decode step; a prompt batch of several sequences' ubatches), else None."""
+
+    def suspend(self):
+        """The prompt ubatch in progress pauses between two layers while other forwards run (the server's decode
+        steps: Engine.prompt_steps): what resume() needs to go on with it. Only where `pauses`."""
+        return None
+
+    def resume(self, state) -> None:
+        """Go on with the prompt ubatch that suspend() paused, after other forwards."""
 
     def shares_step(self) -> bool:
         """Whether the next zero-copy step has the host's cores compute some of its experts (--host-compute): a

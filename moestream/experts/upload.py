@@ -46,6 +46,7 @@ class UploadPerUbatch(ExpertProvider):
     the same as for a GPU-resident layer (hence bit-identical results). Zero-copy decode reads host rows in place,
     and stages them (kernels/stage.py) in the first set.
     """
+    pauses = False      # a decode step between a prompt's layers would stage into the rows the prompt reads
 
     def __init__(self, store: ExpertStore, n_experts: int, device, top_k: int = 8, staged: bool = False,
                  buf: torch.Tensor | None = None, second: bool = False,

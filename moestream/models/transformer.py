@@ -105,6 +105,13 @@ class MoETransformer:
         one part after the other (a part's attention reads the keys its predecessors wrote in the layer, and a
         DeltaNet layer's state continues from theirs, before it runs). The logits of each part's out_rows, in
         order. A decode step is one part; the first part's by_address, fused and observer serve all."""
+        return drain(self.layer_steps(parts, kv, experts, kernel))
+
+    def layer_steps(self, parts: list[Batch], kv, experts, kernel):
+        """forward_parts as a generator: it yields each layer's index once the layer's work is queued and returns
+        the logits (StopIteration.value; `drain` runs it through). Between two layers the caller may run other
+        sequences' forwards (the server's decode steps while a prompt batch is read): these parts' state is this
+        generator's alone, so their ops and bits are those of forward_parts."""
         cfg = self.cfg
         by_address, fused, observer = parts[0].by_address, parts[0].fused, parts[0].observer
         hs = [self.w["token_embd.weight"][p.tokens] for p in parts]          # (T, H) each
@@ -123,6 +130,7 @@ class MoETransformer:
                 for j in range(len(parts)):
                     hs[j], m = self._add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
                     deltas[j] = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
+                yield i
                 continue
             routed = addrs = None
             ms = []
@@ -138,6 +146,7 @@ class MoETransformer:
                 ms.append(m)
             weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed)
             deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs)
+            yield i
         outs = []
         for p, h, delta in zip(parts, hs, deltas):
             if len(p.out_rows):         # (a shape, known on the host)
@@ -226,3 +235,12 @@ class MoETransformer:
             outs.append(attention(qs, kk, vv)[0].transpose(0, 1))           # (n, nh, hd)
             r += s.n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def drain(steps):
+    """Run a generator through; its return value (a forward's logits from MoETransformer.layer_steps)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

@@ -164,6 +164,12 @@ class Engine:
     def _run(self, segments: list[Segment], batches: list[Batch], is_prompt: bool, observer) -> torch.Tensor:
         """The model's forward of `batches` (their segments: `segments`), with the cache and the providers and
         observers told around it, each of them once for all the batches' tokens."""
+        self._begin(segments, is_prompt, observer)
+        logits = self.model.forward_parts(batches, self.kv, self.experts, self.kernel)
+        self.kv.end(segments)
+        return logits
+
+    def _begin(self, segments: list[Segment], is_prompt: bool, observer) -> None:
         seq, n = segments[0].seq, sum(s.n for s in segments)
         # A recurrent state: each segment continues its sequence, or starts it again at 0 (checked before any
         # provider or observer starts a ubatch; a failed check changes nothing).
@@ -175,9 +181,6 @@ class Engine:
             self.host.begin_ubatch(seq, n, is_prompt, seqs)
         if observer is not None:
             observer.begin_ubatch(seq, n, is_prompt, seqs)
-        logits = self.model.forward_parts(batches, self.kv, self.experts, self.kernel)
-        self.kv.end(segments)
-        return logits
 
     def check_context(self, n_tokens: int) -> None:
         if n_tokens > self.kv.ctx:
@@ -232,11 +235,47 @@ class Engine:
         forward_parts): the providers and observers see one ubatch of all their tokens. The logits of every token
         (all_logits), of each part's last token (every_part), or of the last part's last token. whole:
         segments_of(parts), where the caller has it."""
-        batches = [Batch.make([Segment(q, s, len(t))], t, self.device.torch, all_logits, observer=self.observers,
-                              logits=all_logits or every_part or k == len(parts) - 1)
-                   for k, (q, s, t) in enumerate(parts)]
         whole = whole or segments_of(parts, self.ecfg.batching.ubatch)
-        return self._run(whole, batches, True, self.observers)
+        return self._run(whole, self._part_batches(parts, all_logits, every_part), True, self.observers)
+
+    def _part_batches(self, parts, all_logits: bool, every_part: bool) -> list[Batch]:
+        return [Batch.make([Segment(q, s, len(t))], t, self.device.torch, all_logits, observer=self.observers,
+                           logits=all_logits or every_part or k == len(parts) - 1)
+                for k, (q, s, t) in enumerate(parts)]
+
+    @property
+    def pauses_prompts(self) -> bool:
+        """Whether prompt_steps may pause a prompt batch between layers: the host provider keeps its ubatch's
+        state aside (ExpertProvider.pauses), and no observer but the routing counts sees forwards (a routing trace
+        records whole ubatches)."""
+        return (self.host is None or self.host.pauses) and len(self.observers.observers) == 1
+
+    @torch.inference_mode()
+    def prompt_steps(self, parts: list[tuple[int, int, list[int]]], every: int):
+        """prefill_parts as steps (a generator): it pauses (yields) after every `every` layers and returns what
+        prefill_parts returns. While it is paused the caller may run decode steps of other sequences (the server,
+        so that reading a prompt batch does not stall the requests generating): the host provider's prompt state
+        is set aside meanwhile (ExpertProvider.suspend / resume). The parts run layer by layer as in
+        forward_parts, with its ops: the same bits as prefill_parts. Only where pauses_prompts."""
+        whole = segments_of(parts, self.ecfg.batching.ubatch)
+        for seg in whole:
+            self.check_context(seg.start + seg.n)
+        batches = self._part_batches(parts, False, True)
+        self._begin(whole, True, self.observers)
+        layers = self.model.layer_steps(batches, self.kv, self.experts, self.kernel)
+        while True:
+            try:
+                layer = next(layers)
+            except StopIteration as done:
+                logits = done.value
+                break
+            if (layer + 1) % every == 0 and layer + 1 < self.cfg.n_layers:
+                state = self.host.suspend() if self.host is not None else None
+                yield layer
+                if self.host is not None:
+                    self.host.resume(state)
+        self.kv.end(whole)
+        return list(logits.split(1))
 
     def decode(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
         """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""

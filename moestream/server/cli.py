@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="while requests are generating, hold a prompt batch until its oldest prompt has waited F "
                         "times the last batch's time, or a whole batch waits (vLLM's flag): prompts arriving a few "
                         "steps apart share one batch, with host experts one pass of the pool (default 0: no wait)")
+    p.add_argument("--prefill-layers", type=int, default=0, metavar="N",
+                   help="while requests are generating, read a prompt batch N layers at a time, one decode step of "
+                        "theirs between (so a long prompt delays their next token by N layers' work, not by the "
+                        "whole batch's); only with an expert cache or all on the GPU (default 0: whole batches)")
     p.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body in MiB (default 8)")
     compat.add_arguments(p, "serve")
     p.set_defaults(func=main)
@@ -91,6 +95,8 @@ def main(a: argparse.Namespace) -> int:
         raise UserError(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.prefill_interval < 1:
         raise UserError(f"--prefill-interval must be at least 1, got {a.prefill_interval}")
+    if a.prefill_layers < 0:
+        raise UserError(f"--prefill-layers must be at least 0, got {a.prefill_layers}")
     if not 0 <= a.scheduler_delay_factor < float("inf"):
         raise UserError(f"--scheduler-delay-factor must be a number >= 0, got {a.scheduler_delay_factor}")
     if not 0 < a.max_body_mib < float("inf"):
@@ -119,7 +125,7 @@ def main(a: argparse.Namespace) -> int:
     from ..cli import load_model
     app = create_app(loader=lambda: load_model(a, ecfg, progress=False, n_seq=a.parallel),
                      sched=SchedulerConfig(a.parallel, a.max_queue, not a.no_cache_prompt, not a.no_warmup,
-                                           a.prefill_interval, a.scheduler_delay_factor),
+                                           a.prefill_interval, a.scheduler_delay_factor, a.prefill_layers),
                      api_key=key, model_name=names, max_body=int(a.max_body_mib * (1 << 20)),
                      on_load_error=on_load_error, access_log=not a.no_access_log)
     config = uvicorn.Config(app, log_level="info" if a.verbose else "warning", access_log=False,

@@ -7,7 +7,7 @@
     sched.stop()
 
 One loop turn: run queued calls (snapshots for /slots and /metrics), drop cancelled requests, give waiting requests
-to idle slots, run ONE prompt batch, then ONE decode step of every slot that is generating, batched into one forward
+to idle slots, run ONE prompt batch (or its next N layers), then ONE decode step of every slot that is generating, batched into one forward
 (`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for that step serve every request in it.
 A prompt batch is llama-server's: up to -b tokens of the prompts being read, oldest request first, each cut into
 ubatches (-ub) from where its slot stands (`engine.prefill_parts`). With host experts the batch runs layer by layer,
@@ -17,7 +17,10 @@ ones). So a long prompt arriving delays the other requests' next token by at mos
 --prefill-interval N, while requests are generating, a prompt batch runs only after every N decode steps (so at
 most 1 in N of their token gaps carries one); with --scheduler-delay-factor F (vLLM's), only once its oldest prompt
 has waited F times the last batch's time or a whole batch waits, so that prompts arriving a few steps apart share a
-batch (with host experts: one sweep of the pool instead of several). Prompt and decode forwards stay separate:
+batch (with host experts: one sweep of the pool instead of several). With --prefill-layers N, while requests
+generate, a batch runs N layers a loop turn (engine.prompt_steps), so that their token gaps each carry N layers of
+it rather than one carrying the whole batch; its slots take no other request until it ends. Prompt and decode
+forwards stay separate:
 mixing them would change a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of
 a prompt batch runs as it would alone, so greedy outputs equal `LLM.generate`'s (with -b a multiple of -ub, the
 cuts are the same).
@@ -45,7 +48,7 @@ from ..runtime import threads
 from ..runtime.prompt_batch import next_batch, reached
 from ..runtime.sampling import Sampler, token_logprobs
 from .routing import slot_routing
-from .slots import QueueFull, Request, Result, Run, SchedulerConfig, Slot, history
+from .slots import PromptJob, QueueFull, Request, Result, Run, SchedulerConfig, Slot, at_once, history
 
 log = logging.getLogger("moestream.server")
 
@@ -62,6 +65,7 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(cfg.n_slots)]
         self._steps_since_prompt = 0         # decode steps since the last prompt ubatch (--prefill-interval)
         self._last_prompt_s = 0.0            # how long the last prompt batch took (--scheduler-delay-factor)
+        self._job: PromptJob | None = None   # the prompt batch being read (--prefill-layers: across decode steps)
         self.pending: collections.deque[Request] = collections.deque()
         self._calls: list[tuple[object, Future]] = []
         self._cv = threading.Condition()
@@ -70,6 +74,9 @@ class Scheduler:
         self._sampler = Sampler()
         self.routing = eng.routing           # per-slot expert counts (/slots), of the engine's routing store
         self.routing.clear_requests()        # a new server's slots start from zero
+        if cfg.prefill_layers and not eng.pauses_prompts:
+            log.warning("--prefill-layers %d: this engine reads each prompt batch whole (its experts are uploaded "
+                        "per ubatch without --moe-cache-mib, or a routing trace is recorded)", cfg.prefill_layers)
 
     # --- the HTTP side (any thread) ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -140,14 +147,13 @@ class Scheduler:
                     fut.set_exception(e)
             self._reap()
             self._admit()
-            filling = sorted((s for s in self.slots if s.state == "prefill"), key=lambda s: s.run.req.t_submit)
             generating = any(s.state == "generating" for s in self.slots)
-            if filling and (not generating or self._prompts_due(filling)):
-                t0 = time.perf_counter()
-                self._prefill(filling)
-                if self.cfg.delay_factor:        # the batch's time on the device too, not only its queueing
-                    self.engine.synchronize()
-                self._steps_since_prompt, self._last_prompt_s = 0, time.perf_counter() - t0
+            if self._job is None:
+                filling = sorted((s for s in self.slots if s.state == "prefill"), key=lambda s: s.run.req.t_submit)
+                if filling and (not generating or self._prompts_due(filling)):
+                    self._prefill(filling, paced=generating)
+            if self._job is not None:
+                self._guard(self._read_prompts, self._job.slots, not generating)
             batch = [s for s in self.slots if s.state == "generating"]
             if batch:
                 self._guard(self._decode, batch)
@@ -213,7 +219,8 @@ class Scheduler:
         engine's reusable_prefix: a common prefix, or for a hybrid model an exact continuation), else the LRU."""
         while True:
             with self._cv:                   # under the lock: submit() counts free slots as places to wait in
-                idle = [s for s in self.slots if s.run is None]
+                busy = self._job.runs if self._job is not None else ()     # (sequences still being written)
+                idle = [s for s in self.slots if s.run is None and s.id not in busy]
                 if not idle or not self.pending:
                     return
                 req = self.pending.popleft()
@@ -234,25 +241,41 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.on_admit(req, n)
 
-    def _prefill(self, filling: list[Slot]) -> None:
-        """One prompt batch (runtime/prompt_batch.py): the next ubatches of the prompts being read, oldest request
-        first, up to -b tokens. Each ubatch is the one its slot would run alone, so each gets the same bits."""
+    def _prefill(self, filling: list[Slot], paced: bool) -> None:
+        """The next prompt batch (runtime/prompt_batch.py): the next ubatches of the prompts being read, oldest
+        request first, up to -b tokens. Each ubatch is the one its slot would run alone, so each gets the same bits.
+        paced (requests are generating) and --prefill-layers N: it runs N layers a loop turn, between decode steps."""
         parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], self.engine.ecfg.batching.ubatch,
                            self._budget())
         ends = reached(parts)
-        self._guard(self._run_prompts, [s for s in filling if s.id in ends], parts, ends)
+        every = self.cfg.prefill_layers if paced and self.engine.pauses_prompts else 0
+        steps = self.engine.prompt_steps(parts, every) if every else at_once(self.engine.prefill_parts, parts)
+        self._job = PromptJob(steps, [s for s in filling if s.id in ends], parts)
 
-    def _run_prompts(self, slots: list[Slot], parts, ends: dict[int, tuple[int, int]]) -> None:
-        owner = slots[0].id if len(slots) == 1 else [q for q, _, t in parts for _ in t]
+    def _read_prompts(self, slots: list[Slot], whole: bool) -> None:
+        """The prompt batch being read: to its next pause, or to its end (whole: nobody generates). At its end each
+        slot's prompt has got that far, and a prompt read to its end samples the request's first token."""
+        job, self._job = self._job, None      # (a failure drops it: _guard fails its slots' requests)
         threads.use("prompt")
-        with self.routing.counting(owner):
-            logits = self.engine.prefill_parts(parts)                                   # (1, V) each part
+        t0 = time.perf_counter()
+        with self.routing.counting(job.owner):
+            logits = job.advance(whole)
+        if self.cfg.delay_factor:            # the batch's time on the device too, not only its queueing
+            self.engine.synchronize()
+        job.busy_s += time.perf_counter() - t0
+        if logits is None:
+            self._job = job
+            return
+        self._steps_since_prompt, self._last_prompt_s = 0, job.busy_s
         if self.metrics is not None:
             self.metrics.on_prompt_batch(len(slots))
+        ends = reached(job.parts)
         for slot in slots:
-            run, (at, last) = slot.run, ends[slot.id]
+            run, (at, last) = job.runs[slot.id], ends[slot.id]
             run.done = at
-            slot.cached = run.req.prompt[:at]
+            slot.cached = run.req.prompt[:at]    # (what its sequence holds, even where the request was cancelled)
+            if slot.run is not run:
+                continue                         # cancelled while its batch was read
             if at == len(run.req.prompt) and run.req.params.max_tokens == 0:
                 self._finish(slot)               # "length", before any token
             elif at == len(run.req.prompt):

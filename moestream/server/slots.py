@@ -28,9 +28,12 @@ class SchedulerConfig:
     prefill_interval: int = 1                 # while requests generate: a prompt batch after every N decode steps
     delay_factor: float = 0.0                 # while requests generate: a prompt batch waits until its oldest prompt
                                               # has waited F x the last batch's time, or a whole batch waits
+    prefill_layers: int = 0                   # while requests generate: a prompt batch runs N layers between two
+                                              # decode steps (0: all of them at once)
 
     def __post_init__(self):
-        for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1), ("delay_factor", 0)):
+        for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1), ("delay_factor", 0),
+                          ("prefill_layers", 0)):
             value = getattr(self, name)
             if not low <= value < float("inf"):
                 raise UserError(f"{name} must be at least {low}, got {value}")
@@ -95,6 +98,35 @@ class Slot:
         if self.run is None:
             return "idle"
         return "prefill" if self.run.done < len(self.run.req.prompt) else "generating"
+
+
+class PromptJob:
+    """A prompt batch being read: its parts (seq, start, tokens), its slots and their runs as they were when it
+    began (a slot whose request is cancelled meanwhile is not given another until the batch ends: its sequence is
+    still being written), and the engine's steps through it (Engine.prompt_steps, or the whole batch at once)."""
+
+    def __init__(self, steps, slots: list[Slot], parts: list[tuple[int, int, list[int]]]):
+        self.steps, self.slots, self.parts = steps, slots, parts
+        self.runs = {s.id: s.run for s in slots}
+        self.owner = slots[0].id if len(slots) == 1 else [q for q, _, t in parts for _ in t]   # routing rows
+        self.busy_s = 0.0                     # the time its steps took, the decode steps between them not counted
+
+    def advance(self, whole: bool):
+        """Run it to its next pause, or to its end (whole): its logits (a list, one (1, V) a part) once it has
+        ended, else None."""
+        while True:
+            try:
+                next(self.steps)
+            except StopIteration as done:
+                return done.value
+            if not whole:
+                return None
+
+
+def at_once(fn, *args):
+    """fn(*args) as steps that do not pause (a PromptJob's steps where its batch runs whole)."""
+    return fn(*args)
+    yield                                     # (a generator that returns fn's result)
 
 
 def history(slots: list[Slot]) -> list[list[int]] | None:
