@@ -22,7 +22,6 @@ import logging
 import time
 
 import torch
-from tqdm import tqdm
 
 from .. import flags
 from ..config import ModelConfig
@@ -32,22 +31,14 @@ from ..errors import UserError
 from ..experts.budget import check_cache_fits
 from ..experts.buffered import BufferedCache
 from ..experts.cache import ExpertCache
-from ..experts.provider import LayerRouter, ResidentExperts
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
-from ..experts.store import ExpertStore, fill_layer
-from ..quant.layout import expert_layouts
-from ..kernels import AddressBook, pick_decode_kernel, pick_kernel
+from ..kernels import AddressBook, pick_decode_kernel
 from ..kernels.decode import MAX_TOKENS
-from ..kernels.delta import pick_delta_kernels
-from ..models.families import FAMILIES
-from ..models.hybrid import HybridTransformer
-from ..models.layers import rope_tables
-from ..models.names import dense_names, keeps_float32
 from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, choose_decode
-from .kv_cache import KVCache, make_cache
+from .kv_cache import KVCache
 from .prompt_batch import segments_of
-from .placement import cache_slots_for, check_device_fits, host_provider, slot_bytes
+from .placement import cache_slots_for, host_provider
 
 log = logging.getLogger("moestream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,73 +73,9 @@ class Engine:
     # --- loading -------------------------------------------------------------------------------------------
     @staticmethod
     def load(source, ecfg: EngineConfig, progress: bool = True) -> "Engine":
-        """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says."""
-        if not ecfg.resolved:
-            raise ValueError("Engine.load takes a resolved EngineConfig: ecfg.resolve(file_dtype) first")
-        cfg: ModelConfig = source.config
-        dev = Device.resolve(ecfg.placement.device)
-        dtype = DTYPES[ecfg.placement.dtype]
-        host = ecfg.placement.host_layers(cfg)
-        ctx = ecfg.batching.ctx_size
-        if ctx > cfg.max_position_embeddings:
-            log.warning("context %d is longer than the model's trained %d positions", ctx, cfg.max_position_embeddings)
-        layouts = expert_layouts(source, cfg)
-        quantized = any(lay.quantized for lay in layouts.values())
-        row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
-        width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
-        n_slots = cache_slots_for(cfg, ecfg, len(host), slot_bytes(layouts, host, dtype))
-        check_device_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)
-
-        names = dense_names(cfg)
-        moe = cfg.moe_layers
-        bar = tqdm(total=len(names) + len(moe), desc="loading", unit="tensor", disable=not progress, leave=False)
-        weights = {}
-        for n in names:
-            weights[n] = source.tensor(n).to(device=dev.torch, dtype=torch.float32 if keeps_float32(n) else dtype)
-            bar.update()
-        staging = None
-        host_rows, dev_rows = {}, {}
-        for l in moe:
-            shape = (cfg.n_experts, width[l])
-            if l in host:
-                host_rows[l] = dev.pinned_empty(shape, row_dtype)       # (E, row), pinned once
-                fill_layer(host_rows[l], source, l, layouts[l])
-            elif dev.is_cuda:
-                if staging is None or staging.shape != shape:
-                    staging = dev.pinned_empty(shape, row_dtype)
-                fill_layer(staging, source, l, layouts[l])
-                dev_rows[l] = staging.to(dev.torch, non_blocking=False)
-            else:
-                dev_rows[l] = torch.empty(shape, dtype=row_dtype)
-                fill_layer(dev_rows[l], source, l, layouts[l])
-            bar.update()
-        bar.close()
-        del staging
-
-        providers: dict[int, object] = {}
-        hosted = None
-        if dev_rows:
-            resident = ResidentExperts(dev_rows, layouts)
-            providers.update({l: resident for l in dev_rows})
-        routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, ours
-        if host_rows:
-            store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
-            hosted = host_provider(cfg, ecfg, store, dev, n_slots, routing)
-            providers.update({l: hosted for l in host_rows})
-            log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
-                     len(host_rows), store.nbytes / MiB, len(dev_rows))
-        rope = rope_tables(cfg, ctx, dev.torch)
-        if FAMILIES[cfg.family].hybrid:      # the family table says which decoder: DeltaNet and gated attention
-            model = HybridTransformer(cfg, weights, rope, pick_delta_kernels(dev.torch, dtype))
-        else:
-            model = MoETransformer(cfg, weights, rope)
-        kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch)
-        kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
-        book = AddressBook()
-        for rows in (*dev_rows.values(), *host_rows.values()):
-            book.add(rows)
-        return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, hosted, book, routing,
-                      quantized)
+        """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says (runtime/load.py)."""
+        from .load import load_engine
+        return load_engine(source, ecfg, progress)
 
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()

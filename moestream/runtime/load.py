@@ -1,0 +1,104 @@
+"""Loading: a WeightSource's weights placed as an EngineConfig says, into an Engine (runtime/engine.py).
+
+    eng = load_engine(open_source("synth:tiny"), ecfg)        # Engine.load(...) says the same
+
+Dense weights (attention, norms, routers, embeddings) go to the device; each MoE layer's experts to the device or,
+for host layers (--cpu-moe / --n-cpu-moe), to pinned host memory behind the host provider (runtime/placement.py:
+the expert cache, or uploads per ubatch), each expert's rows one contiguous row (experts/store.py).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..device import Device
+from ..engine_config import EngineConfig
+from ..experts.provider import LayerRouter, ResidentExperts
+from ..experts.routing import RoutingStore
+from ..experts.store import ExpertStore, fill_layer
+from ..kernels import AddressBook, pick_kernel
+from ..kernels.delta import pick_delta_kernels
+from ..models.families import FAMILIES
+from ..models.hybrid import HybridTransformer
+from ..models.layers import rope_tables
+from ..models.names import dense_names, keeps_float32
+from ..models.transformer import MoETransformer
+from ..quant.layout import expert_layouts
+from .engine import DTYPES, MiB, Engine
+from .kv_cache import make_cache
+from .placement import cache_slots_for, check_device_fits, host_provider, slot_bytes
+
+log = logging.getLogger("moestream")
+
+
+def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
+    """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says."""
+    if not ecfg.resolved:
+        raise ValueError("Engine.load takes a resolved EngineConfig: ecfg.resolve(file_dtype) first")
+    cfg: ModelConfig = source.config
+    dev = Device.resolve(ecfg.placement.device)
+    dtype = DTYPES[ecfg.placement.dtype]
+    host = ecfg.placement.host_layers(cfg)
+    ctx = ecfg.batching.ctx_size
+    if ctx > cfg.max_position_embeddings:
+        log.warning("context %d is longer than the model's trained %d positions", ctx, cfg.max_position_embeddings)
+    layouts = expert_layouts(source, cfg)
+    quantized = any(lay.quantized for lay in layouts.values())
+    row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
+    width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
+    n_slots = cache_slots_for(cfg, ecfg, len(host), slot_bytes(layouts, host, dtype))
+    check_device_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)
+
+    names = dense_names(cfg)
+    moe = cfg.moe_layers
+    bar = tqdm(total=len(names) + len(moe), desc="loading", unit="tensor", disable=not progress, leave=False)
+    weights = {}
+    for n in names:
+        weights[n] = source.tensor(n).to(device=dev.torch, dtype=torch.float32 if keeps_float32(n) else dtype)
+        bar.update()
+    staging = None
+    host_rows, dev_rows = {}, {}
+    for l in moe:
+        shape = (cfg.n_experts, width[l])
+        if l in host:
+            host_rows[l] = dev.pinned_empty(shape, row_dtype)       # (E, row), pinned once
+            fill_layer(host_rows[l], source, l, layouts[l])
+        elif dev.is_cuda:
+            if staging is None or staging.shape != shape:
+                staging = dev.pinned_empty(shape, row_dtype)
+            fill_layer(staging, source, l, layouts[l])
+            dev_rows[l] = staging.to(dev.torch, non_blocking=False)
+        else:
+            dev_rows[l] = torch.empty(shape, dtype=row_dtype)
+            fill_layer(dev_rows[l], source, l, layouts[l])
+        bar.update()
+    bar.close()
+    del staging
+
+    providers: dict[int, object] = {}
+    hosted = None
+    if dev_rows:
+        resident = ResidentExperts(dev_rows, layouts)
+        providers.update({l: resident for l in dev_rows})
+    routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, ours
+    if host_rows:
+        store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
+        hosted = host_provider(cfg, ecfg, store, dev, n_slots, routing)
+        providers.update({l: hosted for l in host_rows})
+        log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
+                 len(host_rows), store.nbytes / MiB, len(dev_rows))
+    rope = rope_tables(cfg, ctx, dev.torch)
+    if FAMILIES[cfg.family].hybrid:      # the family table says which decoder: DeltaNet and gated attention
+        model = HybridTransformer(cfg, weights, rope, pick_delta_kernels(dev.torch, dtype))
+    else:
+        model = MoETransformer(cfg, weights, rope)
+    kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch)
+    kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
+    book = AddressBook()
+    for rows in (*dev_rows.values(), *host_rows.values()):
+        book.add(rows)
+    return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, hosted, book, routing,
+                  quantized)
