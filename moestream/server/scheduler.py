@@ -7,8 +7,9 @@
     sched.stop()
 
 One loop turn: run queued calls (snapshots for /slots and /metrics), drop cancelled requests, give waiting requests
-to idle slots, run ONE prompt batch (or its next N layers), then ONE decode step of every slot that is generating, batched into one forward
-(`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for that step serve every request in it.
+to idle slots, run ONE prompt batch (or its next N layers), then ONE decode step of every slot that is generating,
+batched into one forward (`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for that step
+serve every request in it.
 A prompt batch is llama-server's: up to -b tokens of the prompts being read, oldest request first, each cut into
 ubatches (-ub) from where its slot stands (`engine.prefill_parts`). With host experts the batch runs layer by layer,
 so a layer's experts cross the link once for every prompt in it rather than once a prompt; all on the device,
