@@ -378,11 +378,11 @@ def test_timings_count_decode_steps_and_prefetch_words_add_up(capsys):
 def test_an_error_during_a_load_starts_on_its_own_line(capsys, monkeypatch):
     import re
     from moestream.errors import UserError
-    from moestream.runtime import engine
+    from moestream.runtime import load
 
     def broken(*a, **k):
         raise UserError("the file ended early")
-    monkeypatch.setattr(engine, "fill_layer", broken)
+    monkeypatch.setattr(load, "fill_layer", broken)
     code, _, err = run(capsys, "generate", "-m", "synth:tiny", "-p", "hi")
     assert code == 1 and "loading:" in err                           # a bar was drawn
     assert re.search(r"(^|[\r\n])error: the file ended early", err) and not re.search(r"[^\r\n]error:", err), err
