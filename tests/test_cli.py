@@ -319,6 +319,8 @@ def test_serve_refuses_a_port_in_use_before_loading(capsys):
     assert code == 1 and "--max-body-mib must be a positive number" in one_error(err)
     code, _, err = run(capsys, "serve", "-m", "synth:tiny", "--scheduler-delay-factor", "-1")
     assert code == 1 and "--scheduler-delay-factor must be a number >= 0" in one_error(err)
+    code, _, err = run(capsys, "serve", "-m", "synth:tiny", "--prefill-layers", "-2")
+    assert code == 1 and "--prefill-layers must be at least 0" in one_error(err)
 
 
 def test_replay_inputs(capsys, tmp_path):
