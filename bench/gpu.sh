@@ -14,6 +14,9 @@
 #   bash bench/gpu.sh server  [SERVE FLAGS]  `moestream serve` on the reference GGUF (--cpu-moe, 16000 MiB, -np 16)
 #                                            under 1 / 2 / 4 / 8 / 16 streaming clients (bench/serve_load.py), then
 #                                            a one-minute soak of it (bench/soak.py --url)
+#   bash bench/gpu.sh pacing  [FLAG SETS]    the server of `server` under 4 / 8 / 16 clients, no soak, once per
+#                                            quoted flag set ('' for the defaults), e.g. pacing '' '--prefill-layers
+#                                            1' '--scheduler-delay-factor 1': its prompt pacing options side by side
 #   bash bench/gpu.sh parallel [BENCH FLAGS] `moestream bench --parallel 1,2,4,8,16 -npp 512 -ntg 64`: all on the
 #                                            GPU, --cpu-moe at 8000 / 16000 MiB, and Q4_K_M at 4000 MiB
 #   bash bench/gpu.sh profile                a cached prompt's copy and compute streams at ubatch 4096 / 2048
@@ -64,7 +67,7 @@ REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
-case "$SUITE" in tests|rows|decode|server|parallel|profile|trace|quant|qdecode|kld|next|host|all) ;; *) usage ;; esac
+case "$SUITE" in tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|host|all) ;; *) usage ;; esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
   echo "error: .carry/ lacks the wheels or make_reference_gguf.py: see the setup notes at the top of $0" >&2; exit 2
 fi
@@ -157,6 +160,26 @@ server() {
     echo "the server did not come up in 240 s:"; tail -20 "$OUT/serve.log"
   fi
   kill $pid; wait $pid
+}
+
+pacing() {         # each flag set's server in turn, its serve_load table and its prompt batches' sizes
+  reference 15
+  local flags
+  for flags in "$@"; do
+    python3 -m moestream serve -m $REF --cpu-moe --moe-cache-mib 16000 -np 16 -c 1024 --port 8080 $flags \
+      > "$OUT/serve.log" 2>&1 &
+    local pid=$!
+    echo "## moestream serve ... $flags" | tee -a "$OUT/pacing.md"
+    if healthy 150; then
+      timeout 120 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 4,8,16 -p 512 -n 64 -r 2 2>&1 \
+        | tee -a "$OUT/pacing.md"
+      python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8080/metrics').text)" 2> /dev/null \
+        | grep "^moestream_prompt_batch_size_\(sum\|count\)" | tee -a "$OUT/pacing.md"
+    else
+      echo "the server did not come up in 150 s:"; tail -20 "$OUT/serve.log"
+    fi
+    kill $pid; wait $pid
+  done
 }
 
 parallel() {       # several sequences decoded together (llama-batched-bench's shape), fresh prompts each
@@ -259,6 +282,7 @@ trace() {          # one prompt of 4096 random ids (the same every run), at ubat
 case "$SUITE" in
 tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
+pacing) pacing ${EXTRA[@]+"${EXTRA[@]}"} ;;
 parallel) parallel ;;
 profile|trace|kld|qdecode|host) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
