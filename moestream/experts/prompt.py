@@ -13,7 +13,6 @@ planner's (planner.py); the slots, copies and pins are the pool's (slots.py), wh
 from __future__ import annotations
 
 import copy
-
 import time
 
 import numpy as np

@@ -146,14 +146,19 @@ class Engine:
         engine.prefill of the part); with host experts the parts run layer by layer, so a host layer's experts
         cross the link once for all of them. Each part's last token's logits (1, V), or every token's (n, V)
         with all_logits, in order."""
-        whole = segments_of(parts, self.ecfg.batching.ubatch)
-        for seg in whole:
-            self.check_context(seg.start + seg.n)
+        whole = self._segments(parts)
         if self.host is not None and self.ecfg.batching.by_layer:
             out = self.forward_parts(parts, all_logits, every_part=True, whole=whole)
             return list(out.split([len(t) for _, _, t in parts] if all_logits else 1))
         # all on the device nothing crosses the link: the parts run one after the other
         return [self.forward([Segment(q, s, len(t))], t, all_logits, is_prompt=True) for q, s, t in parts]
+
+    def _segments(self, parts: list[tuple[int, int, list[int]]]) -> list[Segment]:
+        """segments_of(parts), each within the context (one-line UserErrors otherwise)."""
+        whole = segments_of(parts, self.ecfg.batching.ubatch)
+        for seg in whole:
+            self.check_context(seg.start + seg.n)
+        return whole
 
     @torch.inference_mode()
     def forward_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,
@@ -184,9 +189,7 @@ class Engine:
         so that reading a prompt batch does not stall the requests generating): the host provider's prompt state
         is set aside meanwhile (ExpertProvider.suspend / resume). The parts run layer by layer as in
         forward_parts, with its ops: the same bits as prefill_parts. Only where pauses_prompts."""
-        whole = segments_of(parts, self.ecfg.batching.ubatch)
-        for seg in whole:
-            self.check_context(seg.start + seg.n)
+        whole = self._segments(parts)
         batches = self._part_batches(parts, False, True)
         self._begin(whole, True, self.observers)
         layers = self.model.layer_steps(batches, self.kv, self.experts, self.kernel)

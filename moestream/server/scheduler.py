@@ -46,7 +46,7 @@ import torch
 
 from ..errors import UserError
 from ..runtime import threads
-from ..runtime.prompt_batch import next_batch, reached
+from ..runtime.prompt_batch import next_batch
 from ..runtime.sampling import Sampler, token_logprobs
 from .routing import slot_routing
 from .slots import PromptJob, QueueFull, Request, Result, Run, SchedulerConfig, Slot, at_once, history
@@ -248,10 +248,9 @@ class Scheduler:
         paced (requests are generating) and --prefill-layers N: it runs N layers a loop turn, between decode steps."""
         parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], self.engine.ecfg.batching.ubatch,
                            self._budget())
-        ends = reached(parts)
         every = self.cfg.prefill_layers if paced and self.engine.pauses_prompts else 0
         steps = self.engine.prompt_steps(parts, every) if every else at_once(self.engine.prefill_parts, parts)
-        self._job = PromptJob(steps, [s for s in filling if s.id in ends], parts)
+        self._job = PromptJob(steps, filling, parts)
 
     def _read_prompts(self, slots: list[Slot], whole: bool) -> None:
         """The prompt batch being read: to its next pause, or to its end (whole: nobody generates). At its end each
@@ -270,9 +269,8 @@ class Scheduler:
         self._steps_since_prompt, self._last_prompt_s = 0, job.busy_s
         if self.metrics is not None:
             self.metrics.on_prompt_batch(len(slots))
-        ends = reached(job.parts)
         for slot in slots:
-            run, (at, last) = job.runs[slot.id], ends[slot.id]
+            run, (at, last) = job.runs[slot.id], job.ends[slot.id]
             run.done = at
             slot.cached = run.req.prompt[:at]    # (what its sequence holds, even where the request was cancelled)
             if slot.run is not run:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from ..runtime.prompt_batch import reached
 from ..runtime.sampling import SamplingParams, make_generator
 from ..runtime.sequence import SequenceState
 
@@ -101,12 +102,15 @@ class Slot:
 
 
 class PromptJob:
-    """A prompt batch being read: its parts (seq, start, tokens), its slots and their runs as they were when it
+    """A prompt batch being read: how far each of its sequences gets, its slots and their runs as they were when it
     began (a slot whose request is cancelled meanwhile is not given another until the batch ends: its sequence is
     still being written), and the engine's steps through it (Engine.prompt_steps, or the whole batch at once)."""
 
-    def __init__(self, steps, slots: list[Slot], parts: list[tuple[int, int, list[int]]]):
-        self.steps, self.slots, self.parts = steps, slots, parts
+    def __init__(self, steps, filling: list[Slot], parts: list[tuple[int, int, list[int]]]):
+        """steps: through the batch of `parts` (seq, start, tokens); filling: the slots of prompts being read."""
+        self.steps = steps
+        self.ends = reached(parts)            # each sequence's (how far its prompt gets, its last part's index)
+        self.slots = slots = [s for s in filling if s.id in self.ends]
         self.runs = {s.id: s.run for s in slots}
         self.owner = slots[0].id if len(slots) == 1 else [q for q, _, t in parts for _ in t]   # routing rows
         self.busy_s = 0.0                     # the time its steps took, the decode steps between them not counted
