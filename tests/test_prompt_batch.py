@@ -21,6 +21,9 @@ PROMPTS = {0: list(range(3, 10)), 1: [40, 41, 42, 43, 44], 2: list(range(60, 67)
 
 
 def make(model="synth:tiny", device="cpu", **kw) -> LLM:
+    """On CUDA in bfloat16: zero-copy decode (the default there) needs 16-bit weights."""
+    if device == "cuda":
+        kw.setdefault("dtype", "bfloat16")
     return LLM(model, ubatch_size=UB, batch_size=64, ctx_size=64, n_seq=3, device=device, **kw)
 
 
