@@ -16,7 +16,7 @@
 #                                            a one-minute soak of it (bench/soak.py --url)
 #   bash bench/gpu.sh pacing  [FLAG SETS]    the server of `server` under 4 / 8 / 16 clients, no soak, once per
 #                                            quoted flag set ('' for the defaults), e.g. pacing '' '--prefill-layers
-#                                            1' '--scheduler-delay-factor 1': its prompt pacing options side by side
+#                                            0' '--scheduler-delay-factor 1': its prompt pacing options side by side
 #   bash bench/gpu.sh parallel [BENCH FLAGS] `moestream bench --parallel 1,2,4,8,16 -npp 512 -ntg 64`: all on the
 #                                            GPU, --cpu-moe at 8000 / 16000 MiB, and Q4_K_M at 4000 MiB
 #   bash bench/gpu.sh profile                a cached prompt's copy and compute streams at ubatch 4096 / 2048

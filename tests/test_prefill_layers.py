@@ -150,3 +150,14 @@ def test_prefill_layers_reads_whole_batches_where_prompts_cannot_pause(ref, capl
     _, (first, long), done, _ = read_beside_a_stream(s, ref, calls)
     assert not [c for c in calls if c != "d"]                # prompt_steps never ran: whole batches
     assert done[1][2].token_ids == ref.generate(long, max_tokens=5, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("kw,want", [(dict(cpu_moe=True, moe_cache_mib=2), 1), (dict(cpu_moe=True), 0), (dict(), 0)])
+def test_prefill_layers_defaults_to_one_with_host_experts_that_can_pause(kw, want, caplog):
+    """Unset, --prefill-layers is 1 where host experts would stall the streams for a whole batch and prompts can
+    pause (an expert cache); 0 with no cache (said nowhere: the user asked for nothing) and all on the device."""
+    llm = LLM("synth:tiny", ctx_size=CTX, n_seq=2, ubatch_size=4, batch_size=8, **kw)
+    with caplog.at_level("WARNING", logger="moestream.server"):
+        s = Scheduler(llm, n_slots=2)
+    assert s.prefill_layers == want and "prefill-layers" not in caplog.text
+    assert Scheduler(llm, n_slots=2, prefill_layers=3).prefill_layers == 3

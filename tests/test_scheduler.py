@@ -230,8 +230,9 @@ def test_prompts_arriving_together_run_as_one_batch_of_at_most_b_tokens(ref, kw,
     stands; each result still equals the request alone."""
     llm = LLM("synth:tiny", ctx_size=CTX, n_seq=3, ubatch_size=4, batch_size=8, **kw)
     batches = []
-    prefill = llm.engine.prefill_parts
+    prefill, steps = llm.engine.prefill_parts, llm.engine.prompt_steps     # (whole, and paused: --prefill-layers)
     llm.engine.prefill_parts = lambda parts: (batches.append(list(parts)), prefill(parts))[1]
+    llm.engine.prompt_steps = lambda parts, every: (batches.append(list(parts)), steps(parts, every))[1]
     s = Scheduler(llm, n_slots=3, max_queue=4)
     s.start()
     try:

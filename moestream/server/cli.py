@@ -43,10 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="while requests are generating, hold a prompt batch until its oldest prompt has waited F "
                         "times the last batch's time, or a whole batch waits (vLLM's flag): prompts arriving a few "
                         "steps apart share one batch, with host experts one pass of the pool (default 0: no wait)")
-    p.add_argument("--prefill-layers", type=int, default=0, metavar="N",
+    p.add_argument("--prefill-layers", type=int, default=None, metavar="N",
                    help="while requests are generating, read a prompt batch N layers at a time, one decode step of "
                         "theirs between (so a long prompt delays their next token by N layers' work, not by the "
-                        "whole batch's); only with an expert cache or all on the GPU (default 0: whole batches)")
+                        "whole batch's; their prompts' first tokens come later); only with an expert cache or all "
+                        "on the GPU; 0: whole batches (default: 1 with host experts and a cache, else 0)")
     p.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body in MiB (default 8)")
     compat.add_arguments(p, "serve")
     p.set_defaults(func=main)
@@ -95,7 +96,7 @@ def main(a: argparse.Namespace) -> int:
         raise UserError(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.prefill_interval < 1:
         raise UserError(f"--prefill-interval must be at least 1, got {a.prefill_interval}")
-    if a.prefill_layers < 0:
+    if a.prefill_layers is not None and a.prefill_layers < 0:
         raise UserError(f"--prefill-layers must be at least 0, got {a.prefill_layers}")
     if not 0 <= a.scheduler_delay_factor < float("inf"):
         raise UserError(f"--scheduler-delay-factor must be a number >= 0, got {a.scheduler_delay_factor}")

@@ -18,13 +18,12 @@ ones). So a long prompt arriving delays the other requests' next token by at mos
 --prefill-interval N, while requests are generating, a prompt batch runs only after every N decode steps (so at
 most 1 in N of their token gaps carries one); with --scheduler-delay-factor F (vLLM's), only once its oldest prompt
 has waited F times the last batch's time or a whole batch waits, so that prompts arriving a few steps apart share a
-batch (with host experts: one sweep of the pool instead of several). With --prefill-layers N, while requests
-generate, a batch runs N layers a loop turn (engine.prompt_steps), so that their token gaps each carry N layers of
-it rather than one carrying the whole batch; its slots take no other request until it ends. Prompt and decode
-forwards stay separate:
-mixing them would change a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of
-a prompt batch runs as it would alone, so greedy outputs equal `LLM.generate`'s (with -b a multiple of -ub, the
-cuts are the same).
+batch (with host experts: one sweep of the pool instead of several). With --prefill-layers N (by default 1 with
+host experts where prompts can pause), while requests generate, a batch runs N layers a loop turn
+(engine.prompt_steps), so that their token gaps each carry N layers of it rather than one carrying the whole batch;
+its slots take no other request until it ends. Prompt and decode forwards stay separate: mixing them would change
+a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as it
+would alone, so greedy outputs equal `LLM.generate`'s (with -b a multiple of -ub, the cuts are the same).
 
 Each request's stop and detokenize rules are runtime/sequence.py's, as `LLM.generate`'s are. Each slot is a context
 of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
@@ -75,7 +74,12 @@ class Scheduler:
         self._sampler = Sampler()
         self.routing = eng.routing           # per-slot expert counts (/slots), of the engine's routing store
         self.routing.clear_requests()        # a new server's slots start from zero
-        if cfg.prefill_layers and not eng.pauses_prompts:
+        # --prefill-layers: by default 1 where host experts would stall the streams for a whole batch's sweep
+        # and prompts can pause (an expert cache, no trace); all on the device a batch is one ubatch's worth
+        self.prefill_layers = cfg.prefill_layers
+        if self.prefill_layers is None:
+            self.prefill_layers = int(eng.host is not None and eng.pauses_prompts)
+        elif cfg.prefill_layers and not eng.pauses_prompts:
             log.warning("--prefill-layers %d: this engine reads each prompt batch whole (its experts are uploaded "
                         "per ubatch without --moe-cache-mib, or a routing trace is recorded)", cfg.prefill_layers)
 
@@ -248,7 +252,7 @@ class Scheduler:
         paced (requests are generating) and --prefill-layers N: it runs N layers a loop turn, between decode steps."""
         parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], self.engine.ecfg.batching.ubatch,
                            self._budget())
-        every = self.cfg.prefill_layers if paced and self.engine.pauses_prompts else 0
+        every = self.prefill_layers if paced and self.engine.pauses_prompts else 0
         steps = self.engine.prompt_steps(parts, every) if every else at_once(self.engine.prefill_parts, parts)
         self._job = PromptJob(steps, filling, parts)
 

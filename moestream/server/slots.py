@@ -29,14 +29,15 @@ class SchedulerConfig:
     prefill_interval: int = 1                 # while requests generate: a prompt batch after every N decode steps
     delay_factor: float = 0.0                 # while requests generate: a prompt batch waits until its oldest prompt
                                               # has waited F x the last batch's time, or a whole batch waits
-    prefill_layers: int = 0                   # while requests generate: a prompt batch runs N layers between two
-                                              # decode steps (0: all of them at once)
+    prefill_layers: int | None = None         # while requests generate: a prompt batch runs N layers between two
+                                              # decode steps (0: all of them at once; None: 1 with host experts
+                                              # where prompts can pause, else 0)
 
     def __post_init__(self):
         for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1), ("delay_factor", 0),
                           ("prefill_layers", 0)):
             value = getattr(self, name)
-            if not low <= value < float("inf"):
+            if value is not None and not low <= value < float("inf"):
                 raise UserError(f"{name} must be at least {low}, got {value}")
 
 
