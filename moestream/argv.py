@@ -35,6 +35,14 @@ NO_COUNTERPART = {
     "-ctk": "the KV cache is kept in the model's dtype (--dtype)", "-ctv": "the KV cache is kept in the model's dtype (--dtype)",
     "--cache-type-k": "the KV cache is kept in the model's dtype (--dtype)",
     "--cache-type-v": "the KV cache is kept in the model's dtype (--dtype)",
+    "-kvu": "each sequence (-np) has its own KV cache; leave it out",
+    "--kv-unified": "each sequence (-np) has its own KV cache; leave it out",
+    **dict.fromkeys(("--dry-multiplier", "--dry-base", "--dry-allowed-length", "--dry-penalty-last-n",
+                     "--dry-sequence-breaker", "--xtc-probability", "--xtc-threshold", "--mirostat", "--mirostat-lr",
+                     "--mirostat-ent", "--typical", "--top-nsigma", "--dynatemp-range", "--dynatemp-exp",
+                     "--samplers", "--sampling-seq"),
+                    "moestream samples with --temp, --top-k, --top-p, --min-p and the repeat, presence and "
+                    "frequency penalties"),
 }
 # vLLM's flags (and llama-quantize's) with no counterpart here: what moestream does instead.
 _ONE_GPU = "moestream runs on one GPU (--device cuda:N)"

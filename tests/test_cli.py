@@ -96,6 +96,8 @@ def one_error(err: str) -> str:
     (["--temperature", "0.5"], "unknown flag --temperature; moestream spells it --temp"),      # not --chat-template
     (["--max_new_tokens", "5"], "moestream spells it -n/--n-predict"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's; moestream has no such flag"),
+    (["--dry-multiplier", "0.5"], "--dry-multiplier is llama.cpp's; moestream has no such flag: moestream samples"),
+    (["--kv-unified"], "--kv-unified is llama.cpp's"),                                      # not "did you mean --file?"
 ])
 def test_habit_flags_and_misreadings_are_one_line(capsys, argv, needle):
     code, out, err = run(capsys, *G, *argv)
