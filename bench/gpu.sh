@@ -162,7 +162,7 @@ server() {
   kill $pid; wait $pid
 }
 
-pacing() {         # each flag set's server in turn, its serve_load table and its prompt batches' sizes
+pacing() {         # each flag set's server in turn, its serve_load table, its prompt and decode batches' sizes
   reference 15
   local flags
   for flags in "$@"; do
@@ -174,7 +174,7 @@ pacing() {         # each flag set's server in turn, its serve_load table and it
       timeout 120 python3 bench/serve_load.py --url http://127.0.0.1:8080 --clients 4,8,16 -p 512 -n 64 -r 2 2>&1 \
         | tee -a "$OUT/pacing.md"
       python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8080/metrics').text)" 2> /dev/null \
-        | grep "^moestream_prompt_batch_size_\(sum\|count\)" | tee -a "$OUT/pacing.md"
+        | grep "^moestream_\(prompt\|decode\)_batch_size_\(sum\|count\)" | tee -a "$OUT/pacing.md"
     else
       echo "the server did not come up in 150 s:"; tail -20 "$OUT/serve.log"
     fi
