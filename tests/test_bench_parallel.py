@@ -177,7 +177,8 @@ def test_zero_copy_decode_without_a_cache_reports_its_routing():
     (["-npl", "2", "-npp", "0", "-ntg", "0"], "nothing to run"),
     (["-npl", "2", "-r", "0"], "-r must be at least 1, got 0"),
     (["-npl", "2", "--trace", "/nonexistent-dir/t.npz"], "--trace '/nonexistent-dir/t.npz': the directory"),
-    (["-p", "8", "--trace", "t.npz"], "--trace records a --parallel run"),
+    (["-p", "8", "--trace", "t.npz", "--compare", "--cpu-moe"], "--trace records one configuration's runs"),
+    (["-p", "8", "--trace", "/nonexistent-dir/t.npz"], "--trace '/nonexistent-dir/t.npz': the directory"),
 ])
 def test_bad_parallel_input_is_one_line(capsys, args, message):
     assert main(TINY + args) == 1
@@ -201,3 +202,17 @@ def test_trace_records_the_first_rows_routing_with_each_steps_sequences(capsys, 
     assert [tr.ubatches[u, 0] for u in range(len(tr.ubatches)) if tr.ubatches[u, 3]] == [0] * 2
     assert len(tr.ids) == len(tr.layers) and all(len(tr.ids[i]) == 3 for i, u in enumerate(tr.ubatch_of)
                                                   if u in decode)
+
+
+def test_trace_of_plain_rows_records_the_first_configurations_tests(capsys, tmp_path):
+    """bench --trace without --parallel: every run (warm-up and timed) of the first cache size's pp and tg tests,
+    in order: pp's prompt ubatches, then tg's one-token steps of sequence 0; the second cache size is not in it."""
+    from moestream.experts.trace import load_trace
+    path = tmp_path / "rows.npz"
+    assert main(TINY + ["-p", "8", "-n", "3", "-ub", "4", "--cpu-moe", "--moe-cache-mib", "1,2",
+                        "--trace", str(path)]) == 0
+    assert capsys.readouterr().err.count("trace: ") == 1
+    tr = load_trace(str(path))
+    kinds = [(n, bool(is_prompt)) for _, n, is_prompt, _ in tr.ubatches.tolist()]
+    assert kinds == [(8, True)] * 2 + [(1, False)] * 3 * 2     # -r 1 and a warm-up each; a batch's ubatches as one
+    assert all(tr.step_seqs[u].tolist() == [0] for u, (_, p) in enumerate(kinds) if not p)

@@ -291,8 +291,11 @@ def main(a: argparse.Namespace) -> int:
     if a.parallel is not None:
         from . import bench_parallel
         return bench_parallel.main(a)
+    if a.trace and a.compare is not None:
+        raise UserError("--trace records one configuration's runs, not --compare's two: leave one of them out")
     if a.trace:
-        raise UserError("--trace records a --parallel run; for one sequence use moestream generate --trace FILE")
+        from ..outputs import check_writable
+        check_writable(a.trace, "--trace")
     if a.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {a.repetitions}")
     if a.plot:
@@ -308,7 +311,7 @@ def main(a: argparse.Namespace) -> int:
     print(f"link: host -> device {link / 1e9:.2f} GB/s (pinned, {a.link_mib} MiB, CUDA events)" if link
           else "link: not measured (no CUDA device, or --link-mib 0): roofline from --compute-s-per-token or n/a",
           file=sys.stderr)
-    rows, stream_md = [], a.output == "md"
+    rows, stream_md, recorder = [], a.output == "md", None
     loads = list(itertools.product(a.n_cpu_moe, getattr(a, "moe_cache_mib", [None])))
     llm = None
     for i, (n_cpu_moe, mib) in enumerate(loads):
@@ -323,6 +326,9 @@ def main(a: argparse.Namespace) -> int:
                 from ..loading.gguf import GGUFSource
                 counts = llm.source.type_counts() if isinstance(llm.source, GGUFSource) else None
                 print(llm.engine.describe_experts(counts), file=sys.stderr)
+                if a.trace:                                     # the first configuration's tests, every run
+                    from ..experts.trace import record
+                    recorder = record(llm)
         for threads, b, ub in itertools.product(a.threads or [None], a.batch_size, a.ubatch_size):
             if threads is not None:
                 torch.set_num_threads(threads)                  # llama-bench's -t sweep
@@ -340,6 +346,11 @@ def main(a: argparse.Namespace) -> int:
                 rows.append(row)
                 if stream_md:
                     print(report.md_row(cols, row), flush=True)
+            if recorder is not None:
+                from ..experts.trace import save_trace
+                llm.engine.unobserve(recorder)
+                print(f"trace: {save_trace(recorder, a.trace)}", file=sys.stderr)
+                recorder = None
     llm = None
     release_memory()
     if not stream_md:

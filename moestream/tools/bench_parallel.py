@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-ntg", dest="n_tg", type=_ints, default=[128], metavar="N,...",
                    help="--parallel: generated tokens per sequence, comma list (default 128)")
     g.add_argument("--trace", metavar="FILE", default=None,
-                   help="--parallel: record the first row's routing (its warm-up and timed runs) to FILE (.npz), "
-                        "for moestream replay")
+                   help="record the routing of the first row (--parallel) or of the first configuration's tests "
+                        "(their warm-up and timed runs) to FILE (.npz), for moestream replay")
 
 
 @dataclass(frozen=True)
