@@ -1,6 +1,6 @@
 """Reading expert rows from pinned host memory, one GPU: what the link gives a decode step's host reads.
 
-    python bench/host_reads.py [--reps 20] [--blocks 16384,65536,262144] [--warps 4,8]
+    python bench/host_reads.py [--reps 20] [--blocks 16384,65536,262144] [--warps 4,8] [--misses 1,2,4] [--only-misses]
 
 1. The copy engine (torch's pinned -> device copy): one token's 8 experts as one copy and as 8, and 256 MB.
 2. kernels/stage.py's copy launch alone (the step's host-read experts into device scratch rows), by the bytes
@@ -8,6 +8,9 @@
 3. A decode layer's experts, k=8 (I=768, H=2048), every choice a host read: the expert kernel reading in place
    against staging then reading the copies, for Q4_K_M rows (the "runs" kernel) and bf16 rows; the outputs must
    be the same bits.
+4. A decode step's usual layer: one token, M of its 8 choices on host and the rest in device slots (a cache's
+   misses), Q4_K_M: the copy launch by BLOCK_BYTES and warps, and the layer (copy, then the kernel) against the
+   kernel with every choice on the device: what M misses add to a layer.
 
 Calls run from CUDA graphs (bench/graph_timing.py) and cycle through disjoint experts (128 in all), so no call
 finds the previous calls' rows in L2. Each cell: µs a call and, in brackets, GB/s of the host rows read.
@@ -29,6 +32,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=20)
 ap.add_argument("--blocks", default="16384,65536,262144")
 ap.add_argument("--warps", default="4,8")
+ap.add_argument("--misses", default="1,2,4")
+ap.add_argument("--only-misses", action="store_true", help="only section 4")
 ns = ap.parse_args()
 I, H, K, E = 768, 2048, 8, 128
 
@@ -54,7 +59,46 @@ def us(fn, n) -> float:
     return 1e3 * graph_ms(fn, n, ns.reps)
 
 
+def misses(lay: ExpertLayout) -> None:
+    """Section 4: one token's layer with M host reads among device hits."""
+    rows = q4km_rows(lay, E)
+    nbytes = rows.stride(0) * rows.element_size()
+    host = rows.cpu().pin_memory()
+    host_tab = host.data_ptr() + torch.arange(E, device="cuda") * nbytes
+    dev_tab = rows.data_ptr() + torch.arange(E, device="cuda") * nbytes
+    scratch = torch.empty(64, nbytes, dtype=torch.uint8, device="cuda")
+    none = torch.zeros(0, dtype=torch.int64, device="cuda")
+    sets = id_sets(1, g)
+    gx = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, H, device="cuda", generator=gx).to(torch.bfloat16)
+    w = torch.softmax(torch.randn(1, K, device="cuda", generator=gx), -1).to(torch.bfloat16)
+    kernel = lambda a: experts_by_address_quant(x, a, w, lay)
+    hits = [dev_tab[ids] for ids in sets]
+    base = us(lambda i: kernel(hits[i]), len(sets))
+    print(f"\n## Q4_K_M, one token, M of its {K} choices on host ({nbytes / 1e6:.2f} MB an expert)\n")
+    print(f"every choice on the device: {base:.1f} µs\n")
+    print("| M | BLOCK_BYTES / warps | copy launch µs (GB/s) | layer µs | added µs (GB/s) | same bits |")
+    print("|---:|---|---:|---:|---:|---|")
+    for M in map(int, ns.misses.split(",")):
+        on_host = torch.arange(K, device="cuda") < M
+        addrs = [torch.where(on_host, host_tab[ids], dev_tab[ids]) for ids in sets]
+        lans = [Landing(ids, host_tab, none, scratch, aligned=True) for ids in sets]
+        for b in ns.blocks.split(","):
+            for wp in ns.warps.split(","):
+                stage.BLOCK_BYTES, stage.WARPS = int(b), int(wp)
+                c = us(lambda i: stage_host_rows(addrs[i], lans[i], nbytes), len(sets))
+                t = us(lambda i: kernel(stage_host_rows(addrs[i], lans[i], nbytes)), len(sets))
+                same = torch.equal(kernel(hits[0]), kernel(stage_host_rows(addrs[0], lans[0], nbytes)))
+                gb = M * nbytes / 1e3
+                print(f"| {M} | {b} / {wp} | {c:.1f} ({gb / c:.1f}) | {t:.1f} | {t - base:.1f} ({gb / (t - base):.1f}) "
+                      f"| {same} |", flush=True)
+    stage.BLOCK_BYTES, stage.WARPS = 65536, 8
+
+
 g = torch.Generator().manual_seed(0)
+if ns.only_misses:
+    misses(ExpertLayout(I, H, (Q.Q4_K, Q.Q4_K, Q.Q6_K)))
+    raise SystemExit
 print("## The copy engine (pinned -> device)\n\n| copy | µs | GB/s |\n|---|---:|---:|")
 src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
 dst = torch.empty_like(src, device="cuda")
@@ -109,3 +153,5 @@ for name, lay in layouts.items():
         same = torch.equal(kernel(x, addrs[0], w), kernel(x, stage_host_rows(addrs[0], lans[0], nbytes), w))
         print(f"| {T} | {a:.1f} ({reads / a / 1e3:.1f}) | {b:.1f} ({reads / b / 1e3:.1f}) | {same} |", flush=True)
     del rows, host, scratch
+
+misses(layouts["Q4_K_M"])
