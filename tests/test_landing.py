@@ -78,3 +78,46 @@ def test_the_host_learning_replay_runs_and_counts_no_upload_with_read_through():
     uploads = mod.run(argparse.Namespace(**args, no_read_through=True))
     assert lands["copies"] == 0 < lands["landed"] and uploads["landed"] == 0 < uploads["copies"]
     assert 0 < lands["hit_rate"] < 1 and lands["misses"] == lands["host_reads"]
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("mib,staged", [(8, False), (12, False), (12, True), (16, True)])
+def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device, mib, staged):
+    """MOESTREAM_LANDINGS=device (the default): a one-token step notes where it landed what (note_landings), the
+    next step's table takes them in on the device (apply_landings), and the host takes them in only after that
+    step is queued, not between the two. The logits and every counter are those of =host, where begin_step takes
+    them in first; and the next steps do read them from their slots (hits, not host reads again). On CUDA (in
+    bfloat16) the steps replay CUDA graphs, which run both ops inside, and whose warm-up keeps the table."""
+    from moestream import LLM
+    from moestream.experts import zero_copy
+
+    def run(where):
+        monkeypatch.setattr(zero_copy, "LANDINGS", where)
+        dtype = dict(dtype="bfloat16") if device == "cuda" else {}
+        llm = LLM("synth:tiny", ctx_size=128, device=device, zero_copy_decode=True, cpu_moe=True,
+                  moe_cache_mib=mib, read_through=True, stage_host_reads=staged, **dtype)
+        eng, zc = llm.engine, llm.engine.host.zero_copy
+        deferred, begin = [], zc.begin_step
+
+        def counted(*a, **kw):
+            p = zc.pending
+            begin(*a, **kw)
+            deferred.append(p is not None and not p.absorbed)
+        zc.begin_step = counted
+        tok, outs = int(eng.prefill(0, list(range(5, 40)))[-1].argmax()), []
+        for pos in range(35, 75):
+            lg = eng.decode([(0, tok, pos)])
+            outs.append(lg.clone())
+            tok = int(lg[0].argmax())
+        eng.host.flush_decode()
+        counts = {k: v for k, v in eng.stats()["total"].items() if not k.endswith("_s")}       # (not the times)
+        return outs, counts, sum(deferred)
+
+    host, device = run("host"), run("device")
+    assert all(torch.equal(a, b) for a, b in zip(host[0], device[0]))
+    assert host[1] == device[1] and device[1]["landed"] > 0 and device[1]["hits"] > 0
+    assert host[2] == 0 and device[2] == 39               # every step after the first took the last one's on the device

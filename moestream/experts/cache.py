@@ -148,7 +148,11 @@ class ExpertCache(ExpertProvider):
         self.zero_copy.begin_step(seqs, lands=not shared)
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
-        self.zero_copy.end_step(n_tokens, observer)
+        self.zero_copy.end_step(n_tokens, observer, noted=True)
+
+    def decode_step_ops(self):
+        zc = self.zero_copy
+        return None if zc is None else (zc.apply_landings, zc.note_landings, zc.kept)
 
     def flush_decode(self) -> None:
         if self.zero_copy is not None:

@@ -173,6 +173,12 @@ class ExpertProvider:
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
         pass
 
+    def decode_step_ops(self) -> tuple | None:
+        """(first, last): device ops a zero-copy decode step runs before and after its forward, inside its graph
+        (first(), last(n_tokens); experts/zero_copy.py: the landings of one step for the next one's table), and a
+        context manager that keeps their state across a capture's warm-up steps; None for none."""
+        return None
+
     def flush_decode(self) -> None:
         pass
 

@@ -25,16 +25,23 @@ was read back). A copy into a slot that step t+1's table may point at waits for 
 empty slots kept in reserve starts at once and lands, normally, before step t+2, whose table then points at it.
 
 The table leaves the critical path between steps: it is prepared from the residency map while the step before
-it runs (after learning), and begin_step only patches in the copies that have landed since and the last step's
-landed experts, then copies it over (one small copy).
+it runs (after learning), and begin_step only patches in the copies that have landed since, then copies it over
+(one small copy). A one-token step's landed experts reach the next step's table on the device (MOESTREAM_LANDINGS=
+device, the default): the step ends by noting where it landed what (note_landings, ReadThrough.absorb's rule in
+device ops), the next one starts by pointing its table there (apply_landings; both inside the steps' graphs), and
+the host takes them in while that next step runs. So nothing of the host's waits between two steps but the table's
+copy. (=host: begin_step takes them in on the host first, as before.) The host's tables and counters are the same
+either way, and so are the bits: a kernel reads the same bytes from the landing slot as from the host row.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
 import torch
 
+from .. import knobs
 from ..kernels.stage import Landing, staging_rows
 from .hot_set import HotSet
 from .planner import CachePlanner
@@ -44,6 +51,9 @@ from .residency import CacheTooSmall
 from .routing import report_route
 from .slots import SlotPool
 from .store import ExpertStore
+
+# Where a one-token step's landings reach the next step's table (module docstring; bench/RESULTS.md, stop 34).
+LANDINGS = knobs.choice("MOESTREAM_LANDINGS", ("device", "host"), "device")
 
 
 class ZeroCopyDecode:
@@ -85,9 +95,18 @@ class ZeroCopyDecode:
         self.land_slots = np.full(shape, -1, dtype=np.int64)                      # the queued step's, as slots
         # The next step's table is prepared while the step before it runs (end_step), in the staging buffer that
         # step's own table copy does not read; begin_step patches in what landed since, and copies it over.
-        self.stagings = [(dev.pinned_empty((L, E), torch.int64), dev.pinned_empty(shape, torch.int64)) for _ in (0, 1)]
+        self.stagings = [(dev.pinned_empty((L, E), torch.int64), dev.pinned_empty(shape, torch.int64),
+                          dev.pinned_empty((L, E), torch.bool)) for _ in (0, 1)]
         self.current = 0                                    # the staging buffer of the queued step's table
         self.next = None                                    # Prepared: the next step's table, or None
+        # A one-token step's landings, noted on the device for the next step's table (module docstring): each host
+        # layer's k (expert, landing slot address, whether it landed), and which experts a table may take in so
+        # (none resident: ReadThrough.absorb keeps the slot of one whose upload is in flight).
+        self.on_device = self.n_land > 0 and LANDINGS == "device"
+        self.noted_ids = torch.zeros(L, top_k, dtype=torch.int64, device=dev.torch)
+        self.noted_addr = torch.zeros(L, top_k, dtype=torch.int64, device=dev.torch)
+        self.noted_ok = torch.zeros(L, top_k, dtype=torch.bool, device=dev.torch)
+        self.absorbable = torch.zeros(L, E, dtype=torch.bool, device=dev.torch)
 
     def address_table(self, layer: int):
         """The layer's row of the step's table, and its row of routed, where the step keeps its ids for the host
@@ -121,14 +140,17 @@ class ZeroCopyDecode:
         step lands nothing (the host computes some of its experts: host_share.py)."""
         self.seqs, self.step_lands = seqs, lands
         p = self.pending
-        if p is not None and p.event is not None:
+        # The last step's landings go to this table on the device (apply_landings) unless the host must know them
+        # now: a step the host shares reads from_host while it runs.
+        deferred = p is not None and p.noted and not p.absorbed and lands and self.next is not None
+        if p is not None and p.event is not None and not deferred:
             p.event.synchronize()                # that step has run: its table copy is done, its landings are in
         nxt, self.next = self.next, None
-        absorbed = self._absorb(p) if p is not None and not p.absorbed else None
+        absorbed = self._absorb(p) if p is not None and not p.absorbed and not deferred else None
         fresh = nxt is None
         if fresh:                                # (after a prompt: it takes in what was just absorbed)
             nxt = self._prepare(1 - self.current, writing=None)
-        staging, land_staging = self.stagings[nxt.buffer]
+        staging, land_staging, absorbable = self.stagings[nxt.buffer]
         if not fresh:
             self._patch(nxt, staging.numpy(), absorbed)
         self.from_host[:] = nxt.from_host
@@ -137,6 +159,43 @@ class ZeroCopyDecode:
         self.table.copy_(staging, non_blocking=True)
         if self.n_land:
             self.land.copy_(land_staging, non_blocking=True)
+        if self.on_device:
+            self.absorbable.copy_(absorbable, non_blocking=True)
+            if not deferred:
+                self.noted_ok.zero_()            # nothing for this step's table to take in on the device
+
+    def apply_landings(self) -> None:
+        """A step's first ops (inside its graph): the experts the last one-token step landed, as note_landings
+        noted them, are read from their landing slots (module docstring). A no-op where nothing was noted."""
+        if self.on_device:
+            ids = self.noted_ids
+            ok = self.noted_ok & self.absorbable.gather(1, ids)
+            self.table.scatter_(1, ids, torch.where(ok, self.noted_addr, self.table.gather(1, ids)))
+
+    def note_landings(self, n_tokens: int) -> None:
+        """A step's last ops (inside its graph): where a one-token step landed which experts, by the rule the host
+        replays (ReadThrough.absorb): each host layer's first host-read choices, in choice order, into its landing
+        slots (0: none)."""
+        if not self.on_device or n_tokens != 1:
+            return
+        R, ids = self.n_land, self.routed[:, :self.top_k]
+        on_host = self.table.gather(1, ids) == self.host_tab.gather(1, ids)
+        rank = on_host.long().cumsum(1) - 1
+        addr = self.land[:, :R].gather(1, rank.clamp(0, R - 1))
+        self.noted_ids.copy_(ids)
+        self.noted_addr.copy_(addr)
+        self.noted_ok.copy_(on_host & (rank < R) & (addr != 0))
+
+    @contextlib.contextmanager
+    def kept(self):
+        """The table and the noted landings as they are now, back after the block (a graph's warm-up steps run
+        note_landings on no real step's routing)."""
+        saved = [t.clone() for t in (self.table, self.noted_ids, self.noted_addr, self.noted_ok)]
+        try:
+            yield
+        finally:
+            for t, v in zip((self.table, self.noted_ids, self.noted_addr, self.noted_ok), saved):
+                t.copy_(v)
 
     def _patch(self, nxt: "Prepared", table: np.ndarray, absorbed) -> None:
         """What changed since `nxt` was prepared: the experts just absorbed (read-through: (layers, experts,
@@ -158,20 +217,26 @@ class ZeroCopyDecode:
         held = slot >= 0
         landed = held.copy()
         landed[held] = self.slots.landed(slot[held])
-        staging, land_staging = self.stagings[buffer]
+        staging, land_staging, absorbable = self.stagings[buffer]
         staging.numpy()[:] = np.where(landed, self.pool_addr + slot * self.row_bytes, self.host_addr)
+        absorbable.numpy()[:] = ~held
         waiting = np.flatnonzero((held & ~landed).ravel())
         land_slots = self.rt.hand_out(self.land_slots.shape, writing)
         if self.n_land:
             land_staging.numpy()[:] = np.where(land_slots >= 0, self.pool_addr + land_slots * self.row_bytes, 0)
         return Prepared(buffer, ~landed, land_slots, waiting, slot.ravel()[waiting])
 
-    def end_step(self, n_tokens: int, observer=None) -> None:
+    def end_step(self, n_tokens: int, observer=None, noted: bool = False) -> None:
         """The step is queued: report its routing (device views, in stream order) to `observer` (a RouteObserver),
-        then learn from the previous step's while this one runs."""
+        then learn from the previous step's while this one runs. noted: the step ran note_landings (a decode
+        path's step; not a trace's replay)."""
         n = n_tokens * self.top_k
         for l in self.layers:
             report_route(observer, l, self.routed[l, :n].view(n_tokens, self.top_k))
+        p = self.pending
+        if p is not None and not p.absorbed:     # its landings went to this step's table on the device
+            ls, es, _ = self._absorb(p)
+            self.from_host[ls, es] = False
         previous = self._take_pending()
         event = None
         if self.device.is_cuda:          # the whole buffer: contiguous, so the copy stays asynchronous
@@ -184,7 +249,8 @@ class ZeroCopyDecode:
         if self.n_land and self.step_lands:
             writes = self.land_slots.copy()
             writes[:, self.rt.count(n_tokens):] = -1
-        self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs)
+        self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs,
+                               noted and n_tokens == 1 and self.step_lands and self.on_device)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
         self.next = self._prepare(1 - self.current, writing=self.pending.land_slots)
@@ -317,9 +383,10 @@ class Pending:
     """A queued step the host has not learned from yet."""
 
     def __init__(self, n_tokens: int, event, from_host: np.ndarray, land_slots: np.ndarray | None,
-                 seqs: list[int] | None = None):
+                 seqs: list[int] | None = None, noted: bool = False):
         self.n_tokens, self.event, self.from_host, self.land_slots = n_tokens, event, from_host, land_slots
         self.seqs = seqs                # each token's sequence, or None
+        self.noted = noted              # its landings were noted on the device (note_landings)
         self.absorbed = False           # its landed experts (read-through) are in the residency map
 
 

@@ -67,12 +67,23 @@ class DecodePath:
         raise NotImplementedError
 
 
+def step_ops(engine, by_address) -> tuple | None:
+    """The host provider's device ops around a zero-copy step (ExpertProvider.decode_step_ops), or None."""
+    return engine.host.decode_step_ops() if engine.host is not None and by_address is not None else None
+
+
 class EagerDecode(DecodePath):
     """A decode step as one eager forward."""
 
     def _step(self, steps, span: int, by_address, fused, observed: bool) -> torch.Tensor:
-        return self.engine.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
-                                   by_address=by_address, fused=fused, observed=observed)
+        ops = step_ops(self.engine, by_address)
+        if ops is not None:
+            ops[0]()
+        out = self.engine.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
+                                  by_address=by_address, fused=fused, observed=observed)
+        if ops is not None:
+            ops[1](len(steps))
+        return out
 
 
 class GraphDecode(DecodePath):
