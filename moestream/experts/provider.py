@@ -174,9 +174,9 @@ class ExpertProvider:
         pass
 
     def decode_step_ops(self) -> tuple | None:
-        """(first, last): device ops a zero-copy decode step runs before and after its forward, inside its graph
-        (first(), last(n_tokens); experts/zero_copy.py: the landings of one step for the next one's table), and a
-        context manager that keeps their state across a capture's warm-up steps; None for none."""
+        """(first, last, kept): the device ops a zero-copy decode step runs before and after its forward, inside
+        its graph (first(), last(n_tokens); experts/zero_copy.py: the landings of one step for the next one's
+        table), and a context manager that keeps their state across a capture's warm-up steps; None for none."""
         return None
 
     def flush_decode(self) -> None:

@@ -72,18 +72,23 @@ def step_ops(engine, by_address) -> tuple | None:
     return engine.host.decode_step_ops() if engine.host is not None and by_address is not None else None
 
 
+def between_ops(ops, n_tokens: int, forward):
+    """forward() between the step ops' first and last (step_ops; None: forward() alone)."""
+    if ops is not None:
+        ops[0]()
+    out = forward()
+    if ops is not None:
+        ops[1](n_tokens)
+    return out
+
+
 class EagerDecode(DecodePath):
     """A decode step as one eager forward."""
 
     def _step(self, steps, span: int, by_address, fused, observed: bool) -> torch.Tensor:
-        ops = step_ops(self.engine, by_address)
-        if ops is not None:
-            ops[0]()
-        out = self.engine.forward([Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span,
-                                  by_address=by_address, fused=fused, observed=observed)
-        if ops is not None:
-            ops[1](len(steps))
-        return out
+        return between_ops(step_ops(self.engine, by_address), len(steps), lambda: self.engine.forward(
+            [Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span, by_address=by_address,
+            fused=fused, observed=observed))
 
 
 class GraphDecode(DecodePath):

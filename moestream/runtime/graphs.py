@@ -73,18 +73,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self, B: int, span: int, by_address, fused):
-        from .decode import step_ops
+        from .decode import between_ops, step_ops
         eng = self.engine
         inputs, batch = static_decode_batch(eng, B, span, by_address, fused)
         ops = step_ops(eng, by_address)         # the host provider's device ops around a zero-copy step
-
-        def step():
-            if ops is not None:
-                ops[0]()
-            out = eng.model.forward(batch, eng.kv, eng.experts, eng.kernel)
-            if ops is not None:
-                ops[1](B)
-            return out
+        step = lambda: between_ops(ops, B, lambda: eng.model.forward(batch, eng.kv, eng.experts, eng.kernel))
         kept = ops[2]() if ops is not None else contextlib.nullcontext()
         with eng.kv.kept(), kept:       # the warm-up's steps run on real sequences' recurrent states (hybrids), and
             warm_up(eng.device.torch, step, times=2)      # on the provider's real table
