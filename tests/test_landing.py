@@ -87,9 +87,10 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torc
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("mib,staged", [(8, False), (12, False), (12, True), (16, True)])
 def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device, mib, staged):
-    """MOESTREAM_LANDINGS=device (the default): a one-token step notes where it landed what (note_landings), the
-    next step's table takes them in on the device (apply_landings), and the host takes them in only after that
-    step is queued, not between the two. The logits and every counter are those of =host, where begin_step takes
+    """MOESTREAM_LANDINGS=device (the default): a step notes where it landed what (note_landings), the next step's
+    table takes them in on the device (apply_landings), and the host takes them in only after that step is queued,
+    not between the two. Steps of one token and of two (two sequences every other step: the grouped kernel's rule,
+    or staged, the stage copy's) alike. The logits and every counter are those of =host, where begin_step takes
     them in first; and the next steps do read them from their slots (hits, not host reads again). On CUDA (in
     bfloat16) the steps replay CUDA graphs, which run both ops inside, and whose warm-up keeps the table."""
     from moestream import LLM
@@ -98,27 +99,45 @@ def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device
     def run(where):
         monkeypatch.setattr(zero_copy, "LANDINGS", where)
         dtype = dict(dtype="bfloat16") if device == "cuda" else {}
-        llm = LLM("synth:tiny", ctx_size=128, device=device, zero_copy_decode=True, cpu_moe=True,
+        llm = LLM("synth:tiny", ctx_size=128, device=device, zero_copy_decode=True, cpu_moe=True, n_seq=2,
                   moe_cache_mib=mib, read_through=True, stage_host_reads=staged, **dtype)
         eng, zc = llm.engine, llm.engine.host.zero_copy
-        deferred, begin = [], zc.begin_step
+        deferred, begin, absorb, applied = [], zc.begin_step, zc._absorb, {}
 
         def counted(*a, **kw):
             p = zc.pending
             begin(*a, **kw)
-            deferred.append(p is not None and not p.absorbed)
-        zc.begin_step = counted
-        tok, outs = int(eng.prefill(0, list(range(5, 40)))[-1].argmax()), []
-        for pos in range(35, 75):
-            lg = eng.decode([(0, tok, pos)])
+            if p is not None and not p.absorbed:                     # deferred: what the next table takes in
+                ok = zc.noted_ok & zc.absorbable
+                applied[id(p)] = ok.clone(), zc.noted_addr[ok].clone()
+                deferred.append((p.n_tokens, bool(ok.any())))
+
+        def absorbed(p):                                             # the host takes in what the device did
+            ls, es, ss = absorb(p)
+            if id(p) in applied:
+                ok, addr = applied.pop(id(p))
+                placed = torch.zeros_like(ok)
+                placed[torch.as_tensor(ls), torch.as_tensor(es)] = True
+                assert torch.equal(placed, ok)
+                assert torch.equal(addr.cpu(), torch.as_tensor(zc.pool_addr + ss * zc.row_bytes)[np.lexsort((es, ls))])
+            return ls, es, ss
+        zc.begin_step, zc._absorb = counted, absorbed
+        ids = list(range(5, 40))
+        tok, outs = int(eng.prefill(0, ids)[-1].argmax()), []
+        other, at = int(eng.prefill(1, ids[::-1])[-1].argmax()), 35
+        for i, pos in enumerate(range(35, 75)):
+            both = i >= 12 and i % 3 != 0            # one token a step, then two in two steps of three
+            lg = eng.decode([(0, tok, pos)] + ([(1, other, at)] if both else []))
             outs.append(lg.clone())
             tok = int(lg[0].argmax())
+            other, at = (int(lg[1].argmax()), at + 1) if both else (other, at)
         eng.host.flush_decode()
         counts = {k: v for k, v in eng.stats()["total"].items()      # (not the times, nor the prompt's waits for
                   if not k.endswith("_s") and k != "waits"}             # copies, which on CUDA depend on timing)
-        return outs, counts, sum(deferred)
+        return outs, counts, deferred
 
     host, device = run("host"), run("device")
     assert all(torch.equal(a, b) for a, b in zip(host[0], device[0]))
     assert host[1] == device[1] and device[1]["landed"] > 0 and device[1]["hits"] > 0
-    assert host[2] == 0 and device[2] == 39               # every step after the first took the last one's on the device
+    assert host[2] == [] and len(device[2]) == 39         # every step after the first took the last one's on the device
+    assert (1, True) in device[2] and (2, True) in device[2]         # steps of one token and of two that landed

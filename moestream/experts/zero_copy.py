@@ -26,8 +26,8 @@ empty slots kept in reserve starts at once and lands, normally, before step t+2,
 
 The table leaves the critical path between steps: it is prepared from the residency map while the step before
 it runs (after learning), and begin_step only patches in the copies that have landed since, then copies it over
-(one small copy). A one-token step's landed experts reach the next step's table on the device (MOESTREAM_LANDINGS=
-device, the default): the step ends by noting where it landed what (note_landings, ReadThrough.absorb's rule in
+(one small copy). A step's landed experts reach the next step's table on the device (MOESTREAM_LANDINGS=device,
+the default): the step ends by noting where it landed what (note_landings, ReadThrough.absorb's rule in
 device ops), the next one starts by pointing its table there (apply_landings; both inside the steps' graphs), and
 the host takes them in while that next step runs. So nothing of the host's waits between two steps but the table's
 copy. (=host: begin_step takes them in on the host first, as before.) The host's tables and counters are the same
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .. import knobs
-from ..kernels.stage import Landing, staging_rows
+from ..kernels.stage import MAX_CHOICES, Landing, staging_rows
 from .hot_set import HotSet
 from .planner import CachePlanner
 from .provider import row_addresses
@@ -52,7 +52,7 @@ from .routing import report_route
 from .slots import SlotPool
 from .store import ExpertStore
 
-# Where a one-token step's landings reach the next step's table (module docstring; bench/RESULTS.md, stop 34).
+# Where a step's landings reach the next step's table (module docstring; bench/RESULTS.md, stop 34).
 LANDINGS = knobs.choice("MOESTREAM_LANDINGS", ("device", "host"), "device")
 
 
@@ -99,13 +99,12 @@ class ZeroCopyDecode:
                           dev.pinned_empty((L, E), torch.bool)) for _ in (0, 1)]
         self.current = 0                                    # the staging buffer of the queued step's table
         self.next = None                                    # Prepared: the next step's table, or None
-        # A one-token step's landings, noted on the device for the next step's table (module docstring): each host
-        # layer's k (expert, landing slot address, whether it landed), and which experts a table may take in so
-        # (none resident: ReadThrough.absorb keeps the slot of one whose upload is in flight).
+        # A step's landings, noted on the device for the next step's table (module docstring): per (layer, expert)
+        # the landing slot's address and whether it landed there, and which experts a table may take in so (none
+        # resident: ReadThrough.absorb keeps the slot of one whose upload is in flight).
         self.on_device = self.n_land > 0 and LANDINGS == "device"
-        self.noted_ids = torch.zeros(L, top_k, dtype=torch.int64, device=dev.torch)
-        self.noted_addr = torch.zeros(L, top_k, dtype=torch.int64, device=dev.torch)
-        self.noted_ok = torch.zeros(L, top_k, dtype=torch.bool, device=dev.torch)
+        self.noted_addr = torch.zeros(L, E, dtype=torch.int64, device=dev.torch)
+        self.noted_ok = torch.zeros(L, E, dtype=torch.bool, device=dev.torch)
         self.absorbable = torch.zeros(L, E, dtype=torch.bool, device=dev.torch)
 
     def address_table(self, layer: int):
@@ -165,36 +164,46 @@ class ZeroCopyDecode:
                 self.noted_ok.zero_()            # nothing for this step's table to take in on the device
 
     def apply_landings(self) -> None:
-        """A step's first ops (inside its graph): the experts the last one-token step landed, as note_landings
-        noted them, are read from their landing slots (module docstring). A no-op where nothing was noted."""
+        """A step's first ops (inside its graph): the experts the last step landed, as note_landings noted them,
+        are read from their landing slots (module docstring). A no-op where nothing was noted."""
         if self.on_device:
-            ids = self.noted_ids
-            ok = self.noted_ok & self.absorbable.gather(1, ids)
-            self.table.scatter_(1, ids, torch.where(ok, self.noted_addr, self.table.gather(1, ids)))
+            self.table.copy_(torch.where(self.noted_ok & self.absorbable, self.noted_addr, self.table))
 
     def note_landings(self, n_tokens: int) -> None:
-        """A step's last ops (inside its graph): where a one-token step landed which experts, by the rule the host
-        replays (ReadThrough.absorb): each host layer's first host-read choices, in choice order, into its landing
-        slots (0: none)."""
-        if not self.on_device or n_tokens != 1:
+        """A step's last ops (inside its graph): which experts it landed in which landing slots, by the rule the
+        host replays (ReadThrough.absorb): a layer's distinct host-read experts, in order of first choice (one
+        token, and any staged step: kernels/stage.py) or of id (the grouped kernel's), into its first landing
+        slots (address 0: none)."""
+        if not self.on_device:
             return
-        R, ids = self.n_land, self.routed[:, :self.top_k]
+        L, N, R = self.table.shape[0], n_tokens * self.top_k, self.rt.count(n_tokens)
+        if R == 0 or self.rt.staged and N > MAX_CHOICES:
+            self.noted_ok.zero_()                # no landing slots, or read in place, landing nothing (kernels/stage.py)
+            return
+        ids = self.routed[:, :N]
         on_host = self.table.gather(1, ids) == self.host_tab.gather(1, ids)
-        rank = on_host.long().cumsum(1) - 1
+        read = torch.zeros_like(self.noted_ok).scatter_(1, ids, on_host)          # (L, E): read from host
+        if n_tokens == 1 or self.rt.staged:     # (no sort: a capture may not take one)
+            choice = torch.arange(N, device=ids.device).repeat(L, 1)
+            first = torch.full_like(self.noted_addr, N).scatter_reduce(1, ids, choice, "amin")   # (L, E)
+            firsts = on_host & (first.gather(1, ids) == choice)                  # (L, N): a host read's first choice
+            rank = (firsts.long().cumsum(1) - 1).gather(1, first.clamp(max=N - 1))
+        else:
+            rank = read.long().cumsum(1) - 1
         addr = self.land[:, :R].gather(1, rank.clamp(0, R - 1))
-        self.noted_ids.copy_(ids)
         self.noted_addr.copy_(addr)
-        self.noted_ok.copy_(on_host & (rank < R) & (addr != 0))
+        self.noted_ok.copy_(read & (rank < R) & (addr != 0))
 
     @contextlib.contextmanager
     def kept(self):
         """The table and the noted landings as they are now, back after the block (a graph's warm-up steps run
         note_landings on no real step's routing)."""
-        saved = [t.clone() for t in (self.table, self.noted_ids, self.noted_addr, self.noted_ok)]
+        kept = (self.table, self.noted_addr, self.noted_ok)
+        saved = [t.clone() for t in kept]
         try:
             yield
         finally:
-            for t, v in zip((self.table, self.noted_ids, self.noted_addr, self.noted_ok), saved):
+            for t, v in zip(kept, saved):
                 t.copy_(v)
 
     def _patch(self, nxt: "Prepared", table: np.ndarray, absorbed) -> None:
@@ -250,7 +259,7 @@ class ZeroCopyDecode:
             writes = self.land_slots.copy()
             writes[:, self.rt.count(n_tokens):] = -1
         self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs,
-                               noted and n_tokens == 1 and self.step_lands and self.on_device)
+                               noted and self.step_lands and self.on_device)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
         self.next = self._prepare(1 - self.current, writing=self.pending.land_slots)
