@@ -108,8 +108,9 @@ def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device
             p = zc.pending
             begin(*a, **kw)
             if p is not None and not p.absorbed:                     # deferred: what the next table takes in
-                ok = zc.noted_ok & zc.absorbable
-                applied[id(p)] = ok.clone(), zc.noted_addr[ok].clone()
+                dl = zc.device_landings
+                ok = dl.noted_ok & dl.absorbable
+                applied[id(p)] = ok.clone(), dl.noted_addr[ok].clone()
                 deferred.append((p.n_tokens, bool(ok.any())))
 
         def absorbed(p):                                             # the host takes in what the device did

@@ -13,12 +13,15 @@ reads from host memory into them as it reads them (a one-token step its first ho
 step its distinct host-read experts in ascending id: kernels/decode.py's landing_slots and landing_slots_grouped;
 staged, kernels/stage.py's landed_experts). Once the step has completed, the host replays the kernel's rule on the
 step's routing (absorb) and takes those experts in, so the next step reads them from their slots: a miss crosses
-the link once, and a one-token step uploads nothing. zero_copy.py hands the slots out and absorbs them between
-steps; the slots a step writes are pinned while it runs, so no copy targets them.
+the link once, and a one-token step uploads nothing. zero_copy.py hands the slots out and absorbs them while the
+next step runs; the slots a step writes are pinned while it runs, so no copy targets them. DeviceLandings is the
+same rule in device ops, inside the steps' graphs: a step notes what it landed where, and the next step's table
+takes them in on the device, before the host has absorbed them.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ..kernels.stage import MAX_CHOICES, landed_experts
 from .residency import Residency
@@ -153,3 +156,45 @@ class ReadThrough:
         """Free slots a layer keeps for several-token steps to land their misses in (0 without read-through or in
         a pool smaller than a token's experts, where nothing lands)."""
         return ROOM_SEVERAL if self.n_land_several and self.holds_a_step(self.top_k) else 0
+
+
+class DeviceLandings:
+    """ReadThrough.absorb's rule on the device (experts/zero_copy.py): per (layer, expert) the landing slot's address
+    a step wrote the expert into (noted_addr) and whether it did (noted_ok), and which experts the next table may
+    take in so (absorbable: none resident; absorb keeps the slot of one whose upload is in flight)."""
+
+    def __init__(self, rt: ReadThrough, top_k: int, shape: tuple[int, int], device):
+        self.rt, self.top_k = rt, top_k
+        self.noted_addr = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.noted_ok = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.absorbable = torch.zeros(shape, dtype=torch.bool, device=device)
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a step rewrites (a capture's warm-up keeps them)."""
+        return self.noted_addr, self.noted_ok
+
+    def apply(self, table: torch.Tensor) -> None:
+        """table (L, E) addresses: the noted experts read from their landing slots."""
+        table.copy_(torch.where(self.noted_ok & self.absorbable, self.noted_addr, table))
+
+    def note(self, table, host_tab, routed, land, n_tokens: int) -> None:
+        """What a step of n_tokens, which read table (L, E) with routed (L, T k) ids, landed in its landing slots
+        (land: (L, R) addresses, 0 for none): a layer's distinct host-read experts (table == host_tab), in order
+        of first choice (one token, and any staged step) or of id (the grouped kernel's), into its first slots."""
+        L, N, R = table.shape[0], n_tokens * self.top_k, self.rt.count(n_tokens)
+        if R == 0 or self.rt.staged and N > MAX_CHOICES:
+            self.noted_ok.zero_()                # no landing slots, or read in place (kernels/stage.py): no landing
+            return
+        ids = routed[:, :N]
+        on_host = table.gather(1, ids) == host_tab.gather(1, ids)
+        read = torch.zeros_like(self.noted_ok).scatter_(1, ids, on_host)          # (L, E): read from host
+        if n_tokens == 1 or self.rt.staged:     # (no sort: a capture may not take one)
+            choice = torch.arange(N, device=ids.device).repeat(L, 1)
+            first = torch.full_like(self.noted_addr, N).scatter_reduce(1, ids, choice, "amin")   # (L, E)
+            firsts = on_host & (first.gather(1, ids) == choice)                  # (L, N): a host read's first choice
+            rank = (firsts.long().cumsum(1) - 1).gather(1, first.clamp(max=N - 1))
+        else:
+            rank = read.long().cumsum(1) - 1
+        addr = land[:, :R].gather(1, rank.clamp(0, R - 1))
+        self.noted_addr.copy_(addr)
+        self.noted_ok.copy_(read & (rank < R) & (addr != 0))

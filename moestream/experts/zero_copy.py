@@ -42,11 +42,11 @@ import numpy as np
 import torch
 
 from .. import knobs
-from ..kernels.stage import MAX_CHOICES, Landing, staging_rows
+from ..kernels.stage import Landing, staging_rows
 from .hot_set import HotSet
 from .planner import CachePlanner
 from .provider import row_addresses
-from .read_through import ReadThrough
+from .read_through import DeviceLandings, ReadThrough
 from .residency import CacheTooSmall
 from .routing import report_route
 from .slots import SlotPool
@@ -99,13 +99,9 @@ class ZeroCopyDecode:
                           dev.pinned_empty((L, E), torch.bool)) for _ in (0, 1)]
         self.current = 0                                    # the staging buffer of the queued step's table
         self.next = None                                    # Prepared: the next step's table, or None
-        # A step's landings, noted on the device for the next step's table (module docstring): per (layer, expert)
-        # the landing slot's address and whether it landed there, and which experts a table may take in so (none
-        # resident: ReadThrough.absorb keeps the slot of one whose upload is in flight).
-        self.on_device = self.n_land > 0 and LANDINGS == "device"
-        self.noted_addr = torch.zeros(L, E, dtype=torch.int64, device=dev.torch)
-        self.noted_ok = torch.zeros(L, E, dtype=torch.bool, device=dev.torch)
-        self.absorbable = torch.zeros(L, E, dtype=torch.bool, device=dev.torch)
+        # A step's landings, noted on the device for the next step's table (module docstring), or None.
+        self.device_landings = DeviceLandings(self.rt, top_k, (L, E), dev.torch) \
+            if self.n_land > 0 and LANDINGS == "device" else None
 
     def address_table(self, layer: int):
         """The layer's row of the step's table, and its row of routed, where the step keeps its ids for the host
@@ -158,47 +154,26 @@ class ZeroCopyDecode:
         self.table.copy_(staging, non_blocking=True)
         if self.n_land:
             self.land.copy_(land_staging, non_blocking=True)
-        if self.on_device:
-            self.absorbable.copy_(absorbable, non_blocking=True)
+        if self.device_landings is not None:
+            self.device_landings.absorbable.copy_(absorbable, non_blocking=True)
             if not deferred:
-                self.noted_ok.zero_()            # nothing for this step's table to take in on the device
+                self.device_landings.noted_ok.zero_()        # nothing for this step's table to take in on the device
 
     def apply_landings(self) -> None:
-        """A step's first ops (inside its graph): the experts the last step landed, as note_landings noted them,
-        are read from their landing slots (module docstring). A no-op where nothing was noted."""
-        if self.on_device:
-            self.table.copy_(torch.where(self.noted_ok & self.absorbable, self.noted_addr, self.table))
+        """A step's first ops (inside its graph): the last step's landed experts into its table (DeviceLandings)."""
+        if self.device_landings is not None:
+            self.device_landings.apply(self.table)
 
     def note_landings(self, n_tokens: int) -> None:
-        """A step's last ops (inside its graph): which experts it landed in which landing slots, by the rule the
-        host replays (ReadThrough.absorb): a layer's distinct host-read experts, in order of first choice (one
-        token, and any staged step: kernels/stage.py) or of id (the grouped kernel's), into its first landing
-        slots (address 0: none)."""
-        if not self.on_device:
-            return
-        L, N, R = self.table.shape[0], n_tokens * self.top_k, self.rt.count(n_tokens)
-        if R == 0 or self.rt.staged and N > MAX_CHOICES:
-            self.noted_ok.zero_()                # no landing slots, or read in place, landing nothing (kernels/stage.py)
-            return
-        ids = self.routed[:, :N]
-        on_host = self.table.gather(1, ids) == self.host_tab.gather(1, ids)
-        read = torch.zeros_like(self.noted_ok).scatter_(1, ids, on_host)          # (L, E): read from host
-        if n_tokens == 1 or self.rt.staged:     # (no sort: a capture may not take one)
-            choice = torch.arange(N, device=ids.device).repeat(L, 1)
-            first = torch.full_like(self.noted_addr, N).scatter_reduce(1, ids, choice, "amin")   # (L, E)
-            firsts = on_host & (first.gather(1, ids) == choice)                  # (L, N): a host read's first choice
-            rank = (firsts.long().cumsum(1) - 1).gather(1, first.clamp(max=N - 1))
-        else:
-            rank = read.long().cumsum(1) - 1
-        addr = self.land[:, :R].gather(1, rank.clamp(0, R - 1))
-        self.noted_addr.copy_(addr)
-        self.noted_ok.copy_(read & (rank < R) & (addr != 0))
+        """A step's last ops (inside its graph): which experts it landed in which landing slots (DeviceLandings)."""
+        if self.device_landings is not None:
+            self.device_landings.note(self.table, self.host_tab, self.routed, self.land, n_tokens)
 
     @contextlib.contextmanager
     def kept(self):
         """The table and the noted landings as they are now, back after the block (a graph's warm-up steps run
         note_landings on no real step's routing)."""
-        kept = (self.table, self.noted_addr, self.noted_ok)
+        kept = (self.table,) + (self.device_landings.state() if self.device_landings is not None else ())
         saved = [t.clone() for t in kept]
         try:
             yield
@@ -259,7 +234,7 @@ class ZeroCopyDecode:
             writes = self.land_slots.copy()
             writes[:, self.rt.count(n_tokens):] = -1
         self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs,
-                               noted and self.step_lands and self.on_device)
+                               noted and self.step_lands and self.device_landings is not None)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
         self.next = self._prepare(1 - self.current, writing=self.pending.land_slots)
