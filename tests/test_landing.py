@@ -113,8 +113,8 @@ def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device
                 applied[id(p)] = ok.clone(), dl.noted_addr[ok].clone()
                 deferred.append((p.n_tokens, bool(ok.any())))
 
-        def absorbed(p):                                             # the host takes in what the device did
-            ls, es, ss = absorb(p)
+        def absorbed(p, *routed):                                    # the host takes in what the device did
+            ls, es, ss = absorb(p, *routed)
             if id(p) in applied:
                 ok, addr = applied.pop(id(p))
                 placed = torch.zeros_like(ok)

@@ -100,8 +100,8 @@ class ReadThrough:
         if land_slots is None:
             return none
         n = n_tokens * self.top_k
-        if self.staged and n > MAX_CHOICES:
-            return none                          # read in place, landing nothing (kernels.staged)
+        if self.reads_in_place(n):
+            return none
         res = self.residency
         layers = np.asarray(self.layers)
         ids = routed[layers, :n]
@@ -125,6 +125,11 @@ class ReadThrough:
         self.slots.written(ss)
         self.stats.count(ls, "landed")
         return ls, es, ss
+
+    def reads_in_place(self, n_choices: int) -> bool:
+        """Whether a step of n_choices routed choices a layer lands nothing: staged, with more choices than one
+        copy launch plans (kernels/stage.py: MAX_CHOICES), it reads its host rows in place."""
+        return self.staged and n_choices > MAX_CHOICES
 
     def note_one_token(self, layers: np.ndarray, reads: np.ndarray) -> None:
         """A one-token step read reads[i] experts of layers[i] from host memory."""
@@ -182,8 +187,8 @@ class DeviceLandings:
         (land: (L, R) addresses, 0 for none): a layer's distinct host-read experts (table == host_tab), in order
         of first choice (one token, and any staged step) or of id (the grouped kernel's), into its first slots."""
         L, N, R = table.shape[0], n_tokens * self.top_k, self.rt.count(n_tokens)
-        if R == 0 or self.rt.staged and N > MAX_CHOICES:
-            self.noted_ok.zero_()                # no landing slots, or read in place (kernels/stage.py): no landing
+        if R == 0 or self.rt.reads_in_place(N):
+            self.noted_ok.zero_()                # no landing slots, or nothing lands
             return
         ids = routed[:, :N]
         on_host = table.gather(1, ids) == host_tab.gather(1, ids)

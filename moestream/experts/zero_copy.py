@@ -203,7 +203,8 @@ class ZeroCopyDecode:
         landed[held] = self.slots.landed(slot[held])
         staging, land_staging, absorbable = self.stagings[buffer]
         staging.numpy()[:] = np.where(landed, self.pool_addr + slot * self.row_bytes, self.host_addr)
-        absorbable.numpy()[:] = ~held
+        if self.device_landings is not None:
+            absorbable.numpy()[:] = ~held
         waiting = np.flatnonzero((held & ~landed).ravel())
         land_slots = self.rt.hand_out(self.land_slots.shape, writing)
         if self.n_land:
@@ -218,10 +219,10 @@ class ZeroCopyDecode:
         for l in self.layers:
             report_route(observer, l, self.routed[l, :n].view(n_tokens, self.top_k))
         p = self.pending
-        if p is not None and not p.absorbed:     # its landings went to this step's table on the device
-            ls, es, _ = self._absorb(p)
-            self.from_host[ls, es] = False
         previous = self._take_pending()
+        if p is not None and not p.absorbed:     # its landings went to this step's table on the device
+            ls, es, _ = self._absorb(p, previous[0])
+            self.from_host[ls, es] = False
         event = None
         if self.device.is_cuda:          # the whole buffer: contiguous, so the copy stays asynchronous
             self.routed_host.copy_(self.routed, non_blocking=True)
@@ -259,10 +260,11 @@ class ZeroCopyDecode:
         p, self.pending = self.pending, None
         return None if p is None else (self._routed(p), p.from_host, p.seqs)
 
-    def _absorb(self, p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The experts the pending step landed (read-through) become resident: (layers, experts, slots)."""
+    def _absorb(self, p, routed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The experts the pending step landed (read-through) become resident: (layers, experts, slots). routed:
+        its routing, where the caller has read it back already."""
         p.absorbed = True
-        return self.rt.absorb(self._routed(p), p.from_host, p.land_slots, p.n_tokens)
+        return self.rt.absorb(self._routed(p) if routed is None else routed, p.from_host, p.land_slots, p.n_tokens)
 
     def _learn(self, routed: np.ndarray, from_host: np.ndarray, seqs, after, writing) -> None:
         """The policy and counters see one step's routing (L, T k); the pool changes for the steps to come.
