@@ -398,18 +398,3 @@ def test_replay_cache_of_0_mib_is_the_smallest_pool(capsys, tmp_path):
                "--trace", str(trace))[0] == 0
     code, out, err = run(capsys, "replay", str(trace), "--moe-cache-mib", "0", "--policy", "lru")
     assert code == 0 and "| lru | 16 |" in out, err                 # tiny: 16 experts a layer
-
-
-def test_serve_reads_prompt_batches_of_8192_tokens_unless_told():
-    """The server's prompt budget with host experts (-b) is vLLM's online 8192, not generate's 2048; -b (which
-    vLLM spells --max-num-batched-tokens) still sets it."""
-    from moestream import flags
-    from moestream.cli import build_parser
-    from moestream.server.cli import SERVE_BATCH
-
-    def batch(*argv):
-        return flags.to_config(build_parser("serve").parse_args(["serve", "-m", "synth:tiny", *argv])).batching
-    assert SERVE_BATCH == 8192 and batch().batch_size == SERVE_BATCH
-    assert batch("-b", "2048").batch_size == 2048
-    assert flags.to_config(build_parser("generate").parse_args(["generate", "-m", "synth:tiny"])).batching.batch_size \
-        == 2048

@@ -1,5 +1,6 @@
 """The server's --prefill-layers without HTTP: a prompt batch read a few layers at a time between the generating
-requests' decode steps gives every request the tokens it gets alone (tests/test_prompt_batch.py: the bits)."""
+requests' decode steps gives every request the tokens it gets alone (tests/test_prompt_batch.py: the bits); and
+the prompt budget of serve's batches (-b)."""
 from __future__ import annotations
 
 import queue
@@ -161,3 +162,18 @@ def test_prefill_layers_defaults_to_one_with_host_experts_that_can_pause(kw, wan
         s = Scheduler(llm, n_slots=2)
     assert s.prefill_layers == want and "prefill-layers" not in caplog.text
     assert Scheduler(llm, n_slots=2, prefill_layers=3).prefill_layers == 3
+
+
+def test_serve_reads_prompt_batches_of_8192_tokens_unless_told():
+    """The server's prompt budget with host experts (-b) is vLLM's online 8192, not generate's 2048; -b (which
+    vLLM spells --max-num-batched-tokens) still sets it."""
+    from moestream import flags
+    from moestream.cli import build_parser
+    from moestream.server.cli import SERVE_BATCH
+
+    def batch(*argv):
+        return flags.to_config(build_parser("serve").parse_args(["serve", "-m", "synth:tiny", *argv])).batching
+    assert SERVE_BATCH == 8192 and batch().batch_size == SERVE_BATCH
+    assert batch("-b", "2048").batch_size == 2048
+    assert flags.to_config(build_parser("generate").parse_args(["generate", "-m", "synth:tiny"])).batching.batch_size \
+        == 2048
