@@ -192,8 +192,14 @@ class DeviceLandings:
             return
         ids = routed[:, :N]
         on_host = table.gather(1, ids) == host_tab.gather(1, ids)
+        if n_tokens == 1:                        # a token's choices are distinct: per choice, a dozen small ops
+            rank = on_host.long().cumsum(1) - 1
+            addr = land[:, :R].gather(1, rank.clamp(0, R - 1))
+            self.noted_ok.zero_().scatter_(1, ids, on_host & (rank < R) & (addr != 0))
+            self.noted_addr.scatter_(1, ids, addr)
+            return
         read = torch.zeros_like(self.noted_ok).scatter_(1, ids, on_host)          # (L, E): read from host
-        if n_tokens == 1 or self.rt.staged:     # (no sort: a capture may not take one)
+        if self.rt.staged:                       # (no sort: a capture may not take one)
             choice = torch.arange(N, device=ids.device).repeat(L, 1)
             first = torch.full_like(self.noted_addr, N).scatter_reduce(1, ids, choice, "amin")   # (L, E)
             firsts = on_host & (first.gather(1, ids) == choice)                  # (L, N): a host read's first choice
