@@ -219,7 +219,7 @@ def test_a_step_longer_than_a_zero_copy_step_runs_as_several():
     sizes = []
     run = eng.decoder.run
     eng.decoder.takes = lambda t: t <= MAX_TOKENS             # as GraphDecode with host experts
-    eng.decoder.run = lambda st, span: (sizes.append(len(st)), run(st, span))[1]
+    eng.decoder.run = lambda st, span, tokens=None: (sizes.append(len(st)), run(st, span, tokens))[1]
     eng.eager.run = None                                     # the eager path must not run
     logits = eng.decode(steps)
     assert sizes == [MAX_TOKENS, 4] and logits.shape[0] == n
@@ -274,3 +274,22 @@ def test_captured_steps_replayed_give_the_eager_bits(monkeypatch, model, kw):
     eager = script(False)
     for warm in (False, True):
         assert all(torch.equal(x, y) for x, y in zip(eager, script(True, warm))), warm
+
+
+@pytest.mark.parametrize("model", ["synth:tiny", "synth:tiny-next"])
+@pytest.mark.parametrize("replayed", [False, True])
+def test_a_steps_tokens_on_the_device_give_the_bits_of_its_tokens_read_back(monkeypatch, model, replayed):
+    """Greedy steps each queued on the last one's argmax on the device (Engine.decode's tokens: generate and bench
+    decode so) give the logits of steps fed the same tokens as ints, eager and captured, over a cache that lands."""
+    def steps(on_device: bool) -> list[torch.Tensor]:
+        eng = LLM(model, device="cpu", ctx_size=64, zero_copy_decode=True, cpu_moe=True, moe_cache_mib=16).engine
+        if replayed:
+            _replaying_on_the_cpu(monkeypatch, eng)
+        logits, out = eng.prefill(0, [5, 6, 7], 0)[-1:], []
+        for pos in range(3, 12):
+            tok = logits.argmax(-1)
+            logits = (eng.decode([(0, -1, pos)], tokens=tok) if on_device
+                      else eng.decode([(0, int(tok), pos)])).clone()
+            out.append(logits)
+        return out
+    assert all(torch.equal(x, y) for x, y in zip(steps(False), steps(True)))

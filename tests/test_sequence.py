@@ -124,8 +124,8 @@ class ScriptedEngine:
     def prefill(self, seq, tokens, start):
         return self._next()
 
-    def decode(self, steps):
-        self.fed.append(steps[0][1:])
+    def decode(self, steps, tokens=None):      # tokens: the sampled token, still on the device
+        self.fed.append(steps[0][1:] if tokens is None else (int(tokens[0]), steps[0][2]))
         return self._next()
 
 
@@ -134,7 +134,20 @@ def test_generation_follows_the_state_and_keeps_its_pieces():
     gen = Generation(eng, Tokenizer(), [7, 7, 7], SamplingParams(max_tokens=16, stop=("<END>",)))
     assert list(gen) == ["Hel", "lo ", ""]              # the piece a stop string ends comes even when empty
     assert (gen.result.text, gen.result.finish_reason, gen.result.token_ids) == ("Hello ", "stop", [1, 2, 3, 4])
-    assert eng.fed == [(1, 3), (2, 4), (3, 5)]          # (token, position): the stopping token is never run
+    # (token, position): each step is queued before its token is read back, so the stopping token's step runs too
+    # (its logits are dropped)
+    assert eng.fed == [(1, 3), (2, 4), (3, 5), (4, 6)]
+    # ... but not where the token's push ends the sequence whatever it is: max_tokens, then the context's end
+    eng = ScriptedEngine([1, 2, 3])
+    assert Generation(eng, Tokenizer(), [7], SamplingParams(max_tokens=3)).run().token_ids == [1, 2, 3]
+    assert eng.fed == [(1, 1), (2, 2)]
+    eng = ScriptedEngine([1, 2, 3], ctx=3)
+    assert Generation(eng, Tokenizer(), [7], SamplingParams(max_tokens=9)).run().finish_reason == "length"
+    assert eng.fed == [(1, 1), (2, 2)]
+    # Penalties read each token on the host first: nothing runs ahead, the stopping token is never run
+    eng = ScriptedEngine([1, 2, 3, 4, 7])
+    gen = Generation(eng, Tokenizer(), [7, 7, 7], SamplingParams(max_tokens=16, stop=("<END>",), repeat_penalty=1.1))
+    assert gen.run().token_ids == [1, 2, 3, 4] and eng.fed == [(1, 3), (2, 4), (3, 5)]
     # A stop string that only the final flush completes cuts the text; Generation's reason stays "length".
     gen = Generation(ScriptedEngine([7, 5]), Tokenizer(), [7], SamplingParams(max_tokens=2, stop=("ab",)))
     assert list(gen) == [] and (gen.result.text, gen.result.finish_reason) == ("", "length")

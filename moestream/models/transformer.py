@@ -44,10 +44,14 @@ class Batch:
     observer: object = None        # a RouteObserver (experts/routing.py) told each MoE layer's routing, or None
 
     @staticmethod
-    def make(segments: list[Segment], tokens: list[int], device, all_logits: bool = False,
+    def make(segments: list[Segment], tokens: list[int] | torch.Tensor, device, all_logits: bool = False,
              kv_len: int | None = None, by_address=None, fused=None, observer=None, logits: bool = True) -> "Batch":
         """all_logits: every token's logits, else each segment's last token's; logits=False: none (a part of a
-        prompt's batch before its last, models/transformer.py's forward_parts)."""
+        prompt's batch before its last, models/transformer.py's forward_parts). tokens: ids, or a (T,) tensor of
+        them on the device (a decode step's sampled tokens, not read back)."""
+        on_device = tokens if isinstance(tokens, torch.Tensor) else None
+        if on_device is not None:
+            tokens = [0] * len(on_device)
         seq_ids, pos, last = [], [], []
         for s in segments:
             seq_ids += [s.seq] * s.n
@@ -59,8 +63,8 @@ class Batch:
             host = host.pin_memory()
         flat = host.to(device, non_blocking=True)
         T = len(tokens)
-        return Batch(flat[:T], segments, flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:], kv_len, by_address, fused,
-                     observer)
+        return Batch(flat[:T] if on_device is None else on_device, segments, flat[T:2 * T], flat[2 * T:3 * T],
+                     flat[3 * T:], kv_len, by_address, fused, observer)
 
     @property
     def is_decode(self) -> bool:

@@ -49,21 +49,22 @@ class DecodePath:
         return self.engine.decode_kernel, self.engine.fused
 
     @torch.inference_mode()
-    def run(self, steps: list[tuple[int, int, int]], span: int) -> torch.Tensor:
-        """steps = [(seq, token, position)], attending `span` keys -> (B, V) logits."""
+    def run(self, steps: list[tuple[int, int, int]], span: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """steps = [(seq, token, position)], attending `span` keys -> (B, V) logits. tokens: the steps' tokens
+        on the device instead (Engine.decode)."""
         eng, B = self.engine, len(steps)
         by_address, fused = self.kernels(B)
         host = eng.host if by_address is not None else None
         if host is None:
-            return self._step(steps, span, by_address, fused, observed=True)
+            return self._step(steps, span, by_address, fused, True, tokens)
         seqs = [s for s, _, _ in steps]
         host.begin_decode_step(seqs)                # the step's address table onto the device
         eng.observers.begin_ubatch(steps[0][0], B, False, seqs)
-        logits = self._step(steps, span, by_address, fused, observed=False)
+        logits = self._step(steps, span, by_address, fused, False, tokens)
         host.end_decode_step(B, eng.observers)      # the step is queued: its routing to the observers, then learn
         return logits
 
-    def _step(self, steps, span: int, by_address, fused, observed: bool) -> torch.Tensor:
+    def _step(self, steps, span: int, by_address, fused, observed: bool, tokens) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -85,9 +86,10 @@ def between_ops(ops, n_tokens: int, forward):
 class EagerDecode(DecodePath):
     """A decode step as one eager forward."""
 
-    def _step(self, steps, span: int, by_address, fused, observed: bool) -> torch.Tensor:
+    def _step(self, steps, span: int, by_address, fused, observed: bool, tokens) -> torch.Tensor:
+        ids = [t for _, t, _ in steps] if tokens is None else tokens
         return between_ops(step_ops(self.engine, by_address), len(steps), lambda: self.engine.forward(
-            [Segment(s, p, 1) for s, _, p in steps], [t for _, t, _ in steps], kv_len=span, by_address=by_address,
+            [Segment(s, p, 1) for s, _, p in steps], ids, kv_len=span, by_address=by_address,
             fused=fused, observed=observed))
 
 
@@ -112,13 +114,13 @@ class GraphDecode(DecodePath):
     def reports_routing(self) -> bool:
         return self.engine.host is not None
 
-    def _step(self, steps, span: int, by_address, fused, observed: bool) -> torch.Tensor:
+    def _step(self, steps, span: int, by_address, fused, observed: bool, tokens) -> torch.Tensor:
         eng = self.engine
         if eng.host is not None:                    # as the eager forward tells it (the cache's clock and state)
             eng.host.begin_ubatch(steps[0][0], len(steps), False)
         segments = [Segment(s, p, 1) for s, _, p in steps]
         eng.kv.begin(segments)                      # as around an eager forward: a recurrent state's position
-        logits = self.graphs.run(steps, span, by_address, fused)
+        logits = self.graphs.run(steps, span, by_address, fused, tokens)
         eng.kv.end(segments)
         return logits
 

@@ -79,7 +79,7 @@ class Engine:
 
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, segments: list[Segment], tokens: list[int], all_logits: bool = False,
+    def forward(self, segments: list[Segment], tokens: list[int] | torch.Tensor, all_logits: bool = False,
                 is_prompt: bool = False, kv_len: int | None = None, by_address=None, fused=None,
                 observed: bool = True) -> torch.Tensor:
         """One eager forward. by_address, fused: a decode step's kernels (runtime/decode.py). observed: the route
@@ -207,19 +207,23 @@ class Engine:
         self.kv.end(whole)
         return list(logits.split(1))
 
-    def decode(self, steps: list[tuple[int, int, int]]) -> torch.Tensor:
-        """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits."""
+    def decode(self, steps: list[tuple[int, int, int]], tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for each of several sequences: steps = [(seq, token, position)] -> (B, V) logits. tokens: the
+        steps' tokens as a (B,) tensor on the device instead (sampled from the last step's logits and not read
+        back: the step is queued before the host knows them, so the device never waits for the host between
+        steps; the steps' own token ints are then ignored)."""
         for _, _, pos in steps:
             self.check_context(pos + 1)
         self.kv.check([Segment(s, p, 1) for s, _, p in steps])   # before the decode path starts the step
         if not self.decoder.takes(len(steps)) and len(steps) > MAX_TOKENS:
             # More tokens than a zero-copy step takes (-np above MAX_TOKENS): several such steps, each as fast as
             # one, rather than one eager step that decides on the host between layers.
-            return torch.cat([self.decode(steps[i:i + MAX_TOKENS]) for i in range(0, len(steps), MAX_TOKENS)])
+            part = lambda i: (steps[i:i + MAX_TOKENS], None if tokens is None else tokens[i:i + MAX_TOKENS])
+            return torch.cat([self.decode(*part(i)) for i in range(0, len(steps), MAX_TOKENS)])
         span = self.kv.span(max(p for _, _, p in steps) + 1)
         shared = self.host is not None and self.host.shares_step()      # --host-compute: eager, a sync a layer
         path = self.decoder if self.decoder.takes(len(steps)) and not shared else self.eager
-        return path.run(steps, span)
+        return path.run(steps, span, tokens)
 
     def warm_up_decode(self, n_seq: int) -> None:
         """Capture the decode graphs of 1..n_seq sequences at every span now, rather than in the middle of serving

@@ -68,12 +68,19 @@ class Generation:
         done = p.max_tokens == 0
         while not done:
             history = [self.prompt + seq.ids] if p.penalized else None
-            token = int(sampler.sample(logits[-1:], [p], [gen], history)[0])
+            sampled = sampler.sample(logits[-1:], [p], [gen], history)               # (1,) on the device
+            # The step that feeds it is queued before it is read back, so the device does not wait for the host
+            # between steps; if it turns out to be a stop, that step's logits are dropped. Not where its push
+            # ends the sequence whatever it is (length), nor under penalties (they read it on the host).
+            ahead = None
+            if not p.penalized and seq.goes_on_unless_stopped():
+                ahead = eng.decode([(self.seq, 0, seq.pos + 1)], tokens=sampled)
+            token = int(sampled[0])
             piece, done = seq.push(token)
             if piece or isinstance(seq.stop_reason, str):   # a stop string's piece comes even when it is empty
                 yield piece
             if not done:
-                logits = eng.decode([(self.seq, token, seq.pos)])
+                logits = ahead if ahead is not None else eng.decode([(self.seq, token, seq.pos)])
         # Generation's reason is the one the tokens gave: a stop string that only the final flush completes cuts
         # the text but leaves "length" here (the server's Result says "stop").
         reason = seq.finish_reason or "length"

@@ -60,14 +60,18 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, Batch, torch.Tensor]] = {}
         self.pool = None
 
-    def run(self, steps: list[tuple[int, int, int]], span: int, by_address=None, fused=None) -> torch.Tensor:
+    def run(self, steps: list[tuple[int, int, int]], span: int, by_address=None, fused=None,
+            tokens: torch.Tensor | None = None) -> torch.Tensor:
         """steps = [(seq, token, position)] -> (B, V) logits (a buffer overwritten by the next replay). by_address
-        and fused: the kernels of a step of this size (runtime/decode.py), taken in when its graph is captured."""
+        and fused: the kernels of a step of this size (runtime/decode.py), taken in when its graph is captured.
+        tokens: the steps' tokens on the device instead (copied in stream order: the host need not know them)."""
         key = (len(steps), span)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key, by_address, fused)
         graph, inputs, _, logits = self.graphs[key]
         inputs.copy_(step_inputs(steps, pinned=True), non_blocking=True)
+        if tokens is not None:
+            inputs[0].copy_(tokens)
         graph.replay()
         return logits
 

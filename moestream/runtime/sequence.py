@@ -63,6 +63,11 @@ class SequenceState:
             self.finish_reason = "length"
         return piece, self.done
 
+    def goes_on_unless_stopped(self) -> bool:
+        """Whether the next token, unless it is a stop, leaves the sequence going: push would not end it by length
+        (generate.py queues that token's step before reading it)."""
+        return len(self.ids) + 1 < self.params.max_tokens and self.pos + 1 < self.ctx
+
     def finish(self, reason: str = "length") -> str:
         """End the sequence: the text the detokenizer and the stop checker still hold ("" if none). The finish
         reason stays push's; `reason` is for a sequence push did not end (max_tokens 0 ends one before any token).

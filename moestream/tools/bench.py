@@ -6,7 +6,8 @@
     moestream bench -m ref.gguf --parallel 1,4,8 -npp 128 -ntg 128 --cpu-moe     # llama-batched-bench's shape
 
 pp N: one N-token prompt from position 0, in ubatches. tg N: N tokens decoded one at a time from position 0, each
-waiting for the previous one's argmax (as a real decode does). pg PP,TG: a PP-token prompt, then TG decoded
+fed the previous one's argmax on the device, as `generate` decodes (a step is queued before its token is read
+back: the device does not wait for the host between steps). pg PP,TG: a PP-token prompt, then TG decoded
 tokens; its t/s counts both. Each run gets its own seeded random prompt (the same sequence for every
 configuration), so a cache cannot have learnt the exact prompt it is timed on. A warm-up run precedes the timed
 repetitions; t/s is mean ± std over them.
@@ -185,12 +186,16 @@ class BenchTest:
         generated = []
 
         def once():
-            tok = ids[0]
+            # Greedy, each step queued on the last one's argmax on the device, as generate does (its tokens are read
+            # back at the end): the device does not wait for the host between steps.
+            tok = None
             if self.n_prompt:
-                tok = int(eng.prefill(0, ids, 0)[-1].argmax())
+                tok = eng.prefill(0, ids, 0)[-1:].argmax(-1)
+            out = []
             for pos in range(self.n_prompt, self.n_tokens):
-                tok = int(eng.decode([(0, tok, pos)])[0].argmax())
-                generated.append(tok)
+                tok = eng.decode([(0, ids[0], pos)], tokens=tok)[:1].argmax(-1)
+                out.append(tok)
+            generated.extend(torch.cat(out).tolist() if out else [])
 
         begin = getattr(eng, "begin_prompt", None)           # the engine's per-prompt counters and routing
         if begin is not None:
