@@ -123,7 +123,7 @@ def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> d
         step = tokens
         for j in range(n_tg):
             logits = engine.decode([(s, step[s], n_pp + j) for s in range(B)])          # (B, V)
-            step = logits.argmax(-1).tolist()      # a host sync: the next step's inputs, as a real decode waits
+            step = logits.argmax(-1).tolist()      # a host sync: the next step's inputs, as the server's steps wait
             for g, t in zip(generated, step):
                 g.append(t)
 
