@@ -1,7 +1,7 @@
 """Cache counters: hits, misses, evictions, bytes uploaded and copies, per layer, cumulative and per prompt."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,31 +48,68 @@ class Counts:
         return d
 
 
-@dataclass
+INDEX = {k: i for i, k in enumerate(KEYS)}
+SECONDS = {"wait_s", "sync_s", "host_s"}       # the float counters (the others count and stay ints)
+
+
 class CacheStats:
-    """Counts per layer since load (cumulative) and since the current prompt began."""
-    total: dict[int, Counts] = field(default_factory=dict)
-    prompt: dict[int, Counts] = field(default_factory=dict)
+    """Counts per layer since load (cumulative: `total`) and since the current prompt began (`prompt`), each a dict
+    layer -> Counts. A decode step adds its layers' counts as arrays (record_layers, count): they wait in one
+    (layers, KEYS) array and join both dicts when either is read, so a step costs a few array ops, not a Python
+    loop over its layers."""
+
+    def __init__(self):
+        self._total: dict[int, Counts] = {}
+        self._prompt: dict[int, Counts] = {}
+        self._adds = np.zeros((0, len(KEYS)))          # the adds not yet in both dicts, per layer
+
+    @property
+    def total(self) -> dict[int, Counts]:
+        self._join()
+        return self._total
+
+    @property
+    def prompt(self) -> dict[int, Counts]:
+        self._join()
+        return self._prompt
 
     def record(self, layer: int, **counts) -> None:
-        """Add counts to a layer's totals, e.g. record(3, hits=5, misses=2): named fields only, no Counts built
-        (this runs several times per layer on the decode path)."""
-        for d in (self.total, self.prompt):
+        """Add counts to a layer's totals, e.g. record(3, hits=5, misses=2): named fields only, no Counts built."""
+        for d in (self._total, self._prompt):
             c = d.get(layer)
             if c is None:
                 c = d[layer] = Counts()
             for k, v in counts.items():
                 setattr(c, k, getattr(c, k) + v)
 
+    def record_layers(self, layers: np.ndarray, **counts) -> None:
+        """record() for several distinct layers at once: each count an array aligned with `layers` (or a number
+        for all of them)."""
+        adds = self._rows(layers)
+        for k, v in counts.items():
+            adds[layers, INDEX[k]] += v
+
     def count(self, layers, key: str) -> None:
         """Add one to `key` of each layer in `layers` (an array, a layer as often as it counts)."""
         if len(layers):
-            ls, ns = np.unique(layers, return_counts=True)
-            for l, n in zip(ls.tolist(), ns.tolist()):
-                self.record(l, **{key: n})
+            layers = np.asarray(layers)
+            np.add.at(self._rows(layers)[:, INDEX[key]], layers, 1)
+
+    def _rows(self, layers: np.ndarray) -> np.ndarray:
+        n = int(layers.max()) + 1 if len(layers) else 0
+        if n > len(self._adds):
+            self._adds = np.concatenate([self._adds, np.zeros((n - len(self._adds), len(KEYS)))])
+        return self._adds
+
+    def _join(self) -> None:
+        for l in np.flatnonzero(self._adds.any(axis=1)).tolist():
+            self.record(l, **{k: (float(v) if k in SECONDS else int(round(v)))
+                              for k, v in zip(KEYS, self._adds[l].tolist()) if v})
+        self._adds[:] = 0
 
     def begin_prompt(self) -> None:
-        self.prompt = {}
+        self._join()
+        self._prompt = {}
 
     @staticmethod
     def summary(per_layer: dict[int, Counts]) -> dict:

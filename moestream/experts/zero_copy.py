@@ -336,9 +336,8 @@ class ZeroCopyDecode:
             hits, misses = np.zeros_like(extra), extra
         else:
             hits, misses = wanted.sum(axis=1) - read, read + extra
-        per_layer = (time.perf_counter() - t0) / len(L)
-        for l, r, b, h, m in zip(L.tolist(), reads.tolist(), read_bytes.tolist(), hits.tolist(), misses.tolist()):
-            stats.record(l, host_reads=r, host_read_bytes=b, hits=h, misses=m, host_s=per_layer)
+        stats.record_layers(L, host_reads=reads, host_read_bytes=read_bytes, hits=hits, misses=misses,
+                            host_s=(time.perf_counter() - t0) / len(L))
 
     def _upload(self, wanted: np.ndarray, n_routed: np.ndarray, read: np.ndarray, empty: set, after) -> None:
         """A one-token step without read-through: each layer's misses uploaded (plans count hits and misses)."""
