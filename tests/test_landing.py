@@ -142,3 +142,48 @@ def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device
     assert host[1] == device[1] and device[1]["landed"] > 0 and device[1]["hits"] > 0
     assert host[2] == [] and len(device[2]) == 39         # every step after the first took the last one's on the device
     assert (1, True) in device[2] and (2, True) in device[2]         # steps of one token and of two that landed
+
+
+def _hand_out_loop(rt, shape, free):
+    """ReadThrough.hand_out's rule written as a loop (its plain reference): each region's free slots in turn, every
+    layer its first land_count[l] in layer order, then every layer the rest up to n_land_several."""
+    out, spare = np.full(shape, -1, dtype=np.int64), {}
+    count = rt.land_count
+    for lo, his in ((np.zeros_like(count), count), (count, np.full_like(count, rt.n_land_several))):
+        for l in rt.layers:
+            a, b = rt.residency.bounds[l]
+            slots, taken = spare.setdefault((a, b), [a + np.flatnonzero(free[a:b]), 0])
+            got = slots[taken:taken + max(int(his[l]) - int(lo[l]), 0)]
+            spare[(a, b)][1] = taken + len(got)
+            out[l, lo[l]:lo[l] + len(got)] = got
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_landing_slots_are_handed_out_as_the_loop_hands_them(seed):
+    """hand_out (vectorised) against its loop, over three regions of layers in a shuffled order, slots owned,
+    pinned, written by the step in flight, and so few free that the last layers get fewer or none."""
+    from types import SimpleNamespace
+    from moestream.experts.policy import make_policy
+    from moestream.experts.residency import Residency
+    from moestream.experts.stats import CacheStats
+    rng = np.random.default_rng(seed)
+    n_layers, slots = 9, 120
+    res = Residency(slots, n_layers, E, make_policy("lfru", slots),
+                    regions=([(0, 40), (40, 80), (80, 120)], {l: l % 3 for l in range(n_layers)}))
+    taken = rng.choice(slots, int(rng.integers(40, 100)), replace=False)
+    res.owner[taken] = 0
+    res.pinned[rng.choice(slots, 10, replace=False)] = True
+    landed = rng.random(slots) > 0.1
+    pool = SimpleNamespace(refresh_pins=lambda: None, landed=lambda: landed)
+    layers = [int(l) for l in rng.permutation(n_layers)[:7]]
+    rt = read_through.ReadThrough(pool, res, CacheStats(), layers, K, enabled=True, staged=False)
+    rt.land_count[:] = rng.integers(read_through.LAND_PER_LAYER, K + 1, n_layers)
+    writing = np.full((n_layers, K), -1)
+    writing[0, :3] = rng.choice(slots, 3, replace=False)
+    shape = (n_layers, max(K, read_through.LAND_SEVERAL))
+    free = (res.owner[:, 0] < 0) & ~res.pinned & landed
+    free[writing[writing >= 0]] = False
+    got = rt.hand_out(shape, writing)
+    assert np.array_equal(got, _hand_out_loop(rt, shape, free))
+    assert (got >= 0).sum() > 0 and len(set(got[got >= 0].tolist())) == (got >= 0).sum()
