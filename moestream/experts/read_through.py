@@ -53,10 +53,6 @@ class ReadThrough:
         self.n_land = top_k if enabled else 0
         self.n_land_several = LAND_SEVERAL if enabled else 0
         self.land_count = np.full(L, LAND_PER_LAYER, dtype=np.int64)
-        regions: dict[tuple[int, int], list[int]] = {}
-        for l in layers:
-            regions.setdefault(residency.bounds[l], []).append(l)
-        self.regions = {ab: np.array(ls, dtype=np.int64) for ab, ls in regions.items()}   # host layers, in order
         self.miss_avg = np.zeros(L)                         # one-token steps' host reads a layer, decayed
 
     def count(self, n_tokens: int) -> int:
@@ -75,24 +71,22 @@ class ReadThrough:
         one-token step's) are handed out first, then the several-token steps' rest."""
         res = self.residency
         out = np.full(shape, -1, dtype=np.int64)
-        if not (self.n_land and self.holds_a_step(self.top_k)):
-            return out
-        self.slots.refresh_pins()
-        free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
-        if writing is not None:
-            free[writing[writing >= 0]] = False
-        count = self.land_count
-        for (a, b), layers in self.regions.items():
-            # The region's free slots in turn: each layer its first count[l] (in layer order), then each layer its
-            # rest up to n_land_several; entry i wants want[i] from free slot first[i] on, and gets what is left.
-            slots = a + np.flatnonzero(free[a:b])
-            owner = np.concatenate([layers, layers])
-            lo = np.concatenate([np.zeros_like(layers), count[layers]])
-            want = np.concatenate([count[layers], np.maximum(self.n_land_several - count[layers], 0)])
-            first = np.cumsum(want) - want
-            got = np.clip(len(slots) - first, 0, want)
-            k = np.arange(got.sum()) - np.repeat(np.cumsum(got) - got, got)     # 0, 1, ... within each entry
-            out[np.repeat(owner, got), np.repeat(lo, got) + k] = slots[np.repeat(first, got) + k]
+        if self.n_land and self.holds_a_step(self.top_k):
+            self.slots.refresh_pins()
+            free = (res.owner[:, 0] < 0) & ~res.pinned & self.slots.landed()
+            if writing is not None:
+                free[writing[writing >= 0]] = False
+            count = self.land_count.astype(np.int64)
+            spare = {}                           # each region's free slots, ascending, and how many are taken
+            for lo, his in ((np.zeros_like(count), count), (count, np.full_like(count, self.n_land_several))):
+                for l in self.layers:
+                    a, b = res.bounds[l]
+                    if (a, b) not in spare:
+                        spare[(a, b)] = [a + np.flatnonzero(free[a:b]), 0]
+                    slots, taken = spare[(a, b)]
+                    got = slots[taken:taken + max(int(his[l]) - int(lo[l]), 0)]
+                    spare[(a, b)][1] = taken + len(got)
+                    out[l, lo[l]:lo[l] + len(got)] = got
         return out
 
     def absorb(self, routed: np.ndarray, from_host: np.ndarray, land_slots: np.ndarray | None,
@@ -155,7 +149,7 @@ class ReadThrough:
         step after it, instead of queuing behind the step in flight; and the next step lands its misses in them."""
         res = self.residency
         for a, b in sorted(regions):
-            lands = 2 * int(self.land_count[self.regions[(a, b)]].sum())
+            lands = 2 * int(sum(self.land_count[l] for l in self.layers if res.bounds[l] == (a, b)))
             keep = min(lands if self.n_land else RESERVE, (b - a) // RESERVE_SHARE)
             owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
             need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
