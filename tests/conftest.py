@@ -19,6 +19,10 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every test must run: {report.longrepr}"
 
+# The "cuda" case of a test parametrized over devices (deselected unless `-m cuda`, skipped without a GPU).
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
 VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,

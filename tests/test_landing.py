@@ -13,6 +13,8 @@ from moestream.experts.cache import ExpertCache
 from moestream.experts.store import ExpertStore
 from moestream.quant.layout import ExpertLayout
 
+from conftest import CUDA
+
 L, E, K, SLOTS = 4, 64, 6, 200          # the pool holds a step (4 x 6) and a fraction of the 256 experts
 
 
@@ -78,10 +80,6 @@ def test_the_host_learning_replay_runs_and_counts_no_upload_with_read_through():
     uploads = mod.run(argparse.Namespace(**args, no_read_through=True))
     assert lands["copies"] == 0 < lands["landed"] and uploads["landed"] == 0 < uploads["copies"]
     assert 0 < lands["hit_rate"] < 1 and lands["misses"] == lands["host_reads"]
-
-
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="needs a CUDA GPU")])
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

@@ -9,6 +9,8 @@ import torch
 from moestream import LLM
 from moestream.errors import UserError
 
+from conftest import CUDA
+
 UB = 4
 PLACES = {
     "all on the device": dict(),
@@ -67,10 +69,6 @@ def test_prompt_batch_seeds_each_sequence_with_its_own_tail():
 
 PAUSING = {k: v for k, v in PLACES.items() if k != "host, no cache"}      # (there prompts cannot pause)
 PAUSING["host, cache 32 MiB, zero-copy decode"] = dict(cpu_moe=True, moe_cache_mib=32, zero_copy_decode=True)
-
-
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="needs a CUDA GPU")])
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
