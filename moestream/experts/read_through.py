@@ -193,9 +193,8 @@ class DeviceLandings:
         ids = routed[:, :N]
         on_host = table.gather(1, ids) == host_tab.gather(1, ids)
         if n_tokens == 1:                        # a token's choices are distinct: per choice, a dozen small ops
-            rank = on_host.long().cumsum(1) - 1
-            addr = land[:, :R].gather(1, rank.clamp(0, R - 1))
-            self.noted_ok.zero_().scatter_(1, ids, on_host & (rank < R) & (addr != 0))
+            addr, lands = self._slot(land, on_host.long().cumsum(1) - 1, R)
+            self.noted_ok.zero_().scatter_(1, ids, on_host & lands)
             self.noted_addr.scatter_(1, ids, addr)
             return
         read = torch.zeros_like(self.noted_ok).scatter_(1, ids, on_host)          # (L, E): read from host
@@ -206,6 +205,13 @@ class DeviceLandings:
             rank = (firsts.long().cumsum(1) - 1).gather(1, first.clamp(max=N - 1))
         else:
             rank = read.long().cumsum(1) - 1
-        addr = land[:, :R].gather(1, rank.clamp(0, R - 1))
+        addr, lands = self._slot(land, rank, R)
         self.noted_addr.copy_(addr)
-        self.noted_ok.copy_(read & (rank < R) & (addr != 0))
+        self.noted_ok.copy_(read & lands)
+
+    @staticmethod
+    def _slot(land, rank, R: int):
+        """The kernels' rule for where a host read lands: the rank-th of its layer's first R landing slots (land:
+        (L, R') addresses, 0 for none). Each entry's address, and whether it lands (a slot of that rank exists)."""
+        addr = land[:, :R].gather(1, rank.clamp(0, R - 1))
+        return addr, (rank < R) & (addr != 0)
