@@ -90,7 +90,8 @@ def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device
     not between the two. Steps of one token and of two (two sequences every other step: the grouped kernel's rule,
     or staged, the stage copy's) alike. The logits and every counter are those of =host, where begin_step takes
     them in first; and the next steps do read them from their slots (hits, not host reads again). On CUDA (in
-    bfloat16) the steps replay CUDA graphs, which run both ops inside, and whose warm-up keeps the table."""
+    bfloat16) the steps replay CUDA graphs, which run both ops inside, and whose warm-up keeps the table; there the
+    counters are not compared (they depend on when the GPU frees slots: see below), each step's take-in is."""
     from moestream import LLM
     from moestream.experts import zero_copy
 
@@ -135,8 +136,12 @@ def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device
                   if not k.endswith("_s") and k != "waits"}             # copies, which on CUDA depend on timing)
         return outs, counts, deferred
 
-    host, device = run("host"), run("device")
-    assert all(torch.equal(a, b) for a, b in zip(host[0], device[0]))
-    assert host[1] == device[1] and device[1]["landed"] > 0 and device[1]["hits"] > 0
-    assert host[2] == [] and len(device[2]) == 39         # every step after the first took the last one's on the device
-    assert (1, True) in device[2] and (2, True) in device[2]         # steps of one token and of two that landed
+    host, dev = run("host"), run("device")
+    assert all(torch.equal(a, b) for a, b in zip(host[0], dev[0]))
+    # On CUDA a slot stays pinned until the GPU has run the step that reads it (refresh_pins polls an event), so
+    # which slots keep_reserve may empty, and every count after that, depend on timing: compared on the CPU only.
+    if device == "cpu":
+        assert host[1] == dev[1]
+    assert dev[1]["landed"] > 0 and dev[1]["hits"] > 0
+    assert host[2] == [] and len(dev[2]) == 39            # every step after the first took the last one's on the device
+    assert (1, True) in dev[2] and (2, True) in dev[2]               # steps of one token and of two that landed
