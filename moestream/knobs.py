@@ -2,7 +2,7 @@
 
     MOESTREAM_COPY=batch|kernel|calls               how cache misses reach their slots (experts/slots.py)
     MOESTREAM_COPY_PROGRAMS=N                       the row-copy kernel's programs (kernels/copy_rows.py)
-    MOESTREAM_FLOAT_POOL=regions|one                a float pool's regions (experts/planner.py)
+    MOESTREAM_FLOAT_POOL=one|regions                a float pool's regions (experts/planner.py)
     MOESTREAM_HOT_SET=sequences|sum                 whose counts several-token steps keep (experts/hot_set.py)
     MOESTREAM_DECODE_QUANT=values|subblocks|runs    the quantized decode kernel (kernels/decode_quant.py)
     MOESTREAM_DELTA=fla|fla-recurrent|torch         the DeltaNet kernels on CUDA (kernels/delta.py)

@@ -245,6 +245,7 @@ def test_a_pool_in_regions_changes_no_logits(monkeypatch):
     import moestream.experts.planner as planner_mod
     ids = _prompt(70, 3)
     want = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128).logits(ids)
+    monkeypatch.setattr(planner_mod, "FLOAT_POOL", "regions")     # (not the default)
     monkeypatch.setattr(planner_mod, "REGION_SLOTS", 40)
     llm = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128, cpu_moe=True, moe_cache_mib=60)
     assert len({b for b in llm.engine.host.residency.bounds}) > 1
@@ -259,6 +260,7 @@ def test_copying_ahead_takes_no_more_than_the_layers_region_holds(monkeypatch):
     import moestream.experts.planner as planner_mod
     ids = _prompt(70, 3)
     want = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128).logits(ids)
+    monkeypatch.setattr(planner_mod, "FLOAT_POOL", "regions")     # (not the default)
     monkeypatch.setattr(planner_mod, "REGION_SLOTS", 10)
     llm = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128, cpu_moe=True, moe_cache_mib=15,
               prefetch_first_all=True, prefetch_min_batch=8)

@@ -1,4 +1,4 @@
-"""A float pool in one region (MOESTREAM_FLOAT_POOL=one, experts/planner.py): a layer whose slots span more than one
+"""A float pool in one region (MOESTREAM_FLOAT_POOL=one, the default; experts/planner.py): a layer whose slots span more than one
 grouped GEMM launch reads them from a window of the pool or a compact stack gathered on the device
 (ExpertWeights.dense), with the bits of the pool itself; and sweeping prompts keep more across prompts than in
 regions, which hold three layers' experts at once."""
@@ -87,6 +87,7 @@ def _uploads_per_prompt(n_slots: int, prompts: int = 6, L: int = 6, E: int = 8) 
 def test_sweeps_keep_more_in_one_region_than_in_regions(launch_of_8, monkeypatch):
     """30 slots for 6 layers of 8 experts: four regions of 7-8 slots keep at most one expert a region beside the
     layer it holds; one region lets the sweep evict the layer just passed and keeps more."""
+    monkeypatch.setattr(planner, "FLOAT_POOL", "regions")
     regions = _uploads_per_prompt(30)
     monkeypatch.setattr(planner, "FLOAT_POOL", "one")
     one = _uploads_per_prompt(30)

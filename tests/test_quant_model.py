@@ -130,6 +130,7 @@ def test_a_pool_of_quantized_experts_is_one_region(files, monkeypatch):
     not split their pool (here a cap of 4 slots): every layer may take any slot, a prompt that routes more experts
     than a float region would hold runs in one go, and the logits are those of the float weights' split pool."""
     import moestream.experts.planner as planner_mod
+    monkeypatch.setattr(planner_mod, "FLOAT_POOL", "regions")     # (not the default)
     monkeypatch.setattr(planner_mod, "REGION_SLOTS", 4)
     qpath, fpath = files["mixed"]
     kw = dict(ubatch_size=32, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=3)
@@ -147,6 +148,7 @@ def test_a_trace_of_a_quantized_file_replays_its_one_region_pool(files, tmp_path
     did: the same counts under a cap that would split a float pool (a trace of float experts keeps the regions)."""
     import moestream.experts.planner as planner_mod
     from moestream.experts.trace import TraceRecorder, load_trace, replay
+    monkeypatch.setattr(planner_mod, "FLOAT_POOL", "regions")     # (not the default)
     monkeypatch.setattr(planner_mod, "REGION_SLOTS", 4)
     llm = LLM(files["q4_0"][0], ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=3,
               prefetch=False)           # (one type: a replay counts every upload at a slot's bytes)
