@@ -23,7 +23,7 @@ REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 group
 # one launch reads a compact stack of them, gathered on the device (ExpertWeights.dense). Regions (=regions, the
 # layers take them in turn) keep three layers' experts resident during a sweep; one region lets a sweep evict the
 # layer just passed, and keeps more across prompts: Qwen3-Next's BF16 prompts at 16000 MiB 7.3k -> 8.7k tok/s, the
-# 30B's (two or three regions, compute-bound) within -3% .. +2% (bench/RESULTS.md, stops 27 and 36).
+# 30B's (two or three regions, compute-bound) within -4% .. +2% (bench/RESULTS.md, stops 27 and 36).
 FLOAT_POOLS = ("one", "regions")
 FLOAT_POOL = knobs.choice("MOESTREAM_FLOAT_POOL", FLOAT_POOLS, "one")
 SWEEP_SHARE = 0.9                         # a ubatch that routes this share of a layer's experts sweeps the layer
