@@ -145,3 +145,35 @@ def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device
     assert dev[1]["landed"] > 0 and dev[1]["hits"] > 0
     assert host[2] == [] and len(dev[2]) == 39            # every step after the first took the last one's on the device
     assert (1, True) in dev[2] and (2, True) in dev[2]               # steps of one token and of two that landed
+
+
+@pytest.mark.parametrize("n_tokens,staged", [(1, True), (1, False), (3, True), (3, False)])
+def test_the_device_notes_what_the_kernels_rule_lands_and_no_more_than_its_slots(n_tokens, staged):
+    """DeviceLandings.note against the host's form of the kernels' rule (stage.landed_experts, staged or one token:
+    first choice order; decode.landing_slots_grouped: ascending id), where layers read more experts from host than
+    they have landing slots (R = 3 of 5 columns handed, a fifth of them none): exactly the rule's experts are noted,
+    each at its slot's address, and nothing beyond the R-th."""
+    from types import SimpleNamespace
+    from moestream.kernels.decode import landing_slots_grouped
+    from moestream.kernels.stage import landed_experts
+    g = torch.Generator().manual_seed(n_tokens + 2 * staged)
+    nl, ne, k, R = 12, 16, 6, 3
+    rt = SimpleNamespace(count=lambda n: R, reads_in_place=lambda n: False, staged=staged)
+    dl = read_through.DeviceLandings(rt, k, (nl, ne), "cpu")
+    host_tab = torch.arange(1, nl * ne + 1).view(nl, ne) * 1000
+    table = torch.where(torch.rand(nl, ne, generator=g) < 0.7, host_tab, -host_tab)      # 70% read from host
+    routed = torch.stack([torch.cat([torch.randperm(ne, generator=g)[:k] for _ in range(n_tokens)]) for _ in range(nl)])
+    land = torch.randint(1, 999, (nl, 5), generator=g) * (torch.rand(nl, 5, generator=g) < 0.8)   # 0: no slot
+    dl.note(table, host_tab, routed, land, n_tokens)
+    rule = landed_experts if staged or n_tokens == 1 else landing_slots_grouped
+    want = torch.zeros(nl, ne, dtype=torch.bool)
+    beyond = 0
+    for l in range(nl):
+        on_host = (table[l] == host_tab[l])[routed[l]].tolist()
+        beyond += len({int(e) for e, h in zip(routed[l].tolist(), on_host) if h}) > R
+        for e, r in rule(routed[l].tolist(), on_host, R):
+            if land[l, r] != 0:
+                want[l, e] = True
+                assert dl.noted_addr[l, e] == land[l, r], (l, e, r)
+    assert beyond > 0 and want.any()                     # layers with more host reads than slots, and landings
+    assert torch.equal(dl.noted_ok, want)
