@@ -1,7 +1,7 @@
-"""A float pool in one region (MOESTREAM_FLOAT_POOL=one, the default; experts/planner.py): a layer whose slots span more than one
-grouped GEMM launch reads them from a window of the pool or a compact stack gathered on the device
+"""A float pool in one region (MOESTREAM_FLOAT_POOL=one, the default; experts/planner.py): a layer whose slots span
+more than one grouped GEMM launch reads them from a window of the pool or a compact stack gathered on the device
 (ExpertWeights.dense), with the bits of the pool itself; and sweeping prompts keep more across prompts than in
-regions, which hold three layers' experts at once."""
+regions (=regions), which hold three layers' experts at once."""
 from __future__ import annotations
 
 import numpy as np
