@@ -16,14 +16,15 @@ from .policy import make_policy
 from .residency import Residency, split_regions
 from .stats import CacheStats
 
-REGION_SLOTS = 1023                       # torch._grouped_mm takes < 1024 groups: a float layer's region is one
-                                          # launch (quantized rows are dequantized into a compact stack first, so
-                                          # a pool of them is one region of any size)
-# A float pool is one region as well (MOESTREAM_FLOAT_POOL=one, the default): a layer whose slots span more than
-# one launch reads a compact stack of them, gathered on the device (ExpertWeights.dense). Regions (=regions, the
-# layers take them in turn) keep three layers' experts resident during a sweep; one region lets a sweep evict the
-# layer just passed, and keeps more across prompts: Qwen3-Next's BF16 prompts at 16000 MiB 7.3k -> 8.7k tok/s, the
-# 30B's (two or three regions, compute-bound) within -4% .. +2% (bench/RESULTS.md, stops 27 and 36).
+# A pool of quantized experts is one region of any size (their kernels read a compact dequantized stack of the
+# slots a ubatch uses); so is a float pool by default (MOESTREAM_FLOAT_POOL=one): a layer whose slots span more than
+# one grouped GEMM launch reads a compact stack of them, gathered on the device (ExpertWeights.dense).
+# MOESTREAM_FLOAT_POOL=regions cuts a float pool into regions of at most REGION_SLOTS (torch._grouped_mm takes < 1024
+# groups: a layer's region is one launch, no gather), taken by the layers in turn. Regions keep three layers'
+# experts resident during a sweep; one region lets a sweep evict the layer just passed, and keeps more across
+# prompts: Qwen3-Next's BF16 prompts at 16000 MiB 7.3k -> 8.7k tok/s, the 30B's (two or three regions,
+# compute-bound) within -4% .. +2% (bench/RESULTS.md, stops 27 and 36).
+REGION_SLOTS = 1023
 FLOAT_POOLS = ("one", "regions")
 FLOAT_POOL = knobs.choice("MOESTREAM_FLOAT_POOL", FLOAT_POOLS, "one")
 SWEEP_SHARE = 0.9                         # a ubatch that routes this share of a layer's experts sweeps the layer
