@@ -1,7 +1,7 @@
 """Where a cached prompt's time goes on the GPU: the copy stream and the compute stream, from a torch.profiler trace.
 The `profile` suite of bench/gpu.sh runs it.
 
-    python bench/prompt_timeline.py MODEL OUT [--mib 16000] [-ub 4096,2048] [-p 4096] [--cprofile]
+    python bench/prompt_timeline.py MODEL OUT [--mib 16000] [-ub 4096,2048] [-p 4096] [--cprofile] [--set NAME=V]
 
 Per ubatch size (one load for all): three warm prompts of 4096 tokens (-p), then one profiled. Prints each stream's busy
 time, the copies' bytes and rate, and the copy stream's idle gaps inside the prompt (the link is the bound at 16000
@@ -31,7 +31,10 @@ ap.add_argument("--mib", type=int, default=16000)
 ap.add_argument("-ub", default="4096", help="ubatch sizes, comma list")
 ap.add_argument("-p", type=int, default=4096, help="tokens per prompt")
 ap.add_argument("--cprofile", action="store_true", help="also the host's time by function over one more prompt")
+ap.add_argument("--set", action="append", default=[], metavar="NAME=V",
+                help="an engine option by its flat name (moestream/flags.py), e.g. prefetch_max_inflight_mib=1024")
 ns = ap.parse_args()
+os.makedirs(ns.out, exist_ok=True)
 N = ns.p
 
 
@@ -131,8 +134,9 @@ def rand(V: int, n: int, seed: int) -> list[int]:
 
 
 ubatches = [int(u) for u in ns.ub.split(",")]
+opts = {k: json.loads(v) if v[:1] in "-0123456789tf[" else v for k, v in (a.split("=", 1) for a in ns.set)}
 llm = LLM(ns.model, ctx_size=N + 64, cpu_moe=True, moe_cache_mib=ns.mib, ubatch_size=ubatches[0],
-          batch_size=max(ubatches[0], 4096))
+          batch_size=max(ubatches[0], 4096), **opts)
 for i, ub in enumerate(ubatches):
     timeline(llm, ub, 10 * i)             # each ubatch size its own fresh prompts
     if ns.cprofile:

@@ -93,6 +93,8 @@ class CacheConfig:
             raise UserError(f"--prefetch-min-batch must be positive, got {pf.min_batch}")
         if not 1 <= pf.lookahead_layers <= 4:
             raise UserError(f"--lookahead-layers must be 1 to 4, got {pf.lookahead_layers}")
+        if not _number(pf.max_inflight_mib) or pf.max_inflight_mib < 0:
+            raise UserError(f"--prefetch-max-inflight-mib must be >= 0 (a number of MiB), got {pf.max_inflight_mib!r}")
         if not 0.0 <= pf.min_use <= 1.0:
             raise UserError(f"--prefetch-min-use must be within [0, 1], got {pf.min_use}")
 

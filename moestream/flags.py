@@ -76,6 +76,9 @@ OPTIONS = (
     Option("lookahead_layers", "cache.prefetch.lookahead_layers", ("--lookahead-layers",),
            "prompt lookahead guesses N MoE layers ahead: the next layer's experts are copied at once, the later "
            "layers' whenever the copy stream runs short of work (default 2; 1 to 4)", type=int, metavar="N"),
+    Option("prefetch_max_inflight_mib", "cache.prefetch.max_inflight_mib", ("--prefetch-max-inflight-mib",),
+           "at most this many MiB of copies ahead on the link at once (default 512; misses a ubatch waits for go "
+           "first)", type=int, metavar="MIB"),
     Option("zero_copy_decode", "decode.zero_copy", ("--no-zero-copy-decode",),
            "decode steps fetch their experts through the cache (a host step per layer) instead of reading each "
            "expert where it lies, a cache slot or pinned host memory", "off"),
