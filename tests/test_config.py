@@ -95,7 +95,7 @@ def test_all_flags_at_once_round_trip_and_reach_their_fields():
     assert ecfg.placement.device == "cpu" and ecfg.cache.mib == 0 and ecfg.cache.policy == "lru"
     assert ecfg.cache.prefetch == PrefetchConfig(enabled=False, min_batch=7, seed_previous=False, first_chunk_all=True,
                                                  lookahead=False, prompt_lookahead=False, lookahead_layers=3,
-                                                 min_use=0.5)
+                                                 max_inflight_mib=7, min_use=0.5)
     assert (ecfg.decode.zero_copy, ecfg.decode.read_through, ecfg.decode.cuda_graphs) == (False, False, False)
     assert ecfg.decode.host_share == 0.25
     assert ecfg.batching == Batching(ctx_size=7, n_seq=1, batch_size=7, ubatch_size=7, by_layer=False)
