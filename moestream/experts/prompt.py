@@ -18,7 +18,8 @@ import time
 import numpy as np
 import torch
 
-from .planner import CachePlanner
+from .. import knobs
+from .planner import SWEEP_SHARE, CachePlanner
 from .prefetch import PrefetchConfig, Seed, choose_seed, predicted
 from .provider import ExpertWeights
 from .residency import CacheTooSmall
@@ -30,6 +31,10 @@ FILL_LOW_BYTES = 24 << 20                 # fill: copy ahead when no more than t
 FILL_LAUNCH_BYTES = 96 << 20              # ... and up to this much once a layer's experts are queued (the host
                                           # looks again only at the next routing)
 FILL_POLL_S = 50e-6                       # ... looking this often while the host waits for a routing
+FILL_AHEAD = knobs.choice("MOESTREAM_FILL_AHEAD", ("lookahead", "ring"), "lookahead")   # how far the fill goes:
+                                          # the lookahead's layers; or, while a ubatch sweeps, every later host layer
+                                          # and the next ubatch's first ones (the seed's guesses), evicting only the
+                                          # experts whose next use is farther
 TAIL = 16                                 # a prompt ubatch's last tokens, whose routing seeds its sequence's share
                                           # of the decode hot set (hot_set.py; the same read-back carries it)
 
@@ -64,6 +69,10 @@ class PromptPath:
         self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
         self.fill: list[tuple[int, np.ndarray]] = []           # later layers' guesses, for a copy stream short of work
+        self.pos = {l: i for i, l in enumerate(layers)}         # a host layer's place in a pass (the ring's order)
+        self.pos_of = np.full(max(layers, default=0) + 2, -1, dtype=np.int64)   # the same by id; -1: no layer
+        self.pos_of[layers] = np.arange(len(layers))
+        self.at = len(layers) - 1                               # the place of the layer the host last prepared
         rows = 1 + max(1, prefetch.lookahead_layers) + routing.n_seq      # the routing, the guesses, the tails
         self.counts_host = device.pinned_empty((rows, self.n_experts), torch.int64)
 
@@ -82,13 +91,14 @@ class PromptPath:
         if is_prompt:
             for s in self.rows:
                 self.routing.prompts[s].begin_ubatch(n_tokens)
-        self.fill = []
+        self.fill, self.at = [], len(self.layers) - 1
         if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now, the next
             self._prefetch(self.layers[0], self._predicted(self.layers[0]))      # ones as fill
             self.fill = [(l, self._predicted(l)) for l in self.layers[1:self.prefetch.lookahead_layers]]
+            self._ring(self.layers[max(1, self.prefetch.lookahead_layers):-1], self.seed.counts)
 
     # A prompt ubatch paused between layers (ExpertCache.suspend): what begin_ubatch, prepare and fetch set.
-    _STATE = ("seq", "is_prompt", "n_tokens", "seed", "rows", "predicted", "pending", "fill")
+    _STATE = ("seq", "is_prompt", "n_tokens", "seed", "rows", "predicted", "pending", "fill", "at")
 
     def save(self) -> tuple:
         """(the dict and list copied: an eager decode step in between changes them in place)"""
@@ -146,6 +156,7 @@ class PromptPath:
         at once (then nothing is loaded yet)."""
         self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
+        self.at = self.pos[layer]
         if self.is_prompt:
             for s in self.rows:
                 self.routing.prompts[s].record(layer, counts)
@@ -162,8 +173,13 @@ class PromptPath:
             if ahead:                   # bound) follows as the copy stream drains, then the later layers'
                 self.predicted[ahead[0][0]] = ahead[0][1]       # scored when that layer routes
                 self.pending = ahead[0]
+            done = {l for l, _ in ahead}
+            self._ring([l for l in self.layers[self.at + 1:] if l not in done], self._counts())
         elif self.seed is not None and (nxt := self._next_layer(layer)) is not None:
             self.pending = (nxt, self._predicted(nxt))
+            self._ring(self.layers[self.at + 2:], self._counts())
+        if layer == self.layers[-1]:                            # the next ubatch's first layers, as they swept here
+            self._ring(self.layers[:self.at], self.routing.prompts[self.seq].current, sweep=counts)
         return self.slots.table(layer)
 
     def experts_launched(self, layer: int) -> None:
@@ -171,7 +187,8 @@ class PromptPath:
         (fill) the later layers' guesses if that leaves the copy stream short of work. The bookkeeping then runs
         while the GPU computes, not while it waits for this layer's table."""
         self._copy_pending()
-        self._fill(FILL_LAUNCH_BYTES)
+        last = FILL_AHEAD == "ring" and layer == self.layers[-1]     # the ring's wrap: nothing copies until the
+        self._fill((self.prefetch.max_inflight_mib << 20) if last else FILL_LAUNCH_BYTES)   # next ubatch begins
 
     def _copy_pending(self) -> None:
         if self.pending is not None:
@@ -242,7 +259,11 @@ class PromptPath:
             if not len(missing):
                 self.fill.pop(0)
                 continue
-            copied = self._prefetch(layer, missing[:max(1, room // eb)], in_flight_room)   # the first ones
+            take = missing[:max(1, room // eb)]
+            if FILL_AHEAD == "ring" and (self.pos[layer] - self.at) % len(self.layers) > self.prefetch.lookahead_layers:
+                self.slots.refresh_pins()                   # (a ring layer, beyond the lookahead's)
+                take = take[:self._farther(layer)]
+            copied = self._prefetch(layer, take, in_flight_room) if len(take) else 0      # the first ones
             if not copied:                          # every slot is pinned
                 self.fill = []
                 return False
@@ -250,6 +271,32 @@ class PromptPath:
             self.stats.record(layer, filled=copied)
             return True
         return False
+
+    def _ring(self, layers: list[int], counts: np.ndarray | None, sweep: np.ndarray | None = None) -> None:
+        """MOESTREAM_FILL_AHEAD=ring: append `layers`' guesses from `counts` (L, E) to the fill, where this ubatch
+        sweeps (the current layer's routing `sweep`, or else the guesses, route nearly every expert) under the
+        cycle policy, whose order is the ring's."""
+        if FILL_AHEAD != "ring" or counts is None or not layers or self.residency.policy.name != "cycle":
+            return
+        E = self.n_experts
+        rows = [(l, predicted(counts[l], E)) for l in layers]
+        if sweep is not None and np.count_nonzero(sweep) < SWEEP_SHARE * E:
+            return
+        self.fill += [(l, g) for l, g in rows if len(g) >= SWEEP_SHARE * E]
+
+    def _counts(self) -> np.ndarray | None:
+        """The guesses for the layers after the lookahead's: the seed's counts (None without one)."""
+        return None if self.seed is None else self.seed.counts
+
+    def _farther(self, layer: int) -> int:
+        """Unpinned slots of `layer`'s region that are free or hold an expert whose next use in the ring comes after
+        `layer`'s: a ring fill evicts no more than these (the cycle's order then takes those first)."""
+        res, H = self.residency, len(self.layers)
+        a, b = res.bounds[layer]
+        owners = res.owner[a:b, 0]
+        d = (self.pos[layer] - self.at) % H
+        far = (owners < 0) | ((self.pos_of[np.maximum(owners, 0)] - self.at) % H > d)
+        return int((far & ~res.pinned[a:b]).sum())
 
     def _in_flight_room(self) -> int:
         """Speculative bytes the in-flight bound still admits."""
