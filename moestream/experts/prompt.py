@@ -275,9 +275,10 @@ class PromptPath:
     def _ring(self, layers: list[int], counts: np.ndarray | None, sweep: np.ndarray | None = None) -> None:
         """MOESTREAM_FILL_AHEAD=ring: append `layers`' guesses from `counts` (L, E) to the fill, where this ubatch
         sweeps (the current layer's routing `sweep`, or else the guesses, route nearly every expert) under the
-        cycle policy, whose order is the ring's."""
-        if FILL_AHEAD != "ring" or counts is None or not layers or self.residency.policy.name != "cycle":
-            return
+        cycle policy, whose order is then the ring's."""
+        policy = self.residency.policy
+        if FILL_AHEAD != "ring" or counts is None or not layers or getattr(policy, "cursor", None) is None:
+            return                      # (the cursor: a cycle policy's, set while the last layer planned swept)
         E = self.n_experts
         rows = [(l, predicted(counts[l], E)) for l in layers]
         if sweep is not None and np.count_nonzero(sweep) < SWEEP_SHARE * E:
