@@ -42,6 +42,9 @@
 #                                            16000 MiB (and 16000 with --prefetch-first-all, --no-prefetch); Q4_K_M
 #                                            all on the GPU, at 4000 MiB (ubatch 2048 / 4096) and with no cache;
 #                                            then a Q4_K_M decode step's kernels (bench/step_profile.py)
+#   bash bench/gpu.sh fill                   the Next Q4_K_M prompts at 4000 MiB (ubatch 4096 / 2048, -n 0 -r 3) under
+#                                            MOESTREAM_FILL_AHEAD=lookahead and =ring in turns, twice, and each one's
+#                                            prompt timeline at ubatch 4096 (the files of `next`)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -67,7 +70,7 @@ REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
-case "$SUITE" in tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|host|all) ;; *) usage ;; esac
+case "$SUITE" in tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|fill|host|all) ;; *) usage ;; esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
   echo "error: .carry/ lacks the wheels or make_reference_gguf.py: see the setup notes at the top of $0" >&2; exit 2
 fi
@@ -239,8 +242,9 @@ kld() {            # 16 chunks of 512 random ids (the reference has no tokenizer
   } | tee "$OUT/kld.md"
 }
 
-next() {           # issue 17's rows on the Qwen3-Next reference
-  local N=/tmp/next.gguf NQ=/tmp/next-q4km.gguf t
+N=/tmp/next.gguf NQ=/tmp/next-q4km.gguf
+next_files() {     # the Qwen3-Next reference and its Q4_K_M, once per machine
+  local t
   rm -f $REF $Q4 $Q8                 # (40.8 + 12.4 GB beside 31.2 + 9.5 + 16.6 would not fit)
   if [ ! -f $N ]; then
     t=$SECONDS; timeout 240 python3 .carry/make_reference_next_gguf.py $N.part 12 2>&1 | tail -1 && mv $N.part $N
@@ -251,6 +255,9 @@ next() {           # issue 17's rows on the Qwen3-Next reference
     echo "Q4_K_M written in $((SECONDS - t)) s: $(stat -c %s $NQ 2> /dev/null) bytes"
   fi
   sync
+}
+next() {           # issue 17's rows on the Qwen3-Next reference
+  next_files
   local B="-p 4096 -n 64 -b 4096 -r 2 -ub 2048"
   bench next_bf16.md 90 -m $N $B
   bench next_bf16.md 160 -m $N $B --cpu-moe --moe-cache-mib 0,8000,16000
@@ -260,6 +267,21 @@ next() {           # issue 17's rows on the Qwen3-Next reference
   bench next_q4km.md 90 -m $NQ -p 4096 -n 64 -b 4096 -r 2 -ub 2048,4096 --cpu-moe --moe-cache-mib 4000
   bench next_q4km.md 70 -m $NQ $B --cpu-moe
   timeout 150 python3 bench/step_profile.py $NQ -n 16 --top 40 2>&1 | grep -v Warning > "$OUT/step_profile.md"
+}
+
+fill() {           # the prompt path's fill, to the lookahead's layers or around the ring, on Next's sweeping prompts
+  next_files
+  local f
+  for f in lookahead ring lookahead ring; do
+    echo "## MOESTREAM_FILL_AHEAD=$f" >> "$OUT/next_fill.md"
+    MOESTREAM_FILL_AHEAD=$f bench next_fill.md 70 -m $NQ -p 4096 -n 0 -b 4096 -r 3 -ub 4096,2048 --cpu-moe \
+      --moe-cache-mib 4000
+  done
+  for f in lookahead ring; do
+    echo "## MOESTREAM_FILL_AHEAD=$f" >> "$OUT/next_fill_timeline.txt"
+    MOESTREAM_FILL_AHEAD=$f timeout 90 python3 bench/prompt_timeline.py $NQ /tmp/timeline_$f --mib 4000 -ub 4096 2>&1 \
+      | grep -v "^USDT\|UserWarning" | tee -a "$OUT/next_fill_timeline.txt"
+  done
 }
 
 trace() {          # one prompt of 4096 random ids (the same every run), at ubatch 2048, then 64 tokens
