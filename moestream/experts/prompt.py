@@ -260,8 +260,9 @@ class PromptPath:
                 self.fill.pop(0)
                 continue
             take = missing[:max(1, room // eb)]
-            if FILL_AHEAD == "ring" and (self.pos[layer] - self.at) % len(self.layers) > self.prefetch.lookahead_layers:
-                self.slots.refresh_pins()                   # (a ring layer, beyond the lookahead's)
+            ahead = (self.pos[layer] - self.at) % len(self.layers)
+            if FILL_AHEAD == "ring" and ahead > self.prefetch.lookahead_layers:      # a ring layer, past the
+                self.slots.refresh_pins()                                           # lookahead's
                 take = take[:self._farther(layer)]
             copied = self._prefetch(layer, take, in_flight_room) if len(take) else 0      # the first ones
             if not copied:                          # every slot is pinned
@@ -280,9 +281,9 @@ class PromptPath:
         if FILL_AHEAD != "ring" or counts is None or not layers or getattr(policy, "cursor", None) is None:
             return                      # (the cursor: a cycle policy's, set while the last layer planned swept)
         E = self.n_experts
-        rows = [(l, predicted(counts[l], E)) for l in layers]
         if sweep is not None and np.count_nonzero(sweep) < SWEEP_SHARE * E:
             return
+        rows = [(l, predicted(counts[l], E)) for l in layers]
         self.fill += [(l, g) for l, g in rows if len(g) >= SWEEP_SHARE * E]
 
     def _counts(self) -> np.ndarray | None:
