@@ -70,7 +70,10 @@ REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
-case "$SUITE" in tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|fill|host|all) ;; *) usage ;; esac
+case "$SUITE" in
+tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|fill|host|all) ;;
+*) usage ;;
+esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
   echo "error: .carry/ lacks the wheels or make_reference_gguf.py: see the setup notes at the top of $0" >&2; exit 2
 fi
