@@ -69,10 +69,10 @@ class PromptPath:
         self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
         self.fill: list[tuple[int, np.ndarray]] = []           # later layers' guesses, for a copy stream short of work
-        self.pos = {l: i for i, l in enumerate(layers)}         # a host layer's place in a pass (the ring's order)
-        self.pos_of = np.full(max(layers, default=0) + 2, -1, dtype=np.int64)   # the same by id; -1: no layer
-        self.pos_of[layers] = np.arange(len(layers))
+        self.place = np.full(max(layers, default=0) + 1, -1, dtype=np.int64)   # a host layer's place in a pass
+        self.place[layers] = np.arange(len(layers))             # (the ring's order), by layer id; -1: not a host layer
         self.at = len(layers) - 1                               # the place of the layer the host last prepared
+        self.guesses: dict[int, np.ndarray] = {}                # the ring: the seed's guess a host layer, once a ubatch
         rows = 1 + max(1, prefetch.lookahead_layers) + routing.n_seq      # the routing, the guesses, the tails
         self.counts_host = device.pinned_empty((rows, self.n_experts), torch.int64)
 
@@ -91,14 +91,16 @@ class PromptPath:
         if is_prompt:
             for s in self.rows:
                 self.routing.prompts[s].begin_ubatch(n_tokens)
-        self.fill, self.at = [], len(self.layers) - 1
+        self.fill, self.at, self.guesses = [], len(self.layers) - 1, {}
         if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now, the next
             self._prefetch(self.layers[0], self._predicted(self.layers[0]))      # ones as fill
             self.fill = [(l, self._predicted(l)) for l in self.layers[1:self.prefetch.lookahead_layers]]
-            self._ring(self.layers[max(1, self.prefetch.lookahead_layers):-1], self.seed.counts)
+            if FILL_AHEAD == "ring" and self.seed.counts is not None:
+                self.guesses = {l: predicted(self.seed.counts[l], self.n_experts) for l in self.layers}
+            self._ring(self.layers[max(1, self.prefetch.lookahead_layers):-1])
 
     # A prompt ubatch paused between layers (ExpertCache.suspend): what begin_ubatch, prepare and fetch set.
-    _STATE = ("seq", "is_prompt", "n_tokens", "seed", "rows", "predicted", "pending", "fill", "at")
+    _STATE = ("seq", "is_prompt", "n_tokens", "seed", "rows", "predicted", "pending", "fill", "at", "guesses")
 
     def save(self) -> tuple:
         """(the dict and list copied: an eager decode step in between changes them in place)"""
@@ -156,7 +158,7 @@ class PromptPath:
         at once (then nothing is loaded yet)."""
         self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
-        self.at = self.pos[layer]
+        self.at = int(self.place[layer])
         if self.is_prompt:
             for s in self.rows:
                 self.routing.prompts[s].record(layer, counts)
@@ -174,12 +176,12 @@ class PromptPath:
                 self.predicted[ahead[0][0]] = ahead[0][1]       # scored when that layer routes
                 self.pending = ahead[0]
             done = {l for l, _ in ahead}
-            self._ring([l for l in self.layers[self.at + 1:] if l not in done], self._counts())
+            self._ring([l for l in self.layers[self.at + 1:] if l not in done])
         elif self.seed is not None and (nxt := self._next_layer(layer)) is not None:
             self.pending = (nxt, self._predicted(nxt))
-            self._ring(self.layers[self.at + 2:], self._counts())
+            self._ring(self.layers[self.at + 2:])
         if layer == self.layers[-1]:                            # the next ubatch's first layers, as they swept here
-            self._ring(self.layers[:self.at], self.routing.prompts[self.seq].current, sweep=counts)
+            self._ring(self.layers[:self.at], self.routing.prompts[self.seq].current)
         return self.slots.table(layer)
 
     def experts_launched(self, layer: int) -> None:
@@ -260,7 +262,7 @@ class PromptPath:
                 self.fill.pop(0)
                 continue
             take = missing[:max(1, room // eb)]
-            ahead = (self.pos[layer] - self.at) % len(self.layers)
+            ahead = (self.place[layer] - self.at) % len(self.layers)
             if FILL_AHEAD == "ring" and ahead > self.prefetch.lookahead_layers:      # a ring layer, past the
                 self.slots.refresh_pins()                                           # lookahead's
                 take = take[:self._farther(layer)]
@@ -273,22 +275,15 @@ class PromptPath:
             return True
         return False
 
-    def _ring(self, layers: list[int], counts: np.ndarray | None, sweep: np.ndarray | None = None) -> None:
-        """MOESTREAM_FILL_AHEAD=ring: append `layers`' guesses from `counts` (L, E) to the fill, where this ubatch
-        sweeps (the current layer's routing `sweep`, or else the guesses, route nearly every expert) under the
-        cycle policy, whose order is then the ring's."""
-        policy = self.residency.policy
-        if FILL_AHEAD != "ring" or counts is None or not layers or getattr(policy, "cursor", None) is None:
-            return                      # (the cursor: a cycle policy's, set while the last layer planned swept)
-        E = self.n_experts
-        if sweep is not None and np.count_nonzero(sweep) < SWEEP_SHARE * E:
+    def _ring(self, layers: list[int], counts: np.ndarray | None = None) -> None:
+        """MOESTREAM_FILL_AHEAD=ring: append `layers`' guesses (the seed's, `guesses`, or else from `counts` (L, E))
+        that route nearly every expert to the fill, while the layer last planned swept under the cycle policy (its
+        cursor is set then), whose order is then the ring's."""
+        if FILL_AHEAD != "ring" or getattr(self.residency.policy, "cursor", None) is None:
             return
-        rows = [(l, predicted(counts[l], E)) for l in layers]
-        self.fill += [(l, g) for l, g in rows if len(g) >= SWEEP_SHARE * E]
-
-    def _counts(self) -> np.ndarray | None:
-        """The guesses for the layers after the lookahead's: the seed's counts (None without one)."""
-        return None if self.seed is None else self.seed.counts
+        E = self.n_experts
+        rows = ((l, self.guesses.get(l) if counts is None else predicted(counts[l], E)) for l in layers)
+        self.fill += [(l, g) for l, g in rows if g is not None and len(g) >= SWEEP_SHARE * E]
 
     def _farther(self, layer: int) -> int:
         """Unpinned slots of `layer`'s region that are free or hold an expert whose next use in the ring comes after
@@ -296,8 +291,8 @@ class PromptPath:
         res, H = self.residency, len(self.layers)
         a, b = res.bounds[layer]
         owners = res.owner[a:b, 0]
-        d = (self.pos[layer] - self.at) % H
-        far = (owners < 0) | ((self.pos_of[np.maximum(owners, 0)] - self.at) % H > d)
+        d = (self.place[layer] - self.at) % H
+        far = (owners < 0) | ((self.place[np.maximum(owners, 0)] - self.at) % H > d)
         return int((far & ~res.pinned[a:b]).sum())
 
     def _in_flight_room(self) -> int:
