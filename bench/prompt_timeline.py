@@ -1,7 +1,7 @@
 """Where a cached prompt's time goes on the GPU: the copy stream and the compute stream, from a torch.profiler trace.
 The `profile` suite of bench/gpu.sh runs it.
 
-    python bench/prompt_timeline.py MODEL OUT [--mib 16000] [-ub 4096,2048] [-p 4096] [--cprofile] [--set NAME=V]
+    python bench/prompt_timeline.py MODEL OUT [--mib 16000] [-ub 4096,2048] [-p 4096] [--cprofile] [ENGINE FLAGS]
 
 Per ubatch size (one load for all): three warm prompts of 4096 tokens (-p), then one profiled. Prints each stream's busy
 time, the copies' bytes and rate, and the copy stream's idle gaps inside the prompt (the link is the bound at 16000
@@ -21,7 +21,7 @@ import pstats
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from moestream import LLM
+from moestream import LLM, flags
 from moestream.experts.cache import ExpertCache
 
 ap = argparse.ArgumentParser()
@@ -31,8 +31,9 @@ ap.add_argument("--mib", type=int, default=16000)
 ap.add_argument("-ub", default="4096", help="ubatch sizes, comma list")
 ap.add_argument("-p", type=int, default=4096, help="tokens per prompt")
 ap.add_argument("--cprofile", action="store_true", help="also the host's time by function over one more prompt")
-ap.add_argument("--set", action="append", default=[], metavar="NAME=V",
-                help="an engine option by its flat name (moestream/flags.py), e.g. prefetch_max_inflight_mib=1024")
+OWN = ("ctx_size", "batch_size", "ubatch_size", "cpu_moe", "n_cpu_moe", "moe_cache_mib")    # this script sets these
+ENGINE = [o.name for o in flags.OPTIONS if o.flags and o.name not in OWN]
+flags.add_engine_arguments(ap, ENGINE)      # the rest, as moestream's commands spell them (--prefetch-max-inflight-mib)
 ns = ap.parse_args()
 os.makedirs(ns.out, exist_ok=True)
 N = ns.p
@@ -134,7 +135,7 @@ def rand(V: int, n: int, seed: int) -> list[int]:
 
 
 ubatches = [int(u) for u in ns.ub.split(",")]
-opts = {k: json.loads(v) if v[:1] in "-0123456789tf[" else v for k, v in (a.split("=", 1) for a in ns.set)}
+opts = {n: getattr(ns, n) for n in ENGINE if getattr(ns, n) != flags.BY_NAME[n].default}
 llm = LLM(ns.model, ctx_size=N + 64, cpu_moe=True, moe_cache_mib=ns.mib, ubatch_size=ubatches[0],
           batch_size=max(ubatches[0], 4096), **opts)
 for i, ub in enumerate(ubatches):
