@@ -68,6 +68,7 @@ SUITE=${1:-}; shift $(( $# > 0 ))
 EXTRA=("$@")                     # the flags after the suite name
 REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
+N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and its Q4_K_M (next, fill)
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
 case "$SUITE" in
@@ -245,7 +246,6 @@ kld() {            # 16 chunks of 512 random ids (the reference has no tokenizer
   } | tee "$OUT/kld.md"
 }
 
-N=/tmp/next.gguf NQ=/tmp/next-q4km.gguf
 next_files() {     # the Qwen3-Next reference and its Q4_K_M, once per machine
   local t
   rm -f $REF $Q4 $Q8                 # (40.8 + 12.4 GB beside 31.2 + 9.5 + 16.6 would not fit)
