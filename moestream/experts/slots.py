@@ -33,7 +33,7 @@ from .. import knobs
 from ..kernels.batch_copy import batch_copy, batch_copy_available
 from ..kernels.copy_rows import copy_rows, copy_rows_available
 from .copy_queue import CopyQueue
-from .provider import ExpertWeights
+from .provider import ExpertWeights, host_to_device
 from .residency import Residency
 from .store import ExpertStore
 
@@ -65,7 +65,7 @@ COPY_MODE = _copy_mode()
 class SlotPool:
     def __init__(self, store: ExpertStore, residency: Residency, device):
         any_rows = next(iter(store.rows.values()))
-        n_slots, (n_layers, n_experts) = residency.n_slots, residency.slot_of.shape
+        n_slots, n_experts = residency.n_slots, residency.slot_of.shape[1]
         self.residency, self.device, self.n_experts = residency, device, n_experts
         width = max(r.shape[1] for r in store.rows.values())            # a slot holds the widest layer's row
         self.pool = torch.empty(n_slots, width, dtype=any_rows.dtype, device=device.torch)   # (S, row)
@@ -76,7 +76,6 @@ class SlotPool:
         # Each host layer's region of the pool, as its rows (quantized layouts read only their own row's bytes).
         self.regions = {l: (self.pool[a:b, :store.rows[l].shape[1]], a) for l, (a, b) in enumerate(residency.bounds)
                         if l in store.rows}
-        self.lut_host = device.pinned_empty((n_layers, n_experts), torch.int64)    # (L, E) staging of slot tables
         self.queue = CopyQueue(device)
         self.ready = np.zeros(n_slots, dtype=np.int64)          # copy batch that filled each slot
         self.prefetched = np.zeros(n_slots, dtype=bool)         # filled by a speculative copy, not claimed yet
@@ -246,12 +245,9 @@ class SlotPool:
         return t
 
     def upload_table(self, layer: int, table: np.ndarray) -> torch.Tensor:
-        """The layer's slot table (E,) on the device, through pinned staging: a copy from pageable memory would wait
-        for the compute stream. Call after this layer's host sync: the staging's last copy was queued before it, so
-        it is free again."""
-        self.lut_host[layer].numpy()[:] = table
-        out = torch.empty(self.n_experts, dtype=torch.int64, device=self.device.torch)
-        return out.copy_(self.lut_host[layer], non_blocking=True)
+        """The layer's slot table (E,) on the device, in order on the compute stream: not by a copy call, which
+        would wait behind the copies queued on the copy stream since (kernels/host_arrays.py)."""
+        return host_to_device(table, self.device.torch)
 
     def weights(self, layer: int, slots: torch.Tensor, used: np.ndarray | None = None) -> ExpertWeights:
         """The layer's region as the kernel reads it, each routed choice at `slots` (its table's entries; `used`:

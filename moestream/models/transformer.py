@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..kernels.host_arrays import upload
 from .layers import apply_rope, attention, decode_attention, rms_norm, swiglu
 from .moe import moe_experts, moe_route
 
@@ -58,10 +60,7 @@ class Batch:
             pos += range(s.start, s.start + s.n)
             last.append(len(pos) - 1)
         rows = (list(range(len(pos))) if all_logits else last) if logits else []
-        host = torch.tensor(tokens + seq_ids + pos + rows, dtype=torch.int64)
-        if torch.device(device).type == "cuda":   # pinned, so the copy does not wait for the stream to drain
-            host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)
+        flat = upload(np.array(tokens + seq_ids + pos + rows, dtype=np.int64), torch.device(device))  # no wait
         T = len(tokens)
         return Batch(flat[:T] if on_device is None else on_device, segments, flat[T:2 * T], flat[2 * T:3 * T],
                      flat[3 * T:], kv_len, by_address, fused, observer)
