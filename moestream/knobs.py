@@ -7,7 +7,6 @@
     MOESTREAM_DECODE_QUANT=values|subblocks|runs    the quantized decode kernel (kernels/decode_quant.py)
     MOESTREAM_DELTA=fla|fla-recurrent|torch         the DeltaNet kernels on CUDA (kernels/delta.py)
     MOESTREAM_LANDINGS=device|host                  how a step's landings reach the next table (experts/zero_copy.py)
-    MOESTREAM_FILL_AHEAD=lookahead|ring             how far a sweeping prompt's fill copies ahead (experts/prompt.py)
     MOESTREAM_HOST_ARRAYS=kernel|copy               how small host arrays reach the device (kernels/host_arrays.py)
 
 A value outside a knob's choices logs a warning and keeps the default, so a typo never changes what runs

@@ -18,8 +18,7 @@ import time
 import numpy as np
 import torch
 
-from .. import knobs
-from .planner import SWEEP_SHARE, CachePlanner
+from .planner import CachePlanner
 from .prefetch import PrefetchConfig, Seed, choose_seed, predicted
 from .provider import ExpertWeights
 from .residency import CacheTooSmall
@@ -31,10 +30,6 @@ FILL_LOW_BYTES = 24 << 20                 # fill: copy ahead when no more than t
 FILL_LAUNCH_BYTES = 96 << 20              # ... and up to this much once a layer's experts are queued (the host
                                           # looks again only at the next routing)
 FILL_POLL_S = 50e-6                       # ... looking this often while the host waits for a routing
-FILL_AHEAD = knobs.choice("MOESTREAM_FILL_AHEAD", ("lookahead", "ring"), "lookahead")   # how far the fill goes:
-                                          # the lookahead's layers; or, while a ubatch sweeps, every later host layer
-                                          # and the next ubatch's first ones (the seed's guesses), evicting only the
-                                          # experts whose next use is farther
 TAIL = 16                                 # a prompt ubatch's last tokens, whose routing seeds its sequence's share
                                           # of the decode hot set (hot_set.py; the same read-back carries it)
 
@@ -69,10 +64,6 @@ class PromptPath:
         self.predicted: dict[int, np.ndarray] = {}              # lookahead: layer -> its predicted experts
         self.pending: tuple[int, np.ndarray] | None = None      # the next layer's copy-ahead, until experts_launched
         self.fill: list[tuple[int, np.ndarray]] = []           # later layers' guesses, for a copy stream short of work
-        self.place = np.full(max(layers, default=0) + 1, -1, dtype=np.int64)   # a host layer's place in a pass
-        self.place[layers] = np.arange(len(layers))             # (the ring's order), by layer id; -1: not a host layer
-        self.at = len(layers) - 1                               # the place of the layer the host last prepared
-        self.guesses: dict[int, np.ndarray] = {}                # the ring: the seed's guess a host layer, once a ubatch
         rows = 1 + max(1, prefetch.lookahead_layers) + routing.n_seq      # the routing, the guesses, the tails
         self.counts_host = device.pinned_empty((rows, self.n_experts), torch.int64)
 
@@ -91,16 +82,13 @@ class PromptPath:
         if is_prompt:
             for s in self.rows:
                 self.routing.prompts[s].begin_ubatch(n_tokens)
-        self.fill, self.at, self.guesses = [], len(self.layers) - 1, {}
+        self.fill = []
         if self.seed is not None:           # rule 2-4: the first host layer's experts go ahead now, the next
             self._prefetch(self.layers[0], self._predicted(self.layers[0]))      # ones as fill
             self.fill = [(l, self._predicted(l)) for l in self.layers[1:self.prefetch.lookahead_layers]]
-            if FILL_AHEAD == "ring" and self.seed.counts is not None:
-                self.guesses = {l: predicted(self.seed.counts[l], self.n_experts) for l in self.layers}
-            self._ring(self.layers[max(1, self.prefetch.lookahead_layers):-1])
 
     # A prompt ubatch paused between layers (ExpertCache.suspend): what begin_ubatch, prepare and fetch set.
-    _STATE = ("seq", "is_prompt", "n_tokens", "seed", "rows", "predicted", "pending", "fill", "at", "guesses")
+    _STATE = ("seq", "is_prompt", "n_tokens", "seed", "rows", "predicted", "pending", "fill")
 
     def save(self) -> tuple:
         """(the dict and list copied: an eager decode step in between changes them in place)"""
@@ -158,7 +146,6 @@ class PromptPath:
         at once (then nothing is loaded yet)."""
         self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
-        self.at = int(self.place[layer])
         if self.is_prompt:
             for s in self.rows:
                 self.routing.prompts[s].record(layer, counts)
@@ -175,13 +162,8 @@ class PromptPath:
             if ahead:                   # bound) follows as the copy stream drains, then the later layers'
                 self.predicted[ahead[0][0]] = ahead[0][1]       # scored when that layer routes
                 self.pending = ahead[0]
-            done = {l for l, _ in ahead}
-            self._ring([l for l in self.layers[self.at + 1:] if l not in done])
         elif self.seed is not None and (nxt := self._next_layer(layer)) is not None:
             self.pending = (nxt, self._predicted(nxt))
-            self._ring(self.layers[self.at + 2:])
-        if layer == self.layers[-1]:                            # the next ubatch's first layers, as they swept here
-            self._ring(self.layers[:self.at], self.routing.prompts[self.seq].current)
         return self.slots.table(layer)
 
     def experts_launched(self, layer: int) -> None:
@@ -189,8 +171,7 @@ class PromptPath:
         (fill) the later layers' guesses if that leaves the copy stream short of work. The bookkeeping then runs
         while the GPU computes, not while it waits for this layer's table."""
         self._copy_pending()
-        last = FILL_AHEAD == "ring" and layer == self.layers[-1]     # the ring's wrap: nothing copies until the
-        self._fill((self.prefetch.max_inflight_mib << 20) if last else FILL_LAUNCH_BYTES)   # next ubatch begins
+        self._fill(FILL_LAUNCH_BYTES)
 
     def _copy_pending(self) -> None:
         if self.pending is not None:
@@ -261,12 +242,7 @@ class PromptPath:
             if not len(missing):
                 self.fill.pop(0)
                 continue
-            take = missing[:max(1, room // eb)]
-            ahead = (self.place[layer] - self.at) % len(self.layers)
-            if FILL_AHEAD == "ring" and ahead > self.prefetch.lookahead_layers:      # a ring layer, past the
-                self.slots.refresh_pins()                                           # lookahead's
-                take = take[:self._farther(layer)]
-            copied = self._prefetch(layer, take, in_flight_room) if len(take) else 0      # the first ones
+            copied = self._prefetch(layer, missing[:max(1, room // eb)], in_flight_room)   # the first ones
             if not copied:                          # every slot is pinned
                 self.fill = []
                 return False
@@ -274,26 +250,6 @@ class PromptPath:
             self.stats.record(layer, filled=copied)
             return True
         return False
-
-    def _ring(self, layers: list[int], counts: np.ndarray | None = None) -> None:
-        """MOESTREAM_FILL_AHEAD=ring: append `layers`' guesses (the seed's, `guesses`, or else from `counts` (L, E))
-        that route nearly every expert to the fill, while the layer last planned swept under the cycle policy (its
-        cursor is set then), whose order is then the ring's."""
-        if FILL_AHEAD != "ring" or getattr(self.residency.policy, "cursor", None) is None:
-            return
-        E = self.n_experts
-        rows = ((l, self.guesses.get(l) if counts is None else predicted(counts[l], E)) for l in layers)
-        self.fill += [(l, g) for l, g in rows if g is not None and len(g) >= SWEEP_SHARE * E]
-
-    def _farther(self, layer: int) -> int:
-        """Unpinned slots of `layer`'s region that are free or hold an expert whose next use in the ring comes after
-        `layer`'s: a ring fill evicts no more than these (the cycle's order then takes those first)."""
-        res, H = self.residency, len(self.layers)
-        a, b = res.bounds[layer]
-        owners = res.owner[a:b, 0]
-        d = (self.place[layer] - self.at) % H
-        far = (owners < 0) | ((self.place[np.maximum(owners, 0)] - self.at) % H > d)
-        return int((far & ~res.pinned[a:b]).sum())
 
     def _in_flight_room(self) -> int:
         """Speculative bytes the in-flight bound still admits."""
