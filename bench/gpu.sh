@@ -42,9 +42,9 @@
 #                                            16000 MiB (and 16000 with --prefetch-first-all, --no-prefetch); Q4_K_M
 #                                            all on the GPU, at 4000 MiB (ubatch 2048 / 4096) and with no cache;
 #                                            then a Q4_K_M decode step's kernels (bench/step_profile.py)
-#   bash bench/gpu.sh fill                   the Next Q4_K_M prompts at 4000 MiB (ubatch 4096 / 2048, -n 0 -r 3) under
-#                                            MOESTREAM_FILL_AHEAD=lookahead and =ring in turns, twice, and each one's
-#                                            prompt timeline at ubatch 4096 (the files of `next`)
+#   bash bench/gpu.sh arrays                 the Next Q4_K_M prompts at 4000 MiB (ubatch 4096 / 2048, -n 0 -r 3) with
+#                                            small host arrays by kernel and by copy call (MOESTREAM_HOST_ARRAYS) in
+#                                            turns, twice, and the prompt timeline at ubatch 4096 (the files of `next`)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -68,11 +68,11 @@ SUITE=${1:-}; shift $(( $# > 0 ))
 EXTRA=("$@")                     # the flags after the suite name
 REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
-N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and its Q4_K_M (next, fill)
+N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and its Q4_K_M (next, arrays)
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
 case "$SUITE" in
-tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|fill|host|all) ;;
+tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|host|all) ;;
 *) usage ;;
 esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
@@ -272,19 +272,17 @@ next() {           # issue 17's rows on the Qwen3-Next reference
   timeout 150 python3 bench/step_profile.py $NQ -n 16 --top 40 2>&1 | grep -v Warning > "$OUT/step_profile.md"
 }
 
-fill() {           # the prompt path's fill, to the lookahead's layers or around the ring, on Next's sweeping prompts
+arrays() {         # how small host arrays reach the device, on Next's sweeping prompts (kernels/host_arrays.py)
   next_files
-  local f
-  for f in lookahead ring lookahead ring; do
-    echo "## MOESTREAM_FILL_AHEAD=$f" >> "$OUT/next_fill.md"
-    MOESTREAM_FILL_AHEAD=$f bench next_fill.md 70 -m $NQ -p 4096 -n 0 -b 4096 -r 3 -ub 4096,2048 --cpu-moe \
+  local m
+  for m in kernel copy kernel copy; do
+    echo "## MOESTREAM_HOST_ARRAYS=$m" >> "$OUT/next_arrays.md"
+    MOESTREAM_HOST_ARRAYS=$m bench next_arrays.md 70 -m $NQ -p 4096 -n 0 -b 4096 -r 3 -ub 4096,2048 --cpu-moe \
       --moe-cache-mib 4000
   done
-  for f in lookahead ring; do
-    echo "## MOESTREAM_FILL_AHEAD=$f" >> "$OUT/next_fill_timeline.txt"
-    MOESTREAM_FILL_AHEAD=$f timeout 90 python3 bench/prompt_timeline.py $NQ /tmp/timeline_$f --mib 4000 -ub 4096 2>&1 \
-      | grep -v "^USDT\|UserWarning" | tee -a "$OUT/next_fill_timeline.txt"
-  done
+  timeout 90 python3 bench/prompt_timeline.py $NQ /tmp/timeline_arrays --mib 4000 -ub 4096 2>&1 \
+    | grep -v "^USDT\|UserWarning" | tee "$OUT/next_arrays_timeline.txt"
+  timeout 60 python3 bench/copy_order.py 2>&1 | tee "$OUT/copy_order.txt"
 }
 
 trace() {          # one prompt of 4096 random ids (the same every run), at ubatch 2048, then 64 tokens

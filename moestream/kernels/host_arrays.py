@@ -3,12 +3,14 @@ that reads pinned host memory in place, not by a copy call.
 
     t = upload(np.array([3, 1, 2]), device)     # a device tensor of those values, in order on the current stream
 
-Why: a copy call from host to device runs on the copy engines, in the order the calls reach them, whatever their
-streams. A cached prompt queues the next layer's experts on the copy stream (on Qwen3-Next's Q4_K_M at 4000 MiB,
-8.5 ms of them) once a layer's kernels are queued; the layer's own 4 KB slot table, copied on the compute stream
-and run when that stream gets to it, then waited behind all of them, and the layer's compute with it: compute and
-copies took turns instead of overlapping (bench/RESULTS.md, stop 38). A kernel reads the bytes over the link in
-place (unified addressing, as the decode kernels do) and waits for nothing but the compute stream's own work.
+Why: a cached prompt's compute stream waits for a layer's missed experts on the copy stream, then copies the
+layer's 4 KB slot table (and the slots it reads) from pinned memory, and the copy stream goes on with the next
+layer's experts. A copy call queued so, behind a wait for another stream, ran only after every copy that stream
+got after it: on Qwen3-Next's Q4_K_M at 4000 MiB the next layer's 8.5 ms of experts, so that compute and copies
+took turns instead of overlapping (ubatch 4096: 19.2-20.2k tok/s; by kernel 22.8-24.2k, H100). Alone on an H100,
+a 4 KB copy call behind such a wait ran 35 ms late, after 1.9 GB of later copies; the kernel at once (bench/
+RESULTS.md, stop 38). A kernel reads the bytes over the link in place (unified addressing, as the decode kernels
+do) and waits for nothing but the compute stream's own work.
 
 The bytes go through a pinned arena of two halves: an upload takes the next bytes of the current half; when one
 half is full the other is taken again, once the work queued before it was left (an event on each stream that
