@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..kernels.host_arrays import upload
 from ..quant.layout import ExpertLayout
 from .stats import CacheStats
 
@@ -232,9 +233,9 @@ class LayerRouter(ExpertProvider):
 
 
 def host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on `device` without waiting for it, and on CUDA without a copy call (which would wait
-    behind the copy stream's expert copies on the copy engines): kernels/host_arrays.py."""
-    from ..kernels.host_arrays import upload
+    """A small host array on `device` without waiting for it; on CUDA by a kernel, not a copy call, which, queued
+    behind the compute stream's wait for the copy stream, would run after that stream's later copies
+    (kernels/host_arrays.py)."""
     return upload(a, device)
 
 
