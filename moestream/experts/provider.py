@@ -84,7 +84,7 @@ class ExpertWeights:
         """The distinct slots read (ascending, on the device) and each choice's index among them: from `used` where
         the provider knew them on the host, else torch.unique (which waits for the device)."""
         if slots is self.slots and self.used is not None:
-            used = host_to_device(self.used, slots.device)
+            used = upload(self.used, slots.device)      # (by kernel on CUDA: kernels/host_arrays.py)
             return used, torch.searchsorted(used, slots)
         return torch.unique(slots, sorted=True, return_inverse=True)[:2]
 
@@ -230,13 +230,6 @@ class LayerRouter(ExpertProvider):
 
     def experts_launched(self, layer: int) -> None:
         self.by_layer[layer].experts_launched(layer)
-
-
-def host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on `device` without waiting for it; on CUDA by a kernel, not a copy call, which, queued
-    behind the compute stream's wait for the copy stream, would run after that stream's later copies
-    (kernels/host_arrays.py)."""
-    return upload(a, device)
 
 
 def row_addresses(rows: torch.Tensor, device) -> torch.Tensor:

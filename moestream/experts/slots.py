@@ -32,8 +32,9 @@ import torch
 from .. import knobs
 from ..kernels.batch_copy import batch_copy, batch_copy_available
 from ..kernels.copy_rows import copy_rows, copy_rows_available
+from ..kernels.host_arrays import upload
 from .copy_queue import CopyQueue
-from .provider import ExpertWeights, host_to_device
+from .provider import ExpertWeights
 from .residency import Residency
 from .store import ExpertStore
 
@@ -247,7 +248,7 @@ class SlotPool:
     def upload_table(self, layer: int, table: np.ndarray) -> torch.Tensor:
         """The layer's slot table (E,) on the device, in order on the compute stream: not by a copy call, which
         would wait behind the copies queued on the copy stream since (kernels/host_arrays.py)."""
-        return host_to_device(table, self.device.torch)
+        return upload(table, self.device.torch)
 
     def weights(self, layer: int, slots: torch.Tensor, used: np.ndarray | None = None) -> ExpertWeights:
         """The layer's region as the kernel reads it, each routed choice at `slots` (its table's entries; `used`:
