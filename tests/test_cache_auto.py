@@ -92,3 +92,22 @@ def test_llm_and_bench_resolve_auto_on_the_cpu_to_the_smallest_pool(capsys):
                  "-o", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["moe_cache_mib"] for r in rows] == [8, 8, 0, 0]    # the figure auto became, not the word
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_on_a_gpu_with_little_left_takes_what_is_left_and_runs():
+    """5 GiB left free (a filler takes the rest): auto caches part of the host experts, and a prompt of two
+    ubatches and its decode run there; the greedy tokens are the smallest cache's."""
+    free = torch.cuda.mem_get_info()[0]
+    filler = torch.empty(free - (5 << 30), dtype=torch.uint8, device="cuda")
+    prompt = [(7 * i) % 1000 + 1 for i in range(600)]
+    llm = LLM("synth:qwen3-30b-a3b:layers=2", cpu_moe=True, moe_cache_mib="auto")
+    mib = llm.engine.ecfg.cache.mib
+    every = 2 * llm.model_config.n_experts * llm.engine.host.store.expert_bytes
+    assert 0 < mib * MiB < every                            # a part of the experts: the arithmetic, not the cap
+    got = llm.generate(prompt, max_tokens=8).token_ids
+    del llm, filler
+    torch.cuda.empty_cache()
+    want = LLM("synth:qwen3-30b-a3b:layers=2", cpu_moe=True, moe_cache_mib=0).generate(prompt, max_tokens=8)
+    assert got == want.token_ids
