@@ -108,7 +108,6 @@ OPTIONS = (
            type=float, metavar="SHARE"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
-
 # The prefetch rules' own flags, which `moestream replay` takes too (it switches prefetch on with --prefetch).
 PREFETCH_RULES = ("prefetch_min_batch", "prefetch_seed", "prefetch_first_all", "prefetch_min_use", "lookahead",
                   "prompt_lookahead")
