@@ -55,15 +55,16 @@ class LLM:
         size = max(lay.row_bytes_for(getattr(torch, self.config.placement.dtype)) for lay in layouts.values())
         check_host_fits(cfg, self.config, expert_bytes=size)   # before any large allocation (the device's: load)
         if self.config.cache.mib is not None and not self.config.placement.host_layers(cfg):
-            log.warning("--moe-cache-mib %d does nothing: no expert is in host memory (add --cpu-moe or "
+            log.warning("--moe-cache-mib %s does nothing: no expert is in host memory (add --cpu-moe or "
                         "--n-cpu-moe N to keep experts there and cache them on the device)", self.config.cache.mib)
         self.engine = Engine.load(self.source, self.config, progress=progress)
         if progress:
             p = self.config.placement
             host = len(p.host_layers(cfg))
+            auto = f"moe cache: auto = {self.engine.ecfg.cache.mib} MiB; " if self.config.cache.mib == "auto" else ""
             print(f"loaded {model}: {cfg.family}, "
                   f"{cfg.n_layers} layers, {cfg.n_experts} experts (top {cfg.n_experts_used}), {p.dtype} on "
-                  f"{p.device}; experts of {host} of {len(cfg.moe_layers)} MoE layers in host memory; "
+                  f"{p.device}; experts of {host} of {len(cfg.moe_layers)} MoE layers in host memory; {auto}"
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config

@@ -78,14 +78,15 @@ class Batching:
 @dataclass(frozen=True)
 class CacheConfig:
     """The GPU expert cache over host layers, and what it copies ahead (experts/prefetch.py documents those)."""
-    mib: int | None = None           # None: no cache, each ubatch uploads its experts; 0: the smallest pool that
-                                     # works (one layer's experts); N: N MiB (experts/budget.py turns it into slots)
+    mib: int | str | None = None     # None: no cache, each ubatch uploads its experts; 0: the smallest pool that
+                                     # works (one layer's experts); N: N MiB (experts/budget.py turns it into slots);
+                                     # "auto": what the device has left, decided at load (runtime/placement.py)
     policy: str = "cycle"            # cycle (lfru; sweeps evict the layers just passed) | lfru | lru (policy.py)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def __post_init__(self):
-        if self.mib is not None and (not _number(self.mib) or self.mib < 0):
-            raise UserError(f"--moe-cache-mib must be >= 0 (a number of MiB), got {self.mib!r}")
+        if self.mib not in (None, "auto") and (not _number(self.mib) or self.mib < 0):
+            raise UserError(f"--moe-cache-mib must be >= 0 (a number of MiB) or auto, got {self.mib!r}")
         if self.policy not in POLICIES:
             raise UserError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         pf = self.prefetch

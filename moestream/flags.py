@@ -36,6 +36,16 @@ class Option:
         return EngineConfig().get(self.path)
 
 
+def mib(s: str) -> int | str:
+    """--moe-cache-mib's value: whole MiB, or auto (what the device has left at load: runtime/placement.py)."""
+    if s == "auto":
+        return s
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or auto, got {s!r}") from None
+
+
 OPTIONS = (
     Option("ctx_size", "batching.ctx_size", ("-c", "--ctx-size"), "KV cache length (default 4096)", type=int),
     Option("batch_size", "batching.batch_size", ("-b", "--batch-size"), "logical batch size (default 2048)", type=int),
@@ -54,7 +64,8 @@ OPTIONS = (
     Option("dtype", "placement.dtype", ("--dtype",), "auto (the checkpoint's), float32, bfloat16, float16"),
     Option("kernel", "kernel", ("--kernel",), "expert kernel: auto, reference, grouped"),
     Option("moe_cache_mib", "cache.mib", ("--moe-cache-mib",),
-           "GPU cache for host-resident experts, in MiB (0: the smallest that works)", type=int, metavar="MIB"),
+           "GPU cache for host-resident experts, in MiB (0: the smallest that works; auto: what the GPU has left "
+           "after the rest of the model, logged)", type=mib, metavar="MIB"),
     Option("cache_policy", "cache.policy", ("--cache-policy",),
            "expert cache eviction: cycle (default: lfru, but a prompt ubatch that routes nearly every expert of a "
            "layer evicts the layers it has just passed first), lfru (decayed frequency) or lru"),

@@ -38,7 +38,7 @@ from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, choose_decode
 from .kv_cache import KVCache
 from .prompt_batch import segments_of
-from .placement import cache_slots_for, host_provider
+from .placement import auto_cache, cache_slots_for, host_provider
 
 log = logging.getLogger("moestream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -321,6 +321,8 @@ class Engine:
         self.experts.by_layer = {l: p for l, p in self.experts.by_layer.items() if l not in store.rows}
         if self.device.is_cuda:
             torch.cuda.empty_cache()
+        ecfg = auto_cache(self.cfg, ecfg, self.device, self.dtype, len(store.rows), store.expert_bytes,
+                          self.quantized)                # auto: what is free now, the rest of the model in place
         n_slots = cache_slots_for(self.cfg, ecfg, len(store.rows), store.expert_bytes)
         if n_slots is not None:          # the rest of the model is in place: the new pool needs the free memory
             check_cache_fits(ecfg.cache.mib, n_slots * store.expert_bytes, 0, self.device.free_memory(),

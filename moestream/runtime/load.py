@@ -29,7 +29,8 @@ from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
 from .kv_cache import make_cache
-from .placement import cache_slots_for, check_device_fits, host_provider, slot_bytes
+from .placement import (auto_cache, cache_slots_for, check_device_fits, device_bytes, host_provider,
+                        slot_bytes)
 
 log = logging.getLogger("moestream")
 
@@ -49,7 +50,10 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     quantized = any(lay.quantized for lay in layouts.values())
     row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
     width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
-    n_slots = cache_slots_for(cfg, ecfg, len(host), slot_bytes(layouts, host, dtype))
+    slot = slot_bytes(layouts, host, dtype)
+    ecfg = auto_cache(cfg, ecfg, dev, dtype, len(host), slot, quantized,             # --moe-cache-mib auto, in MiB
+                      rest=device_bytes(cfg, ecfg, dtype, host, layouts))
+    n_slots = cache_slots_for(cfg, ecfg, len(host), slot)
     check_device_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)
 
     names = dense_names(cfg)

@@ -5,6 +5,10 @@ anything is allocated. The device's side is runtime/placement.py's (check_device
 
 On the CPU every weight and the KV cache are in host memory; with a GPU, only the experts of host layers (pinned).
 Available memory is the kernel's MemAvailable, or less where a cgroup (a container) sets a lower limit.
+
+And the arithmetic of --moe-cache-mib auto (placement.py measures the device and calls it):
+
+    auto_cache_mib(free=24_000 * MiB, rest=3_900 * MiB, scratch=1_152 * MiB, most=17_000 * MiB)     # 17000
 """
 from __future__ import annotations
 
@@ -85,6 +89,20 @@ def fewer_sequences(kv_bytes: int, n_seq: int, room: int) -> str:
         return ""
     n = context_that_fits(kv_bytes, n_seq, room)          # the same arithmetic, over sequences instead of positions
     return f", or at most {n} sequences" if n else ""
+
+
+AUTO_RESERVE = 1 << 30     # --moe-cache-mib auto leaves this free: activations, CUDA graphs' pools, workspaces,
+                           # the allocator's slack (none of them is counted elsewhere before loading)
+
+
+def auto_cache_mib(free: int, rest: int, scratch: int, most: int) -> int:
+    """--moe-cache-mib auto, in MiB: the device's `free` bytes less `rest` (what the model still places there:
+    dense weights, KV cache and recurrent states, device layers' experts, staging rows; 0 for a new cache over a
+    loaded model), `scratch` (a prompt ubatch's routed experts dequantized or gathered into the compute dtype: one
+    layer's) and AUTO_RESERVE. Never more than `most` (every host expert cached), rounded up to whole MiB; 0, the
+    smallest pool, when nothing is left (the fit check then says what does not fit)."""
+    room = free - rest - scratch - AUTO_RESERVE
+    return max(0, min(room // MiB, -(-most // MiB)))
 
 
 def _torch_dtype(name: str):

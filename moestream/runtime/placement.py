@@ -2,6 +2,8 @@
 or the upload rows kept as the smallest cache), the cache's slots, and whether the device's part of a placement
 fits, checked before anything is loaded.
 
+    ecfg = auto_cache(cfg, ecfg, dev, dtype, len(host), slot, quantized, rest=device_bytes(cfg, ecfg, dtype, host,
+                      layouts))                                           # --moe-cache-mib auto: a number of MiB
     n_slots = cache_slots_for(cfg, ecfg, len(host), slot_bytes(layouts, host, dtype))    # None: no cache
     check_device_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)    # UserError naming what does not fit
     provider = host_provider(cfg, ecfg, store, dev, n_slots, routing)
@@ -26,7 +28,7 @@ from ..kernels.stage import staging_bytes
 from ..models.names import dense_numel
 from ..quant.layout import ExpertLayout
 from .kv_cache import cache_nbytes
-from .memory import context_that_fits, fewer_sequences
+from .memory import AUTO_RESERVE, auto_cache_mib, context_that_fits, fewer_sequences
 
 log = logging.getLogger("moestream")
 
@@ -67,6 +69,39 @@ def cache_slots_for(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, ex
     """The expert cache's slots for this model and config (experts/budget.py), None for no cache."""
     return cache_slots(ecfg.cache.mib, expert_bytes, cfg.n_experts, n_host_layers,
                        ecfg.batching.ubatch * cfg.n_experts_used)
+
+
+def auto_cache(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, n_host_layers: int,
+               slot: int, quantized: bool, rest: int = 0) -> EngineConfig:
+    """`ecfg` with --moe-cache-mib auto made the MiB the device has left (memory.auto_cache_mib), logged; `ecfg`
+    itself for a number, or with no host layer (no cache). rest: what the model still places on the device
+    (device_bytes; 0 for a new cache over a loaded model). On the CPU, auto is 0, the smallest pool: the experts
+    are already in host memory, and a bigger cache would only copy them there once more."""
+    if ecfg.cache.mib != "auto" or not n_host_layers:
+        return ecfg
+    if not dev.is_cuda:
+        log.info("moe cache: auto = 0 MiB on %s (the smallest pool: the experts are in this memory already)",
+                 dev.name)
+        return ecfg.updated({"cache.mib": 0})
+    if ecfg.decode.stages(quantized):
+        rest += staging_bytes(slot, cfg.n_experts_used)      # the staged host reads' rows, beside the pool
+    scratch = cfg.n_experts * cfg.expert_numel * torch.empty((), dtype=dtype).element_size()
+    free = dev.free_memory()
+    mib = auto_cache_mib(free, rest, scratch, n_host_layers * cfg.n_experts * slot)
+    log.info("moe cache: auto = %d MiB (%.0f MiB free on %s, less %.0f MiB for the rest of the model, %.0f MiB for "
+             "a prompt's dequantized experts and %.0f MiB kept free)", mib, free / MiB, dev.name, rest / MiB,
+             scratch / MiB, AUTO_RESERVE / MiB)
+    return ecfg.updated({"cache.mib": mib})
+
+
+def device_bytes(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, host: set[int],
+                 layouts: dict[int, ExpertLayout]) -> int:
+    """The bytes a placement puts on the device besides the host layers' pool (check_device_fits' sums): dense
+    weights, the KV cache of -c and recurrent states, the device layers' experts."""
+    size = torch.empty((), dtype=dtype).element_size()
+    experts = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in cfg.moe_layers if l not in host)
+    kv, states = cache_nbytes(cfg, ecfg.batching.n_seq, ecfg.batching.ctx_size, dtype)
+    return dense_numel(cfg) * size + kv + states + experts
 
 
 def slot_bytes(layouts: dict[int, ExpertLayout], host: set[int], dtype: torch.dtype) -> int:

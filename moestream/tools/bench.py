@@ -59,6 +59,11 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _mibs(s: str) -> list[int | str]:
+    """--moe-cache-mib's comma list: sizes in MiB, and auto (what the device has left)."""
+    return [flags.mib(x) for x in s.split(",") if x.strip() != ""]
+
+
 def _pair(s: str) -> tuple[int, int]:
     v = _ints(s)
     if len(v) != 2:
@@ -80,7 +85,8 @@ def _format(s: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     # the sweepable engine flags take comma lists here
-    flags.add_engine_arguments(p, **{k: dict(type=_ints, default=[flags.BY_NAME[k].default]) for k in SWEPT})
+    flags.add_engine_arguments(p, **{k: dict(type=_mibs if k == "moe_cache_mib" else _ints,
+                                             default=[flags.BY_NAME[k].default]) for k in SWEPT})
     # None until given (512 and 128 then), so that --parallel can refuse them
     p.add_argument("-p", "--n-prompt", type=_ints, default=None,
                    help="prompt lengths, comma list (default 512; 0 skips)")
@@ -343,7 +349,7 @@ def main(a: argparse.Namespace) -> int:
                     t.run(llm, -1)                              # warm-up: allocations, kernels, caches
                 runs = [t.run(llm, i) for i in range(a.repetitions)]
                 row = {"model": a.model, "device": llm.engine.device.name, "experts": placement(ns),
-                       "moe_cache_mib": mib, "cache_policy": getattr(ns, "cache_policy", None),
+                       "moe_cache_mib": llm.engine.ecfg.cache.mib, "cache_policy": getattr(ns, "cache_policy", None),
                        "threads": torch.get_num_threads(), "n_batch": b, "n_ubatch": ub,
                        **summarise(t, runs, len(llm.model_config.moe_layers), link, a.compute_s_per_token)}
                 if stream_md and not rows:             # after the load's lines on stderr

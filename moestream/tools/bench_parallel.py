@@ -257,7 +257,8 @@ def main(a: argparse.Namespace) -> int:
                 if recorder is not None:
                     eng.unobserve(recorder)
                     print(f"trace: {save_trace(recorder, a.trace)}", file=sys.stderr)
-                row = {"model": a.model, "device": eng.device.name, "experts": placement(ns), "moe_cache_mib": mib,
+                row = {"model": a.model, "device": eng.device.name, "experts": placement(ns),
+                       "moe_cache_mib": eng.ecfg.cache.mib,
                        "cache_policy": getattr(ns, "cache_policy", None), "threads": torch.get_num_threads(),
                        "n_batch": b, "n_ubatch": ub, **summarise(t, runs)}
                 if stream_md and not rows:
