@@ -3,8 +3,9 @@
     moestream bench -m ref.gguf --parallel 1,4,8 -npp 128 -ntg 128 --cpu-moe -r 3
     moestream bench -m ref.gguf -npl 1,8,16 -npp 512 -ntg 64 --cpu-moe --moe-cache-mib 0,8000,16000 -o json
 
-A row of B sequences (-npl B), PP prompt tokens (-npp) and TG generated tokens (-ntg) each: the B prompts are
-read as the server reads prompts arriving together (runtime/prompt_batch.py): batches of up to -b tokens, each
+A row of B sequences (-npl B), PP prompt tokens (-npp) and TG generated tokens (-ntg) each, run by the serving loop
+(runtime/serving.py), a slot a sequence: the B prompts are read as the server reads prompts arriving together, every
+one before the first decode step (the loop's prompts_first): batches of up to -b tokens, each
 prompt from position 0 in ubatches of -ub, the first sequences first (with host experts a batch runs layer by
 layer, its experts crossing the link once for all its prompts, as llama-batched-bench's batches do); then TG
 decode steps run all B sequences together, one forward of B tokens a step (`engine.decode([(seq, token, pos),
