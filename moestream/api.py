@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import logging
-import queue
 import sys
 import time
 
@@ -25,7 +24,9 @@ from .runtime.engine import Engine
 from .runtime.generate import Completion, Generation
 from .runtime.memory import check_host_fits
 from .runtime.prompt_batch import next_batch
+from .runtime.requests import Request
 from .runtime.sampling import SamplingParams
+from .runtime.serving import ServingLoop
 
 log = logging.getLogger("moestream")
 
@@ -110,27 +111,24 @@ class LLM:
         return self.stream(prompt, params, **kw).run()
 
     def _generate_many(self, prompts: list, params: SamplingParams) -> list[Completion]:
-        from .server.scheduler import Request, Scheduler
+        """The prompts as requests of the serving loop (runtime/serving.py), turned here until each has ended."""
         ids = [self.encode(p) for p in prompts]
         for p in ids:                          # refused before anything runs, as generate() refuses one
             if not p:
                 raise UserError("empty prompt: give at least one token")
             self.engine.check_context(len(p))
-        events: queue.Queue = queue.Queue()
-        reqs = [Request(p, params, events.put, index=i) for i, p in enumerate(ids)]
-        sched = Scheduler(self, n_slots=self.engine.kv.n_seq, max_queue=len(reqs), warm_up=False)
-        sched.start()
+        events: list[tuple] = []
+        reqs = [Request(p, params, events.append, index=i) for i, p in enumerate(ids)]
+        loop = ServingLoop(self.engine, self.tokenizer, n_slots=self.engine.kv.n_seq, max_queue=len(reqs))
+        loop.submit(reqs)
         results: dict[int, object] = {}
-        try:
-            sched.submit(reqs)
-            while len(results) < len(reqs):
-                ev = events.get()
+        while loop.busy:
+            loop.step()
+            for ev in events:
                 if ev[0] == "error":
                     raise UserError(f"prompt {ev[1]}: {ev[3]}")
-                if ev[0] == "done":
-                    results[ev[1]] = ev[2]
-        finally:
-            sched.stop()
+                results[ev[1]] = ev[2]       # "done" (not streamed: no "token" events)
+            events.clear()
         return [Completion(r.token_ids, r.text if self.tokenizer is not None else None, r.finish_reason,
                            r.prompt_tokens, prompt_s=r.ttft_s, decode_s=r.duration_s - r.ttft_s)
                 for r in (results[i] for i in range(len(reqs)))]

@@ -8,7 +8,7 @@ import numpy as np
 
 from moestream import SamplingParams
 from moestream.experts.routing import RouteCallback
-from moestream.server.scheduler import Request
+from moestream.runtime.scheduler import Request
 
 CTX = 128
 

@@ -28,7 +28,7 @@ import torch
 
 from moestream import LLM, SamplingParams, UserError
 from moestream.runtime.kv_cache import HybridCache
-from moestream.server.scheduler import Request, Scheduler
+from moestream.runtime.scheduler import Request, Scheduler
 
 from conftest import VOCAB
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moestream import LLM, SamplingParams
-from moestream.server.scheduler import Request, Scheduler
+from moestream.runtime.scheduler import Request, Scheduler
 
 from scheduling import CTX, reference_routing  # noqa: E402
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moestream import LLM, SamplingParams
-from moestream.server.scheduler import QueueFull, Request, Scheduler
+from moestream.runtime.scheduler import QueueFull, Request, Scheduler
 
 from scheduling import CTX, reference_routing, run  # noqa: E402
 

@@ -6,7 +6,7 @@
     rest = seq.finish()                  # once done: the held-back text, flushed
     seq.ids, seq.text, seq.finish_reason, seq.stop_reason
 
-The rules, the same for `LLM.generate` (runtime/generate.py) and the server (server/scheduler.py):
+The rules, the same for `LLM.generate` (runtime/generate.py) and the serving loop (runtime/serving.py):
 - a stop token ends the sequence and is not part of it: the eos ids of the model and of its tokenizer (unless
   ignore_eos) and params.stop_token_ids. finish_reason "stop", stop_reason the token id;
 - a stop string ends it where it completes, the string itself not included (as in OpenAI's API): finish_reason

@@ -4,7 +4,7 @@ Prometheus /metrics and /health.
     app = create_app(loader=lambda: LLM("synth:tiny", n_seq=4), n_slots=4)    # loads in the background
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
-Requests are tokenized here and handed to the scheduler thread (scheduler.py), which owns the engine; its events
+Requests are tokenized here and handed to the scheduler thread (runtime/scheduler.py), which owns the engine; its events
 come back through the event loop (call_soon_threadsafe) into one asyncio.Queue per HTTP request. A client that goes
 away cancels its requests: the scheduler frees their slots before its next forward.
 """
@@ -25,10 +25,10 @@ from starlette.exceptions import HTTPException
 
 from ..errors import UserError
 from ..runtime.sampling import SamplingParams
+from ..runtime.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from . import openai_format as fmt
 from .guard import Guard
 from .metrics import CONTENT_TYPE, ServerMetrics, engine_snapshot
-from .scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, validation_message
 
 log = logging.getLogger("moestream.server")

@@ -95,7 +95,7 @@ def main(a: argparse.Namespace) -> int:
         raise UserError("the server needs fastapi, uvicorn and prometheus-client: "
                         "pip install fastapi uvicorn prometheus-client") from None
     from .app import create_app
-    from .scheduler import SchedulerConfig
+    from ..runtime.requests import SchedulerConfig
 
     if a.parallel < 1:
         raise UserError(f"-np must be at least 1, got {a.parallel}")

@@ -3,8 +3,9 @@
     moestream bench -m ref.gguf --parallel 1,4,8 -npp 128 -ntg 128 --cpu-moe -r 3
     moestream bench -m ref.gguf -npl 1,8,16 -npp 512 -ntg 64 --cpu-moe --moe-cache-mib 0,8000,16000 -o json
 
-A row of B sequences (-npl B), PP prompt tokens (-npp) and TG generated tokens (-ntg) each: the B prompts are
-read as the server reads prompts arriving together (runtime/prompt_batch.py): batches of up to -b tokens, each
+A row of B sequences (-npl B), PP prompt tokens (-npp) and TG generated tokens (-ntg) each, run by the serving loop
+(runtime/serving.py), a slot a sequence: the B prompts are read as the server reads prompts arriving together, every
+one before the first decode step (the loop's prompts_first): batches of up to -b tokens, each
 prompt from position 0 in ubatches of -ub, the first sequences first (with host experts a batch runs layer by
 layer, its experts crossing the link once for all its prompts, as llama-batched-bench's batches do); then TG
 decode steps run all B sequences together, one forward of B tokens a step (`engine.decode([(seq, token, pos),
@@ -39,7 +40,9 @@ from .. import flags
 from ..errors import UserError
 from ..experts.trace import record, save_trace
 from ..runtime.generate import token_hash
-from ..runtime.prompt_batch import next_batch, reached
+from ..runtime.requests import Request, SchedulerConfig
+from ..runtime.sampling import SamplingParams
+from ..runtime.serving import ServingLoop
 from . import report
 from .bench import _ints, placement, release_memory, scalar
 from .report import Col, na
@@ -98,40 +101,38 @@ def diff(after: dict, before: dict) -> dict:
 
 def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> dict:
     """Sequence s = prompts[s]: the prompts read in prompt batches from position 0 (n_pp tokens; n_pp = 0: its
-    first token is the first decode step's input), then n_tg decode steps of every sequence together, greedy.
+    first token is the first decode step's input), then n_tg decode steps of every sequence together, greedy: the
+    serving loop (runtime/serving.py) with a slot a sequence, reading every prompt before the first decode step.
     Returns each sequence's generated tokens, the seconds of both phases and the counters over each."""
     B = len(prompts)
-    tokens = [p[0] for p in prompts]
+    loop = ServingLoop(engine, None, SchedulerConfig(n_slots=B, max_queue=0, prompts_first=True,
+                                                     count_routing=False))
+    # the token sampled from a prompt (or the first token, n_pp = 0) feeds the first decode step: one more token
+    params = SamplingParams(max_tokens=n_tg + 1, ignore_eos=True)
+    events: list[tuple] = []
+    loop.submit([Request(p[:n_pp], params, events.append, index=s, cache_prompt=False,
+                         first=None if n_pp else p[0]) for s, p in enumerate(prompts)])
 
     def prompt_phase():
-        for s in range(B):
-            engine.begin_prompt(s)             # the scheduler's call when a request takes its slot
-        done = [0] * B
-        batching = engine.ecfg.batching
-        while n_pp and done[-1] < n_pp:        # the server's prompt batches: -b tokens, oldest (lowest s) first
-            parts = next_batch([(s, p[:n_pp], done[s]) for s, p in enumerate(prompts) if done[s] < n_pp],
-                               batching.ubatch, batching.batch_size)
-            logits = engine.prefill_parts(parts)
-            for s, (at, last) in reached(parts).items():
-                done[s] = at
-                if at == n_pp:
-                    tokens[s] = int(logits[last][0].argmax())
-
-    generated: list[list[int]] = [[] for _ in prompts]
+        loop.admit()                           # request s in slot s (a new loop's idle slots go in order)
+        while loop.reading_prompts:            # the server's prompt batches: -b tokens, oldest (lowest s) first
+            loop.step()
 
     def decode_phase():
-        step = tokens
-        for j in range(n_tg):
-            logits = engine.decode([(s, step[s], n_pp + j) for s in range(B)])          # (B, V)
-            step = logits.argmax(-1).tolist()      # a host sync: the next step's inputs, as the server's steps wait
-            for g, t in zip(generated, step):
-                g.append(t)
+        while loop.busy:                       # a host sync each step: its tokens, the next step's inputs
+            loop.step()
 
     c0 = totals(engine)
     t_pp = engine.timed(prompt_phase)[1]
     c1 = totals(engine)                        # (engine.stats() synchronises: outside the timed phases)
     t_tg = engine.timed(decode_phase)[1] if n_tg else 0.0
     c2 = totals(engine)                        # a zero-copy decode's last step is learnt from here, in its phase
+    results = {}
+    for ev in events:
+        if ev[0] == "error":
+            raise (UserError if ev[2] == 400 else RuntimeError)(f"sequence {ev[1]}: {ev[3]}")
+        results[ev[1]] = ev[2]
+    generated = [results[s].token_ids[1:] for s in range(B)]
     return {"generated": generated, "t_pp": t_pp, "t_tg": t_tg, "pp": diff(c1, c0), "tg": diff(c2, c1)}
 
 

@@ -1,5 +1,5 @@
-"""What the scheduler (server/scheduler.py) works with: its config, a request and its result, a slot and the run of
-a request in it.
+"""What the serving loop (serving.py) works with: its config, a request and its result, a slot and the run of a
+request in it.
 
     cfg = SchedulerConfig(n_slots=4)     # -np, --max-queue, cache_prompt, warm-up, --prefill-interval, delay
     req = Request(prompt_ids, SamplingParams(max_tokens=16), emit=callback)
@@ -12,16 +12,16 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..runtime.prompt_batch import reached
-from ..runtime.sampling import SamplingParams, make_generator
-from ..runtime.sequence import SequenceState
+from .prompt_batch import reached
+from .sampling import SamplingParams, make_generator
+from .sequence import SequenceState
 
 _ids = itertools.count(1)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How the server schedules: its slots (-np), the queue behind them, KV reuse, the warm-up, prompt pacing."""
+    """How the loop schedules: its slots (-np), the queue behind them, KV reuse, the warm-up, prompt pacing."""
     n_slots: int = 1
     max_queue: int = 64
     cache_prompt: bool = True                 # reuse a slot's KV for the prefix a new prompt shares with its last
@@ -32,6 +32,9 @@ class SchedulerConfig:
     prefill_layers: int | None = None         # while requests generate: a prompt batch runs N layers between two
                                               # decode steps (0: all of them at once; None: 1 with host experts
                                               # where prompts can pause, else 0)
+    prompts_first: bool = False               # a turn reads prompts or, once none waits, decodes (nano-vllm's
+                                              # order; bench --parallel's phases, llama-batched-bench's)
+    count_routing: bool = True                # each slot's expert counts, for /slots (a bench leaves them out)
 
     def __post_init__(self):
         for name, low in (("n_slots", 1), ("max_queue", 0), ("prefill_interval", 1), ("delay_factor", 0),
@@ -55,6 +58,8 @@ class Request:
     logprobs: int | None = None               # None: none; n: the chosen token's and the top n
     cache_prompt: bool = True
     stream: bool = False                      # False: only the final event (with every logprob) is emitted
+    first: int | None = None                  # no prompt: the first token, fed by a decode step at position 0
+                                              # (bench --parallel -npp 0), and the first of the result's tokens
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
@@ -74,13 +79,15 @@ class Result:
 
 
 class Run:
-    """A request in a slot: its prompt progress, its random stream and its sequence state (runtime/sequence.py:
-    the stop and detokenize rules of runtime.generate.Generation)."""
+    """A request in a slot: its prompt progress, its random stream and its sequence state (sequence.py: the stop
+    and detokenize rules of generate.Generation)."""
 
     def __init__(self, req: Request, engine, tokenizer, n_cached: int):
         self.req, self.n_cached, self.done = req, n_cached, n_cached     # done: prompt tokens in the KV cache
         self.gen = make_generator(req.params, engine.device.torch)
         self.seq = SequenceState(req.params, tokenizer, engine.cfg.eos_token_ids, len(req.prompt), engine.kv.ctx)
+        if req.first is not None:
+            self.seq.push(req.first)
         self.lps: list = []                   # logprob entries not yet sent with a piece
         self.all_lps: list = []
         self.t_first = self.t_last = 0.0

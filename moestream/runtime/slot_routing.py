@@ -1,7 +1,7 @@
 """/slots' view of the engine's routing store (experts/routing.py): per server slot (a context), the most routed
 experts of each MoE layer in its current and previous request.
 
-    with engine.routing.counting(2):                        # the scheduler names each engine call's rows
+    with engine.routing.counting(2):                        # the serving loop names each engine call's rows
         engine.prefill(2, tokens, start)
     slot_routing(engine.routing, cfg.moe_layers, n_slots=4)  # [{"current": {layer: [[expert, count], ...]}, ...}]
 """

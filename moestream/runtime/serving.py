@@ -1,15 +1,17 @@
-"""The slot scheduler: one thread owns the engine and serves up to N requests at once, one slot (KV sequence) each.
+"""The serving loop: up to N requests at once, one slot (KV sequence) each, one turn at a time (nano-vllm's
+LLMEngine.step: schedule, run, postprocess). The server (scheduler.py runs it on a thread), `LLM.generate` of a
+list of prompts and `bench --parallel` all drive it.
 
-    sched = Scheduler(llm, SchedulerConfig(n_slots=4))      # llm built with n_seq=4 (or Scheduler(llm, n_slots=4))
-    sched.start()
-    sched.submit([Request(prompt_ids, SamplingParams(max_tokens=16), emit=callback)])   # QueueFull when full
-    ...                                      # emit(("token", ...)) if streaming, then ("done", ...) or ("error", ...)
-    sched.stop()
+    loop = ServingLoop(engine, tokenizer, SchedulerConfig(n_slots=4))   # the engine built with n_seq >= 4
+    loop.submit([Request(prompt_ids, SamplingParams(max_tokens=16), emit=callback)])   # QueueFull when full
+    while loop.busy:                          # emit(("token", ...)) if streaming, then ("done", ...) or ("error", ...)
+        loop.step()
 
-One loop turn: run queued calls (snapshots for /slots and /metrics), drop cancelled requests, give waiting requests
-to idle slots, run ONE prompt batch (or its next N layers), then ONE decode step of every slot that is generating,
-batched into one forward (`engine.decode([(seq, token, pos), ...])`) so that the experts uploaded for that step
-serve every request in it.
+One turn: drop cancelled requests, give waiting requests to idle slots, run ONE prompt batch (or its next N layers),
+then ONE decode step of every slot that is generating, batched into one forward (`engine.decode([(seq, token, pos),
+...])`) so that the experts uploaded for that step serve every request in it (with prompts_first, a turn that reads
+prompts decodes nothing: bench --parallel times the two phases apart).
+
 A prompt batch is llama-server's: up to -b tokens of the prompts being read, oldest request first, each cut into
 ubatches (-ub) from where its slot stands (`engine.prefill_parts`). With host experts the batch runs layer by layer,
 so a layer's experts cross the link once for every prompt in it rather than once a prompt; all on the device,
@@ -23,9 +25,9 @@ host experts where prompts can pause), while requests generate, a batch runs N l
 (engine.prompt_steps), so that their token gaps each carry N layers of it rather than one carrying the whole batch;
 its slots take no other request until it ends. Prompt and decode forwards stay separate: mixing them would change
 a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as it
-would alone, so greedy outputs equal `LLM.generate`'s (with -b a multiple of -ub, the cuts are the same).
+would alone, so greedy outputs equal `Generation`'s (with -b a multiple of -ub, the cuts are the same).
 
-Each request's stop and detokenize rules are runtime/sequence.py's, as `LLM.generate`'s are. Each slot is a context
+Each request's stop and detokenize rules are sequence.py's, as `Generation`'s are. Each slot is a context
 of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
 previous one, which /slots shows; the expert cache keeps its prompts' counts there to seed their prefetch), and
 keeps the tokens whose KV its sequence holds: a new prompt reuses the longest common prefix (llama-server's
@@ -39,41 +41,41 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import Future
 
 import torch
 
 from ..errors import UserError
-from ..runtime import threads
-from ..runtime.prompt_batch import next_batch
-from ..runtime.sampling import Sampler, token_logprobs
-from .routing import slot_routing
-from .slots import PromptJob, QueueFull, Request, Result, Run, SchedulerConfig, Slot, at_once, history
+from . import threads
+from .prompt_batch import next_batch
+from .requests import PromptJob, QueueFull, Request, Result, Run, SchedulerConfig, Slot, at_once, history
+from .sampling import Sampler, token_logprobs
+from .slot_routing import slot_routing
 
 log = logging.getLogger("moestream.server")
 
 
-class Scheduler:
-    def __init__(self, llm, cfg: SchedulerConfig | None = None, metrics=None, **kw):
+class ServingLoop:
+    """The slots and their requests, turned one step at a time by whoever owns the engine; submit() and cancel()
+    may come from any thread."""
+
+    def __init__(self, engine, tokenizer, cfg: SchedulerConfig | None = None, metrics=None, **kw):
         cfg = cfg if cfg is not None else SchedulerConfig(**kw)
-        eng = llm.engine
+        eng = engine
         if eng.kv.n_seq < cfg.n_slots:
             raise UserError(f"the engine has {eng.kv.n_seq} sequences for {cfg.n_slots} slots: "
                             f"build it with n_seq={cfg.n_slots}")
-        self.llm, self.engine, self.tokenizer, self.metrics, self.cfg = llm, eng, llm.tokenizer, metrics, cfg
+        self.engine, self.tokenizer, self.metrics, self.cfg = eng, tokenizer, metrics, cfg
         self.max_queue, self.cache_prompt, self.warm_up = cfg.max_queue, cfg.cache_prompt, cfg.warm_up
         self.slots = [Slot(i) for i in range(cfg.n_slots)]
         self._steps_since_prompt = 0         # decode steps since the last prompt ubatch (--prefill-interval)
         self._last_prompt_s = 0.0            # how long the last prompt batch took (--scheduler-delay-factor)
         self._job: PromptJob | None = None   # the prompt batch being read (--prefill-layers: across decode steps)
         self.pending: collections.deque[Request] = collections.deque()
-        self._calls: list[tuple[object, Future]] = []
-        self._cv = threading.Condition()
+        self._cv = threading.Condition()     # guards pending and the slots' runs against submit() from elsewhere
         self._stopping = False
-        self._thread: threading.Thread | None = None
         self._sampler = Sampler()
         self.routing = eng.routing           # per-slot expert counts (/slots), of the engine's routing store
-        self.routing.clear_requests()        # a new server's slots start from zero
+        self.routing.clear_requests()        # a new loop's slots start from zero
         # --prefill-layers: by default 1 where host experts would stall the streams for a whole batch's sweep
         # and prompts can pause (an expert cache, no trace); all on the device a batch is one ubatch's worth
         self.prefill_layers = cfg.prefill_layers
@@ -83,18 +85,7 @@ class Scheduler:
             log.warning("--prefill-layers %d: this engine reads each prompt batch whole (its experts are uploaded "
                         "per ubatch without --moe-cache-mib, or a routing trace is recorded)", cfg.prefill_layers)
 
-    # --- the HTTP side (any thread) ----------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="moestream-scheduler", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
+    # --- requests in (any thread) --------------------------------------------------------------------------------
     def submit(self, reqs: list[Request]) -> None:
         """Queue requests, all or none: QueueFull when all slots are busy and the queue has no room for them."""
         with self._cv:
@@ -112,17 +103,6 @@ class Scheduler:
             req.cancelled = True
             self._cv.notify()
 
-    def call(self, fn) -> Future:
-        """Run fn() on the scheduler thread between two forwards (it owns the engine); its result as a Future."""
-        fut: Future = Future()
-        with self._cv:
-            if self._stopping:
-                fut.set_exception(RuntimeError("the scheduler has stopped"))
-            else:
-                self._calls.append((fn, fut))
-                self._cv.notify()
-        return fut
-
     @property
     def n_waiting(self) -> int:
         return len(self.pending)
@@ -131,39 +111,36 @@ class Scheduler:
     def n_running(self) -> int:
         return sum(s.run is not None for s in self.slots)
 
-    # --- the scheduler thread ------------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        if self.engine.device.is_cuda:       # a new thread's current device is cuda:0 whatever the engine's
-            torch.cuda.set_device(self.engine.device.torch)
-        self._warm_up()
-        while True:
-            with self._cv:
-                while not (self._stopping or self.pending or self._calls or self.n_running):
-                    self._cv.wait()
-                if self._stopping:
-                    break
-                calls, self._calls = self._calls, []
-            for fn, fut in calls:
-                if not fut.set_running_or_notify_cancel():   # its caller gave up waiting
-                    continue
-                try:
-                    fut.set_result(fn())
-                except Exception as e:           # a failed snapshot must not stop the loop
-                    fut.set_exception(e)
-            self._reap()
-            self._admit()
-            generating = any(s.state == "generating" for s in self.slots)
-            if self._job is None:
-                filling = sorted((s for s in self.slots if s.state == "prefill"), key=lambda s: s.run.req.t_submit)
-                if filling and (not generating or self._prompts_due(filling)):
-                    self._prefill(filling, paced=generating)
-            if self._job is not None:
-                self._guard(self._read_prompts, self._job.slots, not generating)
-            batch = [s for s in self.slots if s.state == "generating"]
-            if batch:
-                self._guard(self._decode, batch)
-                self._steps_since_prompt += 1
-        self._shutdown()
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits or runs: step() has work."""
+        return bool(self.pending) or self.n_running > 0
+
+    @property
+    def reading_prompts(self) -> bool:
+        """Whether a prompt batch is being read or a slot's prompt waits for one."""
+        return self._job is not None or any(s.state == "prefill" for s in self.slots)
+
+    # --- one turn (the thread that owns the engine) --------------------------------------------------------------
+    def step(self) -> None:
+        """Drop cancelled requests, admit waiting ones, read the next prompt batch (or its next layers) and run one
+        decode step of every generating slot; with prompts_first, a turn that reads prompts decodes nothing."""
+        self._reap()
+        self.admit()
+        # with prompts_first no decode step waits between a batch's layers: each batch is read whole, as alone
+        generating = any(s.state == "generating" for s in self.slots) and not self.cfg.prompts_first
+        if self._job is None:
+            filling = sorted((s for s in self.slots if s.state == "prefill"), key=lambda s: s.run.req.t_submit)
+            if filling and (not generating or self._prompts_due(filling)):
+                self._prefill(filling, paced=generating)
+        if self._job is not None:
+            self._guard(self._read_prompts, self._job.slots, not generating)
+            if self.cfg.prompts_first:
+                return
+        batch = [s for s in self.slots if s.state == "generating"]
+        if batch:
+            self._guard(self._decode, batch)
+            self._steps_since_prompt += 1
 
     def _prompts_due(self, filling: list[Slot]) -> bool:
         """While requests generate: whether the prompts being read (oldest first) get a batch this turn. After
@@ -182,9 +159,11 @@ class Scheduler:
         """The prompt tokens a batch takes: -b with host experts; all on the device nothing crosses the link, so a
         bigger batch saves nothing: one ubatch's worth (-ub), and the decode steps in between wait for at most one."""
         batching = self.engine.ecfg.batching
-        return batching.batch_size if self.engine.host is not None else batching.ubatch
+        if self.engine.host is not None or self.cfg.prompts_first:     # (prompts_first: no decode step waits)
+            return batching.batch_size
+        return batching.ubatch
 
-    def _warm_up(self) -> None:
+    def warm_up_decode(self) -> None:
         """Capture the CUDA graphs of every decode batch size and span now rather than in the middle of serving (a
         capture stalls every running request; Engine.warm_up_decode). --no-warmup: none."""
         if not self.warm_up:
@@ -219,7 +198,7 @@ class Scheduler:
             if s.run is not None and s.run.req.cancelled:
                 self._free(s, outcome="cancelled")
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         """Give waiting requests, oldest first, to idle slots: the one whose cache serves the longest prefix (the
         engine's reusable_prefix: a common prefix, or for a hybrid model an exact continuation), else the LRU."""
         while True:
@@ -262,7 +241,7 @@ class Scheduler:
         job, self._job = self._job, None      # (a failure drops it: _guard fails its slots' requests)
         threads.use("prompt")
         t0 = time.perf_counter()
-        with self.routing.counting(job.owner):
+        with self.routing.counting(job.owner if self.cfg.count_routing else None):
             logits = job.advance(whole)
         if self.cfg.delay_factor:            # the batch's time on the device too, not only its queueing
             self.engine.synchronize()
@@ -288,7 +267,7 @@ class Scheduler:
     def _decode(self, slots: list[Slot]) -> None:
         steps = [(s.id, s.run.seq.ids[-1], s.run.seq.pos) for s in slots]
         # decode routing is counted where the engine reports it (host experts, what prefetch serves)
-        owner = [s.id for s in slots] if self.engine.reports_decode_routing else None
+        owner = [s.id for s in slots] if self.engine.reports_decode_routing and self.cfg.count_routing else None
         threads.use("decode")
         with self.routing.counting(owner):
             logits = self.engine.decode(steps)                                              # (B, V)
@@ -353,16 +332,6 @@ class Scheduler:
             req.emit(event)
         except Exception:                    # the HTTP side is gone (loop closed): the request is as good as cancelled
             req.cancelled = True
-
-    def _shutdown(self) -> None:
-        with self._cv:
-            waiting, self.pending = list(self.pending), collections.deque()
-            calls, self._calls = self._calls, []
-        for r in waiting + [s.run.req for s in self.slots if s.run is not None]:
-            self._emit(r, ("error", r.index, 503, "the server is shutting down"))
-        for _, fut in calls:
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("the scheduler has stopped"))
 
     # --- snapshots (run through call()) ----------------------------------------------------------------------------
     def slots_info(self, top: int = 4) -> list[dict]:
