@@ -404,8 +404,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_req, e: RequestValidationError):
         errs = e.errors()
-        message, param = validation_message(errs[0] if errs else {"loc": (), "msg": "invalid request"})
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        message, param, code = validation_message(errs[0] if errs else {"loc": (), "msg": "invalid request"})
+        return JSONResponse(error_body(message, param=param, code=code), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_req, e: HTTPException):
