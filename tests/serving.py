@@ -12,6 +12,7 @@ import uvicorn
 
 from moestream import LLM
 from moestream.server.app import create_app
+from moestream.server.guard import GracefulServer
 
 CTX = 256
 PROMPTS = ["Once upon a time", "The river runs past the old mill", "Numbers, dates and prices",
@@ -26,7 +27,7 @@ class Server:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = GracefulServer(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -162,8 +162,11 @@ def test_unknown_model_is_404_aliases_answer_and_errors_are_counted_by_kind(srv,
     out = client.completions.create(model="tiny-alias", prompt="hi", max_tokens=2, temperature=0)
     assert out.model == "tiny-alias"                                       # answered under the name asked for
     bad = metric(srv, "moestream_http_errors_total", 'kind="invalid_request_error"', 'status="400"')
-    assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": "many"}).status_code == 400
+    assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 0}).status_code == 400
     assert metric(srv, "moestream_http_errors_total", 'kind="invalid_request_error"', 'status="400"') == bad + 1
+    typed = metric(srv, "moestream_http_errors_total", 'kind="invalid_type"', 'status="400"')    # its code, where set
+    assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": "many"}).status_code == 400
+    assert metric(srv, "moestream_http_errors_total", 'kind="invalid_type"', 'status="400"') == typed + 1
 
 
 def test_penalties_are_applied_as_generate_applies_them(client, ref):
@@ -188,9 +191,9 @@ def test_message_without_content_or_with_an_unknown_role_is_a_400_naming_it(srv)
     generic = llm.tokenizer.chat_template                            # chatml: any role is written as it is
     llm.tokenizer.chat_template = QWEN_LIKE
     try:
-        r = post(srv, "/v1/chat/completions", {"messages": [{"role": "narrator", "content": "hi"}], "max_tokens": 2})
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == "messages[0].role" and "'narrator'" in err["message"]
+        r = post(srv, "/v1/chat/completions", {"messages": [{"role": "function", "content": "hi"}], "max_tokens": 2})
+        err = r.json()["error"]                                        # OpenAI's role, not this template's
+        assert r.status_code == 400 and err["param"] == "messages[0].role" and "'function'" in err["message"]
         ok = post(srv, "/v1/chat/completions", {"messages": [{"role": "developer", "content": "be brief"},
                                                              {"role": "user", "content": "hi"}], "max_tokens": 2})
         assert ok.status_code == 200, ok.text                          # developer is system here

@@ -62,13 +62,57 @@ def test_bad_request(srv, path, body, status):
     ("/v1/completions", {"prompt": [[]]}, "prompt: must be a non-empty string, a list of token ids, a list of str"),
     ("/v1/completions", {"prompt": None}, "prompt: must be"),          # pydantic's "prompt.constrained-str: ..."
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop: must be a non-empty string or a list"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content: must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content: must be a string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-     "messages.0.content: a text content part needs its text"),        # not "only text parts ..., got type 'text'"
+     "messages[0].content: a text content part needs its text"),        # not "only text parts ..., got type 'text'"
 ])
 def test_a_value_that_fits_none_of_a_fields_types_names_the_field(srv, path, body, message):
     err = post(srv, path, body).json()["error"]
     assert err["message"].startswith(message) and err["param"] == message.split(":")[0], err
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+# OpenAI's answers: 400 invalid_request_error, param the field as it writes it, code invalid_type / invalid_value
+# ("Invalid type for 'max_tokens': expected an integer, but got a string instead."); tools: not implemented yet, so
+# refused as OpenAI refuses a parameter a model does not take (unsupported_parameter), not silently ignored.
+@pytest.mark.parametrize("path, body, param, code, message", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, "max_tokens", "invalid_type",
+     "max_tokens: expected an integer, but got a string instead"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4.0}, "max_tokens", "invalid_type",
+     "max_tokens: expected an integer, but got a decimal number instead"),
+    ("/v1/chat/completions", {"messages": HI, "stream": "yes"}, "stream", "invalid_type",
+     "stream: expected a boolean, but got a string instead"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, "echo", "invalid_type",
+     "echo: expected a boolean, but got an integer instead"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature", "invalid_type",
+     "temperature: expected a number, but got a string instead"),
+    ("/tokenize", {"content": "hi", "add_special": "true"}, "add_special", "invalid_type",
+     "add_special: expected a boolean, but got a string instead"),
+    ("/v1/chat/completions", {"messages": [{"role": "narrator", "content": "hi"}]}, "messages[0].role",
+     "invalid_value", "messages[0].role: invalid value 'narrator'; supported values are 'system', 'developer', "),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "unsupported_parameter", "tools: moestream does not support tools yet"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice", "unsupported_parameter",
+     "tool_choice: moestream does not support tools yet"),
+    ("/v1/chat/completions", {"messages": HI, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter",
+     "functions: moestream does not support tools yet"),
+])
+def test_a_value_of_the_wrong_type_or_a_tool_is_a_400_in_one_line(srv, path, body, param, code, message):
+    r = post(srv, path, body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+    assert (err["param"], err["code"]) == (param, code) and err["message"].startswith(message), err
+    assert "\n" not in err["message"]
+
+
+def test_neutral_values_of_what_is_not_implemented_are_taken(srv):
+    """No tools, a tool choice among none, an integer for a number: what OpenAI takes, and what asks for nothing
+    moestream leaves out."""
+    r = post(srv, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "temperature": 0, "tools": [],
+                                           "tool_choice": "none", "stream": False})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
 
 
 def test_hostile_transport_and_server_keeps_serving(srv, ref):

@@ -69,7 +69,7 @@ class Request:
 class Result:
     token_ids: list[int]
     text: str
-    finish_reason: str                        # stop | length
+    finish_reason: str                        # stop | length | abort (the server stopped)
     stop_reason: str | int | None             # the stop string or stop token that ended it
     prompt_tokens: int
     cached_tokens: int                        # prompt tokens whose KV was reused

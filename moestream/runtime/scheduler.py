@@ -79,8 +79,7 @@ class Scheduler(ServingLoop):
         with self._cv:
             waiting, self.pending = list(self.pending), collections.deque()
             calls, self._calls = self._calls, []
-        for r in waiting + [s.run.req for s in self.slots if s.run is not None]:
-            self._emit(r, ("error", r.index, 503, "the server is shutting down"))
+        self._abort_all(waiting)
         for _, fut in calls:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("the scheduler has stopped"))

@@ -307,9 +307,9 @@ class ServingLoop:
                 self._emit(run.req, ("token", run.req.index, piece, run.lps))
             run.lps = []
 
-    def _finish(self, slot: Slot) -> None:
+    def _finish(self, slot: Slot, reason: str = "length") -> None:
         run, seq = slot.run, slot.run.seq
-        self._piece(run, seq.finish())        # the held-back text; the reason: push's, else "length"
+        self._piece(run, seq.finish(reason))  # the held-back text; the reason: push's, else `reason`
         if run.lps and run.req.stream:       # logprobs of tokens whose text was held back, then cut
             self._emit(run.req, ("token", run.req.index, "", run.lps))
         now = time.perf_counter()
@@ -332,6 +332,17 @@ class ServingLoop:
             req.emit(event)
         except Exception:                    # the HTTP side is gone (loop closed): the request is as good as cancelled
             req.cancelled = True
+
+    def _abort_all(self, waiting: list[Request]) -> None:
+        """At shutdown: end every request now with what it has, finish_reason "abort" (vLLM's word for a request the
+        server ended): one in a slot with its tokens so far, one still waiting with none. Each gets its "done" event,
+        so that a stream ends with its last chunk and [DONE], and a whole response is still a whole response."""
+        for s in self.slots:
+            if s.run is not None:
+                self._finish(s, "abort")
+        now = time.perf_counter()
+        for r in waiting:
+            self._emit(r, ("done", r.index, Result([], "", "abort", None, len(r.prompt), 0, 0.0, now - r.t_submit)))
 
     # --- snapshots (run through call()) ----------------------------------------------------------------------------
     def slots_info(self, top: int = 4) -> list[dict]:

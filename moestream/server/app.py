@@ -7,6 +7,10 @@ Prometheus /metrics and /health.
 Requests are tokenized here and handed to the scheduler thread (runtime/scheduler.py), which owns the engine; its events
 come back through the event loop (call_soon_threadsafe) into one asyncio.Queue per HTTP request. A client that goes
 away cancels its requests: the scheduler frees their slots before its next forward.
+
+Shutdown (SIGTERM, Ctrl-C: guard.GracefulServer) begins with State.begin_shutdown: new requests are refused (503),
+and the scheduler ends every request in flight after its current forward, with what it has and finish_reason
+"abort", so that each stream gets its last chunk and [DONE] and each whole response is sent, before uvicorn closes.
 """
 from __future__ import annotations
 
@@ -41,6 +45,10 @@ class ApiError(Exception):
         self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
 
 
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", "unavailable_error", code="shutting_down")
+
+
 class State:
     """What the routes share: the model once loaded, its scheduler, the metrics."""
 
@@ -49,14 +57,24 @@ class State:
         self.model_names = model_names
         self.llm = self.scheduler = None
         self.load_error: str | None = None
+        self.stopping = False
         self.metrics = ServerMetrics()
         self.created = int(time.time())
 
     def start(self, llm) -> None:
+        if self.stopping:                    # loaded after the server began to stop: nothing to serve
+            return
         self.scheduler = Scheduler(llm, self.sched, self.metrics)
         self.metrics.set_queue_sizes(self.n_slots, lambda: (self.scheduler.n_running, self.scheduler.n_waiting))
         self.scheduler.start()
         self.llm = llm                       # last: /health says ready only once the scheduler runs
+
+    def begin_shutdown(self) -> None:
+        """The server begins to stop: every request in flight ends after the scheduler's current forward (finish_reason
+        "abort"); lifespan's end then waits for its thread."""
+        self.stopping = True
+        if self.scheduler is not None:
+            self.scheduler.stop(timeout=0)   # (asks; does not wait here, on the event loop)
 
     def ready(self):
         if self.llm is None:
@@ -166,7 +184,12 @@ def create_app(llm=None, *, loader=None, sched: SchedulerConfig | None = None, a
     @app.get("/slots")
     async def slots():
         _, sched = st.ready()
-        return await asyncio.wait_for(asyncio.wrap_future(sched.call(sched.slots_info)), 60)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(sched.call(sched.slots_info)), 60)
+        except RuntimeError:
+            if st.stopping:                  # the scheduler stopped before it ran the call
+                raise _shutting_down() from None
+            raise
 
     @app.get("/metrics")
     async def metrics():
@@ -179,7 +202,8 @@ def create_app(llm=None, *, loader=None, sched: SchedulerConfig | None = None, a
                 log.warning("metrics: engine stats unavailable (%s)", type(e).__name__)
         return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
-    return Guard(app, api_key=api_key, max_body=max_body, on_error=st.metrics.on_http_error, access_log=access_log)
+    return Guard(app, api_key=api_key, max_body=max_body, on_error=st.metrics.on_http_error, access_log=access_log,
+                 on_shutdown=st.begin_shutdown)
 
 
 # --- prompts ---------------------------------------------------------------------------------------------------------
@@ -305,6 +329,8 @@ async def _serve(st: State, http: HttpRequest, body, prompts: list[list[int]], k
     try:
         sched.submit(reqs)
     except QueueFull as e:
+        if st.stopping:
+            raise _shutting_down() from None
         st.metrics.on_rejected()
         raise ApiError(503, f"server busy: {e}; retry later", "server_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
@@ -378,8 +404,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_req, e: RequestValidationError):
         errs = e.errors()
-        message, param = validation_message(errs[0] if errs else {"loc": (), "msg": "invalid request"})
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        message, param, code = validation_message(errs[0] if errs else {"loc": (), "msg": "invalid request"})
+        return JSONResponse(error_body(message, param=param, code=code), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_req, e: HTTPException):

@@ -5,6 +5,8 @@
 
 The server listens at once (/health says 503 until the model is loaded) and binds to loopback unless told otherwise.
 Each of the -np slots has a KV cache of the full -c positions (unlike llama-server, which splits -c among slots).
+SIGTERM or Ctrl-C stops it (guard.GracefulServer): every request in flight ends at once with what it has generated,
+finish_reason "abort" (streams with [DONE]), within a grace period of SHUTDOWN_GRACE_S; the process exits 0.
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ log = logging.getLogger("moestream.server")
 # first generate. 8192 is vLLM's online-serving budget; on an H100 it gave +25% tok/s at 8 clients and +30% at 16,
 # with TTFT p50 a quarter (bench/RESULTS.md, stop 34). All on the GPU a batch is one ubatch's worth either way.
 SERVE_BATCH = 8192
+# How long a shutdown waits for the answers in flight to go out: they end after the forward running then (a decode
+# step, or a prompt batch's layers); one still running after it is cut off (one line on stderr).
+SHUTDOWN_GRACE_S = 5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,6 +101,7 @@ def main(a: argparse.Namespace) -> int:
                         "pip install fastapi uvicorn prometheus-client") from None
     from .app import create_app
     from ..runtime.requests import SchedulerConfig
+    from .guard import GracefulServer
 
     if a.parallel < 1:
         raise UserError(f"-np must be at least 1, got {a.parallel}")
@@ -117,7 +123,7 @@ def main(a: argparse.Namespace) -> int:
     if a.host not in ("127.0.0.1", "localhost", "::1") and key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", a.host)
     failed: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    server: GracefulServer | None = None
 
     def on_load_error(e):
         failed.append(e)
@@ -137,8 +143,8 @@ def main(a: argparse.Namespace) -> int:
                      api_key=key, model_name=names, max_body=int(a.max_body_mib * (1 << 20)),
                      on_load_error=on_load_error, access_log=not a.no_access_log)
     config = uvicorn.Config(app, log_level="info" if a.verbose else "warning", access_log=False,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server = GracefulServer(config)
     print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 with {a.parallel} slot(s)", file=sys.stderr)
     server.run(sockets=[sock])
     if failed:

@@ -2,20 +2,22 @@
 
     req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
 
-Unknown fields are ignored (OpenAI clients send extras: user, metadata, store, ...). Ranges are checked here, so
-that a bad value is a 400 naming its field; what depends on the model (the context length, the tokenizer) is
-checked by the routes. Fields we accept but do not implement must keep their neutral value (no logit_bias,
-response_format text), so that a client never silently gets something other than what it asked for. Penalties
-follow llama-server's rule (runtime/sampling.py): presence_penalty, frequency_penalty and repeat_penalty count the
-last repeat_last_n tokens (64) of prompt and completion. Extensions, as vLLM and llama-server spell them: top_k,
-min_p, repeat_penalty, repeat_last_n, ignore_eos, stop_token_ids, cache_prompt, return_token_ids,
-chat_template_kwargs.
+Unknown fields are ignored (OpenAI clients send extras: user, metadata, store, ...). Types are strict, as OpenAI's
+are (max_tokens "4" or stream "yes" is a 400 `invalid_type`, not read as 4 or true), and so are a message's roles
+(OpenAI's six; `invalid_value`). Ranges are checked here, so that a bad value is a 400 naming its field; what
+depends on the model (the context length, the tokenizer) is checked by the routes. Fields we accept but do not
+implement must keep their neutral value (no logit_bias, response_format text, no tools: `unsupported_parameter`),
+so that a client never silently gets something other than what it asked for. Penalties follow llama-server's rule
+(runtime/sampling.py): presence_penalty, frequency_penalty and repeat_penalty count the last repeat_last_n tokens
+(64) of prompt and completion. Extensions, as vLLM and llama-server spell them: top_k, min_p, repeat_penalty,
+repeat_last_n, ignore_eos, stop_token_ids, cache_prompt, return_token_ids, chat_template_kwargs.
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Stop = Annotated[str, StringConstraints(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
@@ -23,8 +25,9 @@ Text = Annotated[str, StringConstraints(min_length=1)]
 
 
 class _Body(BaseModel):
-    # NaN and infinity are not numbers a sampler can use (Python's json reads NaN and Infinity).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # NaN and infinity are not numbers a sampler can use (Python's json reads NaN and Infinity). strict: a value of
+    # another JSON type is refused, not converted ("4" is no integer, "yes" no boolean; an integer is a number).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):
@@ -106,7 +109,7 @@ class ContentPart(_Body):
 class Message(_Body):
     # Extra keys (tool_calls, tool_call_id, reasoning_content, ...) reach the chat template, as in transformers.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]     # OpenAI's
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -128,10 +131,20 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Not implemented yet: refused unless neutral (none given, or a choice among none).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    functions: list[dict] | None = None       # (OpenAI's older spelling of tools)
+    function_call: str | dict | None = None
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None
+
+    @field_validator("tools", "tool_choice", "functions", "function_call")
+    @classmethod
+    def _no_tools(cls, v):
+        if v and v not in ("none", "auto"):
+            raise PydanticCustomError("unsupported_parameter", "moestream does not support tools yet")
+        return v
 
     @model_validator(mode="after")
     def _check(self):
@@ -160,20 +173,48 @@ TAKES = {"prompt": "a non-empty string, a list of token ids, a list of strings o
          "content": 'a string or a list of text parts ({"type": "text", "text": "..."})'}
 
 
-def validation_message(error: dict) -> tuple[str, str | None]:
-    """The message and param of a request's first validation error (one of pydantic's error dicts)."""
-    loc = [str(x) for x in error.get("loc", ()) if x != "body"]
-    if error.get("type") == "json_invalid":
-        return "the body is not valid JSON", None
-    if not loc and error.get("type") == "model_attributes_type":
-        return "the body must be a JSON object, sent with Content-Type: application/json", None
+# A strict type's error: the JSON type it expected (OpenAI's words: "expected an integer, but got a string instead").
+EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
+            "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+            "model_attributes_type": "an object"}
+
+
+def json_type(value) -> str:
+    """The JSON type of a parsed value, in words."""
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a decimal number"), (str, "a string"),
+                       (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def validation_message(error: dict) -> tuple[str, str | None, str | None]:
+    """The message, param and code of a request's first validation error (one of pydantic's error dicts). param as
+    OpenAI writes it: messages[0].role."""
+    loc = [x for x in error.get("loc", ()) if x != "body"]
+    kind = error.get("type")
+    if kind == "json_invalid":
+        return "the body is not valid JSON", None, None
+    if not loc and kind == "model_attributes_type":
+        return "the body must be a JSON object, sent with Content-Type: application/json", None, None
     for i, key in enumerate(loc[:-1]):
         if key in TAKES:                    # followed by a type's tag: the value fits none of the field's types
-            where = ".".join(loc[:i + 1])
-            return f"{where}: must be {TAKES[key]}", where
-    where = ".".join(loc)
+            where = _param(loc[:i + 1])
+            return f"{where}: must be {TAKES[key]}", where, None
+    where, code = _param(loc), None
     msg = error.get("msg", "invalid").removeprefix("Value error, ")
-    return (f"{where}: {msg}" if where else msg), where or None
+    if kind in EXPECTED:
+        msg, code = f"expected {EXPECTED[kind]}, but got {json_type(error.get('input'))} instead", "invalid_type"
+    elif kind == "literal_error":
+        msg = f"invalid value {error.get('input')!r}; supported values are {error['ctx']['expected']}"
+        code = "invalid_value"
+    elif kind == "unsupported_parameter":
+        code = kind
+    return (f"{where}: {msg}" if where else msg), where or None, code
+
+
+def _param(loc: list) -> str:
+    return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
 
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error",
