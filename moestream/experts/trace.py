@@ -110,10 +110,22 @@ def record(llm) -> TraceRecorder:
     return recorder
 
 
+def trace_file(path: str) -> str:
+    """The file a trace given as `path` is written to: .npz added, numpy's rule for the name."""
+    return path if path.endswith(".npz") else path + ".npz"
+
+
+def check_trace_path(path: str) -> None:
+    """Refuse --trace `path` before the work: a directory, or a file that cannot be written there."""
+    from ..outputs import check_writable
+    for p in dict.fromkeys((path, trace_file(path))):
+        check_writable(p, "--trace")
+
+
 def save_trace(recorder: TraceRecorder, path: str) -> str:
-    """Writes the trace to `path` (.npz added, numpy's rule for the name) whole or not at all; returns the name."""
+    """Writes the trace to trace_file(path) whole or not at all; returns the name."""
     from ..outputs import atomic_path
-    target = path if path.endswith(".npz") else path + ".npz"
+    target = trace_file(path)
     with atomic_path(target, suffix=".npz") as tmp:
         recorder.save(tmp)
     return target

@@ -14,10 +14,11 @@ y = PPL * sqrt((<nll^2> - <nll>^2) / (N - 1)) over the N scored tokens.
 Input: -f FILE is text, tokenized with the model's tokenizer (BOS first where it adds one). A model without a
 tokenizer, or --token-ids, reads token ids instead: integers separated by whitespace and/or commas.
 
---kl-divergence-base FILE (alone) saves the base: a torch file with the tokens of each chunk and, per scored token,
-the top --kl-top-k log-probs (float32; 0 keeps the whole vocabulary), the log of the probability outside them, the
-log-prob of the actual next token and the argmax (see ppl_stats for the KL this gives). With --kl-divergence the
-tokens and -c come from that file (-f is not needed) and the output is llama-perplexity's KL table and statistics.
+--kl-divergence-base FILE (alone) saves the base, a new file (one that exists is refused: it may be the input):
+a torch file with the tokens of each chunk and, per scored token, the top --kl-top-k log-probs (float32; 0 keeps
+the whole vocabulary), the log of the probability outside them, the log-prob of the actual next token and the argmax
+(see ppl_stats for the KL this gives). With --kl-divergence the tokens and -c come from that file (-f is not
+needed) and the output is llama-perplexity's KL table and statistics.
 As llama-perplexity, -b / -c chunks run together, one sequence each (n_seq; 4 at -b 2048 -c 512), each cut into
 ubatches of -ub: with host experts they run layer by layer, so a layer's experts cross the link once for all of
 them. Each ubatch gives the bits it gives alone, so -b changes no figure; logits are bit-identical for one -ub
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=-1, help="score at most N chunks (default: all)")
     p.add_argument("--token-ids", action="store_true",
                    help="FILE holds token ids (integers separated by whitespace or commas), not text")
-    p.add_argument("--kl-divergence-base", metavar="FILE", help="save the base log-probs here (or read them)")
+    p.add_argument("--kl-divergence-base", metavar="FILE", help="save the base log-probs here, a new file (or read them)")
     p.add_argument("--kl-divergence", action="store_true", help="compare against --kl-divergence-base FILE")
     p.add_argument("--kl-top-k", type=int, default=256,
                    help="log-probs kept per token in the base file (default 256; 0: the whole vocabulary)")
@@ -166,8 +167,9 @@ def save_base(path: str, chunks: list[list[int]], base: Summary, n_vocab: int, m
 
 
 def save_base_file(path: str, *args) -> None:
-    """save_base, whole or not at all: an interrupted save leaves no partial base file."""
-    with atomic_path(path) as tmp:
+    """save_base, whole or not at all: an interrupted save leaves no partial base file, and nothing that was at
+    `path` (the input text, the model, given by mistake) is replaced."""
+    with atomic_path(path, new=True) as tmp:
         save_base(tmp, *args)
 
 
@@ -226,7 +228,7 @@ def main(a: argparse.Namespace) -> int:
         from .report import check_plot
         check_plot(a.plot)
     if a.kl_divergence_base and not a.kl_divergence:       # it will be written: refuse a bad path before the work
-        check_writable(a.kl_divergence_base, "--kl-divergence-base")
+        check_writable(a.kl_divergence_base, "--kl-divergence-base", new=True)
     if a.kl_divergence:
         d = load_base(a.kl_divergence_base)
         chunks = d["tokens"].tolist()

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import UserError
 from ..loading.source import open_source
+from ..outputs import check_writable
 from ..quant.mix import FLOAT, FTYPES, Mix, parse_ftype, tensor_bytes
 from ..quant.quantize import ENCODERS
 from ..quant.types import parse_type
@@ -63,8 +64,7 @@ def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requ
     """
     ftype = parse_ftype(ftype)
     out = Path(out)
-    if out.exists():
-        raise UserError(f"{str(out)!r} already exists; remove it or choose another output path")
+    check_writable(out, "OUT", new=True, parents=True)       # write_gguf makes the folders OUT needs
     overrides = {k: parse_type(v, OVERRIDE_TYPES) for k, v in
                  (("output_type", output_type), ("token_embd_type", token_embd_type)) if v is not None}
     quantized = quantized_tensors(model)
@@ -77,10 +77,7 @@ def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requ
     mix = Mix.for_config(source.config, ftype, pure=pure, **overrides)
     from ..loading.gguf_write import write_gguf
     from ..models.names import gguf_tensors
-    try:
-        path = write_gguf(source, out, types=mix.type, file_type=mix.file_type, device=device, progress=progress)
-    except OSError as e:
-        raise UserError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
+    path = write_gguf(source, out, types=mix.type, file_type=mix.file_type, device=device, progress=progress, new=True)
     summary: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for name, shape in gguf_tensors(source.config):
         t = mix.type(name, shape)
