@@ -71,26 +71,47 @@ def _value(field):
     return v
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader, refusing a read past the end of the file: gguf's own hands back an empty array there, so that
+    a damaged array length loops (and allocates) once per missing item, for as long as the length says."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if int(offset) + np.dtype(dtype).itemsize * int(count) > len(self.data):
+            raise ValueError(f"a field at byte {int(offset)} runs past the end of the file")
+        return super()._get(offset, dtype, count, override_order)
+
+
+def read_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """A GGUF file's reader (header, metadata and tensor table; the data stays mapped), or one line on what is
+    wrong with the file."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise UserError(f"cannot read {str(path)!r}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise UserError(f"{str(path)!r} is not a GGUF file (no GGUF magic); give a .gguf file, "
+                        "a Hugging Face directory or synth:NAME")
+    try:
+        return _Reader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise _damaged(path, e) from None
+
+
+def _damaged(path: Path, e: Exception) -> UserError:
+    return UserError(f"cannot read GGUF {str(path)!r} ({e}): the file is truncated or damaged; download or convert "
+                     "it again")
+
+
 class GGUFSource:
     """A WeightSource over one GGUF file."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                magic = f.read(4)
-        except OSError as e:
-            raise UserError(f"cannot read {str(self.path)!r}: {e.strerror}") from None
-        if magic != b"GGUF":
-            raise UserError(f"{str(self.path)!r} is not a GGUF file (no GGUF magic); give a .gguf file, "
-                            "a Hugging Face directory or synth:NAME")
-        try:
-            self._reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, OverflowError) as e:
-            raise UserError(f"cannot read GGUF {str(self.path)!r} ({e}): the file is truncated or damaged; "
-                            "download or convert it again") from None
+        self._reader = read_gguf(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
-        self._fields = {k: _value(f) for k, f in self._reader.fields.items() if not k.startswith("tokenizer.")}
+        self._fields = self._values(lambda k: not k.startswith("tokenizer."))
         arch = self._fields.get("general.architecture", "?")
         if arch not in BY_GGUF_ARCH:
             raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(BY_GGUF_ARCH)}")
@@ -198,9 +219,15 @@ class GGUFSource:
                     partial_rotary_factor=self._key("rope.dimension_count", head_dim // 4) / head_dim,
                     attn_output_gate=True, zero_centred_norm=True)
 
+    def _values(self, wanted) -> dict:
+        """The metadata fields whose keys `wanted` takes, as plain values."""
+        try:
+            return {k: _value(f) for k, f in self._reader.fields.items() if wanted(k)}
+        except ValueError as e:             # a string that is not UTF-8
+            raise _damaged(self.path, e) from None
+
     def _token_field(self, key: str):
-        f = self._reader.fields.get(key)
-        return None if f is None else _value(f)
+        return self._values(lambda k: k == key).get(key)
 
     @cached_property
     def tokenizer(self):
@@ -212,8 +239,7 @@ class GGUFSource:
         except ModuleNotFoundError as e:
             raise UserError(f"{str(self.path)!r} has a tokenizer but this moestream has no tokenizer module "
                             f"({e}); pass token ids or reinstall moestream") from None
-        fields = {k: _value(f) for k, f in self._reader.fields.items() if k.startswith("tokenizer.")}
-        return Tokenizer.from_gguf_fields(fields)
+        return Tokenizer.from_gguf_fields(self._values(lambda k: k.startswith("tokenizer.")))
 
     # --- WeightSource ----------------------------------------------------------------------------------------
     def _file_name(self, name: str) -> str:

@@ -31,6 +31,7 @@ import math
 import re
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 
 import torch
@@ -174,11 +175,17 @@ def save_base_file(path: str, *args) -> None:
 
 
 def load_base(path: str) -> dict:
+    """A base file save_base wrote, checked whole; one line (UserError) for anything else."""
     try:
         with open(path, "rb") as f:
             if f.read(8) == b"_logits_":
                 raise UserError(f"{path!r} is a llama.cpp logits file; moestream reads the base files it writes "
                                 "itself (moestream perplexity -f TEXT --kl-divergence-base FILE)")
+        with zipfile.ZipFile(path) as z:    # torch.load reads no checksum: a flipped byte would load as data
+            bad = z.testzip()
+        if bad is not None:
+            raise UserError(f"{path!r} is damaged (its data fail their CRC check); write it again with "
+                            "--kl-divergence-base alone")
         d = torch.load(path, weights_only=True)
     except OSError as e:
         raise UserError(f"cannot read the base file {path!r}: {e.strerror}") from None
@@ -188,7 +195,33 @@ def load_base(path: str) -> dict:
         d = None
     if not isinstance(d, dict) or d.get("format") != BASE_FORMAT:
         raise UserError(f"{path!r} is not a moestream base file (write one with --kl-divergence-base alone)")
+    _check_base(d, path)
     return d
+
+
+def _check_base(d: dict, path: str) -> None:
+    """Sizes and shapes that agree, and token ids within the vocabulary: what kl_divergence indexes with."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise UserError(f"{path!r} is not a whole base file ({what}); write it again with --kl-divergence-base "
+                            "alone")
+
+    def tensor(key: str, floating: bool, shape: tuple, high: int | None = None) -> None:
+        t = d.get(key)
+        need(isinstance(t, torch.Tensor) and t.is_floating_point() == floating and tuple(t.shape) == shape
+             and (high is None or not t.numel() or (t.min() >= 0 and t.max() < high)), key)
+    need(all(type(d.get(k)) is int for k in ("n_ctx", "n_vocab", "top_k")), "its sizes")
+    n_ctx, vocab, top_k, tokens = d["n_ctx"], d["n_vocab"], d["top_k"], d.get("tokens")
+    need(n_ctx >= 4 and vocab >= 1 and 0 <= top_k <= vocab, "its sizes")
+    need(isinstance(tokens, torch.Tensor) and tokens.ndim == 2 and len(tokens) > 0, "tokens")
+    tensor("tokens", False, (len(tokens), n_ctx), vocab)
+    n = len(tokens) * (n_ctx - 1 - n_ctx // 2)                 # the scored tokens
+    k = top_k or vocab                                         # Summary.of's k: top_k 0 keeps every token
+    tensor("idx", False, (n, k), vocab)
+    tensor("logp", True, (n, k))
+    for key in ("tail", "target"):
+        tensor(key, True, (n,))
+    tensor("top1", False, (n,), vocab)
 
 
 # --- the command ---------------------------------------------------------------------------------------------

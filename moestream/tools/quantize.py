@@ -32,14 +32,10 @@ OVERRIDE_TYPES = tuple(ENCODERS) + FLOAT      # what --output-tensor-type / --to
 def quantized_tensors(model: str) -> dict[str, str]:
     """IN's quantized tensors (name -> type) when IN is a GGUF file; {} for anything else (which open_source
     judges)."""
-    path = Path(model)
+    from ..loading.gguf import read_gguf
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                return {}
-        import gguf
-        reader = gguf.GGUFReader(path)
-    except Exception:       # not a file, or a damaged one: open_source says what is wrong with it
+        reader = read_gguf(model)
+    except UserError:       # not a GGUF file, or a damaged one: open_source says what is wrong with it
         return {}
     return {t.name: t.tensor_type.name for t in reader.tensors if t.tensor_type not in FLOAT}
 
