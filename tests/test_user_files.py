@@ -189,8 +189,9 @@ def test_a_trace_whose_arrays_disagree_is_one_line(trace_file, tmp_path):
     z = dict(np.load(trace_file))
     bad = tmp_path / "bad.npz"
     for key, change in (("ids", lambda a: a + 1000), ("layers", lambda a: a + 99), ("rows", lambda a: a * 2),
-                        ("meta", lambda a: a[:2]), ("ubatch_of", lambda a: a + 10_000), ("ubatches", lambda a: a[:, :3]),
-                        ("guesses", lambda a: -a - 1), ("step_seq_counts", lambda a: a + 1), ("layers", np.float32)):
+                        ("meta", lambda a: a[:2]), ("ubatch_of", lambda a: a + 10_000),
+                        ("ubatches", lambda a: a[:, :3]), ("guesses", lambda a: -a - 1),
+                        ("step_seq_counts", lambda a: a + 1), ("layers", np.float32)):
         np.savez(bad, **(z | {key: change(z[key])}))
         with pytest.raises(UserError, match="is not a whole routing trace"):
             replay_all(bad)
@@ -224,6 +225,22 @@ def test_a_damaged_kl_base_is_one_line(capsys, tmp_path, small_model):
                         (edited, "is not a whole base file (idx)")):
         code, out, err = run(capsys, *common, "--kl-divergence-base", bad, "--kl-divergence")
         assert code == 1 and needle in one_error(err) and out == ""
+
+
+def test_a_gguf_array_longer_than_the_file_is_one_line(capsys, small_model, tmp_path):
+    """The fuzz pass found it: gguf's reader loops once per item an array claims, reading past the end of the file
+    as empty arrays (without end, gigabytes allocated) or the tensors' bytes as items (20 s for this 3 MB file before
+    a numpy error). Now an array that cannot fit is refused at once, by generate and by quantize."""
+    import gguf
+    field = gguf.GGUFReader(small_model).fields["tokenizer.ggml.token_type"]
+    at = field.offset + sum(int(p.nbytes) for p in field.parts[:4])        # key length, key, type, item type
+    raw = bytearray(small_model.read_bytes())
+    raw[at:at + 8] = (1 << 40).to_bytes(8, "little")                        # the item count
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(raw))
+    for argv in (["generate", "-m", bad, "-p", "hi"], ["quantize", bad, tmp_path / "q.gguf", "Q8_0"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and "runs past the end of the file" in one_error(err)
 
 
 # --- reading: the fuzz pass ------------------------------------------------------------------------------------------

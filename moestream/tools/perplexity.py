@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=-1, help="score at most N chunks (default: all)")
     p.add_argument("--token-ids", action="store_true",
                    help="FILE holds token ids (integers separated by whitespace or commas), not text")
-    p.add_argument("--kl-divergence-base", metavar="FILE", help="save the base log-probs here, a new file (or read them)")
+    p.add_argument("--kl-divergence-base", metavar="FILE",
+                   help="save the base log-probs here, a new file (or read them)")
     p.add_argument("--kl-divergence", action="store_true", help="compare against --kl-divergence-base FILE")
     p.add_argument("--kl-top-k", type=int, default=256,
                    help="log-probs kept per token in the base file (default 256; 0: the whole vocabulary)")
