@@ -37,8 +37,9 @@ def check_writable(path: str | os.PathLike, flag: str, *, new: bool = False, dir
     while parents and not os.path.lexists(folder):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
-        what = "is not a directory" if os.path.lexists(folder) else "does not exist"
-        raise UserError(f"{flag} {path!r}: {folder!r} {what}")
+        if os.path.lexists(folder):
+            raise UserError(f"{flag} {path!r}: {folder!r} is not a directory")
+        raise UserError(f"{flag} {path!r}: the directory {folder!r} does not exist")
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".moestream-probe-"):
             pass
