@@ -237,6 +237,7 @@ kld() {            # 16 chunks of 512 random ids (the reference has no tokenizer
   quantized
   python3 -c "import random; r = random.Random(2); print(','.join(str(r.randrange(151936)) for _ in range(8192)))" \
     > /tmp/kld_ids.txt
+  rm -f /tmp/base.kld /tmp/q4.kld          # perplexity refuses to overwrite a base file
   local P="python3 -m moestream perplexity --token-ids -c 512 -b 512 -ub 512"
   { echo "## base: $REF"; timeout 120 $P -m $REF -f /tmp/kld_ids.txt --kl-divergence-base /tmp/base.kld 2>&1 | tail -2
     for m in $Q8 $Q4; do echo "## $m"; timeout 120 $P -m $m --kl-divergence-base /tmp/base.kld --kl-divergence 2>&1 | grep -v "Δp" | tail -14; done

@@ -20,7 +20,6 @@ import sys
 from . import compat, flags
 from .argv import Parser, UsageError
 from .errors import UserError
-from .outputs import check_writable
 
 # The subcommands besides generate: name -> (module, one-line help). A module is imported only when its command is
 # the one being run (or asked for --help), so that `moestream --help` and `moestream generate ...` import none of
@@ -96,7 +95,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                             repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
                             presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty)
     if a.trace:
-        check_writable(a.trace, "--trace")
+        from .experts.trace import check_trace_path
+        check_trace_path(a.trace)
     llm = load_model(a, flags.to_config(a))
     prompt = parse_prompt(a.prompt, llm.tokenizer is not None)
     chat = a.chat or a.conversation or a.system_prompt is not None

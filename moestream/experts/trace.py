@@ -15,7 +15,7 @@ prefetch replay copies ahead from them as the live cache did.
 """
 from __future__ import annotations
 
-import zipfile
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -110,42 +110,77 @@ def record(llm) -> TraceRecorder:
     return recorder
 
 
+def trace_file(path: str) -> str:
+    """The file a trace given as `path` is written to: .npz added, numpy's rule for the name."""
+    return path if path.endswith(".npz") else path + ".npz"
+
+
+def check_trace_path(path: str) -> None:
+    """Refuse --trace `path` before the work: a directory, or a file that cannot be written there."""
+    from ..outputs import check_writable
+    for p in dict.fromkeys((path, trace_file(path))):
+        check_writable(p, "--trace")
+
+
 def save_trace(recorder: TraceRecorder, path: str) -> str:
-    """Writes the trace to `path` (.npz added, numpy's rule for the name) whole or not at all; returns the name."""
+    """Writes the trace to trace_file(path) whole or not at all; returns the name."""
     from ..outputs import atomic_path
-    target = path if path.endswith(".npz") else path + ".npz"
+    target = trace_file(path)
     with atomic_path(target, suffix=".npz") as tmp:
         recorder.save(tmp)
     return target
 
 
 def load_trace(path: str) -> Trace:
+    """The trace save_trace wrote at `path`; one line (UserError) for a file that is not one, or a damaged one."""
     try:
-        z = np.load(path)
-        layers, rows, flat, meta = z["layers"], z["rows"], z["ids"], z["meta"]
-        ub_of = z["ubatch_of"] if "ubatch_of" in z.files else None
-        ubs = z["ubatches"] if "ubatches" in z.files else None
-        g_rows, g_flat = (z["guess_rows"], z["guesses"]) if "guesses" in z.files else (None, None)
-        s_rows, s_flat = (z["step_seq_counts"], z["step_seqs"]) if "step_seqs" in z.files else (None, None)
-        b_rows, b_flat = (z["begun_counts"], z["begun"]) if "begun" in z.files else (None, None)
+        with np.load(path) as z:
+            a = {k: z[k] for k in z.files}
     except OSError as e:
         raise UserError(f"cannot read routing trace {path!r} ({e.strerror or e}); record one with generate --trace "
                         "FILE") from None
-    except (KeyError, ValueError, EOFError, zipfile.BadZipFile):     # not an .npz, or another program's
+    except Exception:   # not an .npz, or a damaged one: zipfile, zlib and numpy raise a dozen types between them
         raise UserError(f"{path!r} is not a routing trace; record one with generate --trace FILE") from None
-    ids = np.split(flat, np.cumsum(rows)[:-1]) if len(rows) else []
-    guesses = None
-    if g_rows is not None:
-        parts = np.split(g_flat, np.cumsum(g_rows)[:-1]) if len(g_rows) else []
-        guesses = [p if n else None for p, n in zip(parts, g_rows.tolist())]
+
+    def need(ok, what: str) -> None:
+        if not ok:
+            raise UserError(f"{path!r} is not a whole routing trace ({what}); record it again with generate --trace "
+                            "FILE")
+    need(all(k in a for k in ("layers", "rows", "ids", "meta")), "arrays missing")
+    need(all(np.issubdtype(v.dtype, np.integer) for v in a.values()), "arrays that are not integers")
+    meta, layers = a["meta"], a["layers"]
+    need(meta.ndim == 1 and len(meta) >= 3 and (meta[:3] > 0).all(), "its sizes")
+    n_layers, n_experts = int(meta[0]), int(meta[1])
+    need(layers.ndim == 1 and _within(layers, n_layers), "layers")
+    split = functools.partial(_split, need=need)
+    ids = split(a, "rows", "ids", len(layers), n_experts, ndim=2)
+    guesses = ub_of = ubs = step_seqs = begun = None
+    if "guesses" in a:
+        guesses = [p if len(p) else None for p in split(a, "guess_rows", "guesses", len(layers), n_experts, ndim=2)]
+    if "ubatches" in a:
+        ubs, ub_of = a["ubatches"], a.get("ubatch_of")
+        need(ubs.ndim == 2 and ubs.shape[1] == 4 and (ubs >= 0).all(), "ubatches")
+        need(ub_of is not None and ub_of.shape == layers.shape and _within(ub_of, len(ubs)), "ubatch_of")
+        if "step_seqs" in a:
+            step_seqs = [p if len(p) else None for p in split(a, "step_seq_counts", "step_seqs", len(ubs))]
+        if "begun" in a and len(ubs):
+            begun = split(a, "begun_counts", "begun", len(ubs))
     quantized = len(meta) > 3 and bool(meta[3])            # (older traces: float experts)
-    step_seqs = None
-    if s_rows is not None:
-        parts = np.split(s_flat, np.cumsum(s_rows)[:-1]) if len(s_rows) else []
-        step_seqs = [p if len(p) else None for p in parts]
-    begun = np.split(b_flat, np.cumsum(b_rows)[:-1]) if b_rows is not None and len(b_rows) else None
-    return Trace(layers, ids, int(meta[0]), int(meta[1]), int(meta[2]), ub_of, ubs, guesses, quantized, step_seqs,
-                 begun)
+    return Trace(layers, ids, n_layers, n_experts, int(meta[2]), ub_of, ubs, guesses, quantized, step_seqs, begun)
+
+
+def _within(a: np.ndarray, high: int | None) -> bool:
+    """Every value of `a` in [0, high) (high None: any value >= 0)."""
+    return not a.size or (a.min() >= 0 and (high is None or a.max() < high))
+
+
+def _split(a: dict, counts: str, flat: str, n: int, high: int | None = None, *, ndim: int = 1,
+           need) -> list[np.ndarray]:
+    """a[flat] (ndim dims) cut into n parts of a[counts] rows each, checked whole (its values in [0, high))."""
+    c, f = a.get(counts), a[flat]
+    need(c is not None and c.shape == (n,) and _within(c, None) and f.ndim == ndim and int(c.sum()) == len(f)
+         and _within(f, high), flat)
+    return np.split(f, np.cumsum(c)[:-1]) if n else []
 
 
 def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchConfig | None = None,
@@ -178,7 +213,7 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
     store = ExpertStore({l: torch.zeros(trace.n_experts, 3, dtype=torch.uint8) for l in layers}, ExpertLayout(1, 1))
     guesses = trace.guesses or [None] * len(trace.ids)
     cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy, prefetch, layers,
-                        int(trace.ubatches[:, 0].max()) + 1 if len(trace.ubatches) else 1,
+                        _n_seq(trace),
                         trace.ids[0].shape[1] if trace.ids else 8, one_region=trace.quantized)
     if zero_copy:
         from ..kernels.decode import MAX_TOKENS
@@ -222,6 +257,13 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
         for key in ("uploaded_bytes", "prefetched_bytes", "host_read_bytes"):
             d[key] = d[key] // store.expert_bytes * trace.expert_bytes
     return out
+
+
+def _n_seq(trace: Trace) -> int:
+    """Sequences the replayed cache keeps routing for: every one the trace names (a batch's others than its first
+    are in step_seqs and begun only)."""
+    seqs = [trace.ubatches[:, 0], *(p for p in trace.step_seqs or () if p is not None), *(trace.begun or ())]
+    return max((int(p.max()) + 1 for p in seqs if len(p)), default=1)
 
 
 def _report(stats) -> dict:

@@ -35,7 +35,7 @@ from gguf import GGUFValueType
 from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import BY_GGUF_ARCH
-from ..models.names import EXPERT_STACKS, canonical_shape, dense_names
+from ..models.names import EXPERT_STACKS, canonical_shape, dense_names, gguf_tensors
 from ..models.next_names import fuse_qkvz, reorder_v_heads
 from ..quant.types import FLOAT, LOADABLE, names, type_size, block_size
 
@@ -71,26 +71,58 @@ def _value(field):
     return v
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader, refusing a read past the end of the file: gguf's own hands back an empty array there, so that
+    a damaged array length looped (and allocated) once per missing item, for as long as the length said; and an
+    array whose items cannot fit in the rest of the file, before its loop reads the tensors' gigabytes as items."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if int(offset) + np.dtype(dtype).itemsize * int(count) > len(self.data):
+            raise ValueError(f"a field at byte {int(offset)} runs past the end of the file")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type == GGUFValueType.ARRAY:
+            item = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
+            count = int(self._get(orig_offs + 4, np.uint64)[0])
+            least = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}.get(item)      # a length, a type and a length
+            least = least or np.dtype(self.gguf_scalar_to_np.get(item, np.uint8)).itemsize
+            if orig_offs + 12 + count * least > len(self.data):
+                raise ValueError(f"an array of {count} items at byte {orig_offs} runs past the end of the file")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
+def read_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """A GGUF file's reader (header, metadata and tensor table; the data stays mapped), or one line on what is
+    wrong with the file."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise UserError(f"cannot read {str(path)!r}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise UserError(f"{str(path)!r} is not a GGUF file (no GGUF magic); give a .gguf file, "
+                        "a Hugging Face directory or synth:NAME")
+    try:
+        return _Reader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise _damaged(path, e) from None
+
+
+def _damaged(path: Path, e: Exception) -> UserError:
+    return UserError(f"cannot read GGUF {str(path)!r} ({e}): the file is truncated or damaged; download or convert "
+                     "it again")
+
+
 class GGUFSource:
     """A WeightSource over one GGUF file."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                magic = f.read(4)
-        except OSError as e:
-            raise UserError(f"cannot read {str(self.path)!r}: {e.strerror}") from None
-        if magic != b"GGUF":
-            raise UserError(f"{str(self.path)!r} is not a GGUF file (no GGUF magic); give a .gguf file, "
-                            "a Hugging Face directory or synth:NAME")
-        try:
-            self._reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, OverflowError) as e:
-            raise UserError(f"cannot read GGUF {str(self.path)!r} ({e}): the file is truncated or damaged; "
-                            "download or convert it again") from None
+        self._reader = read_gguf(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
-        self._fields = {k: _value(f) for k, f in self._reader.fields.items() if not k.startswith("tokenizer.")}
+        self._fields = self._values(lambda k: not k.startswith("tokenizer."))
         arch = self._fields.get("general.architecture", "?")
         if arch not in BY_GGUF_ARCH:
             raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(BY_GGUF_ARCH)}")
@@ -99,6 +131,7 @@ class GGUFSource:
         for t in self._reader.tensors:
             self._check_tensor(t)
         self.config = self._config()
+        self._check_experts()
 
     def _check_tensor(self, t) -> None:
         """One line for a tensor moestream cannot read: its type, a row that is not whole blocks, short data."""
@@ -116,16 +149,37 @@ class GGUFSource:
             raise UserError(f"tensor {t.name} has {t.data.nbytes} bytes of data but its type and shape need {need}: "
                             "the file is truncated or damaged; download or convert it again")
 
+    def _check_experts(self) -> None:
+        """The expert stacks' shapes against the metadata (expert() slices them by the config's count)."""
+        c = self.config
+        want = {"ffn_gate_exps": (c.n_experts, c.moe_intermediate_size, c.hidden_size),
+                "ffn_up_exps": (c.n_experts, c.moe_intermediate_size, c.hidden_size),
+                "ffn_down_exps": (c.n_experts, c.hidden_size, c.moe_intermediate_size)}
+        for layer in c.moe_layers:
+            for stack, shape in want.items():
+                name = f"blk.{layer}.{stack}.weight"
+                if name in self._tensors and self._shape(name) != shape:
+                    raise UserError(f"GGUF {str(self.path)!r}: tensor {name} has shape {self._shape(name)} but the "
+                                    f"file's metadata make it {shape}: the file is damaged or its keys are wrong")
+
     # --- metadata --------------------------------------------------------------------------------------------
-    def _key(self, key: str, default=_REQUIRED):
+    def _key(self, key: str, default=_REQUIRED, kind: type = int):
+        """{arch}.{key} of kind int (a count or size, >= 0), float or bool; `default` where the file has none."""
         v = self._fields.get(f"{self.arch}.{key}", default)
         if v is _REQUIRED:
             raise UserError(f"GGUF {str(self.path)!r} lacks metadata key {self.arch}.{key}; convert it again "
                             "with a current llama.cpp")
+        if v is default:
+            return v
         if isinstance(v, list):        # per-layer arrays (head counts): moestream needs them uniform
-            if len(set(v)) != 1:
+            if not v or any(x != v[0] for x in v):
                 raise UserError(f"GGUF key {self.arch}.{key} varies by layer ({v}); moestream needs one value")
             v = v[0]
+        ok = {int: lambda: type(v) is int and v >= 0, float: lambda: type(v) in (int, float),
+              bool: lambda: type(v) in (bool, int)}[kind]
+        if not ok():
+            raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.{key} = {v!r}, not a {kind.__name__} that "
+                            "makes a model: the file is damaged; download or convert it again")
         return v
 
     def _shape(self, name: str) -> tuple[int, ...]:
@@ -134,6 +188,9 @@ class GGUFSource:
     def _config(self) -> ModelConfig:
         fam = BY_GGUF_ARCH[self.arch]
         n_layers = self._key("block_count") - self._key("nextn_predict_layers", 0)     # less the MTP blocks
+        if n_layers > len(self._tensors):           # every layer has tensors: a damaged count, not a model
+            raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.block_count {n_layers} for "
+                            f"{len(self._tensors)} tensors: the file is damaged; download or convert it again")
         if "token_embd.weight" not in self._tensors:
             raise UserError(f"GGUF {str(self.path)!r} lacks tensor token_embd.weight: is the file complete?")
         dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors)
@@ -153,13 +210,16 @@ class GGUFSource:
             back = {v: k for k, v in ROPE_KEYS.items()}
             rope = {back.get(k[len(prefix):], k[len(prefix):]): v for k, v in self._fields.items()
                     if k.startswith(prefix)}
-        bos = self._token_field("tokenizer.ggml.bos_token_id")
+        bos = self._token_id("tokenizer.ggml.bos_token_id")
         eos = self._fields.get(EOS_IDS_KEY)
         if eos is None:
-            ids = [self._token_field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+            ids = [self._token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
             eos = list(dict.fromkeys(i for i in ids if i is not None))
+        elif not isinstance(eos, list) or any(type(i) is not int or i < 0 for i in eos):
+            raise UserError(f"GGUF {str(self.path)!r} has {EOS_IDS_KEY} = {eos!r}, not token ids: the file is "
+                            "damaged; download or convert it again")
         hidden, n_heads = self._key("embedding_length"), self._key("attention.head_count")
-        head_dim = self._key("attention.key_length", hidden // n_heads)
+        head_dim = self._key("attention.key_length", hidden // max(n_heads, 1))   # (0 heads: ModelConfig says so)
         hybrid = self._hybrid_options(n_layers, head_dim) if fam.hybrid else {}
         return ModelConfig(
             family=fam.name, vocab_size=self._shape("token_embd.weight")[0], hidden_size=hidden, n_layers=n_layers,
@@ -169,11 +229,11 @@ class GGUFSource:
             moe_intermediate_size=self._key("expert_feed_forward_length", inter) or self._key("feed_forward_length"),
             intermediate_size=self._key("feed_forward_length") if dense else 0,
             shared_expert_intermediate_size=shexp, dense_layers=dense,
-            norm_topk_prob=bool(self._key("expert_weights_norm", fam.gguf_norm_topk)), qk_norm=fam.qk_norm,
+            norm_topk_prob=bool(self._key("expert_weights_norm", fam.gguf_norm_topk, bool)), qk_norm=fam.qk_norm,
             attn_bias=self.has(f"blk.{moe}.attn_q.bias"),
-            clip_qkv=self._key("attention.clamp_kqv", None),
-            rms_norm_eps=self._key("attention.layer_norm_rms_epsilon", 1e-6),
-            rope_theta=float(self._key("rope.freq_base", 10000.0)), rope_scaling=tuple(sorted(rope.items())),
+            clip_qkv=self._key("attention.clamp_kqv", None, float),
+            rms_norm_eps=self._key("attention.layer_norm_rms_epsilon", 1e-6, float),
+            rope_theta=float(self._key("rope.freq_base", 10000.0, float)), rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=self._key("context_length", 4096),
             tie_word_embeddings="output.weight" not in self._tensors,
             bos_token_id=bos, eos_token_ids=tuple(eos), **hybrid,
@@ -195,12 +255,25 @@ class GGUFSource:
                     linear_key_head_dim=self._key("ssm.state_size"),
                     linear_value_head_dim=inner // nv,
                     linear_conv_kernel=self._key("ssm.conv_kernel"),
-                    partial_rotary_factor=self._key("rope.dimension_count", head_dim // 4) / head_dim,
+                    partial_rotary_factor=self._key("rope.dimension_count", head_dim // 4) / max(head_dim, 1),
                     attn_output_gate=True, zero_centred_norm=True)
 
+    def _values(self, wanted) -> dict:
+        """The metadata fields whose keys `wanted` takes, as plain values."""
+        try:
+            return {k: _value(f) for k, f in self._reader.fields.items() if wanted(k)}
+        except ValueError as e:             # a string that is not UTF-8
+            raise _damaged(self.path, e) from None
+
     def _token_field(self, key: str):
-        f = self._reader.fields.get(key)
-        return None if f is None else _value(f)
+        return self._values(lambda k: k == key).get(key)
+
+    def _token_id(self, key: str) -> int | None:
+        v = self._token_field(key)
+        if v is not None and (type(v) is not int or v < 0):
+            raise UserError(f"GGUF {str(self.path)!r} has {key} = {v!r}, not a token id: the file is damaged; "
+                            "download or convert it again")
+        return v
 
     @cached_property
     def tokenizer(self):
@@ -212,8 +285,11 @@ class GGUFSource:
         except ModuleNotFoundError as e:
             raise UserError(f"{str(self.path)!r} has a tokenizer but this moestream has no tokenizer module "
                             f"({e}); pass token ids or reinstall moestream") from None
-        fields = {k: _value(f) for k, f in self._reader.fields.items() if k.startswith("tokenizer.")}
-        return Tokenizer.from_gguf_fields(fields)
+        try:
+            return Tokenizer.from_gguf_fields(self._values(lambda k: k.startswith("tokenizer.")))
+        except (KeyError, TypeError, ValueError, IndexError) as e:      # fields of the wrong kind, or missing
+            raise UserError(f"GGUF {str(self.path)!r} has damaged tokenizer metadata ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}): download or convert it again") from None
 
     # --- WeightSource ----------------------------------------------------------------------------------------
     def _file_name(self, name: str) -> str:
@@ -256,7 +332,11 @@ class GGUFSource:
     @cached_property
     def _dense_shapes(self) -> dict[str, tuple[int, ...]]:
         """The torch shape the config gives each non-expert tensor (what tensor() checks a file's against)."""
-        return {n: canonical_shape(self.config, n) for n in dense_names(self.config)}
+        shapes = {n: canonical_shape(self.config, n) for n in dense_names(self.config)}
+        if BY_GGUF_ARCH[self.arch].gguf_split_qkvz:        # ssm_in's two parts, checked before they are fused
+            parts = ("attn_qkv.weight", "attn_gate.weight")
+            shapes |= {n: s for n, s in gguf_tensors(self.config) if n.endswith(parts)}
+        return shapes
 
     def _stack(self, layer: int, stack: str):
         t = self._tensors.get(f"blk.{layer}.{stack}.weight")

@@ -4,8 +4,9 @@
     mix = Mix.for_config(src.config, "Q4_K_M")                  # moestream.quant.mix: llama-quantize's types
     write_gguf(src, "q4.gguf", types=mix.type, file_type=mix.file_type, device="cuda")
 
-The file is written to OUT.partial and renamed when complete: no half-written model at OUT. Quantized tensors are
-encoded by moestream.quant.quantize on `device`, a layer's expert stack at once.
+The file is written next to OUT and renamed when complete (outputs.atomic_path): no half-written model at OUT, and
+nothing left behind by a failure. Quantized tensors are encoded by moestream.quant.quantize on `device`, a layer's
+expert stack at once.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ..errors import UserError
 from ..models.families import FAMILIES
 from ..models.names import EXPERT_STACKS, gguf_name, gguf_tensors
 from ..models.next_names import reorder_v_heads, split_qkvz
+from ..outputs import atomic_path
 from .gguf import EOS_IDS_KEY, ROPE_KEYS
 
 TypeOf = Callable[[str, tuple[int, ...]], Q]      # (tensor name, torch shape as stored) -> its GGML type
@@ -141,12 +143,13 @@ def _encode(t: torch.Tensor, qtype: Q, device: str) -> np.ndarray:
 
 def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: bool = False, *,
                types: TypeOf | None = None, file_type: gguf.LlamaFileType | None = None,
-               device: str = "cpu") -> Path:
+               device: str = "cpu", new: bool = False) -> Path:
     """Write `source` as one GGUF file, streaming tensor by tensor (a layer's expert stacks at a time).
 
     dtype: auto (the source's), float32, float16, bfloat16 or q8_0. 1-D tensors (norms, biases) are always F32, as
     llama.cpp's converters write them. types: the GGML type of each tensor instead (moestream.quant.mix.Mix.type),
-    with file_type its general.file_type. device: where quantized tensors are encoded ("cpu", "cuda").
+    with file_type its general.file_type. device: where quantized tensors are encoded ("cpu", "cuda"). new: refuse
+    to replace a file at `path` (outputs.atomic_path).
     """
     cfg = source.config
     arch = FAMILIES[cfg.family].gguf_arch
@@ -167,16 +170,12 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
     plan = [(name, shape, types(name, shape)) for name, shape in gguf_tensors(cfg)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")      # renamed when complete: no half-written model at `path`
-    w = gguf.GGUFWriter(partial, arch)
-    try:
-        _write(w, source, cfg, plan, file_type, device, progress)
-    except BaseException:
-        w.close()
-        partial.unlink(missing_ok=True)
-        raise
-    w.close()
-    partial.replace(path)
+    with atomic_path(path, new=new) as tmp:              # renamed when complete: no half-written model at `path`
+        w = gguf.GGUFWriter(tmp, arch)
+        try:
+            _write(w, source, cfg, plan, file_type, device, progress)
+        finally:
+            w.close()
     return path
 
 

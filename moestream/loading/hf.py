@@ -82,7 +82,11 @@ class HFSource:
         if (self.path / "model.safetensors").exists():
             return [self.path / "model.safetensors"]
         if (self.path / INDEX).exists():
-            files = sorted(set(_read_json(self.path / INDEX, INDEX).get("weight_map", {}).values()))
+            files = _read_json(self.path / INDEX, INDEX).get("weight_map", {})
+            if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
+                raise UserError(f"{str(self.path / INDEX)!r} has no weight_map of tensor names to files: download "
+                                "it again")
+            files = sorted(set(files.values()))
             for f in files:
                 if not (self.path / f).exists():
                     raise UserError(f"{INDEX} names shard {f!r}, which is not in {str(self.path)!r}: "
@@ -170,16 +174,19 @@ def _suffix(name: str) -> str:
 
 
 def _read_json(path: Path, required_as: str | None) -> dict | None:
-    """A JSON file as a dict; None when it is absent and optional (`required_as` None)."""
+    """A JSON object as a dict; None when the file is absent and optional (`required_as` None)."""
     if not path.exists():
         if required_as is None:
             return None
         raise UserError(f"{str(path.parent)!r} has no {required_as}: is it a Hugging Face model directory?")
     try:
         with open(path) as f:
-            return json.load(f)
+            d = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{str(path)!r} is not valid JSON ({e}): download it again") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{str(path)!r} holds a JSON {type(d).__name__}, not an object: download it again")
+    return d
 
 
 # --- writing -------------------------------------------------------------------------------------------------

@@ -138,7 +138,8 @@ class Tokenizer:
             bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
                              ignore_merges=_SPLITS.get(pre) is LLAMA3_SPLIT)
         except Exception as e:
-            raise UserError(f"GGUF tokenizer metadata is inconsistent ({e}); re-convert the model") from None
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__       # the tokenizers library's: lines
+            raise UserError(f"GGUF tokenizer metadata is inconsistent ({why}); re-convert the model") from None
         backend = _Backend(bpe)
         split = _SPLITS.get(pre)
         backend.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else

@@ -305,8 +305,8 @@ def main(a: argparse.Namespace) -> int:
     if a.trace and a.compare is not None:
         raise UserError("--trace records one configuration's runs, not --compare's two: leave one of them out")
     if a.trace:
-        from ..outputs import check_writable
-        check_writable(a.trace, "--trace")
+        from ..experts.trace import check_trace_path
+        check_trace_path(a.trace)
     if a.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {a.repetitions}")
     if a.plot:

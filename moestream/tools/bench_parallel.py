@@ -240,8 +240,8 @@ def main(a: argparse.Namespace) -> int:
     check_flags(a)
     tests = tests_of(a)
     if a.trace:
-        from ..outputs import check_writable
-        check_writable(a.trace, "--trace")
+        from ..experts.trace import check_trace_path
+        check_trace_path(a.trace)
     cols = COLS if a.threads else [c for c in COLS if c.key != "threads"]
     rows, stream_md = [], a.output == "md"
     for ns, mib, llm in configurations(a, max(t.n_pp + t.n_tg for t in tests)):

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import UserError
 from ..loading.source import open_source
-from ..outputs import as_created, check_writable
+from ..outputs import atomic_dir, check_writable
 
 FORMATS = ("hf", "gguf")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
@@ -43,33 +41,14 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
         raise UserError(f"unknown format {fmt!r}; use --format hf or --format gguf")
     if dtype not in DTYPES or (fmt == "hf" and dtype == "q8_0"):
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)} (q8_0 only with --format gguf)")
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        raise UserError(f"{str(out)!r} already exists; remove it or choose another output path")
-    existing = out.parent
-    while not existing.exists() and existing != existing.parent:       # the folders OUT needs are made
-        existing = existing.parent
-    check_writable(str(existing / ".moestream-out"), "OUT", shown=str(out))
+    check_writable(out, "OUT", new=True, directory=fmt == "hf", parents=True)     # the folders OUT needs are made
     source = open_source(resolve_spec(preset_spec))
-    if fmt == "gguf":                       # write_gguf writes OUT.partial, renamed when whole
+    if fmt == "gguf":
         from ..loading.gguf_write import write_gguf
-        try:
-            return write_gguf(source, out, dtype=dtype, progress=progress)
-        except OSError as e:
-            raise UserError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
+        return write_gguf(source, out, dtype=dtype, progress=progress, new=True)
     from ..loading.hf import write_hf
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.part"))
-    try:
+    with atomic_dir(out) as tmp:
         write_hf(source, tmp, dtype=dtype, progress=progress)
-        as_created(tmp, directory=True)
-        for f in tmp.iterdir():
-            as_created(f)
-        os.replace(tmp, out)                 # onto nothing, or an empty directory
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise UserError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
-        raise
     return out
 
 

@@ -14,10 +14,11 @@ y = PPL * sqrt((<nll^2> - <nll>^2) / (N - 1)) over the N scored tokens.
 Input: -f FILE is text, tokenized with the model's tokenizer (BOS first where it adds one). A model without a
 tokenizer, or --token-ids, reads token ids instead: integers separated by whitespace and/or commas.
 
---kl-divergence-base FILE (alone) saves the base: a torch file with the tokens of each chunk and, per scored token,
-the top --kl-top-k log-probs (float32; 0 keeps the whole vocabulary), the log of the probability outside them, the
-log-prob of the actual next token and the argmax (see ppl_stats for the KL this gives). With --kl-divergence the
-tokens and -c come from that file (-f is not needed) and the output is llama-perplexity's KL table and statistics.
+--kl-divergence-base FILE (alone) saves the base, a new file (one that exists is refused: it may be the input):
+a torch file with the tokens of each chunk and, per scored token, the top --kl-top-k log-probs (float32; 0 keeps
+the whole vocabulary), the log of the probability outside them, the log-prob of the actual next token and the argmax
+(see ppl_stats for the KL this gives). With --kl-divergence the tokens and -c come from that file (-f is not
+needed) and the output is llama-perplexity's KL table and statistics.
 As llama-perplexity, -b / -c chunks run together, one sequence each (n_seq; 4 at -b 2048 -c 512), each cut into
 ubatches of -ub: with host experts they run layer by layer, so a layer's experts cross the link once for all of
 them. Each ubatch gives the bits it gives alone, so -b changes no figure; logits are bit-identical for one -ub
@@ -30,6 +31,7 @@ import math
 import re
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=-1, help="score at most N chunks (default: all)")
     p.add_argument("--token-ids", action="store_true",
                    help="FILE holds token ids (integers separated by whitespace or commas), not text")
-    p.add_argument("--kl-divergence-base", metavar="FILE", help="save the base log-probs here (or read them)")
+    p.add_argument("--kl-divergence-base", metavar="FILE",
+                   help="save the base log-probs here, a new file (or read them)")
     p.add_argument("--kl-divergence", action="store_true", help="compare against --kl-divergence-base FILE")
     p.add_argument("--kl-top-k", type=int, default=256,
                    help="log-probs kept per token in the base file (default 256; 0: the whole vocabulary)")
@@ -166,17 +169,24 @@ def save_base(path: str, chunks: list[list[int]], base: Summary, n_vocab: int, m
 
 
 def save_base_file(path: str, *args) -> None:
-    """save_base, whole or not at all: an interrupted save leaves no partial base file."""
-    with atomic_path(path) as tmp:
+    """save_base, whole or not at all: an interrupted save leaves no partial base file, and nothing that was at
+    `path` (the input text, the model, given by mistake) is replaced."""
+    with atomic_path(path, new=True) as tmp:
         save_base(tmp, *args)
 
 
 def load_base(path: str) -> dict:
+    """A base file save_base wrote, checked whole; one line (UserError) for anything else."""
     try:
         with open(path, "rb") as f:
             if f.read(8) == b"_logits_":
                 raise UserError(f"{path!r} is a llama.cpp logits file; moestream reads the base files it writes "
                                 "itself (moestream perplexity -f TEXT --kl-divergence-base FILE)")
+        with zipfile.ZipFile(path) as z:    # torch.load reads no checksum: a flipped byte would load as data
+            bad = z.testzip()
+        if bad is not None:
+            raise UserError(f"{path!r} is damaged (its data fail their CRC check); write it again with "
+                            "--kl-divergence-base alone")
         d = torch.load(path, weights_only=True)
     except OSError as e:
         raise UserError(f"cannot read the base file {path!r}: {e.strerror}") from None
@@ -186,7 +196,33 @@ def load_base(path: str) -> dict:
         d = None
     if not isinstance(d, dict) or d.get("format") != BASE_FORMAT:
         raise UserError(f"{path!r} is not a moestream base file (write one with --kl-divergence-base alone)")
+    _check_base(d, path)
     return d
+
+
+def _check_base(d: dict, path: str) -> None:
+    """Sizes and shapes that agree, and token ids within the vocabulary: what kl_divergence indexes with."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise UserError(f"{path!r} is not a whole base file ({what}); write it again with --kl-divergence-base "
+                            "alone")
+
+    def tensor(key: str, floating: bool, shape: tuple, high: int | None = None) -> None:
+        t = d.get(key)
+        need(isinstance(t, torch.Tensor) and t.is_floating_point() == floating and tuple(t.shape) == shape
+             and (high is None or not t.numel() or (t.min() >= 0 and t.max() < high)), key)
+    need(all(type(d.get(k)) is int for k in ("n_ctx", "n_vocab", "top_k")), "its sizes")
+    n_ctx, vocab, top_k, tokens = d["n_ctx"], d["n_vocab"], d["top_k"], d.get("tokens")
+    need(n_ctx >= 4 and vocab >= 1 and 0 <= top_k <= vocab, "its sizes")
+    need(isinstance(tokens, torch.Tensor) and tokens.ndim == 2 and len(tokens) > 0, "tokens")
+    tensor("tokens", False, (len(tokens), n_ctx), vocab)
+    n = len(tokens) * (n_ctx - 1 - n_ctx // 2)                 # the scored tokens
+    k = top_k or vocab                                         # Summary.of's k: top_k 0 keeps every token
+    tensor("idx", False, (n, k), vocab)
+    tensor("logp", True, (n, k))
+    for key in ("tail", "target"):
+        tensor(key, True, (n,))
+    tensor("top1", False, (n,), vocab)
 
 
 # --- the command ---------------------------------------------------------------------------------------------
@@ -226,7 +262,7 @@ def main(a: argparse.Namespace) -> int:
         from .report import check_plot
         check_plot(a.plot)
     if a.kl_divergence_base and not a.kl_divergence:       # it will be written: refuse a bad path before the work
-        check_writable(a.kl_divergence_base, "--kl-divergence-base")
+        check_writable(a.kl_divergence_base, "--kl-divergence-base", new=True)
     if a.kl_divergence:
         d = load_base(a.kl_divergence_base)
         chunks = d["tokens"].tolist()

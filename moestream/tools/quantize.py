@@ -21,6 +21,7 @@ import torch
 
 from ..errors import UserError
 from ..loading.source import open_source
+from ..outputs import check_writable
 from ..quant.mix import FLOAT, FTYPES, Mix, parse_ftype, tensor_bytes
 from ..quant.quantize import ENCODERS
 from ..quant.types import parse_type
@@ -31,14 +32,10 @@ OVERRIDE_TYPES = tuple(ENCODERS) + FLOAT      # what --output-tensor-type / --to
 def quantized_tensors(model: str) -> dict[str, str]:
     """IN's quantized tensors (name -> type) when IN is a GGUF file; {} for anything else (which open_source
     judges)."""
-    path = Path(model)
+    from ..loading.gguf import read_gguf
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                return {}
-        import gguf
-        reader = gguf.GGUFReader(path)
-    except Exception:       # not a file, or a damaged one: open_source says what is wrong with it
+        reader = read_gguf(model)
+    except UserError:       # not a GGUF file, or a damaged one: open_source says what is wrong with it
         return {}
     return {t.name: t.tensor_type.name for t in reader.tensors if t.tensor_type not in FLOAT}
 
@@ -63,8 +60,7 @@ def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requ
     """
     ftype = parse_ftype(ftype)
     out = Path(out)
-    if out.exists():
-        raise UserError(f"{str(out)!r} already exists; remove it or choose another output path")
+    check_writable(out, "OUT", new=True, parents=True)       # write_gguf makes the folders OUT needs
     overrides = {k: parse_type(v, OVERRIDE_TYPES) for k, v in
                  (("output_type", output_type), ("token_embd_type", token_embd_type)) if v is not None}
     quantized = quantized_tensors(model)
@@ -77,10 +73,7 @@ def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requ
     mix = Mix.for_config(source.config, ftype, pure=pure, **overrides)
     from ..loading.gguf_write import write_gguf
     from ..models.names import gguf_tensors
-    try:
-        path = write_gguf(source, out, types=mix.type, file_type=mix.file_type, device=device, progress=progress)
-    except OSError as e:
-        raise UserError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
+    path = write_gguf(source, out, types=mix.type, file_type=mix.file_type, device=device, progress=progress, new=True)
     summary: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for name, shape in gguf_tensors(source.config):
         t = mix.type(name, shape)
