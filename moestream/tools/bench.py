@@ -64,8 +64,16 @@ def _mibs(s: str) -> list[int | str]:
     return [flags.mib(x) for x in s.split(",") if x.strip() != ""]
 
 
-def _pair(s: str) -> tuple[int, int]:
+def _sizes(s: str) -> list[int]:
+    """-p, -n: token counts, where 0 skips the test; a negative one is a mistake, not a skip."""
     v = _ints(s)
+    if any(n < 0 for n in v):
+        raise argparse.ArgumentTypeError(f"expected token counts >= 0 (0 skips the test), got {s!r}")
+    return v
+
+
+def _pair(s: str) -> tuple[int, int]:
+    v = _sizes(s)
     if len(v) != 2:
         raise argparse.ArgumentTypeError(f"-pg takes PP,TG (two integers), got {s!r}")
     return v[0], v[1]
@@ -88,9 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_engine_arguments(p, **{k: dict(type=_mibs if k == "moe_cache_mib" else _ints,
                                              default=[flags.BY_NAME[k].default]) for k in SWEPT})
     # None until given (512 and 128 then), so that --parallel can refuse them
-    p.add_argument("-p", "--n-prompt", type=_ints, default=None,
+    p.add_argument("-p", "--n-prompt", type=_sizes, default=None,
                    help="prompt lengths, comma list (default 512; 0 skips)")
-    p.add_argument("-n", "--n-gen", type=_ints, default=None,
+    p.add_argument("-n", "--n-gen", type=_sizes, default=None,
                    help="generation lengths, comma list (default 128; 0 skips)")
     p.add_argument("-pg", dest="pg", type=_pair, action="append", default=[], metavar="PP,TG",
                    help="a prompt of PP tokens then TG generated ones (repeatable)")
