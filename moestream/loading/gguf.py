@@ -14,8 +14,9 @@ stores without permuting Q and K; the hybrid qwen3next and qwen35moe, whose tens
 post_attention_norm; qwen3next's ssm_in is split into attn_qkv and attn_gate, fused back here, its ssm_ba is HF's,
 grouped by key head; qwen35moe's value heads are tiled, grouped back here: models/next_names.py).
 A hybrid file's DeltaNet shape is in its ssm.* keys (conv_kernel, state_size: dk, group_count: key heads,
-time_step_rank: value heads, inner_size: value heads x dv), its layer types in full_attention_interval (every
-N-th layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count; qwen35moe's
+time_step_rank: value heads, inner_size: value heads x dv), its layer types in attention.recurrent_layers (a flag
+a block, as llama.cpp's converter writes config.json's layer_types) or else full_attention_interval (every N-th
+layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count; qwen35moe's
 rope.dimension_sections (multimodal RoPE) do not matter to text. Blocks past block_count - nextn_predict_layers
 (Qwen3.5's multi-token prediction layers) are not read.
 """
@@ -257,16 +258,10 @@ class GGUFSource:
 
     def _hybrid_options(self, n_layers: int, head_dim: int) -> dict:
         """A hybrid file's (qwen3next, qwen35moe) ModelConfig fields of the DeltaNet and gated attention layers."""
-        step = self._key("full_attention_interval", 4)
         nv, inner = self._key("ssm.time_step_rank"), self._key("ssm.inner_size")
-        for bad, what in ((not isinstance(step, int) or step < 1, f"full_attention_interval {step!r}"),
-                          (not isinstance(nv, int) or nv < 1 or not isinstance(inner, int) or inner % nv,
-                           f"ssm.inner_size {inner!r} for ssm.time_step_rank {nv!r} value heads")):
-            if bad:
-                raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.{what}, which makes no model; convert "
-                                "it again with a current llama.cpp")
-        return dict(layer_types=tuple("linear_attention" if (i + 1) % step else "full_attention"
-                                      for i in range(n_layers)),
+        if not isinstance(nv, int) or nv < 1 or not isinstance(inner, int) or inner % nv:
+            self._no_model(f"ssm.inner_size {inner!r} for ssm.time_step_rank {nv!r} value heads")
+        return dict(layer_types=self._layer_types(n_layers),
                     linear_num_key_heads=self._key("ssm.group_count"), linear_num_value_heads=nv,
                     linear_key_head_dim=self._key("ssm.state_size"),
                     linear_value_head_dim=inner // nv,
@@ -280,6 +275,26 @@ class GGUFSource:
             return {k: _value(f) for k, f in self._reader.fields.items() if wanted(k)}
         except ValueError as e:             # a string that is not UTF-8
             raise _damaged(self.path, e) from None
+
+    def _layer_types(self, n_layers: int) -> tuple[str, ...]:
+        """Which layers are DeltaNet (recurrent) and which attention: attention.recurrent_layers, one flag a block
+        (or one for all), as llama.cpp's converter writes it from config.json's layer_types and its loader reads it
+        first; else every full_attention_interval-th layer is attention (llama.cpp's default 4)."""
+        flags = self._fields.get(f"{self.arch}.attention.recurrent_layers")
+        if flags is not None:
+            blocks = self._key("block_count")
+            flags = flags if isinstance(flags, list) else [flags] * blocks
+            if len(flags) not in (blocks, n_layers) or not all(isinstance(f, (bool, int)) for f in flags):
+                self._no_model(f"attention.recurrent_layers {flags!r} for block_count {blocks}")
+            return tuple("linear_attention" if f else "full_attention" for f in flags[:n_layers])
+        step = self._key("full_attention_interval", 4)
+        if not isinstance(step, int) or step < 1:
+            self._no_model(f"full_attention_interval {step!r}")
+        return tuple("linear_attention" if (i + 1) % step else "full_attention" for i in range(n_layers))
+
+    def _no_model(self, what: str):
+        raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.{what}, which makes no model; convert it again "
+                        "with a current llama.cpp")
 
     def _token_field(self, key: str):
         return self._values(lambda k: k == key).get(key)
