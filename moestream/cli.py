@@ -123,10 +123,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from .experts.trace import check_trace_path
         check_trace_path(a.trace)
     chat = a.chat or a.conversation or a.system_prompt is not None
-    found = {}
-    llm = load_model(a, flags.to_config(a), prepare=lambda src: found.update(zip(("prompt", "ids"),
-                                                                                  prompt_ids(a, src, chat))))
-    prompt, ids = found["prompt"], found["ids"]
+    found = []                                # the prompt and its ids, made before the weights load
+    llm = load_model(a, flags.to_config(a), prepare=lambda src: found.extend(prompt_ids(a, src, chat)))
+    prompt, ids = found
     ctx = llm.engine.kv.ctx
     room = ctx - len(ids) + 1                 # the last token is sampled, never written to the KV cache
     if 0 < room < a.n_predict < 1 << 62:

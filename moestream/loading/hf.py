@@ -34,7 +34,7 @@ from tqdm import tqdm
 from ..config import ModelConfig, hf_key
 from ..errors import UserError
 from ..models.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
-from ..models.names import EXPERT_STACKS, check_shape, dense_names
+from ..models.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
 from ..models.next_names import canonical_value, hf_value
 
 INDEX = "model.safetensors.index.json"
@@ -94,8 +94,9 @@ class HFSource:
             for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
                 gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
                 if gate_up in self._where and down in self._where:
-                    E, I, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
-                    self._check(f"blk.{layer}.ffn_gate_exps.weight", gate_up, self._shape(gate_up), want=(E, 2 * I, H))
+                    E, inter, H = canonical_shape(cfg, "ffn_gate_exps.weight")    # gate_up: gate rows, then up
+                    self._check(f"blk.{layer}.ffn_gate_exps.weight", gate_up, self._shape(gate_up),
+                                want=(E, 2 * inter, H))
                     self._check(f"blk.{layer}.ffn_down_exps.weight", down, self._shape(down))
                     break
             else:
