@@ -176,7 +176,7 @@ class GGUFSource:
 
     def _key_name(self, field: str) -> str:
         if field == "vocab_size":
-            return "the rows of token_embd.weight"
+            return "token_embd.weight's rows"
         return f"{self.arch}.{GGUF_KEYS.get(field, field)}"
 
     # --- metadata --------------------------------------------------------------------------------------------
