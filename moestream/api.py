@@ -31,14 +31,38 @@ from .runtime.serving import ServingLoop
 log = logging.getLogger("moestream")
 
 
+def encode(tokenizer, vocab_size: int, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids: text through the tokenizer, ids checked against the vocabulary. Needs no weights, so
+    the CLI runs it before they load (LLM.encode is this)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise UserError("this model has no tokenizer: give the prompt as token ids "
+                            "(on the command line: -p '1,2,3')")
+        return tokenizer.encode(prompt)
+    ids = [int(t) for t in prompt]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return ids
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of `messages` in the tokenizer's chat template, ready for the assistant's answer."""
+    if tokenizer is None:
+        raise UserError("this model has no tokenizer, so no chat template: give token ids")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLM:
     """A model loaded for generation. Engine options come as a config, as flat keywords, or both:
 
         LLM("model.gguf", cpu_moe=True, moe_cache_mib=16000)           # the names of flags.py, which the flags set
         LLM("model.gguf", flags.to_config(args), n_seq=4)                # a config from the command line, one change
 
-    progress: a loading bar, then one line on stderr saying what was loaded and where. check(model_config), if
-    given, runs once the model's shape is known and before its weights load (the CLI checks -ngl there).
+    progress: a loading bar, then one line on stderr saying what was loaded and where. check(source), if given,
+    runs once the model's config and tokenizer are known (source.config, source.tokenizer) and before its weights
+    load: the CLI checks -ngl and the prompt there.
     """
 
     def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = False, check=None,
@@ -47,7 +71,7 @@ class LLM:
         t0 = time.perf_counter()
         self.source = open_source(model, progress=progress)
         if check is not None:
-            check(self.source.config)
+            check(self.source)
         # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (Engine.load takes
         # it resolved)
         self.config = config.resolve(self.source.dtype_of("token_embd.weight"))
@@ -72,22 +96,10 @@ class LLM:
 
     # --- prompts ------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise UserError("this model has no tokenizer: give the prompt as token ids "
-                                "(on the command line: -p '1,2,3')")
-            return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise UserError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
-        return ids
+        return encode(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None:
-            raise UserError("this model has no tokenizer, so no chat template: give token ids")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt(self.tokenizer, messages)
 
     # --- generation ---------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> Generation:

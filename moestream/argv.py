@@ -56,10 +56,11 @@ QUANTIZE_NO_COUNTERPART = {
     "--imatrix": "moestream quantize takes no importance matrix; leave it out",
     "--leave-output-tensor": "--output-tensor-type f16 (or bf16, f32) keeps output.weight unquantized",
 }
-# Other programs' spellings of flags moestream has (vLLM, transformers' generate, OpenAI's fields): flag -> ours.
+# Other programs' spellings of flags moestream has (vLLM, transformers' generate, OpenAI's fields, llama.cpp's
+# -r/--reverse-prompt, which stops where its text appears as --stop does): flag -> ours.
 OTHER_SPELLINGS = {"--temperature": "--temp", "--max-tokens": "-n", "--max-new-tokens": "-n", "--max-model-len": "-c",
                    "--n-ctx": "-c", "--max-num-seqs": "-np", "--max-num-batched-tokens": "-b",
-                   "--enforce-eager": "--no-cuda-graphs"}
+                   "--enforce-eager": "--no-cuda-graphs", "-r": "--stop", "--reverse-prompt": "--stop"}
 _NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 

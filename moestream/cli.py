@@ -56,24 +56,49 @@ def unescape(text: str) -> str:
     return re.sub(r"\\(x[0-9a-fA-F]{2}|.)", one, text, flags=re.S)
 
 
-def load_model(a: argparse.Namespace, ecfg, progress: bool = True, **kw):
-    """The LLM of a command's -m and engine flags, the habit flags that need the model's shape checked before its
-    weights load (compat.py), and --chat-template's file in place of the model's template."""
+def load_model(a: argparse.Namespace, ecfg, progress: bool = True, prepare=None, **kw):
+    """The LLM of a command's -m and engine flags. Before its weights load: the habit flags that need the model's
+    shape (compat.py), --chat-template's file in place of the model's template, and prepare(source), the command's
+    own checks of what needs no weights (generate's prompt)."""
     from .api import LLM
     template = compat.read_chat_template(a.chat_template) if getattr(a, "chat_template", None) else None
-    llm = LLM(a.model, ecfg, progress=progress, check=lambda cfg: compat.check_model(a, cfg), **kw)
-    if template is not None:
-        if llm.tokenizer is None:
-            raise UserError("--chat-template needs a model with a tokenizer; this one takes token ids")
-        llm.tokenizer.chat_templates = {"default": template}
-        llm.tokenizer.chat_template = template
-    return llm
+
+    def check(source):
+        compat.check_model(a, source.config)
+        if template is not None:
+            if source.tokenizer is None:
+                raise UserError("--chat-template needs a model with a tokenizer; this one takes token ids")
+            source.tokenizer.chat_templates = {"default": template}
+            source.tokenizer.chat_template = template
+        if prepare is not None:
+            prepare(source)
+    return LLM(a.model, ecfg, progress=progress, check=check, **kw)
+
+
+def prompt_ids(a: argparse.Namespace, source, chat: bool) -> tuple[str | list[int], list[int]]:
+    """generate's prompt (text or ids) and its token ids, from the model's tokenizer alone: a prompt the model
+    cannot take is refused before its weights load."""
+    from .api import chat_prompt, encode
+    tok = source.tokenizer
+    prompt = parse_prompt(a.prompt, tok is not None)
+    if chat:
+        if tok is None:
+            raise UserError("--chat (and -cnv, -sys) need a model with a tokenizer and a chat template")
+        system = [{"role": "system", "content": a.system_prompt}] if a.system_prompt is not None else []
+        ids = chat_prompt(tok, [*system, {"role": "user", "content": prompt}])
+    else:
+        ids = encode(tok, source.config.vocab_size, prompt)
+    if not ids:
+        raise UserError("empty prompt: give at least one token")
+    return prompt, ids
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from .runtime.sampling import SamplingParams
 
     if a.file:
+        if a.prompt is not None:            # llama.cpp takes the later one without a word
+            raise UserError("-p and -f both give the prompt: give one of them")
         try:
             a.prompt = open(a.file, encoding="utf-8").read()
         except OSError as e:
@@ -97,16 +122,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.trace:
         from .experts.trace import check_trace_path
         check_trace_path(a.trace)
-    llm = load_model(a, flags.to_config(a))
-    prompt = parse_prompt(a.prompt, llm.tokenizer is not None)
     chat = a.chat or a.conversation or a.system_prompt is not None
-    if chat:
-        if llm.tokenizer is None:
-            raise UserError("--chat (and -cnv, -sys) need a model with a tokenizer and a chat template")
-        system = [{"role": "system", "content": a.system_prompt}] if a.system_prompt is not None else []
-        ids = llm.chat_prompt([*system, {"role": "user", "content": prompt}])
-    else:
-        ids = llm.encode(prompt)
+    found = []                                # the prompt and its ids, made before the weights load
+    llm = load_model(a, flags.to_config(a), prepare=lambda src: found.extend(prompt_ids(a, src, chat)))
+    prompt, ids = found
     ctx = llm.engine.kv.ctx
     room = ctx - len(ids) + 1                 # the last token is sampled, never written to the KV cache
     if 0 < room < a.n_predict < 1 << 62:

@@ -9,6 +9,8 @@ says what moestream does instead.
 | ----------------------- | ------------------------------------------------------------------------------------ |
 | -ngl 99 / all / auto    | accepted: attention, routers and the KV cache are always on the GPU                   |
 | -ngl 0, -ngl N < layers | refused: experts move by layer (--cpu-moe, --n-cpu-moe N), not whole layers           |
+| -ngl 0 --device cpu     | accepted: everything runs on the CPU, as asked                                        |
+| -cmoe with -ncmoe N     | --cpu-moe wins (every MoE layer's experts in host memory), as in llama.cpp; a warning  |
 | -ot exps=CPU            | --cpu-moe (a pattern matching layers 0..N-1 only: --n-cpu-moe N); other patterns refused |
 | -fa on / auto / bare -fa| accepted: prompts always use flash attention; -fa off is refused                      |
 | -t N, -tb N             | torch's CPU threads for decode steps and for prompts                                  |
@@ -80,7 +82,7 @@ def apply(a: argparse.Namespace) -> None:
     """Check the habit flags in `a` and fold those that are engine flags into them (-ot into cpu_moe/n_cpu_moe).
     UserError for a value with no meaning here."""
     for v in _as_list(getattr(a, "n_gpu_layers", None)):
-        _check_ngl(v)
+        _check_ngl(v, getattr(a, "device", "auto"))
     for v in _as_list(getattr(a, "flash_attn", None)):
         if v.lower() in _FA_OFF:
             raise UserError(f"-fa {v}: moestream has no attention without flash attention (prompts use it, decode "
@@ -94,6 +96,9 @@ def apply(a: argparse.Namespace) -> None:
     for spec in getattr(a, "override_tensor", None) or ():
         for part in spec.split(","):
             _apply_override(a, part.strip())
+    ncmoe = [n for n in _as_list(getattr(a, "n_cpu_moe", None)) if n]
+    if getattr(a, "cpu_moe", False) and ncmoe:      # as in llama.cpp, where -cmoe's override covers -ncmoe's
+        log.warning("--cpu-moe keeps every MoE layer's experts in host memory; -ncmoe %s adds nothing", ncmoe[0])
     if getattr(a, "no_mmap", False) or getattr(a, "mlock", False):
         log.info("--no-mmap/--mlock: nothing to change (weights are copied at load; host experts are pinned)")
     threads = getattr(a, "threads", None)
@@ -108,9 +113,10 @@ def check_model(a: argparse.Namespace, cfg) -> None:
     if ngl and getattr(a, "device", "auto") in ("auto", "cpu"):
         import torch
         if a.device == "cpu" or not torch.cuda.is_available():
-            log.warning("-ngl %s: there is no GPU here (or --device cpu): everything runs on the CPU", ngl[0])
-    for v in ngl:
-        if v.lower() in ALL_LAYERS or int(v) >= cfg.n_layers:
+            if any(v.lower() in ALL_LAYERS or int(v) for v in ngl):
+                log.warning("-ngl %s: there is no GPU here (or --device cpu): everything runs on the CPU", ngl[0])
+    for v in ngl:                         # -ngl 0 is here only with --device cpu (apply): what it asks
+        if v.lower() in ALL_LAYERS or int(v) == 0 or int(v) >= cfg.n_layers:
             continue
         keep = min(cfg.n_layers - int(v), len(cfg.moe_layers))
         raise UserError(f"-ngl {v}: moestream keeps all {cfg.n_layers} layers' attention on the GPU and moves "
@@ -142,14 +148,14 @@ def _as_list(v) -> list:
     return [] if v is None else v if isinstance(v, list) else [v]
 
 
-def _check_ngl(v: str) -> None:
+def _check_ngl(v: str, device: str) -> None:
     if v.lower() in ALL_LAYERS:
         return
     try:
         n = int(v)
     except ValueError:
         raise UserError(f"-ngl takes a number of layers, all or auto, got {v!r}") from None
-    if n == 0:
+    if n == 0 and device != "cpu":         # with --device cpu, -ngl 0 asks what moestream does
         raise UserError("-ngl 0: moestream always keeps attention and routers on the GPU; keep the experts in host "
                         "memory with --cpu-moe (or --n-cpu-moe N), or run everything on the CPU with --device cpu")
     if n < 0:

@@ -16,6 +16,14 @@ from .models.families import FAMILIES, family_named, option, titles
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
 LAYER_TYPES = ("full_attention", "linear_attention")
+# ModelConfig's whole-number fields (checked for type before anything compares them) and the config.json key each
+# is read from, where it differs from the field's name (the family's own keys come from its entry).
+INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
+              "n_experts_used", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
+              "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel")
+HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+           "n_experts_used": "num_experts_per_tok", "linear_conv_kernel": "linear_conv_kernel_dim"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,14 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise UserError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}")
+        for name in INT_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise UserError(f"model config: {name} must be a whole number, got {v!r}")
+        for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise UserError(f"model config: {name} must be a number, got {v!r}")
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
                      "n_experts_used", "moe_intermediate_size"):
             if getattr(self, name) <= 0:
@@ -141,11 +157,14 @@ class ModelConfig:
         if fam is None:
             raise UserError(f"unsupported architecture {arch!r} (model_type {c.get('model_type')!r}); "
                             f"moestream runs {titles()} checkpoints")
+        _check_types(c, fam.name)
         try:
             n_layers = c["num_hidden_layers"]
             hidden = c["hidden_size"]
             n_heads = c["num_attention_heads"]
-            n_experts = c.get("num_experts") or c.get("num_local_experts")
+            n_experts = next((c[k] for k in ("num_experts", "num_local_experts") if c.get(k) is not None), None)
+            if n_experts is None:
+                raise KeyError(fam.experts_key)
             moe_inter = c.get(fam.moe_intermediate_key) or c["intermediate_size"]
             dense: list[int] = []
             if fam.sparse_step:
@@ -183,6 +202,35 @@ class ModelConfig:
             )
         except KeyError as e:
             raise UserError(f"config.json lacks {e.args[0]!r}: is it a complete {arch} config?") from None
+
+
+def hf_key(family: str, field: str) -> str:
+    """The config.json key a ModelConfig field is read from (`n_experts`: num_experts, Mixtral's num_local_experts)."""
+    fam = FAMILIES[family]
+    own = {"n_experts": fam.experts_key, "moe_intermediate_size": fam.moe_intermediate_key,
+           "shared_expert_intermediate_size": fam.shared_expert_key}
+    return own.get(field) or HF_KEYS.get(field, field)
+
+
+def _check_types(c: dict, family: str) -> None:
+    """config.json's numbers checked for type before any is used, each refused in one line naming its key."""
+    ints = {hf_key(family, f) for f in INT_FIELDS} | {"num_experts", "num_local_experts", "intermediate_size",
+                                                       "decoder_sparse_step"}
+    for key in sorted(ints):
+        v = c.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise UserError(f"config.json: {key} must be a whole number, got {v!r}")
+    for key in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+        v = c.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            raise UserError(f"config.json: {key} must be a number, got {v!r}")
+    types = c.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise UserError(f"config.json: layer_types must be a list of layer kinds ({', '.join(LAYER_TYPES)}), got "
+                        f"{types!r}")
+    layers = c.get("mlp_only_layers")
+    if layers is not None and not (isinstance(layers, list) and all(type(i) is int for i in layers)):
+        raise UserError(f"config.json: mlp_only_layers must be a list of layer numbers, got {layers!r}")
 
 
 def _text_config(c: dict) -> dict:

@@ -308,20 +308,6 @@ def test_forwards_kept_apart_from_every_sequence_leave_the_states_as_they_were(h
     assert all(torch.equal(x, y) for x, y in zip(plain, kept))
 
 
-def test_writing_a_hybrid_gguf_no_interval_says_is_refused_in_one_line(tmp_path):
-    """A GGUF whose layer types no interval says, of either family (Qwen3.5-MoE's qwen35moe GGUF is
-    tests/test_next_gguf.py's; HF directories of both families are tests/test_next_hf_write.py's)."""
-    from moestream.loading.gguf_write import write_gguf
-    from moestream.loading.synth import SynthSource
-    nxt = SynthSource.from_spec("tiny-next")
-    odd = SynthSource(nxt.config.replace(layer_types=("full_attention", "linear_attention") * 2))
-    odd35 = SynthSource(odd.config.replace(family="qwen3_5_moe"))
-    for src, out in ((odd35, tmp_path / "a.gguf"), (odd, tmp_path / "b.gguf")):
-        with pytest.raises(UserError, match="full_attention_interval") as e:
-            write_gguf(src, out)
-        assert "\n" not in str(e.value)
-
-
 def test_a_gguf_of_the_same_weights_gives_the_same_logits(tmp_path):
     """llama.cpp's qwen3next: write_gguf of a Qwen3-Next checkpoint reads back as the same config and, float32,
     the same logits bit for bit (GGUF holds the canonical values: 1 + w norms, -exp(A_log))."""

@@ -14,8 +14,9 @@ stores without permuting Q and K; the hybrid qwen3next and qwen35moe, whose tens
 post_attention_norm; qwen3next's ssm_in is split into attn_qkv and attn_gate, fused back here, its ssm_ba is HF's,
 grouped by key head; qwen35moe's value heads are tiled, grouped back here: models/next_names.py).
 A hybrid file's DeltaNet shape is in its ssm.* keys (conv_kernel, state_size: dk, group_count: key heads,
-time_step_rank: value heads, inner_size: value heads x dv), its layer types in full_attention_interval (every
-N-th layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count; qwen35moe's
+time_step_rank: value heads, inner_size: value heads x dv), its layer types in attention.recurrent_layers (a flag
+a block, as llama.cpp's converter writes config.json's layer_types) or else full_attention_interval (every N-th
+layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count; qwen35moe's
 rope.dimension_sections (multimodal RoPE) do not matter to text. Blocks past block_count - nextn_predict_layers
 (Qwen3.5's multi-token prediction layers) are not read.
 """
@@ -35,7 +36,7 @@ from gguf import GGUFValueType
 from ..config import ModelConfig
 from ..errors import UserError
 from ..models.families import BY_GGUF_ARCH
-from ..models.names import EXPERT_STACKS, canonical_shape, dense_names, gguf_tensors
+from ..models.names import EXPERT_STACKS, check_shape, dense_names
 from ..models.next_names import fuse_qkvz, reorder_v_heads
 from ..quant.types import FLOAT, LOADABLE, names, type_size, block_size
 
@@ -44,6 +45,15 @@ ROPE_KEYS = {"rope_type": "type", "original_max_position_embeddings": "original_
              "attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
 # Our own key: HF models may stop on several ids; llama.cpp's tokenizer keys hold only one eos.
 EOS_IDS_KEY = "moestream.eos_token_ids"
+# ModelConfig field -> the metadata key (after `{arch}.`) it is read from, for messages; the vocabulary is
+# token_embd's rows.
+GGUF_KEYS = {"hidden_size": "embedding_length", "n_heads": "attention.head_count",
+             "n_kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length", "n_experts": "expert_count",
+             "moe_intermediate_size": "expert_feed_forward_length", "intermediate_size": "feed_forward_length",
+             "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+             "linear_num_key_heads": "ssm.group_count", "linear_num_value_heads": "ssm.time_step_rank",
+             "linear_key_head_dim": "ssm.state_size", "linear_value_head_dim": "ssm.inner_size/ssm.time_step_rank",
+             "linear_conv_kernel": "ssm.conv_kernel"}
 _REQUIRED = object()
 
 
@@ -131,7 +141,7 @@ class GGUFSource:
         for t in self._reader.tensors:
             self._check_tensor(t)
         self.config = self._config()
-        self._check_experts()
+        self._check_shapes()
 
     def _check_tensor(self, t) -> None:
         """One line for a tensor moestream cannot read: its type, a row that is not whole blocks, short data."""
@@ -149,18 +159,25 @@ class GGUFSource:
             raise UserError(f"tensor {t.name} has {t.data.nbytes} bytes of data but its type and shape need {need}: "
                             "the file is truncated or damaged; download or convert it again")
 
-    def _check_experts(self) -> None:
-        """The expert stacks' shapes against the metadata (expert() slices them by the config's count)."""
-        c = self.config
-        want = {"ffn_gate_exps": (c.n_experts, c.moe_intermediate_size, c.hidden_size),
-                "ffn_up_exps": (c.n_experts, c.moe_intermediate_size, c.hidden_size),
-                "ffn_down_exps": (c.n_experts, c.hidden_size, c.moe_intermediate_size)}
-        for layer in c.moe_layers:
-            for stack, shape in want.items():
-                name = f"blk.{layer}.{stack}.weight"
-                if name in self._tensors and self._shape(name) != shape:
-                    raise UserError(f"GGUF {str(self.path)!r}: tensor {name} has shape {self._shape(name)} but the "
-                                    f"file's metadata make it {shape}: the file is damaged or its keys are wrong")
+    def _check_shapes(self) -> None:
+        """Every tensor's shape against the one the metadata make, from the tensor table alone (no data read)."""
+        names = [*dense_names(self.config), *(f"blk.{i}.{s}.weight" for i in self.config.moe_layers
+                                              for s in EXPERT_STACKS)]
+        for name in names:
+            for part in self._split(name) or (name,):
+                file_name = self._file_name(part)
+                if file_name not in self._tensors:
+                    continue                  # tensor() says which one is missing, when it is read
+                shape = self._shape(file_name)
+                if name.endswith("ffn_gate_inp_shexp.weight"):
+                    shape = (1, *shape)       # llama.cpp stores the shared expert's gate as (H,)
+                check_shape(self.config, part, shape, tensor=file_name, key=self._key_name,
+                            hint="the file is damaged or its keys are wrong")
+
+    def _key_name(self, field: str) -> str:
+        if field == "vocab_size":
+            return "token_embd.weight's rows"
+        return f"{self.arch}.{GGUF_KEYS.get(field, field)}"
 
     # --- metadata --------------------------------------------------------------------------------------------
     def _key(self, key: str, default=_REQUIRED, kind: type = int):
@@ -241,16 +258,10 @@ class GGUFSource:
 
     def _hybrid_options(self, n_layers: int, head_dim: int) -> dict:
         """A hybrid file's (qwen3next, qwen35moe) ModelConfig fields of the DeltaNet and gated attention layers."""
-        step = self._key("full_attention_interval", 4)
         nv, inner = self._key("ssm.time_step_rank"), self._key("ssm.inner_size")
-        for bad, what in ((not isinstance(step, int) or step < 1, f"full_attention_interval {step!r}"),
-                          (not isinstance(nv, int) or nv < 1 or not isinstance(inner, int) or inner % nv,
-                           f"ssm.inner_size {inner!r} for ssm.time_step_rank {nv!r} value heads")):
-            if bad:
-                raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.{what}, which makes no model; convert "
-                                "it again with a current llama.cpp")
-        return dict(layer_types=tuple("linear_attention" if (i + 1) % step else "full_attention"
-                                      for i in range(n_layers)),
+        if not isinstance(nv, int) or nv < 1 or not isinstance(inner, int) or inner % nv:
+            self._no_model(f"ssm.inner_size {inner!r} for ssm.time_step_rank {nv!r} value heads")
+        return dict(layer_types=self._layer_types(n_layers),
                     linear_num_key_heads=self._key("ssm.group_count"), linear_num_value_heads=nv,
                     linear_key_head_dim=self._key("ssm.state_size"),
                     linear_value_head_dim=inner // nv,
@@ -264,6 +275,26 @@ class GGUFSource:
             return {k: _value(f) for k, f in self._reader.fields.items() if wanted(k)}
         except ValueError as e:             # a string that is not UTF-8
             raise _damaged(self.path, e) from None
+
+    def _layer_types(self, n_layers: int) -> tuple[str, ...]:
+        """Which layers are DeltaNet (recurrent) and which attention: attention.recurrent_layers, one flag a block
+        (or one for all), as llama.cpp's converter writes it from config.json's layer_types and its loader reads it
+        first; else every full_attention_interval-th layer is attention (llama.cpp's default 4)."""
+        flags = self._fields.get(f"{self.arch}.attention.recurrent_layers")
+        if flags is not None:
+            blocks = self._key("block_count")
+            flags = flags if isinstance(flags, list) else [flags] * blocks
+            if len(flags) not in (blocks, n_layers) or not all(isinstance(f, (bool, int)) for f in flags):
+                self._no_model(f"attention.recurrent_layers {flags!r} for block_count {blocks}")
+            return tuple("linear_attention" if f else "full_attention" for f in flags[:n_layers])
+        step = self._key("full_attention_interval", 4)
+        if not isinstance(step, int) or step < 1:
+            self._no_model(f"full_attention_interval {step!r}")
+        return tuple("linear_attention" if (i + 1) % step else "full_attention" for i in range(n_layers))
+
+    def _no_model(self, what: str):
+        raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.{what}, which makes no model; convert it again "
+                        "with a current llama.cpp")
 
     def _token_field(self, key: str):
         return self._values(lambda k: k == key).get(key)
@@ -318,25 +349,12 @@ class GGUFSource:
         t = self._tensors.get(self._file_name(name))
         if t is None:
             raise UserError(f"GGUF {str(self.path)!r} lacks tensor {self._file_name(name)}: is the file complete?")
-        out = _to_torch(t.data, t.tensor_type)
+        out = _to_torch(t.data, t.tensor_type)       # its shape checked against the metadata's at open
         if name.endswith("ffn_gate_inp_shexp.weight"):
             out = out.reshape(1, -1)       # llama.cpp stores the shared expert's gate as (H,)
-        want = self._dense_shapes.get(name)
-        if want is not None and tuple(out.shape) != want:
-            raise UserError(f"GGUF {str(self.path)!r}: tensor {self._file_name(name)} has shape {tuple(out.shape)} "
-                            f"but the file's metadata make it {want}: the file is damaged or its keys are wrong")
         if BY_GGUF_ARCH[self.arch].gguf_tiled_v:       # qwen35moe: value heads tiled in the file, grouped here
             out = reorder_v_heads(self.config, name, out, tiled=False)
         return out
-
-    @cached_property
-    def _dense_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The torch shape the config gives each non-expert tensor (what tensor() checks a file's against)."""
-        shapes = {n: canonical_shape(self.config, n) for n in dense_names(self.config)}
-        if BY_GGUF_ARCH[self.arch].gguf_split_qkvz:        # ssm_in's two parts, checked before they are fused
-            parts = ("attn_qkv.weight", "attn_gate.weight")
-            shapes |= {n: s for n, s in gguf_tensors(self.config) if n.endswith(parts)}
-        return shapes
 
     def _stack(self, layer: int, stack: str):
         t = self._tensors.get(f"blk.{layer}.{stack}.weight")

@@ -98,15 +98,16 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
 
 
 def _add_hybrid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
-    """qwen3next's and qwen35moe's keys: the DeltaNet's shape (ssm.*), the attention layers' interval, the rotary
-    width; qwen35moe's multimodal RoPE sections too. (llama.cpp's loaders take a value head's dv as dk,
-    ssm.state_size: a model whose dv differs is read back by moestream only.)"""
+    """qwen3next's and qwen35moe's keys: the DeltaNet's shape (ssm.*), the layer kinds, the rotary width;
+    qwen35moe's multimodal RoPE sections too. The layer kinds are attention.recurrent_layers, a flag a layer, as
+    llama.cpp's converter writes them (and its loader reads them first), and full_attention_interval as well where
+    attention is every N-th layer, for readers that know only that. (llama.cpp's loaders take a value head's dv as
+    dk, ssm.state_size: a model whose dv differs is read back by moestream only.)"""
+    w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
     step = cfg.attention_layers[0] + 1 if cfg.attention_layers else cfg.n_layers + 1
-    want = tuple("linear_attention" if (i + 1) % step else "full_attention" for i in range(cfg.n_layers))
-    if cfg.layer_types != want:
-        raise UserError(f"GGUF holds a {cfg.family} model's layer types as one full_attention_interval; this "
-                        "model's attention layers are not every N-th layer: export a Hugging Face directory")
-    w.add_full_attention_interval(step)
+    if cfg.layer_types == tuple("linear_attention" if (i + 1) % step else "full_attention"
+                                for i in range(cfg.n_layers)):
+        w.add_full_attention_interval(step)
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel)
     w.add_ssm_state_size(cfg.linear_key_head_dim)
     w.add_ssm_group_count(cfg.linear_num_key_heads)

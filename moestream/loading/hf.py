@@ -21,6 +21,7 @@ which this model has not.
 from __future__ import annotations
 
 import json
+import math
 import os
 from functools import cached_property
 from pathlib import Path
@@ -30,10 +31,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..config import ModelConfig
+from ..config import ModelConfig, hf_key
 from ..errors import UserError
 from ..models.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
-from ..models.names import dense_names
+from ..models.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
 from ..models.next_names import canonical_value, hf_value
 
 INDEX = "model.safetensors.index.json"
@@ -77,6 +78,48 @@ class HFSource:
             self._where.update(dict.fromkeys(handle.keys(), handle))
         prefixes = FAMILIES[self.config.family].hf_text_prefixes
         self.prefix = next((p for p in prefixes if p + "embed_tokens.weight" in self._where), prefixes[0])
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """Every tensor's shape (from the safetensors headers, no data read) against the one config.json makes, as
+        tensor() and expert() would hand it out; one line naming the keys and the tensor where they disagree."""
+        cfg = self.config
+        for name in dense_names(cfg):
+            hf = next((n for n in hf_names(name, cfg.family, self.prefix) if n in self._where), None)
+            if hf is not None:                # a missing one is named when it is read
+                self._check(name, hf, _canonical_shape_of(name, self._shape(hf)))
+        fam, every = FAMILIES[cfg.family], FAMILIES.values()
+        for layer in cfg.moe_layers:
+            p = f"{self.prefix}layers.{layer}."
+            for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
+                gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
+                if gate_up in self._where and down in self._where:
+                    E, inter, H = canonical_shape(cfg, "ffn_gate_exps.weight")    # gate_up: gate rows, then up
+                    self._check(f"blk.{layer}.ffn_gate_exps.weight", gate_up, self._shape(gate_up),
+                                want=(E, 2 * inter, H))
+                    self._check(f"blk.{layer}.ffn_down_exps.weight", down, self._shape(down))
+                    break
+            else:
+                for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
+                    first = f"{p}{mod}.0.{g}.weight"
+                    if first in self._where:  # experts one tensor each: as many as there are, stacked
+                        n = 1
+                        while f"{p}{mod}.{n}.{g}.weight" in self._where:
+                            n += 1
+                        for proj, stack in zip((g, u, d), EXPERT_STACKS):
+                            name = f"{p}{mod}.0.{proj}.weight"
+                            if name in self._where:
+                                self._check(f"blk.{layer}.{stack}.weight", f"{p}{mod}.{{0..{n - 1}}}.{proj}.weight",
+                                            (n, *self._shape(name)))
+                        break
+
+    def _check(self, name: str, tensor: str, shape, want=None) -> None:
+        check_shape(self.config, name, shape, tensor=tensor, want=want,
+                    key=lambda f: hf_key(self.config.family, f),
+                    hint="config.json does not match the weights")
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
 
     def _shard_files(self) -> list[Path]:
         if (self.path / "model.safetensors").exists():
@@ -157,15 +200,19 @@ class HFSource:
         return self._where[name].get_tensor(name)
 
     def _fused_expert(self, gate_up: str, down: str, e: int):
-        c = self.config
-        E, inter, H = c.n_experts, c.moe_intermediate_size, c.hidden_size
+        inter = self.config.moe_intermediate_size          # the stacks' shapes were checked at open
         gu, dn = self._where[gate_up].get_slice(gate_up), self._where[down].get_slice(down)
-        if list(gu.get_shape()) != [E, 2 * inter, H] or list(dn.get_shape()) != [E, H, inter]:
-            raise UserError(f"fused experts {gate_up} {gu.get_shape()} / {down} {dn.get_shape()} are not "
-                            f"(E, 2I, H) / (E, H, I) = ({E}, {2 * inter}, {H}) / ({E}, {H}, {inter}); "
-                            "this checkpoint's expert layout is not supported")
         pair = gu[e]                                               # (2I, H): gate rows, then up rows
         return pair[:inter], pair[inter:], dn[e]
+
+
+def _canonical_shape_of(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape tensor() gives an HF tensor of this shape: the conv as (C, K), the shared expert's gate as (1, H)."""
+    if name.endswith("ssm_conv1d.weight") and shape:
+        return (shape[0], math.prod(shape[1:]))
+    if name.endswith("ffn_gate_inp_shexp.weight"):
+        return (1, math.prod(shape))
+    return shape
 
 
 def _suffix(name: str) -> str:

@@ -23,9 +23,12 @@ The names are family-independent: a family's options (moestream.models.families)
 """
 from __future__ import annotations
 
+import copy
 import math
+from typing import Callable
 
-from ..config import ModelConfig
+from ..config import INT_FIELDS, ModelConfig
+from ..errors import UserError
 from .families import FAMILIES
 
 # A MoE layer's experts stacked (E, ., .): gate, up, down, in the order an expert's buffer holds them.
@@ -68,7 +71,7 @@ def dense_names(cfg: ModelConfig) -> list[str]:
 
 
 def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
-    """The torch shape of a canonical non-expert tensor, from the config alone."""
+    """The torch shape of a canonical tensor (a non-expert one, or a layer's expert stack), from the config alone."""
     H, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     inter, shexp = cfg.intermediate_size, cfg.shared_expert_intermediate_size
@@ -85,6 +88,9 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "attn_q_norm.weight": (hd,) if cfg.qk_norm == "head" else (q,),
         "attn_k_norm.weight": (hd,) if cfg.qk_norm == "head" else (kv,),
         "ffn_gate_inp.weight": (cfg.n_experts, H),
+        "ffn_gate_exps.weight": (cfg.n_experts, cfg.moe_intermediate_size, H),
+        "ffn_up_exps.weight": (cfg.n_experts, cfg.moe_intermediate_size, H),
+        "ffn_down_exps.weight": (cfg.n_experts, H, cfg.moe_intermediate_size),
         "ffn_gate_shexp.weight": (shexp, H), "ffn_up_shexp.weight": (shexp, H), "ffn_down_shexp.weight": (H, shexp),
         "ffn_gate_inp_shexp.weight": (1, H),
         "ffn_gate.weight": (inter, H), "ffn_up.weight": (inter, H), "ffn_down.weight": (H, inter),
@@ -96,6 +102,36 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "ssm_norm.weight": (cfg.linear_value_head_dim,), "ssm_out.weight": (H, lv),
     }
     return shapes[base]
+
+
+def check_shape(cfg: ModelConfig, name: str, shape, *, tensor: str, key: Callable[[str], str], hint: str,
+                want: tuple[int, ...] | None = None) -> None:
+    """One line (UserError) where a file's tensor is not the shape its config makes: `name` canonical, `shape` the
+    file's (torch order; read from a header, no data), `tensor` its name in the file, key(field) a config field's
+    key in the file's own words, `want` the shape when it is not canonical_shape's (a fused stack). The line names
+    the keys that make the first dimension that differs: what a user edits, or finds wrong in a download."""
+    want = tuple(canonical_shape(cfg, name) if want is None else want)
+    shape = tuple(int(d) for d in shape)
+    if shape == want:
+        return
+    dim = next((i for i, (a, b) in enumerate(zip(shape, want)) if a != b), None)
+    fields = _fields_of_dim(cfg, name, dim) if dim is not None else []
+    made = [f"{key(f)} {getattr(cfg, f)}" for f in fields]
+    made = ", ".join(made[:-1]) + " and " + made[-1] if len(made) > 1 else made[0] if made else "the config"
+    raise UserError(f"tensor {tensor} has shape {shape} but {made} make{'s' if len(fields) < 2 else ''} it "
+                    f"{want}: {hint}")
+
+
+def _fields_of_dim(cfg: ModelConfig, name: str, dim: int) -> list[str]:
+    """The config's whole-number fields that dimension `dim` of canonical_shape(cfg, name) depends on, found by
+    moving each by one (on a copy that skips validation) rather than by a second table of the shapes' formulas."""
+    base, out = canonical_shape(cfg, name), []
+    for f in INT_FIELDS:
+        moved = copy.copy(cfg)
+        object.__setattr__(moved, f, getattr(cfg, f) + 1)
+        if canonical_shape(moved, name)[dim] != base[dim]:
+            out.append(f)
+    return out
 
 
 def dense_numel(cfg: ModelConfig) -> int:

@@ -52,7 +52,9 @@ FTYPES: dict[str, tuple[F, Q]] = {
 FLOAT = (Q.F32, Q.F16, Q.BF16)
 # llama-quant.cpp's tensor_type_fallback today (releases before its 2026 refactor sent Q2_K and Q3_K to IQ4_NL)
 FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
-NEEDS_IMATRIX = ("Q2_K_S",)    # llama-quantize's file types that it refuses without an importance matrix
+# llama-quantize's file types that it refuses without an importance matrix: those whose tensors' default type is one of
+# llama-quant.cpp's tensor_requires_imatrix (IQ1_*, IQ2_*, IQ3_XXS; Q2_K in a Q2_K_S file)
+NEEDS_IMATRIX = ("Q2_K_S", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS")
 _MORE_BITS_V = ("Q4_K_M", "Q5_K_M")
 _IQ4 = ("IQ4_NL", "IQ4_XS")
 _ATTN_OUTPUT_8_EXPERTS = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS")
@@ -66,6 +68,9 @@ def parse_ftype(name: str) -> str:
     if key in NEEDS_IMATRIX:
         raise UserError(f"{key} needs an importance matrix (llama-quantize refuses it without one), which moestream "
                         "does not compute; use Q2_K")
+    if key not in FTYPES and "MOSTLY_" + key in F.__members__:
+        raise UserError(f"moestream quantize does not write llama-quantize's file type {key}; the types it writes: "
+                        f"{', '.join(FTYPES)}")
     if key not in FTYPES:
         raise UserError(f"unknown file type {name!r}; the types: {', '.join(FTYPES)}")
     return key

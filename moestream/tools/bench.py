@@ -30,6 +30,8 @@ ratio, printed pair by pair (bench_compare.py).
 
 --parallel (-npl) B,... decodes B sequences together instead, with -npp/-ntg tokens each, as llama-batched-bench
 does: bench_parallel.py.
+
+torch and the engine are imported where they are used, so that `moestream bench --help` answers at once.
 """
 from __future__ import annotations
 
@@ -40,11 +42,8 @@ import itertools
 import statistics
 import sys
 
-import torch
-
 from .. import compat, flags
 from ..errors import UserError
-from ..runtime.generate import token_hash
 from . import report
 from .report import Col, na
 
@@ -64,8 +63,16 @@ def _mibs(s: str) -> list[int | str]:
     return [flags.mib(x) for x in s.split(",") if x.strip() != ""]
 
 
-def _pair(s: str) -> tuple[int, int]:
+def _sizes(s: str) -> list[int]:
+    """-p, -n: token counts, where 0 skips the test; a negative one is a mistake, not a skip."""
     v = _ints(s)
+    if any(n < 0 for n in v):
+        raise argparse.ArgumentTypeError(f"expected token counts >= 0 (0 skips the test), got {s!r}")
+    return v
+
+
+def _pair(s: str) -> tuple[int, int]:
+    v = _sizes(s)
     if len(v) != 2:
         raise argparse.ArgumentTypeError(f"-pg takes PP,TG (two integers), got {s!r}")
     return v[0], v[1]
@@ -88,9 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_engine_arguments(p, **{k: dict(type=_mibs if k == "moe_cache_mib" else _ints,
                                              default=[flags.BY_NAME[k].default]) for k in SWEPT})
     # None until given (512 and 128 then), so that --parallel can refuse them
-    p.add_argument("-p", "--n-prompt", type=_ints, default=None,
+    p.add_argument("-p", "--n-prompt", type=_sizes, default=None,
                    help="prompt lengths, comma list (default 512; 0 skips)")
-    p.add_argument("-n", "--n-gen", type=_ints, default=None,
+    p.add_argument("-n", "--n-gen", type=_sizes, default=None,
                    help="generation lengths, comma list (default 128; 0 skips)")
     p.add_argument("-pg", dest="pg", type=_pair, action="append", default=[], metavar="PP,TG",
                    help="a prompt of PP tokens then TG generated ones (repeatable)")
@@ -153,6 +160,7 @@ def measure_link(device, mib: int) -> float | None:
     """Host -> device bytes per second from pinned memory (a timed copy of `mib` MiB); None on the CPU."""
     if not device.is_cuda or mib <= 0:
         return None
+    import torch
     n = mib << 20
     src = torch.empty(n, dtype=torch.uint8, pin_memory=True)                 # (n,) pinned host bytes
     dst = torch.empty(n, dtype=torch.uint8, device=device.torch)
@@ -182,10 +190,13 @@ class BenchTest:
         return self.n_prompt + self.n_gen
 
     def prompt(self, vocab: int, i: int) -> list[int]:
+        import torch
         g = torch.Generator().manual_seed(self.seed * 7919 + i + 1)
         return torch.randint(0, vocab, (max(self.n_prompt, 1),), generator=g).tolist()
 
     def run(self, llm, i: int) -> dict:
+        import torch
+        from ..runtime.generate import token_hash
         eng = llm.engine
         ids = self.prompt(llm.model_config.vocab_size, i)
 
@@ -266,7 +277,8 @@ def load(ns: argparse.Namespace, ctx: int):
 def release_memory() -> None:
     """After the last reference to an LLM is gone: give its memory back before the next load."""
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    torch = sys.modules.get("torch")          # none loaded: nothing to give back
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
@@ -293,6 +305,7 @@ BENCH_COLS = [
 
 
 def main(a: argparse.Namespace) -> int:
+    import torch
     if not 0 <= a.seed < 1 << 32:
         raise UserError(f"--seed must be from 0 to {(1 << 32) - 1}, got {a.seed}")
     if a.link_mib < 0:

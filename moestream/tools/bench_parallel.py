@@ -34,15 +34,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from .. import flags
 from ..errors import UserError
-from ..experts.trace import record, save_trace
-from ..runtime.generate import token_hash
-from ..runtime.requests import Request, SchedulerConfig
-from ..runtime.sampling import SamplingParams
-from ..runtime.serving import ServingLoop
 from . import report
 from .bench import _ints, placement, release_memory, scalar
 from .report import Col, na
@@ -78,6 +71,7 @@ class ParallelTest:
 
     def prompts(self, vocab: int, i: int) -> list[list[int]]:
         """Run i's prompt of each sequence (i = -1: the warm-up's). Sequence 0's is BenchTest.prompt's."""
+        import torch                           # here, not at import: `moestream bench --help` answers at once
         out = []
         for s in range(self.n_pl):
             g = torch.Generator().manual_seed(self.seed * 7919 + i + 1 + s * SEQ_STRIDE)
@@ -104,6 +98,9 @@ def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> d
     first token is the first decode step's input), then n_tg decode steps of every sequence together, greedy: the
     serving loop (runtime/serving.py) with a slot a sequence, reading every prompt before the first decode step.
     Returns each sequence's generated tokens, the seconds of both phases and the counters over each."""
+    from ..runtime.requests import Request, SchedulerConfig
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.serving import ServingLoop
     B = len(prompts)
     loop = ServingLoop(engine, None, SchedulerConfig(n_slots=B, max_queue=0, prompts_first=True,
                                                      count_routing=False))
@@ -138,6 +135,7 @@ def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> d
 
 def summarise(test: ParallelTest, runs: list[dict]) -> dict:
     """One row: llama-batched-bench's columns (means over the timed runs) and the counters' means."""
+    from ..runtime.generate import token_hash
     B, pp, tg = test.n_pl, test.n_pp, test.n_tg
     mean = lambda xs: statistics.mean(xs)
     std = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
@@ -237,6 +235,8 @@ COLS = [
 
 
 def main(a: argparse.Namespace) -> int:
+    import torch
+    from ..experts.trace import record, save_trace
     check_flags(a)
     tests = tests_of(a)
     if a.trace:

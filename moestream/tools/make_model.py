@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 
 from ..errors import UserError
-from ..loading.source import open_source
 from ..outputs import atomic_dir, check_writable
 
 FORMATS = ("hf", "gguf")
@@ -42,6 +41,7 @@ def make_model(preset_spec: str, out: str | os.PathLike, fmt: str | None = None,
     if dtype not in DTYPES or (fmt == "hf" and dtype == "q8_0"):
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)} (q8_0 only with --format gguf)")
     check_writable(out, "OUT", new=True, directory=fmt == "hf", parents=True)     # the folders OUT needs are made
+    from ..loading.source import open_source     # torch: here, not at import, so that --help answers at once
     source = open_source(resolve_spec(preset_spec))
     if fmt == "gguf":
         from ..loading.gguf_write import write_gguf

@@ -17,16 +17,12 @@ import collections
 import os
 from pathlib import Path
 
-import torch
-
 from ..errors import UserError
-from ..loading.source import open_source
 from ..outputs import check_writable
 from ..quant.mix import FLOAT, FTYPES, Mix, parse_ftype, tensor_bytes
-from ..quant.quantize import ENCODERS
 from ..quant.types import parse_type
 
-OVERRIDE_TYPES = tuple(ENCODERS) + FLOAT      # what --output-tensor-type / --token-embedding-type may name
+# torch (quant.quantize, loading) is imported where it is used, so that `moestream quantize --help` answers at once.
 
 
 def quantized_tensors(model: str) -> dict[str, str]:
@@ -41,6 +37,7 @@ def quantized_tensors(model: str) -> dict[str, str]:
 
 
 def resolve_device(device: str) -> str:
+    import torch
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -58,10 +55,13 @@ def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requ
     Refuses an existing `out`, and a quantized GGUF without allow_requantize (requantizing compounds the
     rounding errors), as llama-quantize does. Returns the path, the mix and {type name: (tensors, bytes)}.
     """
+    from ..loading.source import open_source
+    from ..quant.quantize import ENCODERS
     ftype = parse_ftype(ftype)
     out = Path(out)
     check_writable(out, "OUT", new=True, parents=True)       # write_gguf makes the folders OUT needs
-    overrides = {k: parse_type(v, OVERRIDE_TYPES) for k, v in
+    override_types = tuple(ENCODERS) + FLOAT      # what --output-tensor-type / --token-embedding-type may name
+    overrides = {k: parse_type(v, override_types) for k, v in
                  (("output_type", output_type), ("token_embd_type", token_embd_type)) if v is not None}
     quantized = quantized_tensors(model)
     if quantized and not allow_requantize:
@@ -103,6 +103,7 @@ def main(args: argparse.Namespace) -> int:
     if args.nthreads < 0:
         raise UserError(f"NTHREADS must be positive, got {args.nthreads}")
     if args.nthreads:
+        import torch
         torch.set_num_threads(args.nthreads)
     path, mix, summary = quantize_model(args.model, args.out, args.ftype, allow_requantize=args.allow_requantize,
                                         output_type=args.output_tensor_type,
