@@ -34,7 +34,7 @@ from moestream.loading.hf import HFSource, write_hf
 from moestream.loading.synth import SynthSource
 from moestream.models.names import dense_names
 from moestream.models.next_names import canonical_value, hf_value
-from moestream.runtime.engine import Engine
+from moestream.runtime.load import load_engine
 from moestream.tools.make_model import make_model
 
 ATOL = 1e-4
@@ -47,7 +47,7 @@ ARCH = {"qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
 def _logits(source, ids: list[int]) -> torch.Tensor:
     """moestream's float32 logits at every position (N, V), on the CPU, as LLM.logits computes them."""
     ecfg = flags.apply(EngineConfig(), device="cpu", ctx_size=64).resolve(source.dtype_of("token_embd.weight"))
-    eng = Engine.load(source, ecfg, progress=False)
+    eng = load_engine(source, ecfg, progress=False)
     eng.begin_prompt(0)
     with torch.no_grad():
         return eng.prefill(0, ids, 0, all_logits=True).float()

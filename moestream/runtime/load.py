@@ -1,6 +1,6 @@
 """Loading: a WeightSource's weights placed as an EngineConfig says, into an Engine (runtime/engine.py).
 
-    eng = load_engine(open_source("synth:tiny"), ecfg)        # Engine.load(...) says the same
+    eng = load_engine(open_source("synth:tiny"), ecfg)
 
 Dense weights (attention, norms, routers, embeddings) go to the device; each MoE layer's experts to the device or,
 for host layers (--cpu-moe / --n-cpu-moe), to pinned host memory behind the host provider (runtime/placement.py:
@@ -38,7 +38,7 @@ log = logging.getLogger("moestream")
 def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says."""
     if not ecfg.resolved:
-        raise ValueError("Engine.load takes a resolved EngineConfig: ecfg.resolve(file_dtype) first")
+        raise ValueError("load_engine takes a resolved EngineConfig: ecfg.resolve(file_dtype) first")
     cfg: ModelConfig = source.config
     dev = Device.resolve(ecfg.placement.device)
     dtype = DTYPES[ecfg.placement.dtype]
