@@ -357,7 +357,7 @@ def test_llama_cpp_split_ssm_in_is_the_same_layer():
     computes what the fused one does, and the split turns back into the same bits."""
     from moestream.loading.synth import SynthSource
     from moestream.models.deltanet import gated_deltanet
-    from moestream.models.next_names import fuse_qkvz, layer_names, split_qkvz
+    from moestream.arch.hybrid_names import fuse_qkvz, layer_names, split_qkvz
     src = SynthSource.from_spec("tiny-next")
     cfg = src.config
     lw = {n: src.tensor(f"blk.0.{n}") for n in layer_names(cfg, 0) if "_exps" not in n}

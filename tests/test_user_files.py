@@ -26,7 +26,7 @@ from moestream.loading.gguf import GGUFSource
 from moestream.loading.gguf_write import write_gguf
 from moestream.loading.hf import HFSource, write_hf
 from moestream.loading.synth import SynthSource
-from moestream.models.names import dense_names
+from moestream.arch.names import dense_names
 
 
 def run(capsys, *argv):

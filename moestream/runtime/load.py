@@ -21,10 +21,10 @@ from ..experts.routing import RoutingStore
 from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, pick_kernel
 from ..kernels.delta import pick_delta_kernels
-from ..models.families import FAMILIES
+from ..arch.families import FAMILIES
 from ..models.hybrid import HybridTransformer
 from ..models.layers import rope_tables
-from ..models.names import dense_names, keeps_float32
+from ..arch.names import dense_names, keeps_float32
 from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine

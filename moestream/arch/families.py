@@ -5,9 +5,9 @@
     fam.hf_router                                 # HF spellings of blk.N.ffn_gate_inp.weight, the written one first
 
 An entry holds everything that differs by family: the names Hugging Face and GGUF give it, how its config.json
-maps onto ModelConfig (read by ModelConfig.from_hf, written by loading.hf.hf_config), its HF tensor spellings and
+maps onto ModelConfig (read by arch/hf_config.py, written by loading.hf.hf_config), its HF tensor spellings and
 its layer options. The readers and writers of each format are generic over this table, and the canonical tensor
-names (models/names.py) are the same for every family; a new family is an entry here, plus its layers in
+names (arch/names.py) are the same for every family; a new family is an entry here, plus its layers in
 models/ where its math is new. GGUF's metadata keys (`{arch}.block_count`, `{arch}.expert_count`, ...) are
 llama.cpp's generic ones, the same under every architecture, so an entry names only its architecture.
 """
@@ -58,9 +58,9 @@ class Family:
                                      # Qwen3.5-MoE's text-only form (its multimodal one needs a vision tower)
     gguf_renames: tuple[tuple[str, str], ...] = ()    # (canonical, GGUF) layer suffixes where llama.cpp's
                                      # architecture spells a tensor otherwise (qwen3next: post_attention_norm)
-    gguf_split_qkvz: bool = False    # GGUF holds ssm_in as attn_qkv + attn_gate (models/next_names.py split_qkvz)
+    gguf_split_qkvz: bool = False    # GGUF holds ssm_in as attn_qkv + attn_gate (arch/hybrid_names.py split_qkvz)
     gguf_tiled_v: bool = False       # GGUF holds the DeltaNet's value heads tiled, not grouped by key head
-                                     # (llama.cpp's qwen35moe: models/next_names.py reorder_v_heads)
+                                     # (llama.cpp's qwen35moe: arch/hybrid_names.py reorder_v_heads)
     gguf_rope_sections: tuple[int, ...] = ()   # rope.dimension_sections to write (qwen35moe's loader requires them)
 
 
@@ -84,7 +84,7 @@ HF_LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     # Gated DeltaNet (qwen3_next: ssm_in and ssm_ba, fused and grouped by key head; qwen3_5_moe: the split ones).
-    # Canonical values differ from HF's in ssm_a (-exp(A_log)) and the norms (1 + w): see models/next_names.py.
+    # Canonical values differ from HF's in ssm_a (-exp(A_log)) and the norms (1 + w): see arch/hybrid_names.py.
     "ssm_in.weight": "linear_attn.in_proj_qkvz.weight", "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
@@ -149,7 +149,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Qwen3-Next's math with split DeltaNet projections, top-k always renormalised, every layer MoE; config.json
     # nests the text model's keys under text_config (the text-only form transformers saves is qwen3_5_moe_text).
     # llama.cpp's architecture qwen35moe has qwen3next's keys and names, the split projections as they are, the
-    # value heads tiled (models/next_names.py), and rope.dimension_sections: multimodal RoPE's, which text's
+    # value heads tiled (arch/hybrid_names.py), and rope.dimension_sections: multimodal RoPE's, which text's
     # positions (alike on every axis) make plain RoPE; its converter's default, as every checkpoint ships them.
     Family("qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe",
            ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "qwen35moe"),
