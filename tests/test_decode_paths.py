@@ -30,7 +30,7 @@ def _stand_in_fused(calls: list):
     CUDA. Each call is counted in `calls`."""
     import types
     from moestream.models.layers import rms_norm, swiglu
-    from moestream.models.moe import route
+    from moestream.models.router import route
 
     def add_rms_norm(h, delta, w, eps):
         calls.append("add_rms_norm")

@@ -13,8 +13,8 @@ state per value head. Per token t and value head, with q, k L2-normed and q scal
     beta_t = sigmoid(b_t),  g_t = ssm_a * softplus(a_t + ssm_dt.bias)   (ssm_a = -exp(A_log) < 0: a decay)
 
 Prompts run the chunked form (chunk_gated_delta_rule of kernels/delta_reference.py: the same recurrence, 64 tokens
-at a time as matmuls), decode steps the recurrent one; they agree to float32 rounding. The output is RMS-normed per head, gated by
-silu(z) and projected back.
+at a time as matmuls), decode steps the recurrent one; they agree to float32 rounding. The output is RMS-normed
+per head, gated by silu(z) and projected back. DeltaNet, at the end, is the layer as a decoder's mixer block.
 
 Weights (`lw`: one layer's canonical names, arch/hybrid_names.py; V = nv*dv, K = nk*dk, C = 2K + V):
     ssm_in.weight (2K + 2V, H)   qwen3_next: q, k, v, z fused, grouped by key head ([q_h k_h v_h.. z_h..] per h)
@@ -27,6 +27,7 @@ Value head j reads key head j // (nv/nk), as transformers' repeat_interleave doe
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -171,3 +172,40 @@ def deltanet_step(x: torch.Tensor, lw: dict, cfg: ModelConfig, conv: torch.Tenso
     q, k, v, z, b, a = (t[:, 0] for t in _projections(x[:, None], lw, cfg, p))
     o = in_place(q, k, v, z, b, a, conv, ssm, rows, lw, cfg.rms_norm_eps)       # (B, nv dv)
     return linear(o, lw["ssm_out.weight"])
+
+
+class DeltaNet:
+    """The Gated DeltaNet as a decoder's mixer block (arch/blocks.py's Blocks.mixer "deltanet"): a layer's
+    mixer on the normed x (T, H) -> (T, H), each segment's sequence's state read from its row of the cache's
+    conv[layer] (n_seq, C, kernel-1) and ssm[layer] (n_seq, nv, dk, dv) and written back. A prompt runs the
+    chunked rule one segment at a time; a decode step (every segment one token) the recurrent one over all its
+    sequences at once, on the cache's states in place (`kernels.in_place`, or step_in_place around the kernels'
+    conv and recurrence)."""
+
+    def __init__(self, cfg: ModelConfig, kernels: DeltaKernels = TORCH):
+        self.cfg, self.kernels = cfg, kernels
+        self.in_place = kernels.in_place or functools.partial(step_in_place, kernels=kernels)
+
+    def prepare(self, lw: dict) -> None:
+        """At load: the split layout's four input projections as one (fuse_projections)."""
+        fuse_projections(lw, self.cfg)
+
+    def in_proj(self, lw) -> str | None:
+        """The one projection of its input (the split layout's, one weight since fuse_projections), or None."""
+        return "ssm_proj" if "ssm_proj.weight" in lw else None
+
+    def __call__(self, x, lw, layer: int, batch, kv, cos=None, sin=None, mask=None, fused=None,
+                 proj=None) -> torch.Tensor:
+        conv, ssm = kv.conv[layer], kv.ssm[layer]                  # (n_seq, C, kernel-1), (n_seq, nv, dk, dv)
+        if batch.is_decode:             # one token of each of B distinct sequences: one recurrent step, batched
+            return deltanet_step(x, lw, self.cfg, conv, ssm, batch.seq_ids, self.in_place, proj,
+                                 F.linear if fused is None else fused.linear)
+        outs, r = [], 0
+        for s in batch.segments:        # a prompt chunk: the chunked rule, from where the sequence's state is
+            rows = slice(s.seq, s.seq + 1)
+            y, st = gated_deltanet(x[None, r:r + s.n], lw, self.cfg, DeltaState(conv[rows], ssm[rows]),
+                                   kernels=self.kernels)                     # (1, n, H)
+            conv[rows], ssm[rows] = st.conv, st.ssm
+            outs.append(y[0])
+            r += s.n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -11,7 +11,7 @@ for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an exper
 reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and runs as one CUDA graph; the decode
 path is chosen once, at setup (runtime/decode.py).
 
-Hybrid families (Qwen3-Next, Qwen3.5-MoE: models/hybrid.py) keep, besides the KV of their attention layers, a conv
+Hybrid families (Qwen3-Next, Qwen3.5-MoE: models/deltanet.py) keep, besides the KV of their attention layers, a conv
 window and a recurrent state per DeltaNet layer and sequence (runtime/kv_cache.py's HybridCache): a forward's
 segment must continue its sequence from where its state stopped, or start it again at position 0, and a new
 prompt reuses a sequence's cache only as an exact continuation (reusable_prefix).

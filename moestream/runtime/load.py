@@ -22,7 +22,6 @@ from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, pick_kernel
 from ..kernels.delta import pick_delta_kernels
 from ..arch.families import FAMILIES
-from ..models.hybrid import HybridTransformer
 from ..models.layers import rope_tables
 from ..arch.names import dense_names, keeps_float32
 from ..models.transformer import MoETransformer
@@ -95,10 +94,9 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
         log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                  len(host_rows), store.nbytes / MiB, len(dev_rows))
     rope = rope_tables(cfg, ctx, dev.torch)
-    if FAMILIES[cfg.family].hybrid:      # the family table says which decoder: DeltaNet and gated attention
-        model = HybridTransformer(cfg, weights, rope, pick_delta_kernels(dev.torch, dtype))
-    else:
-        model = MoETransformer(cfg, weights, rope)
+    blocks = FAMILIES[cfg.family].blocks         # the family table says which blocks the decoder is built from
+    delta = pick_delta_kernels(dev.torch, dtype) if blocks.mixer == "deltanet" else None
+    model = MoETransformer(cfg, weights, rope, blocks, delta)
     kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch)
     kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
     book = AddressBook()
