@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import UserError
 from .blocks import HYBRID, MOE, Blocks
 
 # (module, gate, up, down): one expert's three projections stored one tensor each, at
@@ -107,7 +108,15 @@ _QWEN_EXPERTS: tuple[ExpertSpelling, ...] = (("mlp.experts", "gate_proj", "up_pr
 # llama.cpp's hybrid architectures (qwen3next, qwen35moe) call the FFN's norm post_attention_norm.
 _POST_ATTENTION_NORM = (("ffn_norm.weight", "post_attention_norm.weight"),)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
+class FamilyTable(dict):
+    """name -> Family; a name not in the table is a UserError listing the table (a ModelConfig made by hand with
+    another family fails at its first lookup: loading, naming its tensors, building its decoder)."""
+
+    def __missing__(self, name):
+        raise UserError(f"unsupported model family {name!r}; supported: {', '.join(self)}")
+
+
+FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
     # Per-head QK-norm; dense layers where mlp_only_layers / decoder_sparse_step say.
     Family("qwen3_moe", "Qwen3-MoE", "Qwen3MoeForCausalLM", "qwen3_moe", ("qwen3moe",),
            experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=True,
@@ -173,7 +182,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            hf_text_form=("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
            gguf_renames=_POST_ATTENTION_NORM, gguf_tiled_v=True,
            gguf_rope_sections=(11, 11, 10, 0)),
-)}
+)})
 
 # config.json's `architectures[0]` or `model_type` -> family.
 _BY_HF_NAME = {n: f for f in FAMILIES.values() for n in (f.hf_architecture, f.hf_model_type, *f.hf_aliases)}
