@@ -20,8 +20,8 @@ def test_which_families_take_the_fused_decode_attention(checkpoint):
     """Per-head QK-norm or none, no clipping: every family but OLMoE (whole-projection norm, clip_qkv)."""
     family, path, _ = checkpoint
     model = LLM(path, ctx_size=64, device="cpu").engine.model
-    assert model._fuses_attention(object()) == (family != "olmoe")
-    assert not model._fuses_attention(None)
+    assert model.attention.fuses(object()) == (family != "olmoe")
+    assert not model.attention.fuses(None)
 
 
 def _stand_in_fused(calls: list):
