@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from graph_timing import graph_ms
 
 from moestream.kernels import gemv
-from moestream.models.moe import route
+from moestream.models.router import route
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tiles", default="2048,4096,8192,16384")

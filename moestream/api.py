@@ -20,8 +20,8 @@ from .engine_config import EngineConfig
 from .errors import UserError
 from .loading.source import open_source
 from .quant.layout import expert_layouts
-from .runtime.engine import Engine
 from .runtime.generate import Completion, Generation
+from .runtime.load import load_engine
 from .runtime.memory import check_host_fits
 from .runtime.prompt_batch import next_batch
 from .runtime.requests import Request
@@ -72,7 +72,7 @@ class LLM:
         self.source = open_source(model, progress=progress)
         if check is not None:
             check(self.source)
-        # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (Engine.load takes
+        # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (load_engine takes
         # it resolved)
         self.config = config.resolve(self.source.dtype_of("token_embd.weight"))
         cfg = self.source.config
@@ -82,7 +82,7 @@ class LLM:
         if self.config.cache.mib is not None and not self.config.placement.host_layers(cfg):
             log.warning("--moe-cache-mib %s does nothing: no expert is in host memory (add --cpu-moe or "
                         "--n-cpu-moe N to keep experts there and cache them on the device)", self.config.cache.mib)
-        self.engine = Engine.load(self.source, self.config, progress=progress)
+        self.engine = load_engine(self.source, self.config, progress=progress)
         if progress:
             p = self.config.placement
             host = len(p.host_layers(cfg))

@@ -1,7 +1,8 @@
-"""A model's config: its shape and family options, from HF or GGUF, frozen and validated where it is made (what
-the engine is told is engine_config.py).
+"""A model's config: its shape and family options, frozen and validated where it is made (what the engine is told
+is engine_config.py). The family table (arch/) builds it from a file's config: arch.config_from_hf for HF's
+config.json, loading/gguf.py for GGUF's metadata.
 
-    cfg = ModelConfig.from_hf(json.load(open("config.json")))
+    cfg = config_from_hf(json.load(open("config.json")))       # moestream.arch
 
 Tensor names inside moestream are GGUF's (`blk.3.attn_q.weight`, `blk.3.ffn_gate_exps.weight`, ...), whatever
 the file they came from: the names are family-independent, and a GGUF file then needs no renaming at all.
@@ -12,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import UserError
-from .models.families import FAMILIES, family_named, option, titles
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -28,7 +28,7 @@ HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str                      # a key of models/families.py's FAMILIES
+    family: str                      # a key of arch/families.py's FAMILIES (FAMILIES refuses another at its first lookup)
     vocab_size: int
     hidden_size: int
     n_layers: int
@@ -62,11 +62,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0         # rotary on the first head_dim * factor dims of q and k
     attn_output_gate: bool = False             # q_proj also gives a per-head sigmoid gate on the attention output
     zero_centred_norm: bool = False            # HF's norm weights are w in x_normed * (1 + w); the canonical
-                                               # tensors hold 1 + w, as GGUF does (models/next_names.py)
+                                               # tensors hold 1 + w, as GGUF does (arch/hybrid_names.py)
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise UserError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}")
         for name in INT_FIELDS:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -145,119 +143,3 @@ class ModelConfig:
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
-
-    # --- constructors --------------------------------------------------------------------------------------
-    @classmethod
-    def from_hf(cls, c: dict, generation_config: dict | None = None) -> "ModelConfig":
-        """From a Hugging Face config.json dict (transformers 4 and 5 spellings both), as its family's entry in
-        models/families.py maps it."""
-        c = _text_config(c)
-        arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
-        fam = family_named(arch) or family_named(c.get("model_type", ""))
-        if fam is None:
-            raise UserError(f"unsupported architecture {arch!r} (model_type {c.get('model_type')!r}); "
-                            f"moestream runs {titles()} checkpoints")
-        _check_types(c, fam.name)
-        try:
-            n_layers = c["num_hidden_layers"]
-            hidden = c["hidden_size"]
-            n_heads = c["num_attention_heads"]
-            n_experts = next((c[k] for k in ("num_experts", "num_local_experts") if c.get(k) is not None), None)
-            if n_experts is None:
-                raise KeyError(fam.experts_key)
-            moe_inter = c.get(fam.moe_intermediate_key) or c["intermediate_size"]
-            dense: list[int] = []
-            if fam.sparse_step:
-                step = c.get("decoder_sparse_step", 1) or 1
-                mlp_only = set(c.get("mlp_only_layers") or [])
-                dense = [i for i in range(n_layers) if i in mlp_only or not (n_experts and (i + 1) % step == 0)]
-            rope = dict(c.get("rope_parameters") or {})
-            theta = rope.pop("rope_theta", None) or c.get("rope_theta") or 10000.0
-            if c.get("rope_scaling"):
-                rope.update(c["rope_scaling"])
-            hybrid = _hybrid_options(c, rope, arch) if fam.hybrid else {}
-            for key in ("mrope_section", "mrope_interleaved"):    # text positions are alike on all three axes:
-                rope.pop(key, None)                                 # multimodal RoPE is then plain RoPE
-            if rope.get("rope_type", rope.get("type", "default")) == "default":
-                rope = {}
-            rope.pop("partial_rotary_factor", None)
-            eos = c.get("eos_token_id")
-            if generation_config and generation_config.get("eos_token_id") is not None:
-                eos = generation_config["eos_token_id"]
-            eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-            return cls(
-                family=fam.name, vocab_size=c["vocab_size"], hidden_size=hidden, n_layers=n_layers,
-                n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
-                head_dim=c.get("head_dim") or hidden // n_heads,
-                n_experts=n_experts, n_experts_used=c["num_experts_per_tok"], moe_intermediate_size=moe_inter,
-                intermediate_size=c.get("intermediate_size", 0) if dense else 0,
-                shared_expert_intermediate_size=c.get(fam.shared_expert_key, 0) if fam.shared_expert_key else 0,
-                dense_layers=tuple(dense), norm_topk_prob=option(fam.norm_topk_prob, c), qk_norm=fam.qk_norm,
-                attn_bias=option(fam.attn_bias, c), clip_qkv=c.get(fam.clip_qkv_key) if fam.clip_qkv_key else None,
-                rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-                rope_scaling=tuple(sorted(rope.items())),
-                max_position_embeddings=c.get("max_position_embeddings", 4096),
-                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, **hybrid,
-            )
-        except KeyError as e:
-            raise UserError(f"config.json lacks {e.args[0]!r}: is it a complete {arch} config?") from None
-
-
-def hf_key(family: str, field: str) -> str:
-    """The config.json key a ModelConfig field is read from (`n_experts`: num_experts, Mixtral's num_local_experts)."""
-    fam = FAMILIES[family]
-    own = {"n_experts": fam.experts_key, "moe_intermediate_size": fam.moe_intermediate_key,
-           "shared_expert_intermediate_size": fam.shared_expert_key}
-    return own.get(field) or HF_KEYS.get(field, field)
-
-
-def _check_types(c: dict, family: str) -> None:
-    """config.json's numbers checked for type before any is used, each refused in one line naming its key."""
-    ints = {hf_key(family, f) for f in INT_FIELDS} | {"num_experts", "num_local_experts", "intermediate_size",
-                                                       "decoder_sparse_step"}
-    for key in sorted(ints):
-        v = c.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise UserError(f"config.json: {key} must be a whole number, got {v!r}")
-    for key in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
-        v = c.get(key)
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-            raise UserError(f"config.json: {key} must be a number, got {v!r}")
-    types = c.get("layer_types")
-    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
-        raise UserError(f"config.json: layer_types must be a list of layer kinds ({', '.join(LAYER_TYPES)}), got "
-                        f"{types!r}")
-    layers = c.get("mlp_only_layers")
-    if layers is not None and not (isinstance(layers, list) and all(type(i) is int for i in layers)):
-        raise UserError(f"config.json: mlp_only_layers must be a list of layer numbers, got {layers!r}")
-
-
-def _text_config(c: dict) -> dict:
-    """config.json with its language model's keys at the top: a multimodal checkpoint (Qwen3.5-MoE's
-    Qwen3_5MoeForConditionalGeneration) nests them under text_config, over top-level keys such as architectures."""
-    if not isinstance(c.get("text_config"), dict):
-        return c
-    return {k: v for k, v in c.items() if k not in ("text_config", "vision_config")} | c["text_config"]
-
-
-def _hybrid_options(c: dict, rope: dict, arch: str) -> dict:
-    """A hybrid family's ModelConfig fields (Gated DeltaNet and gated attention) from config.json, as transformers'
-    Qwen3NextConfig reads them; an option moestream does not run is a UserError naming it."""
-    n = c["num_hidden_layers"]
-    types = c.get("layer_types")
-    if not types:                    # what transformers derives from full_attention_interval (default 4)
-        step = c.get("full_attention_interval") or 4
-        types = ["linear_attention" if (i + 1) % step else "full_attention" for i in range(n)]
-    unsupported = [(c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')!r} (only silu)"),
-                   (bool(c.get("attention_bias")), "attention_bias=true"),
-                   (c.get("attn_output_gate", True) is False, "attn_output_gate=false")]
-    for bad, what in unsupported:
-        if bad:
-            raise UserError(f"{arch}: {what} is not supported by moestream")
-    factor = rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 0.25
-    return dict(layer_types=tuple(types), linear_num_key_heads=c["linear_num_key_heads"],
-                linear_num_value_heads=c["linear_num_value_heads"], linear_key_head_dim=c["linear_key_head_dim"],
-                linear_value_head_dim=c["linear_value_head_dim"], linear_conv_kernel=c["linear_conv_kernel_dim"],
-                partial_rotary_factor=float(factor), attn_output_gate=True, zero_centred_norm=True)
-

@@ -13,7 +13,8 @@ import pytest
 from moestream.cli import main
 from moestream.errors import UserError
 from moestream.tools import report
-from moestream.tools.bench import BenchTest, diff_counters, mean_counters, read_stats, summarise
+from moestream.tools.bench import summarise
+from moestream.tools.bench_common import BenchTest, diff_counters, mean_counters, read_stats
 
 TINY = ["bench", "-m", "synth:tiny", "--device", "cpu", "-r", "2"]
 

@@ -1,7 +1,7 @@
 """Mistakes caught before the model loads, in one line, and flags that say what they do (issue 49).
 
 Each check runs in-process through cli.main; a check that must come before the weights load runs with
-Engine.load replaced by a failure, so that a check made after loading fails the test.
+load_engine replaced by a failure, so that a check made after loading fails the test.
 """
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def one_error(err: str) -> str:
 @pytest.fixture
 def no_load(monkeypatch):
     """The engine's load fails the test: what is checked here must be checked before any weight is read."""
-    from moestream.runtime.engine import Engine
+    from moestream import api
 
     def load(*a, **kw):
         raise AssertionError("the weights were loaded before the check")
-    monkeypatch.setattr(Engine, "load", load)
+    monkeypatch.setattr(api, "load_engine", load)
 
 
 @pytest.mark.parametrize("argv,needle", [

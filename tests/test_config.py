@@ -176,9 +176,9 @@ def test_resolve_decides_every_auto_once():
 
 def test_engine_load_takes_resolved_configs_only():
     from moestream.loading.source import open_source
-    from moestream.runtime.engine import Engine
+    from moestream.runtime.load import load_engine
     with pytest.raises(ValueError, match="resolve"):
-        Engine.load(open_source("synth:tiny", progress=False), EngineConfig(), progress=False)
+        load_engine(open_source("synth:tiny", progress=False), EngineConfig(), progress=False)
 
 
 # --- budgets ---------------------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_hybrid_model_on_cuda_bit_identical_across_placements():
     outs = []
     for kw in ({}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}):
         llm = LLM(TINY_BF16, ctx_size=128, device="cuda", **kw)
-        assert llm.engine.model.delta.name == "fla"
+        assert llm.engine.model.mixers[0].kernels.name == "fla"      # layer 0: a DeltaNet
         eng = llm.engine
         logits = eng.prefill(0, prompt, 0, all_logits=True).float().cpu()
         outs.append((logits, llm.generate(prompt, max_tokens=12).token_ids))

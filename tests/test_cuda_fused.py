@@ -45,7 +45,7 @@ def test_fused_qk_rope_kv_matches_the_eager_ops(norm):
 def test_fused_gated_attention_matches_the_eager_ops(nh, nkv, hd, rd):
     """Qwen3-Next's gated attention in a decode step (its heads, 256 wide with rotary on 64; a group of 3 and a
     rotary width not a power of two): gated_qk_rope_kv and decode_attention with the gates, in bf16, against
-    models/hybrid.py's ops in float32; only each token's own (sequence, position) rows of the caches change."""
+    models/attention.py's ops in float32; only each token's own (sequence, position) rows of the caches change."""
     from moestream.kernels.fused import decode_attention, gated_qk_rope_kv
     from moestream.models.gated_attention import partial_rope
     from moestream.models.layers import decode_attention as attend, rms_norm

@@ -18,7 +18,7 @@ def test_norm_route_matches_the_eager_route(T, k, E, renorm):
     launched 200 times, every launch gives the first one's bits (the election of the last program is sound)."""
     from moestream.kernels.gemv import _election_counts, norm_route
     from moestream.models.layers import rms_norm
-    from moestream.models.moe import route
+    from moestream.models.router import route
     H = 2048
     g = torch.Generator(device="cuda").manual_seed(E)
     h, d = (torch.randn(T, H, device="cuda", generator=g).bfloat16() for _ in range(2))

@@ -20,8 +20,8 @@ def test_which_families_take_the_fused_decode_attention(checkpoint):
     """Per-head QK-norm or none, no clipping: every family but OLMoE (whole-projection norm, clip_qkv)."""
     family, path, _ = checkpoint
     model = LLM(path, ctx_size=64, device="cpu").engine.model
-    assert model._fuses_attention(object()) == (family != "olmoe")
-    assert not model._fuses_attention(None)
+    assert model.attention.fuses(object()) == (family != "olmoe")
+    assert not model.attention.fuses(None)
 
 
 def _stand_in_fused(calls: list):
@@ -30,7 +30,7 @@ def _stand_in_fused(calls: list):
     CUDA. Each call is counted in `calls`."""
     import types
     from moestream.models.layers import rms_norm, swiglu
-    from moestream.models.moe import route
+    from moestream.models.router import route
 
     def add_rms_norm(h, delta, w, eps):
         calls.append("add_rms_norm")

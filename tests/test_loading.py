@@ -18,7 +18,7 @@ from moestream.loading.gguf_write import write_gguf
 from moestream.loading.hf import HFSource, hf_names, write_hf
 from moestream.loading.source import open_source
 from moestream.loading.synth import SynthSource
-from moestream.models.names import dense_names
+from moestream.arch.names import dense_names
 from moestream.tools.make_model import make_model
 
 

@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5-MoE through the engine (models/hybrid.py, runtime/kv_cache.py's HybridCache), from the
+"""Qwen3-Next and Qwen3.5-MoE through the engine (models/ blocks, runtime/kv_cache.py's HybridCache), from the
 checkpoints transformers writes (conftest's hybrid_checkpoint: qwen3_next, qwen3_5_moe's multimodal form and its
 text-only form), float32 on the CPU.
 
@@ -46,7 +46,10 @@ def test_the_engine_holds_kv_for_attention_layers_only(hybrid_checkpoint):
     _, path, _ = hybrid_checkpoint
     eng = LLM(path, n_seq=3, **KW).engine
     cfg = eng.cfg
-    assert type(eng.model).__name__ == "HybridTransformer" and isinstance(eng.kv, HybridCache)
+    # the family's blocks: a DeltaNet mixer on layers 0 and 2, gated attention on the others
+    assert isinstance(eng.kv, HybridCache)
+    assert [type(m).__name__ for m in eng.model.mixers] == ["DeltaNet", "GatedAttention", "DeltaNet",
+                                                             "GatedAttention"]
     assert len(eng.kv.k) == len(cfg.attention_layers) == 2
     assert sorted(eng.kv.conv) == sorted(eng.kv.ssm) == cfg.linear_layers == [0, 2]
     assert eng.kv.conv[0].shape == (3, 2 * 2 * 16 + 4 * 8, 3) and eng.kv.ssm[0].shape == (3, 4, 16, 8)
@@ -278,14 +281,13 @@ def test_a_hybrid_model_decodes_in_graphs_where_other_families_do():
     hybrid model's do too (choose_decode on a stand-in engine: the choice only, nothing is captured; the captured
     steps themselves are tests/test_cuda_delta.py's)."""
     import types
-    from moestream.models.hybrid import HybridTransformer
     from moestream.models.transformer import MoETransformer
     from moestream.runtime.decode import GraphDecode, choose_decode
-    for model in (HybridTransformer, MoETransformer):
-        eng = types.SimpleNamespace(ecfg=types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=True)),
-                                    device=types.SimpleNamespace(is_cuda=True), model=model, kernel=object(),
-                                    host=None, quantized=False, decode_kernel=None)
-        assert type(choose_decode(eng)) is GraphDecode
+    # one decoder for every family, whatever blocks its entry picks (DeltaNet layers too): capturable is its own
+    eng = types.SimpleNamespace(ecfg=types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=True)),
+                                device=types.SimpleNamespace(is_cuda=True), model=MoETransformer, kernel=object(),
+                                host=None, quantized=False, decode_kernel=None)
+    assert type(choose_decode(eng)) is GraphDecode
 
 
 def test_forwards_kept_apart_from_every_sequence_leave_the_states_as_they_were(hybrid_checkpoint):
@@ -357,7 +359,7 @@ def test_llama_cpp_split_ssm_in_is_the_same_layer():
     computes what the fused one does, and the split turns back into the same bits."""
     from moestream.loading.synth import SynthSource
     from moestream.models.deltanet import gated_deltanet
-    from moestream.models.next_names import fuse_qkvz, layer_names, split_qkvz
+    from moestream.arch.hybrid_names import fuse_qkvz, layer_names, split_qkvz
     src = SynthSource.from_spec("tiny-next")
     cfg = src.config
     lw = {n: src.tensor(f"blk.0.{n}") for n in layer_names(cfg, 0) if "_exps" not in n}

@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from moestream.arch.hf_config import config_from_hf
+from moestream.arch.hybrid_names import canonical_from_hf, hybrid_names
+from moestream.arch.names import dense_names
 from moestream.config import ModelConfig
 from moestream.errors import UserError
+from moestream.kernels import delta_reference as dr
 from moestream.models import deltanet as dn
 from moestream.models.gated_attention import gated_attention
-from moestream.models.names import dense_names
-from moestream.models.next_names import canonical_from_hf, hybrid_names
 from moestream.models.next_reference import HybridReference
 from moestream.runtime.kv_cache import KVCache
 
@@ -34,7 +36,7 @@ def hybrid(hybrid_checkpoint):
     """(form, ModelConfig read from the written config.json, canonical weights from its safetensors, the model)."""
     from safetensors.torch import load_file
     form, path, model = hybrid_checkpoint
-    cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    cfg = config_from_hf(json.loads((Path(path) / "config.json").read_text()))
     weights = canonical_from_hf(cfg, load_file(str(Path(path) / "model.safetensors")))
     return form, cfg, weights, model
 
@@ -71,7 +73,7 @@ def test_config_as_the_checkpoints_ship_it():
                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
                  num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
                  full_attention_interval=4, hidden_act="silu", rms_norm_eps=1e-6, eos_token_id=151645)
-    nxt = ModelConfig.from_hf(dict(shape, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+    nxt = config_from_hf(dict(shape, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
                                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                                    partial_rotary_factor=0.25, rope_scaling=None, rope_theta=10000000))
     assert nxt.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
@@ -80,12 +82,12 @@ def test_config_as_the_checkpoints_ship_it():
     text = dict(shape, model_type="qwen3_5_moe_text", attn_output_gate=True, layer_types=list(nxt.layer_types),
                 rope_parameters={"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
                                  "rope_theta": 10000000, "partial_rotary_factor": 0.25})
-    q35 = ModelConfig.from_hf({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    q35 = config_from_hf({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
                                "text_config": text, "vision_config": {"depth": 27}, "tie_word_embeddings": False})
     assert q35.family == "qwen3_5_moe" and q35.norm_topk_prob and q35.n_experts == 512
     assert q35.replace(family="qwen3_next", norm_topk_prob=True) == nxt.replace(
         eos_token_ids=q35.eos_token_ids)
-    assert ModelConfig.from_hf(dict(text, architectures=["Qwen3_5MoeForCausalLM"])) == q35
+    assert config_from_hf(dict(text, architectures=["Qwen3_5MoeForCausalLM"])) == q35
 
 
 @pytest.mark.parametrize("change, named", [({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -96,7 +98,7 @@ def test_config_as_the_checkpoints_ship_it():
 def test_an_option_not_run_is_a_one_line_error(change, named):
     c = dict(TEXT, architectures=["Qwen3NextForCausalLM"], num_hidden_layers=2, rope_parameters=None) | change
     with pytest.raises(UserError) as e:
-        ModelConfig.from_hf(c)
+        config_from_hf(c)
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
@@ -182,28 +184,28 @@ def _rule_inputs(B=2, T=50, nk=2, nv=4, dk=16, dv=8, seed=0):
 def test_chunked_delta_rule_equals_recurrent(chunk):
     q, k, v, g, beta, state = _rule_inputs()
     for s0 in (None, state):
-        o_r, s_r = dn.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
-        o_c, s_c = dn.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk)
+        o_r, s_r = dr.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+        o_c, s_c = dr.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk)
         assert (o_c - o_r).abs().max() < 1e-5 and (s_c - s_r).abs().max() < 1e-5
     # several steps at once equal them one by one, carrying the state
     s = state
     for t in range(q.shape[1]):
-        o_t, s = dn.recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+        o_t, s = dr.recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
                                                beta[:, t:t + 1], s)
-    assert (s - dn.recurrent_gated_delta_rule(q, k, v, g, beta, state)[1]).abs().max() < 1e-5
+    assert (s - dr.recurrent_gated_delta_rule(q, k, v, g, beta, state)[1]).abs().max() < 1e-5
 
 
 def test_conv_one_token_at_a_time_equals_the_prompt_form():
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 9, 6, generator=gen), torch.randn(6, 4, generator=gen)
-    y, st = dn.causal_conv1d(x, w)
+    y, st = dr.causal_conv1d(x, w)
     assert torch.equal(st, x[:, -3:].transpose(1, 2))
     s = None
     for t in range(9):
-        y_t, s = dn.causal_conv1d(x[:, t:t + 1], w, s)
+        y_t, s = dr.causal_conv1d(x[:, t:t + 1], w, s)
         assert (y_t[:, 0] - y[:, t]).abs().max() < 1e-6
     assert torch.equal(s, st)
-    y2, _ = dn.causal_conv1d(x[:, 5:], w, dn.causal_conv1d(x[:, :5], w)[1])
+    y2, _ = dr.causal_conv1d(x[:, 5:], w, dr.causal_conv1d(x[:, :5], w)[1])
     assert (y2 - y[:, 5:]).abs().max() < 1e-6
 
 

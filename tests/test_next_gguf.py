@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE as llama.cpp's qwen35moe GGUF (loading/gguf.py, loading/gguf_write.py, models/next_names.py's
+"""Qwen3.5-MoE as llama.cpp's qwen35moe GGUF (loading/gguf.py, loading/gguf_write.py, arch/hybrid_names.py's
 reorder_v_heads), from a small random checkpoint transformers writes: the multimodal form real checkpoints have, with
 two value heads per key head (so the order of the heads shows) and dv = dk, as llama.cpp's loader takes them.
 

@@ -1,5 +1,5 @@
 """The hybrid families written as Hugging Face directories (`make-model --format hf`: loading/hf.py's write_hf,
-models/next_names.py's hf_value): Qwen3-Next, and Qwen3.5-MoE in its text-only form (Qwen3_5MoeForCausalLM).
+arch/hybrid_names.py's hf_value): Qwen3-Next, and Qwen3.5-MoE in its text-only form (Qwen3_5MoeForCausalLM).
 
 - synth models of tiny-next's shapes, two layers (a DeltaNet layer, then gated attention; Qwen3.5-MoE made as
   tests/test_next_gguf.py makes one), read back as the same config and every tensor and expert bit for bit, float32:
@@ -32,9 +32,9 @@ from moestream.engine_config import EngineConfig
 from moestream.errors import UserError
 from moestream.loading.hf import HFSource, write_hf
 from moestream.loading.synth import SynthSource
-from moestream.models.names import dense_names
-from moestream.models.next_names import canonical_value, hf_value
-from moestream.runtime.engine import Engine
+from moestream.arch.names import dense_names
+from moestream.arch.hybrid_names import canonical_value, hf_value
+from moestream.runtime.load import load_engine
 from moestream.tools.make_model import make_model
 
 ATOL = 1e-4
@@ -47,7 +47,7 @@ ARCH = {"qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
 def _logits(source, ids: list[int]) -> torch.Tensor:
     """moestream's float32 logits at every position (N, V), on the CPU, as LLM.logits computes them."""
     ecfg = flags.apply(EngineConfig(), device="cpu", ctx_size=64).resolve(source.dtype_of("token_embd.weight"))
-    eng = Engine.load(source, ecfg, progress=False)
+    eng = load_engine(source, ecfg, progress=False)
     eng.begin_prompt(0)
     with torch.no_grad():
         return eng.prefill(0, ids, 0, all_logits=True).float()

@@ -188,7 +188,7 @@ def _run(capsys, *argv):
 
 def _source_tensors(src):
     """name -> the source's float32 tensor in the file's shape (expert stacks stacked)."""
-    from moestream.models.names import EXPERT_STACKS, gguf_tensors
+    from moestream.arch.names import EXPERT_STACKS, gguf_tensors
     out = {}
     for name, shape in gguf_tensors(src.config):
         parts = name.split(".")

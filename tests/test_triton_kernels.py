@@ -145,16 +145,16 @@ def grouped_read_through():
 
 
 def gated_attention(nh, nkv, hd, rd, n=256):
-    """A hybrid model's gated-attention layer in a decode step of three sequences (models/hybrid.py's
-    _gated_attention), through the fused kernels against its eager path: the kernels' q (normed, rotated on the
+    """A hybrid model's gated-attention layer in a decode step of three sequences (models/attention.py's
+    GatedAttention), through the fused kernels against its eager path: the kernels' q (normed, rotated on the
     first rd dims, the rest passed through), the keys and values written to the cache, and nothing else written;
     decode_attention's gated output; the layer's output."""
     from moestream.config import ModelConfig
     from moestream.kernels import fused
     from moestream.models.gated_attention import partial_rope
-    from moestream.models.hybrid import HybridTransformer
+    from moestream.arch.families import FAMILIES
     from moestream.models.layers import decode_attention, rms_norm, rope_tables
-    from moestream.models.transformer import Batch, Segment
+    from moestream.models.transformer import Batch, MoETransformer, Segment
     from moestream.runtime.kv_cache import KVCache
     H, n_seq, eps = 64, 4, 1e-6
     cfg = ModelConfig(family="qwen3_next", vocab_size=8, hidden_size=H, n_layers=1, n_heads=nh, n_kv_heads=nkv,
@@ -168,7 +168,7 @@ def gated_attention(nh, nkv, hd, rd, n=256):
          "blk.0.attn_k.weight": r(nkv * hd, H) * H ** -0.5, "blk.0.attn_v.weight": r(nkv * hd, H) * H ** -0.5,
          "blk.0.attn_output.weight": r(H, nh * hd) * (nh * hd) ** -0.5,
          "blk.0.attn_q_norm.weight": 1 + 0.3 * r(hd), "blk.0.attn_k_norm.weight": 1 + 0.3 * r(hd)}
-    model = HybridTransformer(cfg, w, rope_tables(cfg, n, "cpu"))
+    model = MoETransformer(cfg, w, rope_tables(cfg, n, "cpu"), FAMILIES["qwen3_next"].blocks)
     lw = model.layers[0]
     seq, pos = [2, 0, 3], [5, n - 1, 63]           # early, at the span's end, at a chunk's edge
     batch = Batch.make([Segment(s, p, 1) for s, p in zip(seq, pos)], [1, 2, 3], "cpu", kv_len=n)
@@ -208,9 +208,9 @@ def gated_attention(nh, nkv, hd, rd, n=256):
 
     fused_kv.k[0].copy_(k0)
     fused_kv.v[0].copy_(v0)
-    out = model._gated_attention(x, lw, 0, Batch.make(batch.segments, [1, 2, 3], "cpu", kv_len=n, fused=fused),
+    out = model.mix(x, lw, 0, Batch.make(batch.segments, [1, 2, 3], "cpu", kv_len=n, fused=fused),
                                  fused_kv, cos, sin, None, fused)
-    want = model._gated_attention(x, lw, 0, batch, eager_kv, cos, sin, mask)
+    want = model.mix(x, lw, 0, batch, eager_kv, cos, sin, mask)
     close(out, want)
     close(fused_kv.k[0], eager_kv.k[0])
     assert torch.equal(fused_kv.v[0], eager_kv.v[0])

@@ -20,13 +20,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moestream.arch.names import dense_names
 from moestream.cli import main
 from moestream.errors import UserError
 from moestream.loading.gguf import GGUFSource
 from moestream.loading.gguf_write import write_gguf
 from moestream.loading.hf import HFSource, write_hf
 from moestream.loading.synth import SynthSource
-from moestream.models.names import dense_names
 
 
 def run(capsys, *argv):

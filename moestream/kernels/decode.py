@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from .decode_grouped import experts_by_address_grouped
+from .decode_tiles import DOWN, GATE_UP, fit
+
 try:
     import triton
     import triton.language as tl
@@ -118,16 +121,6 @@ if triton is not None:
         tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
-# Block shapes, fixed: (BLOCK_I, BLOCK_H, warps) of the gate/up launch, (BLOCK_O, BLOCK_I, warps) of the down launch.
-GATE_UP = (2, 2048, 4)          # the fastest of 42 shapes on the H200 (bench/decode_kernel.py --sweep, since
-                                # deleted: the sweep lives in git history at a5d4676)
-DOWN = (4, 256, 4)
-
-
-def _block(n: int, want: int) -> int:
-    return min(want, triton.next_power_of_2(n))
-
-
 def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
                        landing=None, config: tuple = (GATE_UP, DOWN), grouped: bool = True) -> torch.Tensor:
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
@@ -143,7 +136,6 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     T, H = x.shape
     k = addrs.shape[1]
     if T > 1 and grouped:
-        from .decode_grouped import experts_by_address_grouped
         return experts_by_address_grouped(x, addrs, weights, inter, landing)
     (bi, bh, wa), (bo, bi2, wb) = config
     x = x.contiguous()
@@ -154,11 +146,11 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     ids, host, slots = (landing.ids, landing.host, landing.land) if land else (addrs, addrs, addrs)
     R = slots.numel() if land else 0
     h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
-    bi, bh = _block(inter, bi), _block(H, bh)
+    bi, bh = fit(inter, bi), fit(H, bh)
     _gate_up[(T * k, triton.cdiv(inter, bi))](x, addrs, h, H, inter, k, bi, bh, land, ids, host, slots, R, kp,
                                               num_warps=wa)
     out = torch.empty_like(x)
-    bo, bi2 = _block(H, bo), _block(inter, bi2)
+    bo, bi2 = fit(H, bo), fit(inter, bi2)
     _down[(T, triton.cdiv(H, bo))](h, addrs, weights, out, H, inter, k, kp, bo, bi2, land, ids, host, slots, R,
                                    num_warps=wb)
     return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode import DOWN, GATE_UP, _block
+from .decode_tiles import DOWN, GATE_UP, fit
 
 try:
     import triton
@@ -138,8 +138,8 @@ if triton is not None:
         tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-# Block shapes, fixed: the gate/up and down tiles are the one-token kernel's (kernels/decode.py: GATE_UP, DOWN), not
-# measured for this kernel yet; (BLOCK, warps) of the combine.
+# Block shapes, fixed: the gate/up and down tiles are the one-token kernel's (kernels/decode_tiles.py: GATE_UP,
+# DOWN), not measured for this kernel yet; (BLOCK, warps) of the combine.
 COMBINE = (512, 4)
 
 
@@ -175,12 +175,12 @@ def experts_by_address_grouped(x: torch.Tensor, addrs: torch.Tensor, weights: to
     dest = landing_dests(saddr, order, landing) if land else saddr       # (T k,) (unread when not landing)
     mp = triton.next_power_of_2(T)                                      # a run has at most T members
     h = torch.empty(N, inter, dtype=x.dtype, device=x.device)
-    bi, bh = _block(inter, bi), _block(H, bh)
+    bi, bh = fit(inter, bi), fit(H, bh)
     _gate_up[(N, triton.cdiv(inter, bi))](x, saddr, order, dest, h, N, H, inter, k, mp, bi, bh, land, num_warps=wa)
     y = torch.empty(N, H, dtype=torch.float32, device=x.device)
-    bo, bi2 = _block(H, bo), _block(inter, bi2)
+    bo, bi2 = fit(H, bo), fit(inter, bi2)
     _down[(N, triton.cdiv(H, bo))](h, saddr, order, dest, y, N, H, inter, mp, bo, bi2, land, num_warps=wb)
     out = torch.empty_like(x)
-    bc = _block(H, bc)
+    bc = fit(H, bc)
     _combine[(T, triton.cdiv(H, bc))](y, weights, out, H, k, bc, num_warps=wc)
     return out

@@ -221,7 +221,7 @@ def step_in_place_triton(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float
 def pick_delta_kernels(device: torch.device, dtype: torch.dtype, want: str | None = None):
     """The DeltaNet kernels for this device and dtype: fla's on CUDA where it is installed, else the references.
     want: fla (the default), fla-recurrent or torch; None: MOESTREAM_DELTA's, or fla."""
-    from ..models.deltanet import TORCH, DeltaKernels, causal_conv1d
+    from .delta_reference import TORCH, DeltaKernels, causal_conv1d
     want = want or knobs.choice("MOESTREAM_DELTA", DELTA_KERNELS, "fla")
     if torch.device(device).type != "cuda" or want == "torch" or not fla_available() or triton is None:
         return TORCH

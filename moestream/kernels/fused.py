@@ -14,7 +14,7 @@ attention's matmuls, masks and softmax, top-k), each a few microseconds for almo
 about thirty of them per layer. They compute in float32 and round once, so their bits differ from the eager ops
 they replace (models/layers.py, models/moe.py: their oracles in tests/test_cuda.py); every placement of the
 experts uses them alike for decode steps, so a cached decode still gives the all-GPU bits. gated_qk_rope_kv and a
-gate given to decode_attention are the gated attention of Qwen3-Next and Qwen3.5-MoE (models/hybrid.py): q heads
+gate given to decode_attention are the gated attention of Qwen3-Next and Qwen3.5-MoE (models/attention.py): q heads
 interleaved with their output gates, rotary on the first rotary_dim dims of each head.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode import _block
+from .decode_tiles import fit
 
 try:
     import triton
@@ -119,10 +119,10 @@ def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: t
     tp = triton.next_power_of_2(T)
     h = torch.empty(T, inter, dtype=torch.float32, device=x.device)           # (T, I) silu(g) * u
     s = torch.empty(T, dtype=torch.float32, device=x.device)                  # (T,) the gate
-    bi, bh = _block(inter, bi), _block(H, bh)
+    bi, bh = fit(inter, bi), fit(H, bh)
     _gate_up[(triton.cdiv(inter, bi) + 1,)](x, gate.contiguous(), up.contiguous(), gate_inp.contiguous(), h, s, T, H,
                                             inter, tp, bi, bh, num_warps=wa)
     y = torch.empty_like(out)                                                 # (T, H)
-    bo, bi2 = _block(H, bo), _block(inter, bi2)
+    bo, bi2 = fit(H, bo), fit(inter, bi2)
     _down[(triton.cdiv(H, bo),)](h, down.contiguous(), s, out, y, T, H, inter, tp, bo, bi2, num_warps=wb)
     return y

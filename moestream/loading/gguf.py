@@ -8,11 +8,11 @@ order; expert() converts only its own slice of the mapped stack, so loading neve
 Tensor types: every type of quant/types.py. Dense tensors (attention, norms, embeddings, output) are returned as
 float (F32, F16 and BF16 as they are, quantized types dequantized to float32); expert stacks are also handed out
 as their raw blocks (`expert_types`, `expert_bytes`), which the engine keeps quantized from the file to the slot.
-Architectures: the families' `gguf_arch` in models/families.py (qwen3moe, qwen2moe and olmoe, which llama.cpp
+Architectures: the families' `gguf_arch` in arch/families.py (qwen3moe, qwen2moe and olmoe, which llama.cpp
 stores without permuting Q and K; the hybrid qwen3next and qwen35moe, whose tensors hold the values the math takes,
 1 + w norms and ssm_a = -exp(A_log), as llama.cpp's converter writes them, and whose ffn_norm is spelled
 post_attention_norm; qwen3next's ssm_in is split into attn_qkv and attn_gate, fused back here, its ssm_ba is HF's,
-grouped by key head; qwen35moe's value heads are tiled, grouped back here: models/next_names.py).
+grouped by key head; qwen35moe's value heads are tiled, grouped back here: arch/hybrid_names.py).
 A hybrid file's DeltaNet shape is in its ssm.* keys (conv_kernel, state_size: dk, group_count: key heads,
 time_step_rank: value heads, inner_size: value heads x dv), its layer types in attention.recurrent_layers (a flag
 a block, as llama.cpp's converter writes config.json's layer_types) or else full_attention_interval (every N-th
@@ -33,11 +33,11 @@ import gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
+from ..arch.families import BY_GGUF_ARCH
+from ..arch.hybrid_names import fuse_qkvz, reorder_v_heads
+from ..arch.names import EXPERT_STACKS, check_shape, dense_names
 from ..config import ModelConfig
 from ..errors import UserError
-from ..models.families import BY_GGUF_ARCH
-from ..models.names import EXPERT_STACKS, check_shape, dense_names
-from ..models.next_names import fuse_qkvz, reorder_v_heads
 from ..quant.types import FLOAT, LOADABLE, names, type_size, block_size
 
 # HF rope_scaling keys whose llama.cpp spelling differs (under `{arch}.rope.scaling.`); others keep their name.
@@ -324,7 +324,7 @@ class GGUFSource:
 
     # --- WeightSource ----------------------------------------------------------------------------------------
     def _file_name(self, name: str) -> str:
-        """A canonical name as the file spells it (the architecture's renames: models/families.py)."""
+        """A canonical name as the file spells it (the architecture's renames: arch/families.py)."""
         if name.startswith("blk.") and self._spelled:
             _, layer, suffix = name.split(".", 2)
             return f"blk.{layer}.{self._spelled.get(suffix, suffix)}"

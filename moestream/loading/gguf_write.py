@@ -21,11 +21,11 @@ from tqdm import tqdm
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+from ..arch.families import FAMILIES
+from ..arch.hybrid_names import reorder_v_heads, split_qkvz
+from ..arch.names import EXPERT_STACKS, gguf_name, gguf_tensors
 from ..config import ModelConfig
 from ..errors import UserError
-from ..models.families import FAMILIES
-from ..models.names import EXPERT_STACKS, gguf_name, gguf_tensors
-from ..models.next_names import reorder_v_heads, split_qkvz
 from ..outputs import atomic_path
 from .gguf import EOS_IDS_KEY, ROPE_KEYS
 

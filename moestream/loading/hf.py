@@ -8,10 +8,10 @@
 Experts may be stored one tensor per expert and projection (qwen*_moe/olmoe `mlp.experts.E.gate_proj`, mixtral
 `block_sparse_moe.experts.E.w1/w3/w2`) or fused per layer as transformers 5 holds them in memory
 (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)); a fused expert is sliced out of its
-stack without reading the rest. Each family's spellings and config.json keys are its entry in models/families.py.
+stack without reading the rest. Each family's spellings and config.json keys are its entry in arch/families.py.
 
 The hybrid families (Qwen3-Next, Qwen3.5-MoE) hold other values than HF's (1 + w norms, -exp(A_log), the conv as
-(C, K)): models/next_names.py's canonical_value turns HF's into them, and hf_value back, so that they read back as
+(C, K)): arch/hybrid_names.py's canonical_value turns HF's into them, and hf_value back, so that they read back as
 the same bits. (A float32 checkpoint written again gets its norms' w back as fl(1 + w) - 1, within 2**-24, and may
 get another float32 A_log of the same -exp: what transformers and this reader compute from them is unchanged.)
 Qwen3.5-MoE is written in its text-only form (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text, tensors under
@@ -31,11 +31,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..config import ModelConfig, hf_key
+from ..arch.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
+from ..arch.hf_config import config_from_hf, hf_key
+from ..arch.hybrid_names import canonical_value, hf_value
+from ..arch.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
+from ..config import ModelConfig
 from ..errors import UserError
-from ..models.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
-from ..models.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
-from ..models.next_names import canonical_value, hf_value
 
 INDEX = "model.safetensors.index.json"
 
@@ -66,7 +67,7 @@ class HFSource:
         self.path = Path(path)
         if not self.path.is_dir():
             raise UserError(f"{str(self.path)!r} is not a directory; give a Hugging Face model directory")
-        self.config = ModelConfig.from_hf(_read_json(self.path / "config.json", "config.json"),
+        self.config = config_from_hf(_read_json(self.path / "config.json", "config.json"),
                                           _read_json(self.path / "generation_config.json", None))
         self._where: dict[str, object] = {}     # HF tensor name -> the safe_open handle of its file
         for file in self._shard_files():
@@ -160,7 +161,7 @@ class HFSource:
         t = self._read_first(hf_names(name, self.config.family, self.prefix), name)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)                 # some exports keep the shared expert's gate as (H,)
-        # hybrid families: zero-centred norms as 1 + w, -exp(A_log), the conv as (C, K) (models/next_names.py)
+        # hybrid families: zero-centred norms as 1 + w, -exp(A_log), the conv as (C, K) (arch/hybrid_names.py)
         return canonical_value(self.config, _suffix(name), t)
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,7 +217,7 @@ def _canonical_shape_of(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _suffix(name: str) -> str:
-    """A canonical name as next_names' values take it: a layer's suffix (`attn_norm.weight`), or a global name."""
+    """A canonical name as hybrid_names' values take it: a layer's suffix (`attn_norm.weight`), or a global name."""
     return name.split(".", 2)[2] if name.startswith("blk.") else name
 
 
@@ -241,7 +242,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """A config.json dict that transformers loads and ModelConfig.from_hf reads back into `cfg`."""
+    """A config.json dict that transformers loads and arch.config_from_hf reads back into `cfg`."""
     fam = FAMILIES[cfg.family]
     if cfg.dense_layers and not fam.sparse_step:
         raise UserError(f"a {cfg.family} config.json cannot express dense layers {cfg.dense_layers}")
@@ -299,7 +300,7 @@ def _tensors(source):
 
 
 def _hf_value(source, name: str) -> torch.Tensor:
-    """Canonical tensor `name` as HF holds it: as it is, but for the hybrid families' values (next_names.hf_value),
+    """Canonical tensor `name` as HF holds it: as it is, but for the hybrid families' values (hybrid_names.hf_value),
     whose norms go back to the source's own dtype (their 1 + w is float32 whatever the file's was)."""
     t, cfg = source.tensor(name), source.config
     if not FAMILIES[cfg.family].hybrid:

@@ -7,7 +7,7 @@
     src.expert_types(0)                         # None, or the GGML types of a GGUF's quantized expert stacks
     src.expert_bytes(0, 3)                      # ... and then expert 3's raw blocks (uint8), gate | up | down
 
-Tensor names are the canonical ones listed in moestream/models/names.py (GGUF's).
+Tensor names are the canonical ones listed in moestream/arch/names.py (GGUF's).
 """
 from __future__ import annotations
 

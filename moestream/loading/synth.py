@@ -29,7 +29,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..models.names import canonical_shape, dense_names, keeps_float32
+from ..arch.names import canonical_shape, dense_names, keeps_float32
 
 TINY_VOCAB = 1024          # text.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
 

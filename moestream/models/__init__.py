@@ -1,2 +1,3 @@
-"""Math only: layers, the MoE block, the decoder (families differ by ModelConfig flags); and as plain data, the
-family table (families.py) and the canonical tensor names (names.py) that loaders and the model share."""
+"""Math only: the blocks a family's decoder is built from (attention kinds, the DeltaNet mixer, the router, the MoE
+block, the residual; models/blocks.py builds them as arch/blocks.py's choices say) and the decoder itself
+(transformer.py). The family table and the tensor names are arch/'s."""

@@ -3,7 +3,8 @@ oracle of the fast kernels (fla-core on CUDA, later). Batched over sequences: B 
 
     y, st = gated_deltanet(x, lw, cfg)                 # a prompt from an empty state: x (B, T, H)
     y, st = gated_deltanet(x1, lw, cfg, st)            # one more token each: x1 (B, 1, H), the recurrent form
-    y, st = gated_deltanet(x, lw, cfg, st, kernels=k)  # k: a DeltaKernels (kernels/delta.py picks; TORCH here)
+    y, st = gated_deltanet(x, lw, cfg, st, kernels=k)  # k: a DeltaKernels (kernels/delta.py picks; the plain
+                                                       # torch TORCH of kernels/delta_reference.py by default)
 
 A layer keeps two tensors per sequence (DeltaState): the last kernel-1 inputs of its causal conv and one (dk, dv)
 state per value head. Per token t and value head, with q, k L2-normed and q scaled by dk^-1/2:
@@ -11,11 +12,11 @@ state per value head. Per token t and value head, with q, k L2-normed and q scal
     S = exp(g_t) S;   S += k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t       (S: (dk, dv))
     beta_t = sigmoid(b_t),  g_t = ssm_a * softplus(a_t + ssm_dt.bias)   (ssm_a = -exp(A_log) < 0: a decay)
 
-Prompts run the chunked form (chunk_gated_delta_rule: the same recurrence, 64 tokens at a time as matmuls),
-decode steps the recurrent one; they agree to float32 rounding. The output is RMS-normed per head, gated by
-silu(z) and projected back.
+Prompts run the chunked form (chunk_gated_delta_rule of kernels/delta_reference.py: the same recurrence, 64 tokens
+at a time as matmuls), decode steps the recurrent one; they agree to float32 rounding. The output is RMS-normed
+per head, gated by silu(z) and projected back. DeltaNet, at the end, is the layer as a decoder's mixer block.
 
-Weights (`lw`: one layer's canonical names, models/next_names.py; V = nv*dv, K = nk*dk, C = 2K + V):
+Weights (`lw`: one layer's canonical names, arch/hybrid_names.py; V = nv*dv, K = nk*dk, C = 2K + V):
     ssm_in.weight (2K + 2V, H)   qwen3_next: q, k, v, z fused, grouped by key head ([q_h k_h v_h.. z_h..] per h)
     ssm_ba.weight (2nv, H)       qwen3_next: b, a fused, grouped by key head ([b_h.. a_h..] per h)
     attn_qkv.weight (C, H), attn_gate.weight (V, H), ssm_beta.weight / ssm_alpha.weight (nv, H)   qwen3_5_moe
@@ -26,6 +27,7 @@ Value head j reads key head j // (nv/nk), as transformers' repeat_interleave doe
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..kernels.delta_reference import TORCH, DeltaKernels
 
 
 @dataclass
@@ -49,92 +52,9 @@ class DeltaState:
         return DeltaState(conv, torch.zeros(batch, nv, dk, dv, dtype=torch.float32, device=device))
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
-                  activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv over time, then SiLU: x (B, T, C), weight (C, K), state (B, C, K-1) the inputs before
-    x (None: zeros, a sequence's start) -> y (B, T, C), the new state (the last K-1 inputs). T = 1 is a decode step."""
-    B, T, C = x.shape
-    weight = weight.reshape(C, -1)
-    K = weight.shape[1]
-    if state is None:
-        state = x.new_zeros(B, C, K - 1)
-    window = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)           # (B, C, K-1+T)
-    y = F.conv1d(window, weight.unsqueeze(1), groups=C)                           # (B, C, T)
-    if activation:
-        y = F.silu(y)
-    return y.transpose(1, 2), window[:, :, window.shape[-1] - (K - 1):]
-
-
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dim, as fla and transformers compute it."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def _heads_first(q, k, v, g, beta, scale):
-    """(B, T, h, d) inputs -> float32 (B, nv, T, d), key heads repeated for their value heads, q scaled."""
-    r = v.shape[2] // k.shape[2]
-    q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
-    return q * (scale if scale is not None else q.shape[-1] ** -0.5), k, v, g, beta
-
-
-def recurrent_gated_delta_rule(q, k, v, g, beta, state=None, scale=None):
-    """The delta rule token by token: q, k (B, T, nk, dk) L2-normed, v (B, T, nv, dv), g and beta (B, T, nv),
-    state (B, nv, dk, dv) or None -> out (B, T, nv, dv) in v's dtype, final state (B, nv, dk, dv) float32."""
-    B, T, nv, dv = v.shape
-    dtype = v.dtype
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale)
-    S = q.new_zeros(B, nv, q.shape[-1], dv) if state is None else state.float().clone()
-    out = torch.empty(B, nv, T, dv, dtype=torch.float32, device=v.device)
-    for t in range(T):
-        S = S * g[:, :, t].exp()[..., None, None]
-        kt = k[:, :, t]                                                            # (B, nv, dk)
-        delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, kt)) * beta[:, :, t, None]
-        S = S + kt[..., :, None] * delta[..., None, :]
-        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
-    return out.transpose(1, 2).to(dtype), S
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size: int = 64, scale=None):
-    """The delta rule a chunk of tokens at a time; arguments and results as recurrent_gated_delta_rule's.
-
-    Inside a chunk, with G_i the cumulative log-decay from its start to token i, the state before it S0 and
-    A_ij = beta_i k_i.k_j exp(G_i - G_j) for j < i, the corrections written to the state are
-        u = (I + A)^-1 (beta v) - (I + A)^-1 (beta k exp(G)) S0      (a unit lower-triangular solve, the WY form)
-    and then o_i = exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j,
-    S = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j u_j^T. The chunks then run in sequence.
-    """
-    B, T, nv, dv = v.shape
-    dtype = v.dtype
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale)
-    dk = q.shape[-1]
-    pad = -T % chunk_size               # zero-padded tokens: beta = 0 and g = 0 leave the state as it was
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
-    N, L = (T + pad) // chunk_size, chunk_size
-    q, k, v = (t.reshape(B, nv, N, L, -1) for t in (q, k, v))                     # (B, nv, N, L, d)
-    g, beta = g.reshape(B, nv, N, L), beta.reshape(B, nv, N, L)
-    G = g.cumsum(-1)                                                               # (B, nv, N, L)
-    causal = torch.ones(L, L, dtype=torch.bool, device=v.device).tril()
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # (.., L, L): i, j
-    kk = k @ k.transpose(-1, -2)                                                   # (B, nv, N, L, L)
-    A = (beta[..., None] * kk * decay).tril(-1)
-    eye = torch.eye(L, dtype=A.dtype, device=A.device)
-    u0 = torch.linalg.solve_triangular(A + eye, beta[..., None] * v, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(A + eye, beta[..., None] * k * G.exp()[..., None], upper=False,
-                                      unitriangular=True)                          # (B, nv, N, L, dk)
-    qk = (q @ k.transpose(-1, -2)) * decay                                         # (B, nv, N, L, L)
-    q_in = q * G.exp()[..., None]                       # reads the state the chunk starts from
-    k_out = k * (G[..., -1:] - G).exp()[..., None]      # writes the state the chunk ends with
-    S = q.new_zeros(B, nv, dk, dv) if state is None else state.float().clone()
-    out = torch.empty(B, nv, N, L, dv, dtype=torch.float32, device=v.device)
-    for n in range(N):
-        u = u0[:, :, n] - w[:, :, n] @ S                                           # (B, nv, L, dv)
-        out[:, :, n] = q_in[:, :, n] @ S + qk[:, :, n] @ u
-        S = S * G[:, :, n, -1].exp()[..., None, None] + k_out[:, :, n].transpose(-1, -2) @ u
-    out = out.reshape(B, nv, N * L, dv)[:, :, :T]
-    return out.transpose(1, 2).to(dtype), S
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -227,24 +147,6 @@ def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float, kerne
     return o.reshape(q.shape[0], -1)
 
 
-@dataclass(frozen=True)
-class DeltaKernels:
-    """The seam where a DeltaNet layer's kernels are chosen (kernels/delta.py: pick_delta_kernels), each with the
-    signature of its plain-torch reference here: the causal conv (causal_conv1d), the delta rule over a prompt
-    (chunk_gated_delta_rule), over one token per sequence (recurrent_gated_delta_rule), and optionally a whole
-    decode step on the cache's states in place (step_in_place's: the engine's decode steps; None: step_in_place
-    itself around this conv and recurrence, which gathers the states and writes them back)."""
-    name: str
-    conv: Callable
-    chunk: Callable
-    recurrent: Callable
-    in_place: Callable | None = None
-
-
-TORCH = DeltaKernels("torch", causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule,
-                     in_place=step_in_place)
-
-
 def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaState | None = None,
                    mode: str = "auto", chunk_size: int = 64,
                    kernels: DeltaKernels = TORCH) -> tuple[torch.Tensor, DeltaState]:
@@ -270,3 +172,40 @@ def deltanet_step(x: torch.Tensor, lw: dict, cfg: ModelConfig, conv: torch.Tenso
     q, k, v, z, b, a = (t[:, 0] for t in _projections(x[:, None], lw, cfg, p))
     o = in_place(q, k, v, z, b, a, conv, ssm, rows, lw, cfg.rms_norm_eps)       # (B, nv dv)
     return linear(o, lw["ssm_out.weight"])
+
+
+class DeltaNet:
+    """The Gated DeltaNet as a decoder's mixer block (arch/blocks.py's Blocks.mixer "deltanet"): a layer's
+    mixer on the normed x (T, H) -> (T, H), each segment's sequence's state read from its row of the cache's
+    conv[layer] (n_seq, C, kernel-1) and ssm[layer] (n_seq, nv, dk, dv) and written back. A prompt runs the
+    chunked rule one segment at a time; a decode step (every segment one token) the recurrent one over all its
+    sequences at once, on the cache's states in place (`kernels.in_place`, or step_in_place around the kernels'
+    conv and recurrence)."""
+
+    def __init__(self, cfg: ModelConfig, kernels: DeltaKernels = TORCH):
+        self.cfg, self.kernels = cfg, kernels
+        self.in_place = kernels.in_place or functools.partial(step_in_place, kernels=kernels)
+
+    def prepare(self, lw: dict) -> None:
+        """At load: the split layout's four input projections as one (fuse_projections)."""
+        fuse_projections(lw, self.cfg)
+
+    def in_proj(self, lw) -> str | None:
+        """The one projection of its input (the split layout's, one weight since fuse_projections), or None."""
+        return "ssm_proj" if "ssm_proj.weight" in lw else None
+
+    def __call__(self, x, lw, layer: int, batch, kv, cos=None, sin=None, mask=None, fused=None,
+                 proj=None) -> torch.Tensor:
+        conv, ssm = kv.conv[layer], kv.ssm[layer]                  # (n_seq, C, kernel-1), (n_seq, nv, dk, dv)
+        if batch.is_decode:             # one token of each of B distinct sequences: one recurrent step, batched
+            return deltanet_step(x, lw, self.cfg, conv, ssm, batch.seq_ids, self.in_place, proj,
+                                 F.linear if fused is None else fused.linear)
+        outs, r = [], 0
+        for s in batch.segments:        # a prompt chunk: the chunked rule, from where the sequence's state is
+            rows = slice(s.seq, s.seq + 1)
+            y, st = gated_deltanet(x[None, r:r + s.n], lw, self.cfg, DeltaState(conv[rows], ssm[rows]),
+                                   kernels=self.kernels)                     # (1, n, H)
+            conv[rows], ssm[rows] = st.conv, st.ssm
+            outs.append(y[0])
+            r += s.n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -11,19 +11,7 @@ from ..config import ModelConfig
 from ..experts.provider import ExpertWeights
 from ..experts.routing import report_route
 from .layers import swiglu
-
-
-def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts in float32, top-k, optionally renormalised: (T, k) weights (x's dtype), ids.
-
-    Mixtral's softmax-over-the-top-k-logits is the same function as softmax, top-k, renormalise.
-    """
-    logits = F.linear(x, router)                                        # (T, E)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, k, dim=-1)                         # (T, k)
-    if norm_topk:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), ids
+from .router import SOFTMAX, route
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -33,7 +21,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, provider, observer=None,
-              next_routers: tuple = (), routed=None):
+              next_routers: tuple = (), routed=None, router=SOFTMAX):
     """The router half of the MoE block over the parts of a forward (models/transformer.py: one ubatch, or
     consecutive ubatches of a prompt's batch run layer by layer): (T, k) weights of each part, the (T, k) ids of
     all parts one after the other, and the lookahead guesses (or None).
@@ -44,6 +32,7 @@ def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, pr
     and the next layer's guess too if it has `wants_guess`.
     `routed`: the (T, k) weights and ids where the step computed them already (a fused decode step, one part:
     kernels.fused's norm_route, the norm, router, softmax, top-k and renormalisation in one launch).
+    `router`: the router block's options (arch/blocks.py's Router, models/router.py).
     Lookahead: `next_routers` are the routers of the MoE layers after this one. Where the provider asks
     (`lookahead_layers`: how many layers ahead), each applied to this layer's input guesses that layer's experts,
     so their copies start before its own routing is known. The guesses: a tuple of (T, k) ids, nearest layer first.
@@ -51,7 +40,7 @@ def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, pr
     if routed is not None:
         weights, ids = [routed[0]], routed[1]
     else:
-        pairs = [route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob) for x in xs]
+        pairs = [route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob, router) for x in xs]
         weights, ids = [w for w, _ in pairs], _cat([i for _, i in pairs])
     n = sum(x.shape[0] for x in xs)
     ahead = min(provider.lookahead_layers(layer, n), len(next_routers)) if next_routers else 0

@@ -20,7 +20,8 @@ from ..kernels.reference import experts_reference
 from .deltanet import DeltaState, gated_deltanet
 from .gated_attention import gated_attention
 from .layers import rms_norm, rope_tables, swiglu
-from .moe import combine, route
+from .moe import combine
+from .router import route
 
 
 class KV:

@@ -1,11 +1,18 @@
-"""The decoder of every supported family, as math: the families differ only in ModelConfig's flags.
+"""The decoder of every supported family, as math, built from the blocks its family's entry picks (arch/blocks.py,
+models/blocks.py) with ModelConfig's options.
 
-    model = MoETransformer(cfg, weights, rope=(cos, sin))       # weights: canonical name -> tensor, on device
+    model = MoETransformer(cfg, weights, rope=(cos, sin), blocks=FAMILIES[cfg.family].blocks)   # weights on device
     batch = Batch.make(segments, tokens, device, observer=observers)     # what changes per forward travels here
     logits = model.forward(batch, kv, experts, kernel)          # (R, V) float32 for batch.out_rows
 
-Qwen3-MoE: per-head QK-norm. Qwen2-MoE: q/k/v biases and a sigmoid-gated shared expert. OLMoE: QK-norm over the
-whole projection and optional clipping. Mixtral: none of these. Dense-MLP layers where `cfg.dense_layers` says.
+Each layer: the residual block's add and norm, the layer's token mixer (an attention kind, models/attention.py, or
+by layer_types a mixer such as the Gated DeltaNet, models/deltanet.py), the add and norm again, then the MoE block
+(models/moe.py: the router block, the experts, the shared expert) or a dense MLP where `cfg.dense_layers` says.
+Qwen3-MoE: GQA with per-head QK-norm. Qwen2-MoE: q/k/v biases and a sigmoid-gated shared expert. OLMoE: QK-norm
+over the whole projection and optional clipping. Mixtral: none of these. Qwen3-Next and Qwen3.5-MoE: gated
+attention between DeltaNet layers, whose states the cache (runtime/kv_cache.py's HybridCache) holds per sequence:
+row s of conv[i] and ssm[i] is sequence s's, read at each segment's sequence and written back, the cache checking
+positions and resetting restarted sequences before the forward (HybridCache.begin).
 """
 from __future__ import annotations
 
@@ -15,9 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..arch.blocks import Blocks
 from ..config import ModelConfig
+from ..kernels.delta_reference import DeltaKernels
 from ..kernels.host_arrays import upload
-from .layers import apply_rope, attention, decode_attention, rms_norm, swiglu
+from .blocks import build
+from .layers import rms_norm, swiglu
 from .moe import moe_experts, moe_route
 
 MAX_AHEAD = 4                   # lookahead guesses reach at most this many MoE layers ahead
@@ -72,10 +82,21 @@ class Batch:
 
 
 class MoETransformer:
-    capturable = True               # a decode step may be captured in a CUDA graph (runtime/decode.py)
+    # A decode step may be captured in a CUDA graph (runtime/decode.py). A DeltaNet's states are gathered and
+    # written back by the step's device tensor of sequences (no host sync); the engine checks and advances each
+    # sequence's position around every replay (GraphDecode), and a graph's warm-up leaves the states as they were
+    # (HybridCache.kept).
+    capturable = True
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                 blocks: Blocks = Blocks(), delta: DeltaKernels | None = None):
+        """blocks: the family's (arch/families.py); delta: a DeltaNet mixer's kernels (kernels/delta.py picks;
+        None: the plain-torch references)."""
         self.cfg = cfg
+        built = build(cfg, blocks, delta)
+        self.attention, self.mixers, self.router, self.residual = (built.attention, built.mixers, built.router,
+                                                                   built.residual)
+        self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
         # the layers' tensors live in self.layers only: what __init__ concatenates there does not keep its parts
         self.w = {n: t for n, t in weights.items() if not n.startswith("blk.")}
         self.layers = [{k[len(f"blk.{i}."):]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
@@ -94,6 +115,8 @@ class MoETransformer:
         moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead
         self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD])
                              for i, a in enumerate(moe)}
+        for mixer, lw in zip(self.mixers, self.layers):
+            mixer.prepare(lw)
 
     def forward(self, batch: Batch, kv, experts, kernel) -> torch.Tensor:
         """(R, V) float32 logits of batch.out_rows. The batch says how its experts are read (fetched through
@@ -121,7 +144,7 @@ class MoETransformer:
         rope = [(self.cos[p.positions].to(h.dtype), self.sin[p.positions].to(h.dtype)) for p, h in zip(parts, hs)]
         masks = [None] * len(parts)
         for j, p in enumerate(parts):
-            if p.is_decode and not self._fuses_attention(fused):   # the keys each token attends, for every layer
+            if p.is_decode and not self.attention.fuses(fused):   # the keys each token attends, for every layer
                 n = p.kv_len or kv.ctx
                 masks[j] = torch.arange(n, device=hs[j].device)[None, :] <= p.positions[:, None]     # (B, n)
         deltas = [None] * len(parts)    # each part's last block output, not yet added to its residual stream
@@ -131,7 +154,7 @@ class MoETransformer:
                 deltas[j] = self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj)
             if i in cfg.dense_layers:
                 for j in range(len(parts)):
-                    hs[j], m = self._add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
+                    hs[j], m = self.residual.add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
                     deltas[j] = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
                 yield i
                 continue
@@ -145,9 +168,10 @@ class MoETransformer:
                                                                 cfg.n_experts_used, cfg.norm_topk_prob, hs[j].dtype,
                                                                 table)
                 else:
-                    hs[j], m = self._add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
+                    hs[j], m = self.residual.add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
                 ms.append(m)
-            weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed)
+            weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
+                                            self.router)
             deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs)
             yield i
         outs = []
@@ -157,87 +181,22 @@ class MoETransformer:
                 outs.append(F.linear(h, self.lm_head).float())               # (R, V)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _add_norm(self, h, delta, w, fused):
-        """h + delta (the residual stream) and its RMSNorm: one kernel in a fused decode step."""
-        if delta is None:
-            return h, rms_norm(h, w, self.cfg.rms_norm_eps)
-        if fused is not None:
-            return fused.add_rms_norm(h, delta, w, self.cfg.rms_norm_eps)
-        h = h + delta
-        return h, rms_norm(h, w, self.cfg.rms_norm_eps)
-
     def _norm_project(self, h, delta, lw, layer, fused):
         """The residual add and the mixer's norm: (h, the normed x, None); in a one-token fused step, with the
         mixer's input projection (`in_proj`) in the same launch: (h, x, the projection of x)."""
-        w = self.in_proj(lw, layer)
+        w = self.mixers[layer].in_proj(lw)
         if fused is None or delta is None or h.shape[0] != 1 or w is None:
-            return (*self._add_norm(h, delta, lw["attn_norm.weight"], fused), None)
+            return (*self.residual.add_norm(h, delta, lw["attn_norm.weight"], fused), None)
         return fused.norm_linear(h, delta, lw["attn_norm.weight"], self.cfg.rms_norm_eps, lw[f"{w}.weight"],
                                  lw.get(f"{w}.bias"))
 
-    def in_proj(self, lw, layer) -> str | None:
-        """The name of the one projection layer `layer`'s mixer applies to its input first (None: not one)."""
-        return "attn_qkv"
-
     def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
-        """Layer `layer`'s token mixer on the normed residual stream x (T, H) -> (T, H): attention here; a
-        hybrid model's (models/hybrid.py) is attention or a Gated DeltaNet by layer type. proj: the mixer's input
-        projection of x, where the step computed it with the norm (_norm_project)."""
-        return self.attention(x, lw, layer, batch, kv, cos, sin, mask, fused, proj)
-
-    def _fuses_attention(self, fused) -> bool:
-        """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, and
-        no clipping (OLMoE's whole-projection norm and clip_qkv run as eager ops, with the mask)."""
-        return fused is not None and self.cfg.qk_norm in ("none", "head") and not self.cfg.clip_qkv
-
-    def attention(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
-        cfg = self.cfg
-        T = x.shape[0]
-        qkv = proj if proj is not None else F.linear(x, lw["attn_qkv.weight"], lw.get("attn_qkv.bias"))
-        if self._fuses_attention(fused):                                     # qkv (T, (nh + 2 nkv) hd)
-            q = fused.qk_rope_kv(qkv, lw.get("attn_qk_norm.weight"), cfg.rms_norm_eps, cos, sin, kv.k[layer],
-                                 kv.v[layer], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads)
-            n = batch.kv_len or kv.ctx
-            o = fused.decode_attention(q, kv.k[layer], kv.v[layer], batch.seq_ids, batch.positions, n)
-            return fused.linear(o.reshape(T, -1), lw["attn_output.weight"])
-        q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
-                             cfg.n_kv_heads * cfg.head_dim], dim=-1)
-        if cfg.qk_norm == "full":
-            q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
-            k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
-        if cfg.clip_qkv:
-            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q = q.view(T, cfg.n_heads, cfg.head_dim)
-        k = k.view(T, cfg.n_kv_heads, cfg.head_dim)
-        v = v.view(T, cfg.n_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "head":
-            q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
-            k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(layer, batch.seq_ids, batch.positions, k, v)
-        o = self._attend(q, layer, batch, kv, mask)                          # (T, nh, hd)
-        return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
-
-    def _attend(self, q, layer, batch: Batch, kv, mask=None) -> torch.Tensor:
-        """q (T, nh, hd) against each token's own sequence's cache, up to and including its position (decode:
-        `mask` (B, n) says which of the first n keys each token attends)."""
-        keys, values = kv.k[layer], kv.v[layer]                              # (n_seq, nkv, ctx, hd)
-        if batch.is_decode:
-            # The whole context, masked, in eager and captured decodes alike: the same shapes give the same bits.
-            n = batch.kv_len or kv.ctx
-            if kv.n_seq == 1:           # one sequence: its cache as it is, no gather
-                kk, vv = keys[:, :, :n], values[:, :, :n]                    # (1, nkv, n, hd)
-            else:
-                kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]   # (B, nkv, n, hd)
-            return decode_attention(q, kk, vv, mask)                         # (B, nh, hd)
-        outs, r = [], 0
-        for s in batch.segments:
-            end = s.start + s.n
-            qs = q[r:r + s.n].transpose(0, 1).unsqueeze(0)                   # (1, nh, n, hd)
-            kk, vv = keys[s.seq:s.seq + 1, :, :end], values[s.seq:s.seq + 1, :, :end]
-            outs.append(attention(qs, kk, vv)[0].transpose(0, 1))           # (n, nh, hd)
-            r += s.n
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        """Layer `layer`'s token mixer on the normed residual stream x (T, H) -> (T, H): the attention kind on KV
+        layer kv_slot[layer], or the mixer (its states are the layer's own). proj: the mixer's input projection of
+        x, where the step computed it with the norm (_norm_project)."""
+        mixer = self.mixers[layer]
+        index = self.kv_slot[layer] if mixer is self.attention else layer
+        return mixer(x, lw, index, batch, kv, cos, sin, mask, fused, proj)
 
 
 def drain(steps):

@@ -11,13 +11,13 @@ block is dequantized on its own). The IQ types are in dequant_iq.py.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ..errors import UserError
+from .dequant_iq import IQ_DEQUANTIZERS
+from .fields import fields, halves, planes, u16, view
 from .types import FLOAT, LOADABLE, names
 
 # Values dequantized at once: bounds the float32 intermediates (16 MiB each, a handful live at a time). On the CPU
@@ -53,9 +53,9 @@ def random_blocks(qtype: Q, n_blocks: int, generator: torch.Generator | None = N
     blocks = torch.randint(0, 256, (n_blocks, size), dtype=torch.uint8, generator=generator)   # (n, type_size)
     if qtype == Q.IQ1_M:
         # IQ1_M's one f16 scale is spread over the top nibbles of its four u16 sub-block scales (bytes 48..56).
-        d = _u16(_sane_halves(n_blocks, generator))                             # (n, 1) the f16's bits
-        s = _u16(blocks[:, 48:56])                                              # (n, 4)
-        s = (s & 0x0FFF) | (_fields(d, 4, 4).squeeze(1) << 12)
+        d = u16(_sane_halves(n_blocks, generator))                             # (n, 1) the f16's bits
+        s = u16(blocks[:, 48:56])                                              # (n, 4)
+        s = (s & 0x0FFF) | (fields(d, 4, 4).squeeze(1) << 12)
         blocks[:, 48:56] = torch.stack([s & 0xFF, s >> 8], dim=-1).reshape(n_blocks, 8).to(torch.uint8)
     else:
         for offset in _SCALE_OFFSETS.get(qtype, (0,)):
@@ -64,7 +64,6 @@ def random_blocks(qtype: Q, n_blocks: int, generator: torch.Generator | None = N
 
 
 def _dequantizer(qtype: Q):
-    from .dequant_iq import IQ_DEQUANTIZERS                                    # it imports the helpers below
     fn = _DEQUANTIZERS.get(qtype) or IQ_DEQUANTIZERS.get(qtype)
     if fn is None or qtype not in LOADABLE:
         raise UserError(f"no dequantizer for GGML type {getattr(qtype, 'name', qtype)}; "
@@ -85,91 +84,49 @@ _SCALE_OFFSETS = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108
                   Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
-# --- reading blocks: little-endian fields, as ggml writes them and gguf.quants' numpy views read them ---
-
-def _view(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(..., k * itemsize) uint8 -> (..., k) of dtype: the same bytes, copied where they are not contiguous or start
-    off dtype's alignment (a field inside a block does)."""
-    flat = b.reshape(-1)
-    if flat.storage_offset() % dtype.itemsize:
-        flat = flat.clone()
-    return flat.view(dtype).reshape(*b.shape[:-1], b.shape[-1] // dtype.itemsize)
-
-
-def _halves(b: torch.Tensor) -> torch.Tensor:
-    """(n, 2k) uint8 -> (n, k) float32: f16 fields, converted exactly."""
-    return _view(b, torch.float16).float()
-
-
-def _u16(b: torch.Tensor) -> torch.Tensor:
-    """(..., 2k) uint8 -> (..., k) int32: u16 fields (torch has no full uint16, so int32 holds them)."""
-    return _view(b, torch.int16).int() & 0xFFFF
-
-
-def _u32(b: torch.Tensor) -> torch.Tensor:
-    """(..., 4k) uint8 -> (..., k) int64: u32 fields."""
-    return _view(b, torch.int32).long() & 0xFFFFFFFF
-
-
-def _fields(x: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """x (..., m) integers -> (..., m, count): each one's `count` fields of `width` bits, lowest first."""
-    return (x.unsqueeze(-1) >> _shifts(width, count, x.dtype, x.device)) & ((1 << width) - 1)
-
-
-def _planes(x: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """x (..., m) integers -> (..., count, m): plane j holds field j of every one (ggml's layout of quants: the
-    low nibbles of 32 bytes are 32 values, the high nibbles the next 32)."""
-    return (x.unsqueeze(-2) >> _shifts(width, count, x.dtype, x.device)[:, None]) & ((1 << width) - 1)
-
-
-@functools.cache
-def _shifts(width: int, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.arange(0, width * count, width).to(dtype=dtype, device=device)       # (count,)
-
-
 # --- float types: their raw bytes, reinterpreted ---
 
 def _f32(b):
-    return _view(b, torch.float32)                                              # (n, 1)
+    return view(b, torch.float32)                                              # (n, 1)
 
 
 def _f16(b):
-    return _halves(b)                                                           # (n, 1)
+    return halves(b)                                                           # (n, 1)
 
 
 def _bf16(b):
-    return (_view(b, torch.int16).int() << 16).view(torch.float32)             # (n, 1): bf16 is f32's top half
+    return (view(b, torch.int16).int() << 16).view(torch.float32)             # (n, 1): bf16 is f32's top half
 
 
 # --- 32-value blocks: an f16 d (and m), then the quants ---
 
 def _q8_0(b):
-    d, x = _halves(b[:, :2]), b[:, 2:].view(torch.int8).float()                # (n, 1), (n, 32)
+    d, x = halves(b[:, :2]), b[:, 2:].view(torch.int8).float()                # (n, 1), (n, 32)
     return x * d
 
 
 def _q4_0(b):
-    d, q = _halves(b[:, :2]), _planes(b[:, 2:], 4, 2).flatten(1)               # (n, 1), (n, 32)
+    d, q = halves(b[:, :2]), planes(b[:, 2:], 4, 2).flatten(1)               # (n, 1), (n, 32)
     return d * (q.float() - 8)
 
 
 def _q4_1(b):
-    d, m, q = _halves(b[:, :2]), _halves(b[:, 2:4]), _planes(b[:, 4:], 4, 2).flatten(1)
+    d, m, q = halves(b[:, :2]), halves(b[:, 2:4]), planes(b[:, 4:], 4, 2).flatten(1)
     return (d * q.float()) + m
 
 
 def _q5(qh, qs):
     """The 5-bit quants (n, 32): 4 bits from qs's nibbles, the fifth from bit i of the u32 qh."""
-    return _planes(qs, 4, 2).flatten(1) | (_fields(qh, 1, 8).flatten(1) << 4)
+    return planes(qs, 4, 2).flatten(1) | (fields(qh, 1, 8).flatten(1) << 4)
 
 
 def _q5_0(b):
-    d, q = _halves(b[:, :2]), _q5(b[:, 2:6], b[:, 6:])
+    d, q = halves(b[:, :2]), _q5(b[:, 2:6], b[:, 6:])
     return d * (q.float() - 16)
 
 
 def _q5_1(b):
-    d, m, q = _halves(b[:, :2]), _halves(b[:, 2:4]), _q5(b[:, 4:8], b[:, 8:])
+    d, m, q = halves(b[:, :2]), halves(b[:, 2:4]), _q5(b[:, 4:8], b[:, 8:])
     return (d * q.float()) + m
 
 
@@ -177,22 +134,22 @@ def _q5_1(b):
 
 def _q2_k(b):
     n = b.shape[0]
-    scales, qs, d, dmin = b[:, :16], b[:, 16:80], _halves(b[:, 80:82]), _halves(b[:, 82:84])
+    scales, qs, d, dmin = b[:, :16], b[:, 16:80], halves(b[:, 80:82]), halves(b[:, 82:84])
     dl = (d * (scales & 0xF).float())[..., None]                                # (n, 16, 1)
     ml = (dmin * (scales >> 4).float())[..., None]                              # (n, 16, 1)
-    q = _planes(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16).float()          # (n, 16, 16)
+    q = planes(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16).float()          # (n, 16, 16)
     return (dl * q - ml).reshape(n, 256)
 
 
 def _q3_k(b):
     n = b.shape[0]
-    hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], _halves(b[:, 108:110])
+    hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], halves(b[:, 108:110])
     # 16 6-bit scales: low 4 bits from the nibbles of bytes 0..8, high 2 bits from the pairs of bytes 8..12.
-    low = _planes(scales[:, :8], 4, 2).reshape(n, 16)
-    high = _planes(scales[:, 8:], 2, 4).reshape(n, 16)
+    low = planes(scales[:, :8], 4, 2).reshape(n, 16)
+    high = planes(scales[:, 8:], 2, 4).reshape(n, 16)
     dl = (d * ((low | (high << 4)).float() - 32))[..., None]                    # (n, 16, 1)
-    ql = _planes(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)
-    qh = _planes(hmask, 1, 8).reshape(n, 16, 16) ^ 1                            # a set hmask bit means no -4
+    ql = planes(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)
+    qh = planes(hmask, 1, 8).reshape(n, 16, 16) ^ 1                            # a set hmask bit means no -4
     q = (ql.to(torch.int16) - (qh << 2)).float()                                # (n, 16, 16)
     return (dl * q).reshape(n, 256)
 
@@ -207,30 +164,30 @@ def _scale_min(scales):
 
 def _q4_k(b):
     n = b.shape[0]
-    d, dmin, (sc, mn), qs = _halves(b[:, :2]), _halves(b[:, 2:4]), _scale_min(b[:, 4:16]), b[:, 16:]
+    d, dmin, (sc, mn), qs = halves(b[:, :2]), halves(b[:, 2:4]), _scale_min(b[:, 4:16]), b[:, 16:]
     d = (d * sc.float())[..., None]                                             # (n, 8, 1)
     dm = (dmin * mn.float())[..., None]                                         # (n, 8, 1)
-    q = _planes(qs.reshape(n, 4, 32), 4, 2).reshape(n, 8, 32).float()           # (n, 8, 32)
+    q = planes(qs.reshape(n, 4, 32), 4, 2).reshape(n, 8, 32).float()           # (n, 8, 32)
     return (d * q - dm).reshape(n, 256)
 
 
 def _q5_k(b):
     n = b.shape[0]
-    d, dmin, (sc, mn) = _halves(b[:, :2]), _halves(b[:, 2:4]), _scale_min(b[:, 4:16])
+    d, dmin, (sc, mn) = halves(b[:, :2]), halves(b[:, 2:4]), _scale_min(b[:, 4:16])
     qh, qs = b[:, 16:48], b[:, 48:]
     d = (d * sc.float())[..., None]                                             # (n, 8, 1)
     dm = (dmin * mn.float())[..., None]
-    ql = _planes(qs.reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)
-    q = (ql | (_planes(qh, 1, 8) << 4)).float()                                 # (n, 8, 32)
+    ql = planes(qs.reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)
+    q = (ql | (planes(qh, 1, 8) << 4)).float()                                 # (n, 8, 32)
     return (d * q - dm).reshape(n, 256)
 
 
 def _q6_k(b):
     n = b.shape[0]
-    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(torch.int8), _halves(b[:, 208:])
+    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(torch.int8), halves(b[:, 208:])
     d = (d * scales.float())[..., None]                                         # (n, 16, 1)
-    ql = _planes(ql.reshape(n, 2, 64), 4, 2).reshape(n, 8, 32)
-    qh = _planes(qh.reshape(n, 2, 32), 2, 4).reshape(n, 8, 32)
+    ql = planes(ql.reshape(n, 2, 64), 4, 2).reshape(n, 8, 32)
+    qh = planes(qh.reshape(n, 2, 32), 2, 4).reshape(n, 8, 32)
     q = ((ql | (qh << 4)).float() - 32).reshape(n, 16, 16)
     return (d * q).reshape(n, 256)
 

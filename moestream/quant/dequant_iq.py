@@ -14,7 +14,7 @@ import gguf.quants
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from .dequant import _fields, _halves, _planes, _shifts, _u16, _u32
+from .fields import fields, halves, planes, shifts, u16, u32
 
 
 @functools.cache
@@ -39,40 +39,40 @@ def _kvalues(device: torch.device) -> torch.Tensor:
 
 def _signs(bits: torch.Tensor) -> torch.Tensor:
     """(..., m) bytes of sign bits -> (..., m, 8) float32 of +1 (bit clear) and -1 (bit set)."""
-    return 1 - 2 * _fields(bits, 1, 8).float()
+    return 1 - 2 * fields(bits, 1, 8).float()
 
 
 def _signs7(aux: torch.Tensor) -> torch.Tensor:
     """(n, g) u32 -> (n, g, 4, 8): signs from the four 7-bit ksigns indices in each one's low 28 bits."""
-    return _signs(_ksigns(aux.device)[_fields(aux, 7, 4)])
+    return _signs(_ksigns(aux.device)[fields(aux, 7, 4)])
 
 
 def _sub_scales(scales: torch.Tensor) -> torch.Tensor:
     """(n, k) uint8 -> (n, 2k) uint8: the 4-bit sub-block scales, low nibble first."""
-    return _fields(scales, 4, 2).flatten(1)
+    return fields(scales, 4, 2).flatten(1)
 
 
 def _iq4_nl(b):
     n = b.shape[0]
-    d, qs = _halves(b[:, :2]), b[:, 2:]
-    q = _planes(qs, 4, 2).reshape(n, 32)                                        # (n, 32)
+    d, qs = halves(b[:, :2]), b[:, 2:]
+    q = planes(qs, 4, 2).reshape(n, 32)                                        # (n, 32)
     return d * _kvalues(b.device)[q.long()]
 
 
 def _iq4_xs(b):
     n = b.shape[0]
-    d, scales_h, scales_l, qs = _halves(b[:, :2]), _u16(b[:, 2:4]), b[:, 4:8], b[:, 8:]
+    d, scales_h, scales_l, qs = halves(b[:, :2]), u16(b[:, 2:4]), b[:, 4:8], b[:, 8:]
     low = _sub_scales(scales_l)                                                 # (n, 8)
-    high = _fields(scales_h, 2, 8).reshape(n, 8)
+    high = fields(scales_h, 2, 8).reshape(n, 8)
     dl = (d * ((low | (high << 4)).float() - 32))[..., None]                   # (n, 8, 1)
-    q = _planes(qs.reshape(n, 8, 16), 4, 2).reshape(n, 8, 32)                   # (n, 8, 32)
+    q = planes(qs.reshape(n, 8, 16), 4, 2).reshape(n, 8, 32)                   # (n, 8, 32)
     return (dl * _kvalues(b.device)[q.long()]).reshape(n, 256)
 
 
 def _iq2_xxs(b):
     n = b.shape[0]
-    d, groups = _halves(b[:, :2]), b[:, 2:].reshape(n, 8, 8)                   # 8 groups of 32 values
-    aux = _u32(groups[..., 4:])[..., 0]                                         # (n, 8): sign indices, scale
+    d, groups = halves(b[:, :2]), b[:, 2:].reshape(n, 8, 8)                   # 8 groups of 32 values
+    aux = u32(groups[..., 4:])[..., 0]                                         # (n, 8): sign indices, scale
     db = (d * (0.5 + (aux >> 28).float()) * 0.25)[..., None, None]             # (n, 8, 1, 1)
     grid = _grid(Q.IQ2_XXS, b.device)[groups[..., :4].long()]                   # (n, 8, 4, 8)
     return (db * grid * _signs7(aux)).reshape(n, 256)
@@ -80,7 +80,7 @@ def _iq2_xxs(b):
 
 def _iq2_xs(b):
     n = b.shape[0]
-    d, qs, scales = _halves(b[:, :2]), _u16(b[:, 2:66]), b[:, 66:]              # qs (n, 32)
+    d, qs, scales = halves(b[:, :2]), u16(b[:, 2:66]), b[:, 66:]              # qs (n, 32)
     db = (d * (0.5 + _sub_scales(scales).float()) * 0.25)[..., None, None]     # (n, 16, 1, 1)
     signs = _signs(_ksigns(b.device)[(qs >> 9).long()]).reshape(n, 16, 2, 8)
     grid = _grid(Q.IQ2_XS, b.device)[(qs & 511).long()].reshape(n, 16, 2, 8)
@@ -89,17 +89,17 @@ def _iq2_xs(b):
 
 def _iq2_s(b):
     n = b.shape[0]
-    d, qs, sign_bits, qh, scales = _halves(b[:, :2]), b[:, 2:34], b[:, 34:66], b[:, 66:74], b[:, 74:]
+    d, qs, sign_bits, qh, scales = halves(b[:, :2]), b[:, 2:34], b[:, 34:66], b[:, 66:74], b[:, 74:]
     db = (d * (0.5 + _sub_scales(scales).float()) * 0.25)[..., None, None]     # (n, 16, 1, 1)
     signs = _signs(sign_bits).reshape(n, 16, 2, 8)
-    index = qs.long() | (_fields(qh, 2, 4).reshape(n, 32).long() << 8)          # (n, 32) 10-bit
+    index = qs.long() | (fields(qh, 2, 4).reshape(n, 32).long() << 8)          # (n, 32) 10-bit
     grid = _grid(Q.IQ2_S, b.device)[index].reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, 256)
 
 
 def _iq3_xxs(b):
     n = b.shape[0]
-    d, qs, aux = _halves(b[:, :2]), b[:, 2:66], _u32(b[:, 66:])                 # aux (n, 8)
+    d, qs, aux = halves(b[:, :2]), b[:, 2:66], u32(b[:, 66:])                 # aux (n, 8)
     db = (d * (0.5 + (aux >> 28).float()) * 0.5)[..., None, None]              # (n, 8, 1, 1)
     grid = _grid(Q.IQ3_XXS, b.device)[qs.long()].reshape(n, 8, 4, 8)
     return (db * grid * _signs7(aux)).reshape(n, 256)
@@ -107,32 +107,32 @@ def _iq3_xxs(b):
 
 def _iq3_s(b):
     n = b.shape[0]
-    d, qs, qh, sign_bits, scales = _halves(b[:, :2]), b[:, 2:66], b[:, 66:74], b[:, 74:106], b[:, 106:]
+    d, qs, qh, sign_bits, scales = halves(b[:, :2]), b[:, 2:66], b[:, 66:74], b[:, 74:106], b[:, 106:]
     db = (d * (1 + 2 * _sub_scales(scales)).float())[..., None, None]          # (n, 8, 1, 1)
     signs = _signs(sign_bits).reshape(n, 8, 4, 8)
-    index = qs.long() | (_fields(qh, 1, 8).reshape(n, 64).long() << 8)          # (n, 64) 9-bit
+    index = qs.long() | (fields(qh, 1, 8).reshape(n, 64).long() << 8)          # (n, 64) 9-bit
     grid = _grid(Q.IQ3_S, b.device)[index].reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, 256)
 
 
 def _iq1_s(b):
     n = b.shape[0]
-    d, qs, qh = _halves(b[:, :2]), b[:, 2:34], _u16(b[:, 34:])                  # qh (n, 8)
+    d, qs, qh = halves(b[:, :2]), b[:, 2:34], u16(b[:, 34:])                  # qh (n, 8)
     dl = (d * (2 * ((qh >> 12) & 7) + 1).float())[..., None, None]             # (n, 8, 1, 1)
     delta = (0.125 - 0.25 * (qh >> 15).float())[..., None, None]               # +-1/8, by the top bit
-    index = qs.long() | (_fields(qh, 3, 4).reshape(n, 32).long() << 8)          # (n, 32) 11-bit
+    index = qs.long() | (fields(qh, 3, 4).reshape(n, 32).long() << 8)          # (n, 32) 11-bit
     grid = _grid(Q.IQ1_S, b.device)[index].reshape(n, 8, 4, 8)
     return (dl * (grid + delta)).reshape(n, 256)
 
 
 def _iq1_m(b):
     n = b.shape[0]
-    qs, qh, scales = b[:, :32], b[:, 32:48], _u16(b[:, 48:])                    # scales (n, 4)
+    qs, qh, scales = b[:, :32], b[:, 32:48], u16(b[:, 48:])                    # scales (n, 4)
     # The one f16 d is the top nibbles of the four u16 scales, lowest first.
-    bits = ((scales >> 12) << _shifts(4, 4, torch.int32, b.device)).sum(-1, keepdim=True)         # (n, 1)
-    d = _halves(torch.cat([bits & 0xFF, bits >> 8], dim=-1).to(torch.uint8))    # (n, 1)
-    dl = (d * (2 * _fields(scales, 3, 4).reshape(n, 16) + 1).float()).reshape(n, 8, 2, 1, 1)
-    nibbles = _fields(qh, 4, 2)                                                 # (n, 16, 2)
+    bits = ((scales >> 12) << shifts(4, 4, torch.int32, b.device)).sum(-1, keepdim=True)         # (n, 1)
+    d = halves(torch.cat([bits & 0xFF, bits >> 8], dim=-1).to(torch.uint8))    # (n, 1)
+    dl = (d * (2 * fields(scales, 3, 4).reshape(n, 16) + 1).float()).reshape(n, 8, 2, 1, 1)
+    nibbles = fields(qh, 4, 2)                                                 # (n, 16, 2)
     index = qs.long() | ((nibbles & 7).reshape(n, 32).long() << 8)              # (n, 32) 11-bit
     delta = (0.125 - 0.25 * (nibbles >> 3).float()).reshape(n, 8, 2, 2, 1)     # +-1/8, by each nibble's top bit
     grid = _grid(Q.IQ1_M, b.device)[index].reshape(n, 8, 2, 2, 8)

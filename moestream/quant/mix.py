@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..models.names import gguf_tensors
+from ..arch.names import gguf_tensors
 
 F = gguf.LlamaFileType
 # file type name (llama-quantize's) -> (general.file_type, the type of the tensors no rule singles out)

@@ -15,7 +15,6 @@ searches stay bounded whatever the tensor: a layer's whole expert stack can be p
 """
 from __future__ import annotations
 
-import struct
 from typing import Callable
 
 import torch
@@ -23,10 +22,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ..errors import UserError
+from .encoding import (GROUP_MAX_EPS, abs_max, as_bytes, bit_planes, f16_bytes, f16_value, inverse, make_qkx2,
+                       nibbles, pack_bits, roundf, two_bits)
+from .quantize_k23 import q2_k, q3_k
 
 CHUNK = 1 << 20
 CUDA_CHUNK = 1 << 24
-GROUP_MAX_EPS = 1e-15       # ggml's: a group whose largest |x| is below this is all zero
 # IQ4_NL's 16 non-uniform levels (ggml's kvalues_iq4nl), and the midpoints between them: a value's nearest level is
 # the number of midpoints at or below it (a tie goes to the upper level, as ggml's best_index_int8 picks it).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -56,84 +57,18 @@ def quantize(x: torch.Tensor, qtype: Q, values: bool = False):
     return (out, vals.reshape(x.shape)) if values else out
 
 
-# --- helpers -----------------------------------------------------------------------------------------------------
-def _f16(t: torch.Tensor) -> torch.Tensor:
-    """float32 (B, k) -> its float16 rounding's bytes (B, 2k), little-endian as ggml stores a ggml_fp16_t."""
-    return t.to(torch.float16).contiguous().view(torch.uint8)
-
-
-def _f16_value(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float16).float()
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.uint8)
-
-
-def _bits(bits: torch.Tensor) -> torch.Tensor:
-    """(B, 8k) 0/1 integers -> (B, k) bytes, bit i of byte j being bits[8j + i] (ggml's little-endian masks)."""
-    shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
-    return _bytes((bits.reshape(bits.shape[0], -1, 8).int() << shifts).sum(-1))
-
-
-def _bit_planes(bits: torch.Tensor) -> torch.Tensor:
-    """(B, 256) 0/1 integers -> (B, 32) bytes, bit b of byte m being value 32 b + m (Q5_K's qh, Q3_K's hmask)."""
-    planes = bits.reshape(bits.shape[0], 8, 32) << torch.arange(8, device=bits.device, dtype=torch.int32).view(1, 8, 1)
-    return _bytes(planes.sum(1))
-
-
-def _two_bits(L: torch.Tensor) -> torch.Tensor:
-    """(B, 256) 2-bit codes -> (B, 64) bytes: in each 128 values, byte l holds values l, 32 + l, 64 + l, 96 + l from
-    its lowest bits up (Q2_K's and Q3_K's qs, Q6_K's qh)."""
-    L = L.reshape(L.shape[0], 2, 4, 32)
-    shifts = torch.arange(0, 8, 2, device=L.device, dtype=torch.int32).view(1, 1, 4, 1)
-    return _bytes((L << shifts).sum(2)).reshape(L.shape[0], 64)
-
-
-def _roundf(v: torch.Tensor) -> torch.Tensor:
-    """C's roundf (half away from zero), computed the way gguf's np_roundf does, for Q8_0's bit-exactness."""
-    a = v.abs()
-    f = a.floor()
-    return v.sign() * (f + (2 * (a - f)).floor())
-
-
-def _abs_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The largest |x| of each row and the signed value that has it (the first, as ggml's strict `>` scan)."""
-    amax, i = x.abs().max(-1, keepdim=True)
-    return amax, x.gather(-1, i)
-
-
-def _div(c: float, t: torch.Tensor) -> torch.Tensor:
-    """c / t rounded once, as C divides (torch's `c / t` is c * (1 / t), which rounds twice: a code that ggml
-    rounds from an exact half would then round the other way now and then)."""
-    return torch.full_like(t, c) / t
-
-
-def _f32(v: float) -> float:
-    """v rounded to float32, for constants that ggml computes in float (0.1f * step)."""
-    return struct.unpack("f", struct.pack("f", v))[0]
-
-
-def _inverse(d: torch.Tensor) -> torch.Tensor:
-    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
-
-
-def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    return _bytes((lo.int() & 15) | ((hi.int() & 15) << 4))
-
-
 # --- 32-value blocks: bit-identical to gguf.quants -----------------------------------------------------------
 def _q8_0(x):
     d = x.abs().amax(-1, keepdim=True) / 127
-    q = _roundf(x * _inverse(d))
-    return torch.cat([_f16(d), q.to(torch.int8).view(torch.uint8)], -1), _f16_value(d) * q
+    q = roundf(x * inverse(d))
+    return torch.cat([f16_bytes(d), q.to(torch.int8).view(torch.uint8)], -1), f16_value(d) * q
 
 
 def _symmetric(x, levels: int):
     """Q4_0 / Q5_0: d = the signed largest value / -levels/2, codes trunc(x/d + levels/2 + 0.5) in [0, levels)."""
-    _, mx = _abs_max(x)
+    _, mx = abs_max(x)
     d = mx / -(levels // 2)
-    q = (x * _inverse(d) + (levels // 2 + 0.5)).trunc().clamp(0, levels - 1)
+    q = (x * inverse(d) + (levels // 2 + 0.5)).trunc().clamp(0, levels - 1)
     return d, q
 
 
@@ -141,77 +76,39 @@ def _affine(x, levels: int):
     """Q4_1 / Q5_1: min and step (max - min) / (levels - 1), codes trunc((x - min)/d + 0.5) in [0, levels)."""
     mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     d = (mx - mn) / (levels - 1)
-    q = ((x - mn) * _inverse(d) + 0.5).trunc().clamp(0, levels - 1)
+    q = ((x - mn) * inverse(d) + 0.5).trunc().clamp(0, levels - 1)
     return d, mn, q
 
 
 def _q4_0(x):
     d, q = _symmetric(x, 16)
-    return torch.cat([_f16(d), _nibbles(q[:, :16], q[:, 16:])], -1), _f16_value(d) * (q - 8)
+    return torch.cat([f16_bytes(d), nibbles(q[:, :16], q[:, 16:])], -1), f16_value(d) * (q - 8)
 
 
 def _q5_0(x):
     d, q = _symmetric(x, 32)
-    qs = _nibbles(q[:, :16], q[:, 16:])
-    return torch.cat([_f16(d), _bits(q.int() >> 4), qs], -1), _f16_value(d) * (q - 16)
+    qs = nibbles(q[:, :16], q[:, 16:])
+    return torch.cat([f16_bytes(d), pack_bits(q.int() >> 4), qs], -1), f16_value(d) * (q - 16)
 
 
 def _q4_1(x):
     d, m, q = _affine(x, 16)
-    return (torch.cat([_f16(d), _f16(m), _nibbles(q[:, :16], q[:, 16:])], -1),
-            _f16_value(d) * q + _f16_value(m))
+    return (torch.cat([f16_bytes(d), f16_bytes(m), nibbles(q[:, :16], q[:, 16:])], -1),
+            f16_value(d) * q + f16_value(m))
 
 
 def _q5_1(x):
     d, m, q = _affine(x, 32)
-    qs = _nibbles(q[:, :16], q[:, 16:])
-    return (torch.cat([_f16(d), _f16(m), _bits(q.int() >> 4), qs], -1),
-            _f16_value(d) * q + _f16_value(m))
+    qs = nibbles(q[:, :16], q[:, 16:])
+    return (torch.cat([f16_bytes(d), f16_bytes(m), pack_bits(q.int() >> 4), qs], -1),
+            f16_value(d) * q + f16_value(m))
 
 
 # --- k-quants ------------------------------------------------------------------------------------------------
-def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool = False):
-    """ggml's make_qkx2_quants for rows of x (G, n) with weights w: a step and a min (x ~ scale * L - min, L in
-    [0, nmax]) that minimise the weighted squared error (absolute error with use_mad, as Q2_K asks), trying
-    nstep + 1 steps around nmax / (max - min). Returns scale (G,), min (G,) (>= 0, subtracted) and L (G, n)."""
-    def error(scale, L, mn):
-        diff = scale * L + mn - x
-        return (w * (diff.abs() if use_mad else diff * diff)).sum(-1, keepdim=True)
-
-    mn = x.amin(-1, keepdim=True).clamp(max=0)
-    mx = x.amax(-1, keepdim=True)
-    flat = mx == mn
-    mx = torch.where(flat, mn + 1, mx)
-    sum_w, sum_x = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
-    iscale = _div(nmax, mx - mn)
-    L = (iscale * (x - mn)).round().clamp(0, nmax)
-    scale = 1 / iscale
-    best = error(scale, L, mn)
-    for step in range(nstep + 1):
-        # ggml's loop reads the min it has kept so far, so each step starts from the best fit before it
-        top = _f32(_f32(rmin + _f32(_f32(rdelta) * step)) + nmax)     # rmin + rdelta * step + nmax, in float
-        La = (_div(top, mx - mn) * (x - mn)).round().clamp(0, nmax)
-        wl = w * La
-        sl, sl2, sxl = wl.sum(-1, keepdim=True), (wl * La).sum(-1, keepdim=True), (wl * x).sum(-1, keepdim=True)
-        D = sum_w * sl2 - sl * sl
-        this_scale = (sum_w * sxl - sum_x * sl) / D
-        this_min = (sl2 * sum_x - sl * sxl) / D
-        positive = this_min > 0         # a positive min is clamped to 0 and the step refitted alone
-        this_scale = torch.where(positive, sxl / sl2, this_scale)
-        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
-        err = error(this_scale, La, this_min)
-        better = (D > 0) & (err < best)
-        L, best = torch.where(better, La, L), torch.where(better, err, best)
-        scale, mn = torch.where(better, this_scale, scale), torch.where(better, this_min, mn)
-    scale = torch.where(flat, torch.zeros_like(scale), scale)
-    L = torch.where(flat, torch.zeros_like(L), L)
-    return scale.squeeze(-1), -mn.squeeze(-1), L
-
-
 def _make_qx(x, nmax: int):
     """ggml's make_qx_quants with rmse_type 1 and no imatrix (weights x^2): a signed scale for rows of x (G, n),
     x ~ scale * (L - nmax), L in [0, 2 nmax), the best of 19 steps around -nmax / (signed largest x)."""
-    amax, mx = _abs_max(x)
+    amax, mx = abs_max(x)
     zero = amax < GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)
     w = x * x
@@ -239,7 +136,7 @@ def _k_scales(x, nmax: int, rmin: float, rdelta: float, nstep: int):
     B = x.shape[0]
     xs = x.reshape(B * 8, 32)
     w = (xs * xs).mean(-1, keepdim=True).sqrt() + xs.abs()
-    scales, mins, L = _make_qkx2(xs, w, nmax, rmin, rdelta, nstep)
+    scales, mins, L = make_qkx2(xs, w, nmax, rmin, rdelta, nstep)
     scales, mins, L = scales.reshape(B, 8), mins.reshape(B, 8), L.reshape(B, 8, 32)
     max_scale = scales.amax(-1, keepdim=True).clamp(min=0)
     max_min = mins.amax(-1, keepdim=True).clamp(min=0)
@@ -257,14 +154,14 @@ def _k_scales(x, nmax: int, rmin: float, rdelta: float, nstep: int):
 def _k_scale_bytes(ls, lm):
     """ggml's 12 bytes of eight 6-bit (step, min) pairs: low 6 bits of pairs 0-3, their top 2 bits carrying
     the high bits of pairs 4-7, whose low 4 bits fill the last 4 bytes."""
-    return _bytes(torch.cat([ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
+    return as_bytes(torch.cat([ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
                              (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)], -1))
 
 
 def _k_low_nibbles(L):
     """(B, 256) codes -> (B, 128): for each 64 values, byte l holds value l (low nibble) and value 32 + l (high)."""
     L = L.reshape(L.shape[0], 4, 2, 32)
-    return _nibbles(L[:, :, 0], L[:, :, 1]).reshape(L.shape[0], 128)
+    return nibbles(L[:, :, 0], L[:, :, 1]).reshape(L.shape[0], 128)
 
 
 def _q4_k(x):
@@ -277,14 +174,14 @@ def _q5_k(x):
     d, dmin, ls, lm, L, v = _k_scales(x, 31, -0.5, 0.1, 15)
     head = torch.cat([d.view(torch.uint8), dmin.view(torch.uint8), _k_scale_bytes(ls, lm)], -1)
     # qh: bit 2c (2c + 1) of byte j is the 5th bit of value 64c + j (64c + 32 + j)
-    return torch.cat([head, _bit_planes(L >> 4), _k_low_nibbles(L)], -1), v
+    return torch.cat([head, bit_planes(L >> 4), _k_low_nibbles(L)], -1), v
 
 
 def _q6_k(x):
     B = x.shape[0]
     scales, L = _make_qx(x.reshape(B * 16, 16), 32)
     scales, L = scales.reshape(B, 16), L.reshape(B, 16, 16)
-    _, max_scale = _abs_max(scales)
+    _, max_scale = abs_max(scales)
     zero = max_scale.abs() < GROUP_MAX_EPS         # the whole super-block is zeros: all its bytes are 0
     iscale = -128 / torch.where(zero, torch.ones_like(max_scale), max_scale)
     d = torch.where(zero, torch.zeros_like(iscale), 1 / iscale).to(torch.float16)
@@ -297,8 +194,8 @@ def _q6_k(x):
     # each 128 values: ql byte l = value l | value 64 + l << 4, byte 32 + l = value 32 + l | value 96 + l << 4;
     # qh byte l = the top 2 bits of values l, 32 + l, 64 + l, 96 + l
     L = L.reshape(B, 2, 4, 32)
-    ql = torch.cat([_nibbles(L[:, :, 0], L[:, :, 2]), _nibbles(L[:, :, 1], L[:, :, 3])], -1).reshape(B, 128)
-    qh = _two_bits(L >> 4)
+    ql = torch.cat([nibbles(L[:, :, 0], L[:, :, 2]), nibbles(L[:, :, 1], L[:, :, 3])], -1).reshape(B, 128)
+    qh = two_bits(L >> 4)
     return torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), d.view(torch.uint8)], -1), v
 
 
@@ -311,7 +208,7 @@ def _levels(device) -> tuple[torch.Tensor, torch.Tensor]:
 def _iq4_scales(x, levels, mids, ntry: int = 7):
     """quantize_row_iq4_nl_impl's per-32 search without an imatrix (weights x^2): the scale d (G, 1) for which
     d * level[nearest] fits x (G, 32) best, trying the 2 ntry + 1 steps around (level 0 + t) / signed max."""
-    amax, mx = _abs_max(x)
+    amax, mx = abs_max(x)
     zero = amax < GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)
     w = x * x
@@ -334,13 +231,13 @@ def _iq4_scales(x, levels, mids, ntry: int = 7):
 def _iq4_nibbles(L):
     """(B, n) level indices -> (B, n / 2): in each 32 values, byte j holds value j (low) and 16 + j (high)."""
     L = L.reshape(L.shape[0], -1, 2, 16)
-    return _nibbles(L[:, :, 0], L[:, :, 1]).reshape(L.shape[0], -1)
+    return nibbles(L[:, :, 0], L[:, :, 1]).reshape(L.shape[0], -1)
 
 
 def _iq4_nl(x):
     levels, mids = _levels(x.device)
     d = _iq4_scales(x, levels, mids)
-    L = torch.bucketize(_inverse(d) * x, mids, right=True)
+    L = torch.bucketize(inverse(d) * x, mids, right=True)
     dh = d.to(torch.float16)
     return torch.cat([dh.view(torch.uint8), _iq4_nibbles(L)], -1), dh.float() * levels[L]
 
@@ -349,30 +246,22 @@ def _iq4_xs(x):
     B = x.shape[0]
     levels, mids = _levels(x.device)
     scales = _iq4_scales(x.reshape(B * 8, 32), levels, mids).reshape(B, 8)
-    _, max_scale = _abs_max(scales)
+    _, max_scale = abs_max(scales)
     d = -max_scale / 32                            # (B, 1); the sub-blocks' 6-bit scales in [-32, 32) times d
-    l = (_inverse(d) * scales).round().clamp(-32, 31)
+    l = (inverse(d) * scales).round().clamp(-32, 31)
     dl = (d * l).unsqueeze(-1)                     # (B, 8, 1), float32 as ggml picks the levels with it
-    L = torch.bucketize(_inverse(dl) * x.reshape(B, 8, 32), mids, right=True).reshape(B, 256)
+    L = torch.bucketize(inverse(dl) * x.reshape(B, 8, 32), mids, right=True).reshape(B, 256)
     dh = d.to(torch.float16)
     v = ((dh.float() * l).unsqueeze(-1) * levels[L].reshape(B, 8, 32)).reshape(B, 256)
     u = l.int() + 32
-    scales_l = _nibbles(u[:, 0::2], u[:, 1::2])                               # (B, 4)
+    scales_l = nibbles(u[:, 0::2], u[:, 1::2])                               # (B, 4)
     scales_h = ((u >> 4) << torch.arange(0, 16, 2, device=x.device, dtype=torch.int32)).sum(-1, keepdim=True)
-    scales_h = _bytes(torch.cat([scales_h & 255, scales_h >> 8], -1))          # a little-endian uint16
+    scales_h = as_bytes(torch.cat([scales_h & 255, scales_h >> 8], -1))          # a little-endian uint16
     return torch.cat([dh.view(torch.uint8), scales_h, scales_l, _iq4_nibbles(L)], -1), v
-
-
-def _lazy(name: str):
-    """An encoder of quantize_k23 (Q2_K, Q3_K), which builds on the helpers here: imported at its first use."""
-    def encode(x):
-        from . import quantize_k23
-        return getattr(quantize_k23, name)(x)
-    return encode
 
 
 ENCODERS: dict[Q, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
-    Q.Q2_K: _lazy("q2_k"), Q.Q3_K: _lazy("q3_k"), Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.Q2_K: q2_k, Q.Q3_K: q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
     Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
 }

@@ -24,6 +24,7 @@ import torch
 from ..kernels import experts_reference
 from ..kernels.decode import MAX_TOKENS
 from ..models.transformer import Segment
+from .step_ops import between_ops, step_ops
 
 
 class DecodePath:
@@ -66,21 +67,6 @@ class DecodePath:
 
     def _step(self, steps, span: int, by_address, fused, observed: bool, tokens) -> torch.Tensor:
         raise NotImplementedError
-
-
-def step_ops(engine, by_address) -> tuple | None:
-    """The host provider's device ops around a zero-copy step (ExpertProvider.decode_step_ops), or None."""
-    return engine.host.decode_step_ops() if engine.host is not None and by_address is not None else None
-
-
-def between_ops(ops, n_tokens: int, forward):
-    """forward() between the step ops' first and last (step_ops; None: forward() alone)."""
-    if ops is not None:
-        ops[0]()
-    out = forward()
-    if ops is not None:
-        ops[1](n_tokens)
-    return out
 
 
 class EagerDecode(DecodePath):

@@ -2,7 +2,7 @@
 
     src = open_source("synth:tiny")
     ecfg = flags.apply(EngineConfig(), cpu_moe=True).resolve(src.dtype_of("token_embd.weight"))   # as LLM does
-    eng = Engine.load(src, ecfg)
+    eng = load_engine(src, ecfg)                                  # runtime/load.py builds the engine
     logits = eng.prefill(seq=0, tokens=[1, 2, 3], start=0)        # (1, V): the last token's logits
     logits = eng.decode([(0, token, pos)])                        # (B, V): one token per sequence
 
@@ -11,7 +11,7 @@ for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an exper
 reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and runs as one CUDA graph; the decode
 path is chosen once, at setup (runtime/decode.py).
 
-Hybrid families (Qwen3-Next, Qwen3.5-MoE: models/hybrid.py) keep, besides the KV of their attention layers, a conv
+Hybrid families (Qwen3-Next, Qwen3.5-MoE: models/deltanet.py) keep, besides the KV of their attention layers, a conv
 window and a recurrent state per DeltaNet layer and sequence (runtime/kv_cache.py's HybridCache): a forward's
 segment must continue its sequence from where its state stopped, or start it again at position 0, and a new
 prompt reuses a sequence's cache only as an exact continuation (reusable_prefix).
@@ -69,13 +69,6 @@ class Engine:
         self.fused = fused if fused.fused_available(device.torch, self.dtype, cfg.head_dim) else None
         self.eager = EagerDecode(self)      # the plain path; also every step the chosen path does not take
         self._setup_decode()
-
-    # --- loading -------------------------------------------------------------------------------------------
-    @staticmethod
-    def load(source, ecfg: EngineConfig, progress: bool = True) -> "Engine":
-        """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says (runtime/load.py)."""
-        from .load import load_engine
-        return load_engine(source, ecfg, progress)
 
     # --- forwards ------------------------------------------------------------------------------------------
     @torch.inference_mode()

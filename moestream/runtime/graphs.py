@@ -21,6 +21,7 @@ import contextlib
 import torch
 
 from ..models.transformer import Batch, Segment
+from .step_ops import between_ops, step_ops
 
 
 def static_decode_batch(eng, B: int, span: int, by_address=None, fused=None) -> tuple[torch.Tensor, Batch]:
@@ -77,7 +78,6 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self, B: int, span: int, by_address, fused):
-        from .decode import between_ops, step_ops
         eng = self.engine
         inputs, batch = static_decode_batch(eng, B, span, by_address, fused)
         ops = step_ops(eng, by_address)         # the host provider's device ops around a zero-copy step

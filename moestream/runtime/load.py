@@ -1,6 +1,6 @@
 """Loading: a WeightSource's weights placed as an EngineConfig says, into an Engine (runtime/engine.py).
 
-    eng = load_engine(open_source("synth:tiny"), ecfg)        # Engine.load(...) says the same
+    eng = load_engine(open_source("synth:tiny"), ecfg)
 
 Dense weights (attention, norms, routers, embeddings) go to the device; each MoE layer's experts to the device or,
 for host layers (--cpu-moe / --n-cpu-moe), to pinned host memory behind the host provider (runtime/placement.py:
@@ -21,10 +21,9 @@ from ..experts.routing import RoutingStore
 from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, pick_kernel
 from ..kernels.delta import pick_delta_kernels
-from ..models.families import FAMILIES
-from ..models.hybrid import HybridTransformer
+from ..arch.families import FAMILIES
 from ..models.layers import rope_tables
-from ..models.names import dense_names, keeps_float32
+from ..arch.names import dense_names, keeps_float32
 from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
@@ -38,7 +37,7 @@ log = logging.getLogger("moestream")
 def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says."""
     if not ecfg.resolved:
-        raise ValueError("Engine.load takes a resolved EngineConfig: ecfg.resolve(file_dtype) first")
+        raise ValueError("load_engine takes a resolved EngineConfig: ecfg.resolve(file_dtype) first")
     cfg: ModelConfig = source.config
     dev = Device.resolve(ecfg.placement.device)
     dtype = DTYPES[ecfg.placement.dtype]
@@ -95,10 +94,9 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
         log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                  len(host_rows), store.nbytes / MiB, len(dev_rows))
     rope = rope_tables(cfg, ctx, dev.torch)
-    if FAMILIES[cfg.family].hybrid:      # the family table says which decoder: DeltaNet and gated attention
-        model = HybridTransformer(cfg, weights, rope, pick_delta_kernels(dev.torch, dtype))
-    else:
-        model = MoETransformer(cfg, weights, rope)
+    blocks = FAMILIES[cfg.family].blocks         # the family table says which blocks the decoder is built from
+    delta = pick_delta_kernels(dev.torch, dtype) if blocks.mixer == "deltanet" else None
+    model = MoETransformer(cfg, weights, rope, blocks, delta)
     kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch)
     kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
     book = AddressBook()

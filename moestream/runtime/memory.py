@@ -13,7 +13,7 @@ And the arithmetic of --moe-cache-mib auto (placement.py measures the device and
 from __future__ import annotations
 
 from ..errors import UserError
-from ..models.names import dense_numel
+from ..arch.names import dense_numel
 from .kv_cache import cache_nbytes
 
 MiB = 1 << 20

@@ -25,7 +25,7 @@ from ..experts.routing import RoutingStore
 from ..experts.store import ExpertStore
 from ..experts.upload import UploadPerUbatch
 from ..kernels.stage import staging_bytes
-from ..models.names import dense_numel
+from ..arch.names import dense_numel
 from ..quant.layout import ExpertLayout
 from .kv_cache import cache_nbytes
 from .memory import AUTO_RESERVE, auto_cache_mib, context_that_fits, fewer_sequences

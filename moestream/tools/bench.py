@@ -36,26 +36,20 @@ torch and the engine are imported where they are used, so that `moestream bench 
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
 import itertools
 import statistics
 import sys
 
 from .. import compat, flags
+from ..argv import Parser
 from ..errors import UserError
-from . import report
+from . import bench_parallel, report
+from .bench_common import (SWEPT, BenchTest, diff_counters, ints, load, mean_counters, placement, release_memory,
+                           scalar, tests_of)
+from .bench_compare import compare
 from .report import Col, na
 
-COUNTERS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "wait_s", "host_s")
-SWEPT = ("batch_size", "ubatch_size", "n_cpu_moe", "moe_cache_mib")      # engine flags that take comma lists here
 
-
-def _ints(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip() != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
 def _mibs(s: str) -> list[int | str]:
@@ -65,7 +59,7 @@ def _mibs(s: str) -> list[int | str]:
 
 def _sizes(s: str) -> list[int]:
     """-p, -n: token counts, where 0 skips the test; a negative one is a mistake, not a skip."""
-    v = _ints(s)
+    v = ints(s)
     if any(n < 0 for n in v):
         raise argparse.ArgumentTypeError(f"expected token counts >= 0 (0 skips the test), got {s!r}")
     return v
@@ -92,7 +86,7 @@ def _format(s: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     # the sweepable engine flags take comma lists here
-    flags.add_engine_arguments(p, **{k: dict(type=_mibs if k == "moe_cache_mib" else _ints,
+    flags.add_engine_arguments(p, **{k: dict(type=_mibs if k == "moe_cache_mib" else ints,
                                              default=[flags.BY_NAME[k].default]) for k in SWEPT})
     # None until given (512 and 128 then), so that --parallel can refuse them
     p.add_argument("-p", "--n-prompt", type=_sizes, default=None,
@@ -111,49 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-s-per-token", type=float, default=None,
                    help="compute time per token for the roofline (default: the link bound alone)")
     p.add_argument("--plot", metavar="FILE.png", help="plot tok/s against ubatch and per-layer uploads/hit rate")
-    from .bench_parallel import add_arguments as add_parallel_arguments
-    add_parallel_arguments(p)
+    bench_parallel.add_arguments(p)
     compat.add_arguments(p, "bench")
     p.set_defaults(func=main)
-
-
-# --- the engine's statistics ----------------------------------------------------------------------------------
-def read_stats(llm) -> tuple[dict, dict[int, dict]]:
-    """(total, per_layer) counters from llm.stats(), whichever version of it the engine has.
-
-    Each counter in COUNTERS is a number, or None where the engine does not count it (no cache: no hits).
-    """
-    st = llm.stats()
-
-    def norm(d: dict) -> dict:
-        return {k: (float(d[k]) if d.get(k) is not None else None) for k in COUNTERS}
-
-    if "total" in st:
-        total = norm(st["total"])
-    else:                                                  # the engine before the cache: uploads only
-        total = norm({"uploaded_bytes": st.get("uploaded_bytes", 0), "copies": st.get("uploaded_experts", 0)})
-    if "per_layer" in st:
-        per_layer = {int(l): norm(v) for l, v in st["per_layer"].items()}
-    else:
-        per_layer = {int(l): norm({"uploaded_bytes": b}) for l, b in st.get("uploaded_bytes_per_layer", {}).items()}
-    return total, per_layer
-
-
-def diff_counters(after: dict, before: dict | None) -> dict:
-    """after - before per counter, and the hit rate of the difference (None where not counted or no lookups)."""
-    before = before or {}
-    d = {k: (None if after.get(k) is None else after[k] - (before.get(k) or 0.0)) for k in COUNTERS}
-    lookups = (d["hits"] or 0) + (d["misses"] or 0)
-    d["hit_rate"] = d["hits"] / lookups if d["hits"] is not None and lookups > 0 else None
-    return d
-
-
-def mean_counters(ds: list[dict]) -> dict:
-    """The mean of several diffs (per run), hit rate recomputed from the summed hits and misses."""
-    out = {k: (None if any(d[k] is None for d in ds) else sum(d[k] for d in ds) / len(ds)) for k in COUNTERS}
-    lookups = (out["hits"] or 0) + (out["misses"] or 0)
-    out["hit_rate"] = out["hits"] / lookups if out["hits"] is not None and lookups > 0 else None
-    return out
 
 
 def measure_link(device, mib: int) -> float | None:
@@ -175,54 +129,6 @@ def measure_link(device, mib: int) -> float | None:
     del src, dst
     torch.cuda.empty_cache()
     return bps
-
-
-# --- one test -------------------------------------------------------------------------------------------------
-class BenchTest:
-    """pp N, tg N or pp PP + tg TG; `run(llm, i)` times the i-th run (i = -1 is the warm-up)."""
-
-    def __init__(self, n_prompt: int, n_gen: int, seed: int):
-        self.n_prompt, self.n_gen, self.seed = n_prompt, n_gen, seed
-        self.name = "+".join(f"{k}{n}" for k, n in (("pp", n_prompt), ("tg", n_gen)) if n)
-
-    @property
-    def n_tokens(self) -> int:
-        return self.n_prompt + self.n_gen
-
-    def prompt(self, vocab: int, i: int) -> list[int]:
-        import torch
-        g = torch.Generator().manual_seed(self.seed * 7919 + i + 1)
-        return torch.randint(0, vocab, (max(self.n_prompt, 1),), generator=g).tolist()
-
-    def run(self, llm, i: int) -> dict:
-        import torch
-        from ..runtime.generate import token_hash
-        eng = llm.engine
-        ids = self.prompt(llm.model_config.vocab_size, i)
-
-        generated = []
-
-        def once():
-            # Greedy, each step queued on the last one's argmax on the device, as generate does (its tokens are read
-            # back at the end): the device does not wait for the host between steps.
-            tok = None
-            if self.n_prompt:
-                tok = eng.prefill(0, ids, 0)[-1:].argmax(-1)
-            out = []
-            for pos in range(self.n_prompt, self.n_tokens):
-                tok = eng.decode([(0, ids[0], pos)], tokens=tok)[:1].argmax(-1)
-                out.append(tok)
-            generated.extend(torch.cat(out).tolist() if out else [])
-
-        begin = getattr(eng, "begin_prompt", None)           # the engine's per-prompt counters and routing
-        if begin is not None:
-            begin()
-        before = read_stats(llm)
-        seconds = eng.timed(once)[1]
-        after = read_stats(llm)
-        per_layer = {l: diff_counters(v, before[1].get(l)) for l, v in after[1].items()}
-        return {"seconds": seconds, "total": diff_counters(after[0], before[0]), "per_layer": per_layer,
-                "hash": token_hash(generated)[:16] if generated else None}
 
 
 def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float | None,
@@ -254,41 +160,18 @@ def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float 
             "per_layer": per_layer}
 
 
-# --- configurations -------------------------------------------------------------------------------------------
-def tests_of(a: argparse.Namespace) -> list[BenchTest]:
-    n_prompt, n_gen = [512] if a.n_prompt is None else a.n_prompt, [128] if a.n_gen is None else a.n_gen
-    tests = [BenchTest(n, 0, a.seed) for n in n_prompt if n > 0] + [BenchTest(0, n, a.seed) for n in n_gen if n > 0]
-    tests += [BenchTest(pp, tg, a.seed) for pp, tg in a.pg if pp + tg > 0]
-    if not tests:
-        raise UserError("nothing to run: give -p N, -n N or -pg PP,TG with N > 0")
-    return tests
-
-
-def placement(ns: argparse.Namespace) -> str:
-    """Where the experts live: host (--cpu-moe), host xN (--n-cpu-moe N) or device (all on the GPU, or the CPU)."""
-    return "host" if ns.cpu_moe else (f"host x{ns.n_cpu_moe}" if ns.n_cpu_moe else "device")
-
-
-def load(ns: argparse.Namespace, ctx: int):
-    from ..cli import load_model
-    return load_model(ns, flags.to_config(ns), progress=ns.verbose, ctx_size=max(ns.ctx_size, ctx))
-
-
-def release_memory() -> None:
-    """After the last reference to an LLM is gone: give its memory back before the next load."""
-    gc.collect()
-    torch = sys.modules.get("torch")          # none loaded: nothing to give back
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-def scalar(a: argparse.Namespace, **values) -> argparse.Namespace:
-    """A copy of the bench's flags with one value for each swept flag (the first, unless given)."""
-    ns = copy.copy(a)
-    for k in SWEPT:
-        if isinstance(getattr(ns, k, None), list):
-            setattr(ns, k, values.get(k, getattr(ns, k)[0]))
-    return ns
+def _bench_flags_after_compare(a: argparse.Namespace) -> None:
+    """--compare A B takes the rest of the line (see add_arguments): parse what follows A and B as bench flags."""
+    if len(a.compare) < 2:
+        raise UserError("--compare takes two quoted sets of engine flags, e.g. "
+                        f"--compare \"--cpu-moe\" \"--cpu-moe --moe-cache-mib 8000\"; got {a.compare}")
+    a.compare, rest = a.compare[:2], a.compare[2:]
+    if rest:
+        p = Parser(prog="moestream bench")
+        add_arguments(p)
+        for act in p._actions:
+            act.required = False
+        p.parse_args(rest, namespace=a)            # sets only the flags given: the namespace keeps the others
 
 
 BENCH_COLS = [
@@ -313,7 +196,6 @@ def main(a: argparse.Namespace) -> int:
     if a.compute_s_per_token is not None and not 0 < a.compute_s_per_token < float("inf"):
         raise UserError(f"--compute-s-per-token must be a positive number of seconds, got {a.compute_s_per_token}")
     if a.parallel is not None:
-        from . import bench_parallel
         return bench_parallel.main(a)
     if a.trace and a.compare is not None:
         raise UserError("--trace records one configuration's runs, not --compare's two: leave one of them out")
@@ -325,7 +207,7 @@ def main(a: argparse.Namespace) -> int:
     if a.plot:
         report.check_plot(a.plot)
     if a.compare is not None:
-        from .bench_compare import compare
+        _bench_flags_after_compare(a)
         return compare(a)
     tests = tests_of(a)
     cols = BENCH_COLS if a.threads else [c for c in BENCH_COLS if c.key != "threads"]

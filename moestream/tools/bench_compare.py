@@ -14,7 +14,7 @@ from .. import flags
 from ..argv import Parser
 from ..errors import UserError
 from . import report
-from .bench import SWEPT, BenchTest, add_arguments, load, placement, scalar, tests_of
+from .bench_common import SWEPT, BenchTest, load, placement, scalar, tests_of
 from .report import Col, na
 
 
@@ -53,22 +53,8 @@ def _pair_row(test: BenchTest, pair, ra: dict, rb: dict) -> dict:
             "a_hit_rate": ra["total"]["hit_rate"], "b_hit_rate": rb["total"]["hit_rate"]}
 
 
-def _bench_flags_after_compare(a: argparse.Namespace) -> None:
-    """--compare A B takes the rest of the line (see add_arguments): parse what follows A and B as bench flags."""
-    if len(a.compare) < 2:
-        raise UserError("--compare takes two quoted sets of engine flags, e.g. "
-                        f"--compare \"--cpu-moe\" \"--cpu-moe --moe-cache-mib 8000\"; got {a.compare}")
-    a.compare, rest = a.compare[:2], a.compare[2:]
-    if rest:
-        p = Parser(prog="moestream bench")
-        add_arguments(p)
-        for act in p._actions:
-            act.required = False
-        p.parse_args(rest, namespace=a)            # sets only the flags given: the namespace keeps the others
-
-
 def compare(a: argparse.Namespace) -> int:
-    _bench_flags_after_compare(a)
+    """`a`: the bench's flags, those after A B parsed too (bench.py)."""
     if a.parallel is not None:                   # given after A B: main could not see it
         raise UserError("--parallel takes -npp and -ntg (tokens per sequence), not --compare")
     flag = {"batch_size": "-b", "ubatch_size": "-ub", "n_cpu_moe": "-ncmoe", "moe_cache_mib": "--moe-cache-mib"}

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from .. import flags
 from ..errors import UserError
 from . import report
-from .bench import _ints, placement, release_memory, scalar
+from .bench_common import ints, placement, release_memory, scalar
 from .report import Col, na
 
 KEYS = ("hits", "misses", "uploaded_bytes", "copies", "host_reads", "host_read_bytes", "host_computed")
@@ -47,11 +47,11 @@ SEQ_STRIDE = 104729                    # a prime: sequence s's prompt seed is se
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """bench's --parallel flags (llama-batched-bench's -npl, -npp, -ntg); bench.add_arguments calls this."""
     g = p.add_argument_group("several sequences decoded together, like llama-batched-bench (bench_parallel.py)")
-    g.add_argument("-npl", "--parallel", dest="parallel", type=_ints, default=None, metavar="B,...",
+    g.add_argument("-npl", "--parallel", dest="parallel", type=ints, default=None, metavar="B,...",
                    help="numbers of sequences decoded together, comma list: runs the batched bench instead of pp/tg")
-    g.add_argument("-npp", dest="n_pp", type=_ints, default=[128], metavar="N,...",
+    g.add_argument("-npp", dest="n_pp", type=ints, default=[128], metavar="N,...",
                    help="--parallel: prompt tokens per sequence, comma list (default 128)")
-    g.add_argument("-ntg", dest="n_tg", type=_ints, default=[128], metavar="N,...",
+    g.add_argument("-ntg", dest="n_tg", type=ints, default=[128], metavar="N,...",
                    help="--parallel: generated tokens per sequence, comma list (default 128)")
     g.add_argument("--trace", metavar="FILE", default=None,
                    help="record the routing of the first row (--parallel) or of the first configuration's tests "

@@ -72,7 +72,7 @@ def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requ
     source = open_source(model)
     mix = Mix.for_config(source.config, ftype, pure=pure, **overrides)
     from ..loading.gguf_write import write_gguf
-    from ..models.names import gguf_tensors
+    from ..arch.names import gguf_tensors
     path = write_gguf(source, out, types=mix.type, file_type=mix.file_type, device=device, progress=progress, new=True)
     summary: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for name, shape in gguf_tensors(source.config):

@@ -15,10 +15,10 @@ Names (prefix `blk.{i}.` for layer i), shapes in torch order (out_features, in_f
                   ffn_gate_shexp.weight / ffn_up_shexp.weight (Is, H), ffn_down_shexp.weight (H, Is),
                   ffn_gate_inp_shexp.weight (1, H)     [qwen2_moe shared expert and its sigmoid gate]
     dense layers: ffn_gate.weight / ffn_up.weight (I, H), ffn_down.weight (H, I)
-    hybrid families (qwen3_next, qwen3_5_moe): the names and values of models/next_names.py; attention layers'
+    hybrid families (qwen3_next, qwen3_5_moe): the names and values of arch/hybrid_names.py; attention layers'
                   attn_q.weight is (nh*2hd, H) (q and its output gate), and DeltaNet layers have ssm_* instead
 
-The names are family-independent: a family's options (moestream.models.families) say which of them it has.
+The names are family-independent: a family's options (moestream.arch.families) say which of them it has.
 `gguf_tensors(cfg)` lists a GGUF file's tensors in the order moestream writes them, with the shapes the file holds.
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ def keeps_float32(name: str) -> bool:
 
 def dense_names(cfg: ModelConfig) -> list[str]:
     """Every non-expert tensor a model of this config has, in canonical names."""
-    if FAMILIES[cfg.family].hybrid:     # DeltaNet and gated attention layers: models/next_names.py names them
-        from .next_names import hybrid_names
+    if FAMILIES[cfg.family].hybrid:     # DeltaNet and gated attention layers: arch/hybrid_names.py names them
+        from .hybrid_names import hybrid_names
         return [n for n in hybrid_names(cfg) if not n.endswith(EXPERT_SUFFIXES)]
     names = ["token_embd.weight", "output_norm.weight"]
     if not cfg.tie_word_embeddings:

@@ -5,15 +5,20 @@
     fam.hf_router                                 # HF spellings of blk.N.ffn_gate_inp.weight, the written one first
 
 An entry holds everything that differs by family: the names Hugging Face and GGUF give it, how its config.json
-maps onto ModelConfig (read by ModelConfig.from_hf, written by loading.hf.hf_config), its HF tensor spellings and
-its layer options. The readers and writers of each format are generic over this table, and the canonical tensor
-names (models/names.py) are the same for every family; a new family is an entry here, plus its layers in
-models/ where its math is new. GGUF's metadata keys (`{arch}.block_count`, `{arch}.expert_count`, ...) are
-llama.cpp's generic ones, the same under every architecture, so an entry names only its architecture.
+maps onto ModelConfig (read by arch/hf_config.py, written by loading.hf.hf_config), its HF tensor spellings, its
+layer options and the blocks its decoder is built from (arch/blocks.py: attention kind, mixer, router, expert MLP,
+residual, each with options). The readers and writers of each format are generic over this table, and the
+canonical tensor names (arch/names.py) are the same for every family; a new family is an entry here, plus the
+blocks (models/) or block options whose math is new. GGUF's metadata keys (`{arch}.block_count`,
+`{arch}.expert_count`, ...) are llama.cpp's generic ones, the same under every architecture, so an entry names only
+its architecture.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from .blocks import HYBRID, MOE, Blocks
 
 # (module, gate, up, down): one expert's three projections stored one tensor each, at
 # `model.layers.N.{module}.{e}.{proj}.weight`.
@@ -49,19 +54,25 @@ class Family:
     hf_experts: tuple[ExpertSpelling, ...]       # experts one tensor per expert and projection
     hf_fused: tuple[str, ...]                    # modules holding gate_up_proj (E, 2I, H) and down_proj (E, H, I),
                                                  # as transformers 5 holds experts in memory
+    # --- the blocks its decoder is built from, with their options (arch/blocks.py) ---------------------------
+    blocks: Blocks = field(default_factory=Blocks)
     # --- hybrid families ------------------------------------------------------------------------------------
-    hybrid: bool = False             # Gated DeltaNet layers between gated attention layers (layer_types, linear_*
-                                     # keys): the engine runs models/hybrid.py's decoder and a HybridCache
     hf_text_prefixes: tuple[str, ...] = ("model.",)   # where the language model's tensors are (Qwen3.5-MoE's
                                      # multimodal checkpoints: model.language_model.), the written one first
     hf_text_form: tuple[str, str] = ()   # (architecture, model_type) write_hf writes instead of hf_architecture's:
                                      # Qwen3.5-MoE's text-only form (its multimodal one needs a vision tower)
     gguf_renames: tuple[tuple[str, str], ...] = ()    # (canonical, GGUF) layer suffixes where llama.cpp's
                                      # architecture spells a tensor otherwise (qwen3next: post_attention_norm)
-    gguf_split_qkvz: bool = False    # GGUF holds ssm_in as attn_qkv + attn_gate (models/next_names.py split_qkvz)
+    gguf_split_qkvz: bool = False    # GGUF holds ssm_in as attn_qkv + attn_gate (arch/hybrid_names.py split_qkvz)
     gguf_tiled_v: bool = False       # GGUF holds the DeltaNet's value heads tiled, not grouped by key head
-                                     # (llama.cpp's qwen35moe: models/next_names.py reorder_v_heads)
+                                     # (llama.cpp's qwen35moe: arch/hybrid_names.py reorder_v_heads)
     gguf_rope_sections: tuple[int, ...] = ()   # rope.dimension_sections to write (qwen35moe's loader requires them)
+
+    @property
+    def hybrid(self) -> bool:
+        """Gated DeltaNet layers between gated attention layers (layer_types, linear_* keys): a HybridCache, and
+        hybrid_names' tensors."""
+        return self.blocks.hybrid
 
 
 # Canonical name -> HF name of the tensors outside the layers, spelled alike by every family.
@@ -84,7 +95,7 @@ HF_LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     # Gated DeltaNet (qwen3_next: ssm_in and ssm_ba, fused and grouped by key head; qwen3_5_moe: the split ones).
-    # Canonical values differ from HF's in ssm_a (-exp(A_log)) and the norms (1 + w): see models/next_names.py.
+    # Canonical values differ from HF's in ssm_a (-exp(A_log)) and the norms (1 + w): see arch/hybrid_names.py.
     "ssm_in.weight": "linear_attn.in_proj_qkvz.weight", "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
@@ -97,7 +108,15 @@ _QWEN_EXPERTS: tuple[ExpertSpelling, ...] = (("mlp.experts", "gate_proj", "up_pr
 # llama.cpp's hybrid architectures (qwen3next, qwen35moe) call the FFN's norm post_attention_norm.
 _POST_ATTENTION_NORM = (("ffn_norm.weight", "post_attention_norm.weight"),)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
+class FamilyTable(dict):
+    """name -> Family; a name not in the table is a UserError listing the table (a ModelConfig made by hand with
+    another family fails at its first lookup: loading, naming its tensors, building its decoder)."""
+
+    def __missing__(self, name):
+        raise UserError(f"unsupported model family {name!r}; supported: {', '.join(self)}")
+
+
+FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
     # Per-head QK-norm; dense layers where mlp_only_layers / decoder_sparse_step say.
     Family("qwen3_moe", "Qwen3-MoE", "Qwen3MoeForCausalLM", "qwen3_moe", ("qwen3moe",),
            experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=True,
@@ -106,7 +125,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            qk_norm="head",
            # llama.cpp normalizes qwen3moe's top-k weights (Qwen3-30B-A3B ships norm_topk_prob=true).
            gguf_arch="qwen3moe", gguf_norm_topk=True,
-           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",)),
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=MOE),
     # q/k/v biases always, and a shared expert behind a sigmoid gate.
     Family("qwen2_moe", "Qwen2-MoE", "Qwen2MoeForCausalLM", "qwen2_moe", ("qwen2moe",),
            experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=True,
@@ -115,7 +134,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            hf_extra=(("use_sliding_window", False),),
            qk_norm="none",
            gguf_arch="qwen2moe", gguf_norm_topk=False,
-           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",)),
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=MOE),
     # None of the options: top-k weights always normalized. Checkpoints keep the original block_sparse_moe names.
     Family("mixtral", "Mixtral", "MixtralForCausalLM", "mixtral", (),
            experts_key="num_local_experts", moe_intermediate_key="intermediate_size", sparse_step=False,
@@ -125,7 +144,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gguf_arch=None, gguf_norm_topk=False,
            hf_router=("block_sparse_moe.gate.weight", "mlp.gate.weight"),
            hf_experts=(("block_sparse_moe.experts", "w1", "w3", "w2"), ("mlp.experts", "w1", "w3", "w2")),
-           hf_fused=("mlp.experts", "block_sparse_moe.experts")),
+           hf_fused=("mlp.experts", "block_sparse_moe.experts"), blocks=MOE),
     # QK-norm over the whole projection, and optional clipping of q/k/v.
     Family("olmoe", "OLMoE", "OlmoeForCausalLM", "olmoe", (),
            experts_key="num_experts", moe_intermediate_key="intermediate_size", sparse_step=False,
@@ -133,7 +152,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            shared_expert_key=None, clip_qkv_key="clip_qkv", hf_extra=(),
            qk_norm="full",
            gguf_arch="olmoe", gguf_norm_topk=False,
-           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",)),
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=MOE),
     # Hybrid: Gated DeltaNet layers (fused in_proj_qkvz / in_proj_ba) and gated attention (q with a sigmoid gate,
     # per-head zero-centred QK-norm, partial rotary); 512 experts, softmax top-10, a sigmoid-gated shared expert.
     # llama.cpp's architecture qwen3next (the ssm.* keys, full_attention_interval, rope.dimension_count: rotary_dim)
@@ -144,12 +163,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            shared_expert_key="shared_expert_intermediate_size", clip_qkv_key=None, hf_extra=(),
            qk_norm="head",
            gguf_arch="qwen3next", gguf_norm_topk=True,
-           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=HYBRID,
            gguf_renames=_POST_ATTENTION_NORM, gguf_split_qkvz=True),
     # Qwen3-Next's math with split DeltaNet projections, top-k always renormalised, every layer MoE; config.json
     # nests the text model's keys under text_config (the text-only form transformers saves is qwen3_5_moe_text).
     # llama.cpp's architecture qwen35moe has qwen3next's keys and names, the split projections as they are, the
-    # value heads tiled (models/next_names.py), and rope.dimension_sections: multimodal RoPE's, which text's
+    # value heads tiled (arch/hybrid_names.py), and rope.dimension_sections: multimodal RoPE's, which text's
     # positions (alike on every axis) make plain RoPE; its converter's default, as every checkpoint ships them.
     Family("qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe",
            ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "qwen35moe"),
@@ -158,12 +177,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            shared_expert_key="shared_expert_intermediate_size", clip_qkv_key=None, hf_extra=(),
            qk_norm="head",
            gguf_arch="qwen35moe", gguf_norm_topk=True,
-           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), hybrid=True,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=HYBRID,
            hf_text_prefixes=("model.language_model.", "model."),
            hf_text_form=("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
            gguf_renames=_POST_ATTENTION_NORM, gguf_tiled_v=True,
            gguf_rope_sections=(11, 11, 10, 0)),
-)}
+)})
 
 # config.json's `architectures[0]` or `model_type` -> family.
 _BY_HF_NAME = {n: f for f in FAMILIES.values() for n in (f.hf_architecture, f.hf_model_type, *f.hf_aliases)}

@@ -1,0 +1,67 @@
+"""The blocks a family's decoder is built from, as plain data: a family's entry (arch/families.py) picks each one
+and its options, and models/ builds them (models/blocks.py), as llama.cpp's build_attn and build_moe_ffn take a
+gating function, a bias, a scale and a norm flag.
+
+    Blocks()                                          # GQA attention, softmax top-k, SwiGLU experts, plain residual
+    Blocks(attention="gated", mixer="deltanet")       # Qwen3-Next: gated attention and Gated DeltaNet layers
+
+What a checkpoint sets in its config.json (q/k/v biases, QK-norm, the clamp of q/k/v, renormalising the top-k
+weights, a shared expert's width) is ModelConfig's; what a family fixes is here. An option's default is what
+every family run today does; "room" marks an option the next families set, which models/blocks.py refuses until
+its math is in: a new family is an entry, and only the blocks or options that are new.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTENTION_KINDS = ("gqa", "gated")       # room: "mla" (a latent KV cache), "qsa" (an indexer picks the keys)
+MIXERS = ("deltanet",)                   # layer_types' linear_attention layers
+RESIDUALS = ("plain",)                   # room: "hyper" (hyper-connections: several residual streams)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The attention layers' block. gqa: grouped-query attention (with ModelConfig's biases, QK-norm and clamp);
+    gated: GQA whose output a sigmoid of q_proj's second half gates per element, rotary on the first rotary_dim
+    dims (Qwen3-Next)."""
+    kind: str = "gqa"
+    window: int | None = None            # room: attention over the last `window` keys only (sliding window)
+    sinks: bool = False                  # room: a learnt sink logit per head in the softmax (gpt-oss)
+
+
+@dataclass(frozen=True)
+class Router:
+    """The MoE router: the gating function over every expert's logit, then top-k; ModelConfig.norm_topk_prob says
+    whether the k weights are renormalised."""
+    gating: str = "softmax"              # softmax in float32; room: "sigmoid" (DeepSeek-V3)
+    bias: bool = False                   # room: a per-expert correction bias added for the choice only
+    groups: int = 1                      # room: top-k within the best of `groups` expert groups
+    scale: float = 1.0                   # room: a factor on the routed weights (routed_scaling_factor)
+
+
+@dataclass(frozen=True)
+class ExpertMLP:
+    """One expert's MLP: SwiGLU, down(silu(gate x) * up x), in every kernel (kernels/)."""
+    activation: str = "swiglu"
+    clamp: float | None = None           # room: gate and up clamped before the activation (gpt-oss)
+    bias: bool = False                   # room: biases on gate, up and down
+
+
+@dataclass(frozen=True)
+class Blocks:
+    attention: Attention = field(default_factory=Attention)
+    mixer: str | None = None             # the block of layer_types' linear_attention layers (None: none)
+    router: Router = field(default_factory=Router)
+    experts: ExpertMLP = field(default_factory=ExpertMLP)
+    residual: str = "plain"
+
+    @property
+    def hybrid(self) -> bool:
+        """Layers of two kinds, a mixer's and attention's, by layer_types."""
+        return self.mixer is not None
+
+
+# The two sets of blocks the families of today pick (arch/families.py).
+MOE = Blocks(Attention("gqa"), router=Router("softmax"), experts=ExpertMLP("swiglu"), residual="plain")
+HYBRID = Blocks(Attention("gated"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
+                residual="plain")

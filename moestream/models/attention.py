@@ -1,0 +1,125 @@
+"""Attention kinds, the token mixer of a decoder's attention layers: a family's entry picks one
+(arch/blocks.py's Attention.kind) and models/blocks.py builds it.
+
+    attn = GQA(cfg)                    # or GatedAttention(cfg)
+    y = attn(x, lw, slot, batch, kv, cos, sin, mask, fused, proj)     # x (T, H) normed -> (T, H)
+
+A kind reads one layer's weights `lw` (canonical names; q, k and v as one attn_qkv since the decoder's load),
+writes its keys and values to KV layer `slot`, and attends each token's own sequence up to its position: prompts
+one segment at a time, decode steps batched over sequences with a mask of the keys each token attends (the same
+shapes in eager and captured steps give the same bits). `fused` (kernels.fused, decode steps on CUDA): the norms,
+rotary, cache writes and attention as fused kernels where the kind's options allow (`fuses`). `proj`: the qkv
+projection of x, where the step computed it with the norm.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .gated_attention import partial_rope
+from .layers import apply_rope, attention, decode_attention, rms_norm
+
+
+class GQA:
+    """Grouped-query attention with ModelConfig's options: q/k/v biases (Qwen2-MoE), QK-norm per head (Qwen3-MoE)
+    or over the whole projection (OLMoE), q/k/v clamped (OLMoE's clip_qkv). Room for a sliding window with sinks:
+    the mask of `attend` and a sink logit per head (arch/blocks.py's Attention.window, sinks)."""
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    def prepare(self, lw: dict) -> None:
+        """At load: nothing (the decoder has put q, k and v in one attn_qkv)."""
+
+    def in_proj(self, lw) -> str | None:
+        """The one projection of its input, which a one-token fused step computes with the norm."""
+        return "attn_qkv"
+
+    def fuses(self, fused) -> bool:
+        """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, and
+        no clipping (OLMoE's whole-projection norm and clip_qkv run as eager ops, with the mask)."""
+        return fused is not None and self.cfg.qk_norm in ("none", "head") and not self.cfg.clip_qkv
+
+    def __call__(self, x, lw, slot: int, batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        qkv = proj if proj is not None else F.linear(x, lw["attn_qkv.weight"], lw.get("attn_qkv.bias"))
+        if self.fuses(fused):                                                # qkv (T, (nh + 2 nkv) hd)
+            q = fused.qk_rope_kv(qkv, lw.get("attn_qk_norm.weight"), cfg.rms_norm_eps, cos, sin, kv.k[slot],
+                                 kv.v[slot], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads)
+            n = batch.kv_len or kv.ctx
+            o = fused.decode_attention(q, kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions, n)
+            return fused.linear(o.reshape(T, -1), lw["attn_output.weight"])
+        q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
+                             cfg.n_kv_heads * cfg.head_dim], dim=-1)
+        if cfg.qk_norm == "full":
+            q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
+        if cfg.clip_qkv:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.view(T, cfg.n_heads, cfg.head_dim)
+        k = k.view(T, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(slot, batch.seq_ids, batch.positions, k, v)
+        o = attend(q, slot, batch, kv, mask)                                 # (T, nh, hd)
+        return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
+
+
+class GatedAttention(GQA):
+    """Qwen3-Next's and Qwen3.5-MoE's attention (models/gated_attention.py's math): q's second half gates the
+    output through a sigmoid, per-head QK-norm, rotary on the first rotary_dim dims; cos, sin (T, rotary_dim). A
+    fused decode step runs norms, rotary, cache writes, attention and gate in three launches."""
+
+    def fuses(self, fused) -> bool:
+        """The fused kernels (kernels/fused.py's gated_qk_rope_kv and decode_attention with its gate) take the
+        interleaved gates, the partial rotary and the per-head norms every gated family has."""
+        return fused is not None
+
+    def __call__(self, x, lw, slot: int, batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
+        cfg = self.cfg
+        T, nh, nkv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = proj if proj is not None else F.linear(x, lw["attn_qkv.weight"])    # (T, nh 2hd + 2 nkv hd)
+        if self.fuses(fused):
+            q, gate = fused.gated_qk_rope_kv(qkv, lw["attn_qk_norm.weight"], cfg.rms_norm_eps, cos, sin,
+                                             kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions, nh, nkv)
+            o = fused.decode_attention(q, kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions,
+                                       batch.kv_len or kv.ctx, gate)        # (T, nh, hd), gated
+            return fused.linear(o.reshape(T, nh * hd), lw["attn_output.weight"])
+        qg, k, v = qkv.split([2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, gate = qg.view(T, nh, 2 * hd).chunk(2, dim=-1)                    # (T, nh, hd) each: [q_h | gate_h]
+        q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k.view(T, nkv, hd), lw["attn_k_norm.weight"], cfg.rms_norm_eps)
+        q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
+        kv.write(slot, batch.seq_ids, batch.positions, k, v.view(T, nkv, hd))
+        o = attend(q, slot, batch, kv, mask)                                 # (T, nh, hd)
+        o = o.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
+        return F.linear(o, lw["attn_output.weight"])
+
+
+def attend(q, slot: int, batch, kv, mask=None) -> torch.Tensor:
+    """q (T, nh, hd) against each token's own sequence's cache in KV layer `slot`, up to and including its
+    position (decode: `mask` (B, n) says which of the first n keys each token attends)."""
+    keys, values = kv.k[slot], kv.v[slot]                                    # (n_seq, nkv, ctx, hd)
+    if batch.is_decode:
+        # The whole context, masked, in eager and captured decodes alike: the same shapes give the same bits.
+        n = batch.kv_len or kv.ctx
+        if kv.n_seq == 1:           # one sequence: its cache as it is, no gather
+            kk, vv = keys[:, :, :n], values[:, :, :n]                        # (1, nkv, n, hd)
+        else:
+            kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]    # (B, nkv, n, hd)
+        return decode_attention(q, kk, vv, mask)                             # (B, nh, hd)
+    outs, r = [], 0
+    for s in batch.segments:
+        end = s.start + s.n
+        qs = q[r:r + s.n].transpose(0, 1).unsqueeze(0)                       # (1, nh, n, hd)
+        kk, vv = keys[s.seq:s.seq + 1, :, :end], values[s.seq:s.seq + 1, :, :end]
+        outs.append(attention(qs, kk, vv)[0].transpose(0, 1))               # (n, nh, hd)
+        r += s.n
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+KINDS = {"gqa": GQA, "gated": GatedAttention}
