@@ -7,6 +7,11 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread a test process (and its subprocesses): the suite's ops are small, and two threads that wait on each
+# other are many times slower on a shared machine or beside a second xdist worker (24 tokens of synth:tiny: 0.55 s
+# on one thread, 9.6 s on two, with the machine's two cores busy).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(hookwrapper=True)
