@@ -24,6 +24,14 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every test must run: {report.longrepr}"
 
+def pytest_xdist_auto_num_workers(config):
+    """addopts' -n auto: xdist's count (a worker a core) for the CPU suite; one process for `-m cuda`, whose tests
+    share one GPU and read its free memory and timings."""
+    if "cuda" in config.option.markexpr.replace("not cuda", ""):
+        return 0
+    return None
+
+
 # The "cuda" case of a test parametrized over devices (deselected unless `-m cuda`, skipped without a GPU).
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs a CUDA GPU")])
