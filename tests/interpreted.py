@@ -8,9 +8,9 @@ check starts a fresh one. `python tests/test_x.py CHECK` still runs one check al
 from __future__ import annotations
 
 import atexit
-import importlib
 import json
 import os
+import runpy
 import selectors
 import signal
 import subprocess
@@ -87,19 +87,22 @@ def close(a, b, tol=1e-5):
 
 
 def _serve() -> None:
-    """The worker: one request a line, [test file, check, log path]; the check's output goes to the log (fds 1 and 2,
-    the kernels' own prints included) and the answer to the original stdout."""
+    """The worker: one request a line, [test file, check, log path], run as `python test_file check` runs it (the
+    file as __main__; what it imports stays imported); its output goes to the log (fds 1 and 2, the kernels' own
+    prints included) and the answer to the original stdout."""
     answers = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:
         path, check, log = json.loads(line)
-        module = importlib.import_module(os.path.splitext(os.path.basename(path))[0])
+        sys.argv = [path, check]
         saved = os.dup(1), os.dup(2)
         with open(log, "w") as f:
             os.dup2(f.fileno(), 1)
             os.dup2(f.fileno(), 2)
             try:
-                module.check(check)
+                runpy.run_path(path, run_name="__main__")
                 answer = {"ok": True}
+            except SystemExit as e:
+                answer = {"ok": e.code in (None, 0)}
             except BaseException:
                 traceback.print_exc()
                 answer = {"ok": False}
