@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -26,7 +27,7 @@ _worker: subprocess.Popen | None = None
 
 
 def _start() -> subprocess.Popen:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
+    env = {**os.environ, "TRITON_INTERPRET": "1", "INTERPRETED_PARENT": str(os.getpid()),
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, TESTS, os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
@@ -86,11 +87,19 @@ def close(a, b, tol=1e-5):
     assert err < tol, err
 
 
+def _orphaned(parent: int) -> None:
+    """End the worker once pytest is gone (killed, so no end of input came): a check may run for minutes."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
+
+
 def _serve() -> None:
     """The worker: one request a line, [test file, check, log path], run as `python test_file check` runs it (the
     file as __main__; what it imports stays imported); its output goes to the log (fds 1 and 2, the kernels' own
     prints included) and the answer to the original stdout."""
     answers = os.fdopen(os.dup(1), "w")
+    threading.Thread(target=_orphaned, args=(int(os.environ["INTERPRETED_PARENT"]),), daemon=True).start()
     for line in sys.stdin:
         path, check, log = json.loads(line)
         sys.argv = [path, check]
