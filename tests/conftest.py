@@ -7,6 +7,11 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread a test process (and its subprocesses): the suite's ops are small, and two threads that wait on each
+# other are many times slower on a shared machine or beside a second xdist worker (24 tokens of synth:tiny: 0.55 s
+# on one thread, 9.6 s on two, with the machine's two cores busy).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -18,6 +23,14 @@ def pytest_runtest_makereport(item, call):
     if os.environ.get("CI", "").lower() in ("1", "true") and report.skipped and not getattr(report, "wasxfail", None):
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every test must run: {report.longrepr}"
+
+def pytest_xdist_auto_num_workers(config):
+    """addopts' -n auto: xdist's count (a worker a core) for the CPU suite; one process for `-m cuda`, whose tests
+    share one GPU and read its free memory and timings."""
+    if "cuda" in config.option.markexpr.replace("not cuda", ""):
+        return 0
+    return None
+
 
 # The "cuda" case of a test parametrized over devices (deselected unless `-m cuda`, skipped without a GPU).
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
