@@ -104,7 +104,9 @@ class CacheConfig:
 class DecodeConfig:
     """How decode steps run."""
     zero_copy: bool | None = None    # decode kernels read each expert where it lies, a slot or pinned host memory
-                                     # (None: where the Triton kernel runs, CUDA with 16-bit weights)
+                                     # (None: where the Triton kernel runs, CUDA with 16-bit weights; elsewhere
+                                     # decode steps fetch their experts, the plain path). True on the CPU: through
+                                     # the plain-torch oracle (zero-copy decode's tests). Not False where it runs.
     read_through: bool = True        # ... and a one-token step writes what it read from host into free cache slots
     stage: bool | None = None        # ... copying the step's host reads into device rows first, in one launch
                                      # (kernels/stage.py; None: for quantized experts)
@@ -186,6 +188,9 @@ class EngineConfig:
         zero_copy = self.decode.zero_copy
         if zero_copy is None:
             zero_copy = decode_available(dev.torch, dtype)
+        elif not zero_copy and decode_available(dev.torch, dtype):
+            raise UserError("decode steps on CUDA read each expert where it lies (zero-copy decode); fetching them "
+                            "instead (--no-zero-copy-decode) was removed: bench/RESULTS.md, stop 47")
         return self.updated({"placement.device": dev.name, "placement.dtype": dtype_name, "kernel": kernel,
                              "decode.zero_copy": zero_copy})
 

@@ -90,9 +90,9 @@ OPTIONS = (
     Option("prefetch_max_inflight_mib", "cache.prefetch.max_inflight_mib", ("--prefetch-max-inflight-mib",),
            "at most this many MiB of copies ahead on the link at once (default 512; misses a ubatch waits for go "
            "first)", type=int, metavar="MIB"),
-    Option("zero_copy_decode", "decode.zero_copy", ("--no-zero-copy-decode",),
-           "decode steps fetch their experts through the cache (a host step per layer) instead of reading each "
-           "expert where it lies, a cache slot or pinned host memory", "off"),
+    Option("zero_copy_decode", "decode.zero_copy", (),
+           "on the CPU: decode steps read each expert where it lies through the plain-torch oracle (zero-copy "
+           "decode's tests); on CUDA the device decides (engine_config.DecodeConfig)"),
     Option("read_through", "decode.read_through", ("--read-through",),
            "zero-copy decode of one token also writes each expert it reads from host memory into a free cache "
            "slot, so the next token reads it there (default: on)", "both"),

@@ -96,7 +96,7 @@ def test_all_flags_at_once_round_trip_and_reach_their_fields():
     assert ecfg.cache.prefetch == PrefetchConfig(enabled=False, min_batch=7, seed_previous=False, first_chunk_all=True,
                                                  lookahead=False, prompt_lookahead=False, lookahead_layers=3,
                                                  max_inflight_mib=7, min_use=0.5)
-    assert (ecfg.decode.zero_copy, ecfg.decode.read_through, ecfg.decode.cuda_graphs) == (False, False, False)
+    assert (ecfg.decode.zero_copy, ecfg.decode.read_through, ecfg.decode.cuda_graphs) == (None, False, False)
     assert ecfg.decode.host_share == 0.25
     assert ecfg.batching == Batching(ctx_size=7, n_seq=1, batch_size=7, ubatch_size=7, by_layer=False)
 
@@ -121,7 +121,7 @@ def test_a_command_can_change_a_flag_and_take_a_subset():
 
 
 def test_removed_flags_are_gone():
-    for flag in ("--shared-reads", "--no-host-decode-graphs"):
+    for flag in ("--shared-reads", "--no-host-decode-graphs", "--no-zero-copy-decode"):
         with pytest.raises(SystemExit):
             parser().parse_args(["-m", "x", flag])
     for name in ("shared_reads", "host_decode_graphs"):

@@ -37,4 +37,4 @@ def test_a_misspelt_delta_kernel_warns_where_it_used_to_pass_unnoticed(monkeypat
     monkeypatch.setenv("MOESTREAM_DELTA", "fla-unfused")
     with caplog.at_level(logging.WARNING, logger="moestream"):
         pick_delta_kernels(torch.device("cpu"), torch.float32)
-    assert "MOESTREAM_DELTA='fla-unfused' is not one of fla, fla-recurrent, torch" in caplog.text
+    assert "MOESTREAM_DELTA='fla-unfused' is not one of fla, torch" in caplog.text

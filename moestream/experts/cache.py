@@ -31,15 +31,12 @@ from .store import ExpertStore
 class ExpertCache(ExpertProvider):
     def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device, policy: str = "lfru",
                  prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1,
-                 top_k: int = 8, moe_layers: list[int] | None = None, routing: RoutingStore | None = None,
-                 one_region: bool | None = None):
+                 top_k: int = 8, moe_layers: list[int] | None = None, routing: RoutingStore | None = None):
         self.store, self.n_experts, self.device, self.prefetch = store, n_experts, device, prefetch
         self.layers = sorted(host_layers if host_layers is not None else store.rows)
         self.moe_layers = list(moe_layers) if moe_layers is not None else self.layers    # lookahead guesses' order
         self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes, self.layers,
-                                    {l: store.layer_bytes(l) for l in store.rows},
-                                    one_region=all(store.layouts[l].quantized for l in self.layers)
-                                    if one_region is None else one_region)       # (a replay's stand-in rows)
+                                    {l: store.layer_bytes(l) for l in store.rows})
         self.residency, self.stats, self.policy_name = self.planner.residency, self.planner.stats, policy
         self.slots = SlotPool(store, self.residency, device)
         # Per context, the prompts' routing that seeds prefetch (routing.prompts[seq]): the engine's store, or its own.

@@ -26,12 +26,11 @@ empty slots kept in reserve starts at once and lands, normally, before step t+2,
 
 The table leaves the critical path between steps: it is prepared from the residency map while the step before
 it runs (after learning), and begin_step only patches in the copies that have landed since, then copies it over
-(one small copy). A step's landed experts reach the next step's table on the device (MOESTREAM_LANDINGS=device,
-the default): the step ends by noting where it landed what (note_landings, ReadThrough.absorb's rule in
-device ops), the next one starts by pointing its table there (apply_landings; both inside the steps' graphs), and
-the host takes them in while that next step runs. So nothing of the host's waits between two steps but the table's
-copy. (=host: begin_step takes them in on the host first, as before.) The host's tables and counters are the same
-either way, and so are the bits: a kernel reads the same bytes from the landing slot as from the host row.
+(one small copy). A step's landed experts reach the next step's table on the device: the step ends by noting where
+it landed what (note_landings, ReadThrough.absorb's rule in device ops), the next one starts by pointing its table
+there (apply_landings; both inside the steps' graphs), and the host takes them in while that next step runs. So
+nothing of the host's waits between two steps but the table's copy. (Taking them in on the host first, in
+begin_step, was measured and removed at stop 47: bench/RESULTS.md, stop 34.)
 """
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ import time
 import numpy as np
 import torch
 
-from .. import knobs
 from ..kernels.stage import Landing, staging_rows
 from .hot_set import HotSet
 from .planner import CachePlanner
@@ -51,9 +49,6 @@ from .residency import CacheTooSmall
 from .routing import report_route
 from .slots import SlotPool
 from .store import ExpertStore
-
-# Where a step's landings reach the next step's table (module docstring; bench/RESULTS.md, stop 34).
-LANDINGS = knobs.choice("MOESTREAM_LANDINGS", ("device", "host"), "device")
 
 
 class ZeroCopyDecode:
@@ -71,7 +66,6 @@ class ZeroCopyDecode:
         self.layer_ids = np.asarray(layers, dtype=np.int64)            # the host layers, for the host's learning
         self.layer_base = (np.arange(len(layers)) * E)[:, None]         # ... a layer's block of (n, E) counts
         self.layer_bytes = np.array([store.layer_bytes(l) for l in layers], dtype=np.int64)
-        self.region_sizes = np.array([planner.residency.region_size(l) for l in layers], dtype=np.int64)
         self.host_addr = np.zeros((L, E), dtype=np.int64)
         for l, rows in store.rows.items():
             self.host_addr[l] = row_addresses(rows, "cpu").numpy()
@@ -101,7 +95,7 @@ class ZeroCopyDecode:
         self.next = None                                    # Prepared: the next step's table, or None
         # A step's landings, noted on the device for the next step's table (module docstring), or None.
         self.device_landings = DeviceLandings(self.rt, top_k, (L, E), dev.torch) \
-            if self.n_land > 0 and LANDINGS == "device" else None
+            if self.n_land > 0 else None
 
     def address_table(self, layer: int):
         """The layer's row of the step's table, and its row of routed, where the step keeps its ids for the host
@@ -271,7 +265,7 @@ class ZeroCopyDecode:
 
         - A one-token step, in a pool that holds a step's experts, with read-through: its misses landed in free
           slots as it read them (_absorb), so nothing is uploaded; each layer hands the next steps as many landing
-          slots as its recent misses ask for, and the regions keep that many empty (read_through.py).
+          slots as its recent misses ask for, and the pool keeps that many empty (read_through.py).
           An upload would move the bytes the step just read a second time: on a near-uniform routing (Qwen3-Next's
           reference) it moved 40% of the link's bytes, with no more hits (bench/host_learning.py, RESULTS.md).
         - The same without read-through: its misses are uploaded, in one batch on the copy stream, behind `after`
@@ -306,10 +300,10 @@ class ZeroCopyDecode:
         self.step_bytes = float(read_bytes.sum())
         wanted = counts > 0                      # (n, E)
         n_routed = wanted.sum(axis=1)
-        extra = np.zeros(len(L), dtype=np.int64)    # routed beyond what a layer's region holds: looked up, missed
-        for i in np.flatnonzero(n_routed > self.region_sizes):     # (rare: more than the layer's region)
+        extra = np.zeros(len(L), dtype=np.int64)    # routed beyond what the pool holds: looked up, missed
+        for i in np.flatnonzero(n_routed > res.n_slots):     # (rare: more than the pool)
             routed_i = np.flatnonzero(wanted[i])
-            keep = routed_i[np.argsort(-counts[i, routed_i], kind="stable")[:self.region_sizes[i]]]
+            keep = routed_i[np.argsort(-counts[i, routed_i], kind="stable")[:res.n_slots]]
             wanted[i] = False
             wanted[i, keep] = True
             extra[i] = len(routed_i) - len(keep)
@@ -327,7 +321,7 @@ class ZeroCopyDecode:
             if one_token:
                 self.rt.note_one_token(L, reads)
         if one_token:
-            self.rt.after_one_token(self.hot.regions)
+            self.rt.after_one_token()
         else:
             room = self.rt.room()
             self._submit(*self.hot.fill(empty, room), after)     # (nothing moved above: `empty` holds)
