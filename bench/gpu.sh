@@ -31,8 +31,6 @@
 #                                            runs), then the Q4_K_M rows all on the GPU, --cpu-moe with 4000 MiB and
 #                                            with no cache, at ubatch 2048 (the default kernel; the whole-model rows of
 #                                            MOESTREAM_DECODE_QUANT=values and subblocks: bench/RESULTS.md, 2026-12-01)
-#   bash bench/gpu.sh host                   routed experts on the host's cores (kernels/host_experts.py) at the
-#                                            reference's expert shape, 1 / 4 / 8 / 16 threads (bench/host_experts.py)
 #   bash bench/gpu.sh kld                    perplexity's KL divergence of the Q4_K_M and Q8_0 files against the BF16
 #                                            reference, and of a cache state against all on the GPU (0 exactly)
 #   bash bench/gpu.sh next    [BENCH FLAGS]  the Qwen3-Next reference (make_reference_next_gguf.py, 12 layers, BF16,
@@ -72,7 +70,7 @@ N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
 case "$SUITE" in
-tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|host|all) ;;
+tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|all) ;;
 *) usage ;;
 esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
@@ -196,10 +194,6 @@ parallel() {       # several sequences decoded together (llama-batched-bench's s
   bench parallel.md 120 -m $Q4 $P --cpu-moe --moe-cache-mib 4000
 }
 
-host() {
-  timeout 200 python3 bench/host_experts.py --threads 1,4,8,16 2>&1 | tee "$OUT/host_experts.md"
-}
-
 profile() {
   reference 5
   timeout 160 python3 bench/prompt_timeline.py $REF "$OUT" -ub 4096,2048 --cprofile 2>&1 | grep -v "^USDT\|UserWarning" \
@@ -297,7 +291,7 @@ tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
 pacing) pacing ${EXTRA[@]+"${EXTRA[@]}"} ;;
 parallel) parallel ;;
-profile|trace|kld|qdecode|host) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
+profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
 esac

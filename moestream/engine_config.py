@@ -111,24 +111,15 @@ class DecodeConfig:
     stage: bool | None = None        # ... copying the step's host reads into device rows first, in one launch
                                      # (kernels/stage.py; None: for quantized experts)
     cuda_graphs: bool = True         # decode steps replay CUDA graphs (on CUDA, with a kernel other than reference)
-    host_share: float = 0.0          # zero-copy decode over a cache: the share of a step's host-read experts that the
-                                     # host's cores compute (kernels/host_experts.py) while the GPU reads the rest
-
-    def __post_init__(self):
-        s = self.host_share
-        if not _number(s) or not 0 <= s <= 1:
-            raise UserError(f"--host-compute must be a share from 0 to 1, got {s!r}")
 
     def stages(self, quantized: bool) -> bool:
         """Whether zero-copy decode stages its host reads (kernels/stage.py): `stage`, by default for quantized
-        experts (their kernels read host rows in place at 29-34 GB/s of the link's 55); never while the host
-        computes some of them (host_share)."""
-        return bool(self.zero_copy) and not self.host_share and (self.stage if self.stage is not None else quantized)
+        experts (their kernels read host rows in place at 29-34 GB/s of the link's 55)."""
+        return bool(self.zero_copy) and (self.stage if self.stage is not None else quantized)
 
     def lands(self, quantized: bool) -> bool:
         """Whether decode steps land what they read from host in free cache slots (read-through): quantized rows
-        only where they are staged (the unstaged quantized kernel reads a row once per choice, and lands nothing).
-        (A step the host shares lands nothing: experts/host_share.py.)"""
+        only where they are staged (the unstaged quantized kernel reads a row once per choice, and lands nothing)."""
         return self.read_through and (self.stages(quantized) or not quantized)
 
 

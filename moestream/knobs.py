@@ -2,7 +2,6 @@
 
     MOESTREAM_DELTA=fla|torch      the DeltaNet kernels on CUDA: torch keeps the plain-torch references where fla-core
                                    is installed but does not run (kernels/delta.py)
-    MOESTREAM_HOST_SHARE_MB=N      --host-compute: a step's host reads worth sharing (experts/host_share.py)
     MOESTREAM_API_KEY=KEY          the server's key when --api-key is not given (server/cli.py)
 
 A value outside a knob's choices logs a warning and keeps the default, so a typo never changes what runs

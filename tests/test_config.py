@@ -63,8 +63,7 @@ def _non_default_argv(o: flags.Option) -> list[str]:
     long = o.flags[-1]
     if o.kind == "value":
         value = {"device": "cpu", "dtype": "bfloat16", "kernel": "reference", "cache_policy": "lru",
-                 "prefetch_min_use": "0.5", "lookahead_layers": "3", "moe_cache_mib": "0",
-                 "host_compute": "0.25"}.get(o.name, "7")
+                 "prefetch_min_use": "0.5", "lookahead_layers": "3", "moe_cache_mib": "0"}.get(o.name, "7")
         return [long, value]
     if o.kind == "both":
         return ["--no-" + long[2:]]
@@ -97,7 +96,6 @@ def test_all_flags_at_once_round_trip_and_reach_their_fields():
                                                  lookahead=False, prompt_lookahead=False, lookahead_layers=3,
                                                  max_inflight_mib=7, min_use=0.5)
     assert (ecfg.decode.zero_copy, ecfg.decode.read_through, ecfg.decode.cuda_graphs) == (None, False, False)
-    assert ecfg.decode.host_share == 0.25
     assert ecfg.batching == Batching(ctx_size=7, n_seq=1, batch_size=7, ubatch_size=7, by_layer=False)
 
 
@@ -121,10 +119,10 @@ def test_a_command_can_change_a_flag_and_take_a_subset():
 
 
 def test_removed_flags_are_gone():
-    for flag in ("--shared-reads", "--no-host-decode-graphs", "--no-zero-copy-decode"):
+    for flag in ("--shared-reads", "--no-host-decode-graphs", "--no-zero-copy-decode", "--host-compute"):
         with pytest.raises(SystemExit):
             parser().parse_args(["-m", "x", flag])
-    for name in ("shared_reads", "host_decode_graphs"):
+    for name in ("shared_reads", "host_decode_graphs", "host_compute"):
         with pytest.raises(TypeError, match="unknown engine option"):
             flags.apply(EngineConfig(), **{name: False})
 

@@ -163,9 +163,8 @@ def test_the_decode_path_is_chosen_once_from_the_placement():
     from moestream.kernels.decode import MAX_TOKENS
     from moestream.runtime.decode import EagerDecode, GraphDecode, choose_decode
 
-    def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object(), quantized=False, capturable=True,
-             host_share=0.0):
-        ecfg = types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=graphs, host_share=host_share))
+    def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object(), quantized=False, capturable=True):
+        ecfg = types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=graphs))
         eng = types.SimpleNamespace(ecfg=ecfg, device=types.SimpleNamespace(is_cuda=cuda), kernel=kernel, host=host,
                                     decode_kernel=object() if zero_copy else None, quantized=quantized,
                                     model=types.SimpleNamespace(capturable=capturable))
@@ -177,10 +176,8 @@ def test_the_decode_path_is_chosen_once_from_the_placement():
     assert isinstance(path(zero_copy=False, quantized=True), EagerDecode)
     q = path(quantized=True)
     assert isinstance(q, GraphDecode) and q.takes(MAX_TOKENS) and not q.takes(MAX_TOKENS + 1)
-    # --host-compute: the graphs still take the steps the host does not share (engine.decode runs a shared step,
-    # a host sync a layer, on the eager path)
-    for p in (path(host=object()), path(host=object(), host_share=0.5)):
-        assert isinstance(p, GraphDecode) and p.takes(MAX_TOKENS) and not p.takes(MAX_TOKENS + 1) and p.reports_routing
+    p = path(host=object())
+    assert isinstance(p, GraphDecode) and p.takes(MAX_TOKENS) and not p.takes(MAX_TOKENS + 1) and p.reports_routing
     for p in (path(host=object(), zero_copy=False), path(cuda=False), path(graphs=False),
               path(kernel=experts_reference), path(capturable=False), path(host=object(), capturable=False)):
         assert isinstance(p, EagerDecode) and not p.captures and p.takes(MAX_TOKENS + 1) and p.reports_routing

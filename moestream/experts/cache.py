@@ -45,23 +45,17 @@ class ExpertCache(ExpertProvider):
                                  self.routing, top_k, device)
         self.top_k = top_k
         self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
-        self.host_share = None                                  # HostShare, when the host computes some of it
 
     def enable_zero_copy(self, max_tokens: int, read_through: bool = False, reads_once: bool = True,
-                         staged: bool = False, host_share: float = 0.0) -> None:
+                         staged: bool = False) -> None:
         """Decode steps of up to max_tokens tokens read experts where they lie (experts/zero_copy.py); with
         read_through, a step also writes the experts it reads from host into free slots. reads_once: a
         several-token step's kernel reads each routed expert once (the bf16 kernel, or any kernel when staged;
         the quantized one unstaged reads it once per token that chose it). staged: a step copies its host reads
-        to the device first (kernels/stage.py). host_share: the host's cores compute that share of a step's host
-        reads (host_share.py)."""
+        to the device first (kernels/stage.py)."""
         from .zero_copy import ZeroCopyDecode
         self.zero_copy = ZeroCopyDecode(self.slots, self.planner, self.store, self.layers, max_tokens, self.top_k,
                                         read_through, reads_once, staged, self.routing)
-        self.host_share = None
-        if host_share:
-            from .host_share import HostShare
-            self.host_share = HostShare(self.store, self.stats, host_share, self.pool, self.top_k, reads_once)
 
     @property
     def pool(self):
@@ -124,25 +118,12 @@ class ExpertCache(ExpertProvider):
     def landing(self, layer: int, ids):
         return self.zero_copy.landing(layer, ids)
 
-    def host_part(self, layer: int, x, ids, weights, addrs):
-        if self.host_share is None:             # (set only with zero-copy decode)
-            return None
-        return self.host_share.split(layer, x, ids, weights, addrs, self.zero_copy.from_host[layer])
-
     def device_rows(self) -> list[torch.Tensor]:
         z = self.zero_copy
-        rows = [self.pool] + ([z.scratch] if z is not None and z.scratch is not None else [])
-        return rows + ([self.host_share.zero_rows] if self.host_share is not None else [])
-
-    def shares_step(self) -> bool:
-        hs = self.host_share
-        return hs is not None and hs.wants(self.zero_copy.step_bytes)
+        return [self.pool] + ([z.scratch] if z is not None and z.scratch is not None else [])
 
     def begin_decode_step(self, seqs: list[int] | None = None) -> None:
-        shared = self.shares_step()
-        if self.host_share is not None:
-            self.host_share.active = shared
-        self.zero_copy.begin_step(seqs, lands=not shared)
+        self.zero_copy.begin_step(seqs)
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
         self.zero_copy.end_step(n_tokens, observer, noted=True)

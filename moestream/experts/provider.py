@@ -130,13 +130,6 @@ class ExpertProvider:
         """Read-through and staging: the layer's kernels.stage.Landing for the decode kernel, or None."""
         return None
 
-    def host_part(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  addrs: torch.Tensor):
-        """A zero-copy step's experts the host's cores compute (--host-compute): None, or (addrs, compute): the
-        addresses the decode kernel reads instead (a zero row where the host computes the choice) and a call that
-        returns the host's part of the layer's output, (T, H) float32 on the host, after the kernel is queued."""
-        return None
-
     def device_rows(self) -> list[torch.Tensor]:
         """The device tensors of rows a decode kernel may read by address (slots, staging rows)."""
         return []
@@ -162,11 +155,6 @@ class ExpertProvider:
 
     def resume(self, state) -> None:
         """Go on with the prompt ubatch that suspend() paused, after other forwards."""
-
-    def shares_step(self) -> bool:
-        """Whether the next zero-copy step has the host's cores compute some of its experts (--host-compute): a
-        step that must run eagerly (a host sync a layer), and lands nothing."""
-        return False
 
     def begin_decode_step(self, seqs: list[int] | None = None) -> None:
         """A zero-copy decode step begins; seqs: each token's sequence."""
@@ -220,10 +208,6 @@ class LayerRouter(ExpertProvider):
 
     def landing(self, layer: int, ids: torch.Tensor):
         return self.by_layer[layer].landing(layer, ids)
-
-    def host_part(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  addrs: torch.Tensor):
-        return self.by_layer[layer].host_part(layer, x, ids, weights, addrs)
 
     def layout(self, layer: int) -> ExpertLayout:
         return self.by_layer[layer].layout(layer)

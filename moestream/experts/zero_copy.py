@@ -76,8 +76,6 @@ class ZeroCopyDecode:
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
         self.seqs = None                                    # each token's sequence in the queued step, if told
-        self.step_lands = True                              # whether the queued step lands (not a host-shared one)
-        self.step_bytes = 0.0                               # bytes the last learned step read from host memory
         self.hot = HotSet(self.residency, self.stats, store, layers, routing)     # what several-token steps keep
         self.rt = ReadThrough(slots, self.residency, self.stats, layers, top_k, read_through, staged)
         self.n_land = self.rt.n_land                        # a one-token step's landing slots a layer (0: none)
@@ -111,7 +109,7 @@ class ZeroCopyDecode:
         """Read-through and staging: the layer's kernels.stage.Landing (ids, host-row addresses, landing slots'
         addresses: as many as ReadThrough.count gives a step of its tokens; the scratch rows when staged); None when
         neither is on."""
-        if not self.step_lands or (not self.n_land and self.scratch is None):
+        if not self.n_land and self.scratch is None:
             return None
         return Landing(ids, self.host_tab[layer], self.land[layer, :self.rt.count(ids.shape[0])], self.scratch,
                        self.aligned)
@@ -120,18 +118,17 @@ class ZeroCopyDecode:
         """Sequence `seq` begins a new request: the hot set forgets its earlier steps."""
         self.hot.forget(seq)
 
-    def begin_step(self, seqs: list[int] | None = None, lands: bool = True) -> None:
+    def begin_step(self, seqs: list[int] | None = None) -> None:
         """Put the step's address table on the device: an expert resident in a slot whose copy has landed reads
         from the slot, every other one from its host row. The table was prepared while the last step ran (or is
         prepared now, after a prompt); here it only takes in what changed since: with read-through, the experts the
         last step wrote into its landing slots (the next step reads them there), and copies that have landed.
-        seqs: each token's sequence (the hot set keeps each sequence's counts; None: not told). lands=False: the
-        step lands nothing (the host computes some of its experts: host_share.py)."""
-        self.seqs, self.step_lands = seqs, lands
+        seqs: each token's sequence (the hot set keeps each sequence's counts; None: not told)."""
+        self.seqs = seqs
         p = self.pending
-        # The last step's landings go to this table on the device (apply_landings) unless the host must know them
-        # now: a step the host shares reads from_host while it runs.
-        deferred = p is not None and p.noted and not p.absorbed and lands and self.next is not None
+        # The last step's landings go to this table on the device (apply_landings), where it noted them and the
+        # next table was prepared while it ran (not after a prompt, nor a trace's replay).
+        deferred = p is not None and p.noted and not p.absorbed and self.next is not None
         if p is not None and p.event is not None and not deferred:
             p.event.synchronize()                # that step has run: its table copy is done, its landings are in
         nxt, self.next = self.next, None
@@ -225,11 +222,11 @@ class ZeroCopyDecode:
         else:
             self.routed_host.copy_(self.routed)
         writes = None                            # the landing slots this step's kernel may write
-        if self.n_land and self.step_lands:
+        if self.n_land:
             writes = self.land_slots.copy()
             writes[:, self.rt.count(n_tokens):] = -1
         self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs,
-                               noted and self.step_lands and self.device_landings is not None)
+                               noted and self.device_landings is not None)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
         self.next = self._prepare(1 - self.current, writing=self.pending.land_slots)
@@ -297,7 +294,6 @@ class ZeroCopyDecode:
         per_choice = np.where(on_host, counts, 0)       # each expert read from host: once, or once per choice
         reads = np.count_nonzero(per_choice, axis=1) if self.reads_once else per_choice.sum(axis=1)
         read_bytes = reads * self.layer_bytes
-        self.step_bytes = float(read_bytes.sum())
         wanted = counts > 0                      # (n, E)
         n_routed = wanted.sum(axis=1)
         extra = np.zeros(len(L), dtype=np.int64)    # routed beyond what the pool holds: looked up, missed

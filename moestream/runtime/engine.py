@@ -214,8 +214,7 @@ class Engine:
             part = lambda i: (steps[i:i + MAX_TOKENS], None if tokens is None else tokens[i:i + MAX_TOKENS])
             return torch.cat([self.decode(*part(i)) for i in range(0, len(steps), MAX_TOKENS)])
         span = self.kv.span(max(p for _, _, p in steps) + 1)
-        shared = self.host is not None and self.host.shares_step()      # --host-compute: eager, a sync a layer
-        path = self.decoder if self.decoder.takes(len(steps)) and not shared else self.eager
+        path = self.decoder if self.decoder.takes(len(steps)) else self.eager
         return path.run(steps, span, tokens)
 
     def warm_up_decode(self, n_seq: int) -> None:
@@ -330,14 +329,11 @@ class Engine:
         """Choose the decode path (runtime/decode.py), with a cache's zero-copy decode under it. A new cache gets a
         new path: its graphs read the new cache's tables."""
         zero_copy_cache = isinstance(self.host, ExpertCache) and self.decode_kernel is not None
-        if self.ecfg.decode.host_share and not zero_copy_cache:
-            log.warning("--host-compute applies to zero-copy decode over a cache of host experts (CUDA, --cpu-moe or "
-                        "--n-cpu-moe, --moe-cache-mib): ignored here")
         if zero_copy_cache:
             staged = self.ecfg.decode.stages(self.quantized)
             once = staged or not self.quantized    # (quantized rows land and are read once a step only staged)
             self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.lands(self.quantized), reads_once=once,
-                                       staged=staged, host_share=self.ecfg.decode.host_share)
+                                       staged=staged)
         for rows in self.host.device_rows() if self.host is not None else ():
             self.book.add(rows)              # what decode kernels read by address (the plain-torch one through it)
         self.decoder = choose_decode(self)
