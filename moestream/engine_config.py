@@ -1,11 +1,11 @@
 """What the engine is told: one frozen dataclass per concern, validated where it is made (a model's own config is
 config.py). Each field is documented once, here; flags.py maps every command-line flag (and LLM's flat keyword) to
-one of them. "auto" values are decided by EngineConfig.resolve, before Engine.load, which takes resolved configs
-only.
+one of them. "auto" values are decided by runtime/plan.py's resolve, before Engine.load, which takes resolved
+configs only. Plain data: this module imports nothing above config.py.
 
     eng = EngineConfig(placement=Placement(cpu_moe=True), batching=Batching(ubatch_size=512))
     eng = flags.apply(EngineConfig(), cpu_moe=True, ubatch_size=512)       # the same, by flat names (flags.py)
-    eng = eng.resolve(torch.bfloat16)     # "auto" decided for this machine and checkpoint (LLM does this)
+    eng = resolve(eng, torch.bfloat16)    # "auto" decided for this machine and checkpoint (runtime/plan.py; LLM)
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from .config import ModelConfig
 from .errors import UserError
-from .experts.policy import POLICIES
-from .experts.prefetch import PrefetchConfig
+
+POLICIES = ("lfru", "lru", "cycle")     # the cache's victim orders (experts/policy.py makes each)
 
 
 def _number(v) -> bool:
@@ -76,6 +76,20 @@ class Batching:
 
 
 @dataclass(frozen=True)
+class PrefetchConfig:
+    enabled: bool = True
+    min_batch: int = 256            # rule 1: a ubatch of at least this many tokens prefetches
+    seed_previous: bool = True      # rule 2: the first big chunk of a prompt seeds from the previous prompt
+    first_chunk_all: bool = False   # rule 2's option: copy every expert of the next layer instead
+    lookahead: bool = True          # decode: the next layer's router on the current hidden state
+    prompt_lookahead: bool = True   # the same for prompt ubatches of >= min_batch tokens (their routed set)
+    lookahead_layers: int = 2       # ... guessing this many layers ahead: the next at once, the rest whenever the
+                                    # copy stream runs short of work (PromptPath._fill)
+    max_inflight_mib: int = 512     # speculative bytes on the copy stream at once (demand misses go first)
+    min_use: float = 0.0            # copy ahead only experts the ubatch routes with at least this probability
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """The GPU expert cache over host layers, and what it copies ahead (experts/prefetch.py documents those)."""
     mib: int | str | None = None     # None: no cache, each ubatch uploads its experts; 0: the smallest pool that
@@ -112,22 +126,12 @@ class DecodeConfig:
                                      # (kernels/stage.py; None: for quantized experts)
     cuda_graphs: bool = True         # decode steps replay CUDA graphs (on CUDA, with a kernel other than reference)
 
-    def stages(self, quantized: bool) -> bool:
-        """Whether zero-copy decode stages its host reads (kernels/stage.py): `stage`, by default for quantized
-        experts (their kernels read host rows in place at 29-34 GB/s of the link's 55)."""
-        return bool(self.zero_copy) and (self.stage if self.stage is not None else quantized)
-
-    def lands(self, quantized: bool) -> bool:
-        """Whether decode steps land what they read from host in free cache slots (read-through): quantized rows
-        only where they are staged (the unstaged quantized kernel reads a row once per choice, and lands nothing)."""
-        return self.read_through and (self.stages(quantized) or not quantized)
-
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is told: built from flags (flags.py) or LLM(..., **overrides), resolved, then loaded.
 
-        ecfg = EngineConfig(cache=CacheConfig(mib=16000)).resolve(torch.bfloat16)
+        ecfg = resolve(EngineConfig(cache=CacheConfig(mib=16000)), torch.bfloat16)      # runtime/plan.py
         ecfg.placement.host_layers(model_cfg), ecfg.batching.ubatch, ecfg.cache.prefetch.min_batch
     """
     placement: Placement = field(default_factory=Placement)
@@ -154,36 +158,9 @@ class EngineConfig:
 
     @property
     def resolved(self) -> bool:
-        """Whether every "auto" is decided (what Engine.load takes)."""
+        """Whether every "auto" is decided (what Engine.load takes: runtime/plan.py's resolve decides them)."""
         return (self.placement.device != "auto" and self.placement.dtype != "auto" and self.kernel != "auto"
                 and self.decode.zero_copy is not None)
-
-    def resolve(self, file_dtype) -> "EngineConfig":
-        """This config with every "auto" decided for this machine and a checkpoint whose weights are the torch
-        dtype `file_dtype` (None: quantized): the device, the dtype, the expert kernel, zero-copy decode. The one
-        place they are decided; raises UserError for a device or kernel this machine does not have."""
-        import torch
-
-        from .device import Device
-        from .kernels import experts_reference, pick_kernel
-        from .kernels.decode import decode_available
-
-        dev = Device.resolve(self.placement.device)
-        dtype_name = self.placement.dtype
-        if dtype_name == "auto" and file_dtype is None:      # a quantized checkpoint: bf16 kernels on CUDA
-            dtype_name = "bfloat16" if dev.is_cuda else "float32"
-        elif dtype_name == "auto":
-            dtype_name = {torch.float32: "float32", torch.float16: "float16"}.get(file_dtype, "bfloat16")
-        dtype = getattr(torch, dtype_name)
-        kernel = "reference" if pick_kernel(self.kernel, dev.torch, dtype) is experts_reference else "grouped"
-        zero_copy = self.decode.zero_copy
-        if zero_copy is None:
-            zero_copy = decode_available(dev.torch, dtype)
-        elif not zero_copy and decode_available(dev.torch, dtype):
-            raise UserError("decode steps on CUDA read each expert where it lies (zero-copy decode); fetching them "
-                            "instead (--no-zero-copy-decode) was removed: bench/RESULTS.md, stop 47")
-        return self.updated({"placement.device": dev.name, "placement.dtype": dtype_name, "kernel": kernel,
-                             "decode.zero_copy": zero_copy})
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")

@@ -161,15 +161,41 @@ def test_llm_takes_a_config_and_flat_overrides():
 # --- resolving "auto" ------------------------------------------------------------------------------------------
 def test_resolve_decides_every_auto_once():
     import torch
+    from moestream.runtime.plan import resolve
     ecfg = EngineConfig()
     assert not ecfg.resolved
-    r = flags.apply(ecfg, device="cpu").resolve(torch.float16)
+    r = resolve(flags.apply(ecfg, device="cpu"), torch.float16)
     assert r.resolved and r.placement.device == "cpu" and r.placement.dtype == "float16"
     assert r.kernel == "reference" and r.decode.zero_copy is False        # no Triton on the CPU
-    assert flags.apply(ecfg, device="cpu", zero_copy_decode=True).resolve(torch.float32).decode.zero_copy is True
-    assert flags.apply(ecfg, device="cpu").resolve(torch.uint8).placement.dtype == "bfloat16"
-    assert flags.apply(ecfg, device="cpu", dtype="float32").resolve(torch.bfloat16).placement.dtype == "float32"
-    assert r.resolve(torch.float32) == r                                   # resolving is idempotent
+    assert resolve(flags.apply(ecfg, device="cpu", zero_copy_decode=True), torch.float32).decode.zero_copy is True
+    assert resolve(flags.apply(ecfg, device="cpu"), torch.uint8).placement.dtype == "bfloat16"
+    assert resolve(flags.apply(ecfg, device="cpu", dtype="float32"), torch.bfloat16).placement.dtype == "float32"
+    assert resolve(r, torch.float32) == r                                  # resolving is idempotent
+
+
+def test_decode_steps_that_fetch_their_experts_are_refused_where_zero_copy_decode_runs(monkeypatch):
+    """--no-zero-copy-decode (removed at stop 47) on CUDA: zero_copy=False is refused where the decode kernel runs
+    (stood in for here: no CUDA), and stays the CPU's plain path."""
+    import torch
+    from moestream.runtime import plan
+    cpu = flags.apply(EngineConfig(), device="cpu", zero_copy_decode=False)
+    assert plan.resolve(cpu, torch.float32).decode.zero_copy is False
+    monkeypatch.setattr(plan, "decode_available", lambda device, dtype: True)
+    with pytest.raises(UserError, match="zero-copy decode"):
+        plan.resolve(cpu, torch.float32)
+    assert plan.resolve(flags.apply(EngineConfig(), device="cpu"), torch.float32).decode.zero_copy is True
+
+
+def test_engine_config_imports_nothing_above_config():
+    """engine_config.py is plain data: its imports are config.py and errors.py (the decisions are runtime/plan.py's);
+    the cache's policy names are the policies experts/policy.py makes."""
+    import ast
+    import moestream.engine_config as ec
+    from moestream.experts.policy import POLICIES
+    tree = ast.parse(open(ec.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    assert imported <= {"config", "errors"}, imported
+    assert tuple(POLICIES) == ec.POLICIES
 
 
 def test_engine_load_takes_resolved_configs_only():
@@ -235,12 +261,15 @@ def test_a_context_too_big_for_the_device_names_c_not_the_experts():
     from moestream.loading.synth import SynthSource
     from moestream.quant.layout import expert_layouts
     from moestream.runtime.placement import check_device_fits
+    from moestream.runtime.plan import decode_plan
     src = SynthSource.from_spec("tiny")
     cfg = src.config
     layouts = expert_layouts(src, cfg)
     dev = types.SimpleNamespace(is_cuda=True, name="cuda:0", free_memory=lambda: 64 * MiB)
     big = flags.apply(EngineConfig(), ctx_size=1 << 20, cpu_moe=True)
     with pytest.raises(UserError, match=r"^-c 1048576: the KV cache needs \d+ MiB on cuda:0 .* use -c \d+ or less$"):
-        check_device_fits(cfg, big, dev, torch.float32, set(cfg.moe_layers), None, layouts)
+        check_device_fits(cfg, big, decode_plan(big, True, False, True, True), dev, torch.float32,
+                          set(cfg.moe_layers), None, layouts)
     ok = flags.apply(EngineConfig(), ctx_size=4096, cpu_moe=True)
-    check_device_fits(cfg, ok, dev, torch.float32, set(cfg.moe_layers), None, layouts)
+    check_device_fits(cfg, ok, decode_plan(ok, True, False, True, True), dev, torch.float32, set(cfg.moe_layers),
+                      None, layouts)

@@ -210,7 +210,7 @@ def test_zero_copy_decode_reads_quantized_rows_in_place(files):
         assert got.sha256 == want.sha256, extra
         staged = extra.get("stage_host_reads", True)
         host, cfg = llm.engine.host, llm.engine.cfg   # no cache: the upload buffer, which may decode as a cache
-        lands = llm.engine.ecfg.decode.lands(True)
+        lands = llm.engine.plan.lands
         buffered = "moe_cache_mib" not in extra and buffer_decodes(cfg.n_experts, cfg.n_layers, cfg.n_experts_used,
                                                                    lands)
         assert isinstance(host, BufferedCache) == buffered

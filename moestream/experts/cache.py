@@ -22,13 +22,15 @@ import torch
 from .planner import CachePlanner
 from .prefetch import PrefetchConfig
 from .prompt import PromptPath
-from .provider import ExpertProvider
+from .provider import HostProvider
 from .routing import RoutingStore
 from .slots import SlotPool
 from .store import ExpertStore
 
+MiB = 1 << 20
 
-class ExpertCache(ExpertProvider):
+
+class ExpertCache(HostProvider):
     def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device, policy: str = "lfru",
                  prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1,
                  top_k: int = 8, moe_layers: list[int] | None = None, routing: RoutingStore | None = None):
@@ -45,6 +47,11 @@ class ExpertCache(ExpertProvider):
                                  self.routing, top_k, device)
         self.top_k = top_k
         self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
+
+    def use_plan(self, plan) -> None:
+        """Zero-copy decode over the pool where the plan (runtime/plan.py) says decode reads experts in place."""
+        if plan.zero_copy:
+            self.enable_zero_copy(plan.max_tokens, plan.lands, reads_once=plan.reads_once, staged=plan.staged)
 
     def enable_zero_copy(self, max_tokens: int, read_through: bool = False, reads_once: bool = True,
                          staged: bool = False) -> None:
@@ -140,3 +147,22 @@ class ExpertCache(ExpertProvider):
         """Turn the compute stream's recorded waits into per-layer counts (synchronises; call when reading stats)."""
         self.flush_decode()
         self.slots.collect_waits(self.stats)
+
+    # --- what the engine reports ---------------------------------------------------------------------------------
+    BUFFER = False              # the upload buffer kept as the smallest cache (buffered.py), not --moe-cache-mib
+
+    def counters(self):
+        self.collect_waits()
+        return self.stats
+
+    def cache_info(self) -> dict:
+        return {"slots": self.n_slots, "policy": self.policy_name, "mib": self.n_slots * self.store.expert_bytes / MiB,
+                "buffer": self.BUFFER}
+
+    def pinned_slots(self) -> int:
+        """Call it between forwards, on the thread that owns the engine: the compute that read the last forward's
+        slots is queued by then, so its reads are marked first (the next forward would do so before planning
+        anything) and only pins that outlive their compute count. At rest it is 0."""
+        self.slots.mark_reads()
+        self.slots.refresh_pins()
+        return int(self.residency.pinned.sum())
