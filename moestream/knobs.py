@@ -28,12 +28,3 @@ def choice(name: str, choices: tuple[str, ...], default: str) -> str:
         return default
     return v
 
-
-def positive_int(name: str, default: int) -> int:
-    """The environment's value of `name` if it is a positive whole number, else `default` (with a warning if set)."""
-    v = os.environ.get(name, "")
-    if v.isdigit() and int(v) > 0:
-        return int(v)
-    if v:
-        log.warning("%s=%r is not a positive whole number: %d", name, v, default)
-    return default
