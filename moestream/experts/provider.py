@@ -11,6 +11,9 @@ kernel reads it there (kernels/decode.py):
 
     addrs = provider.addresses(layer, ids)     # (T, k) int64 addresses, without touching the host
     table, routed = provider.address_table(layer)  # what `addresses` reads and writes (a fused router's launch)
+
+The engine asks more of the host layers' provider (HostProvider: prompts, ubatches and decode steps begin and end,
+the decode plan, counters); the MoE block asks only ExpertProvider's hooks.
 """
 from __future__ import annotations
 
