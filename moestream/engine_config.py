@@ -1,7 +1,7 @@
 """What the engine is told: one frozen dataclass per concern, validated where it is made (a model's own config is
 config.py). Each field is documented once, here; flags.py maps every command-line flag (and LLM's flat keyword) to
 one of them. "auto" values are decided by runtime/plan.py's resolve, before Engine.load, which takes resolved
-configs only. Plain data: this module imports nothing above config.py.
+configs only. Plain data: it decides nothing (no kernel, no device).
 
     eng = EngineConfig(placement=Placement(cpu_moe=True), batching=Batching(ubatch_size=512))
     eng = flags.apply(EngineConfig(), cpu_moe=True, ubatch_size=512)       # the same, by flat names (flags.py)
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .config import ModelConfig
 from .errors import UserError
+from .experts.prefetch import PrefetchConfig
 
 POLICIES = ("lfru", "lru", "cycle")     # the cache's victim orders (experts/policy.py makes each)
 
@@ -73,20 +74,6 @@ class Batching:
     def ubatch(self) -> int:
         """Tokens per forward: -ub, never more than -b."""
         return min(self.ubatch_size, self.batch_size)
-
-
-@dataclass(frozen=True)
-class PrefetchConfig:
-    enabled: bool = True
-    min_batch: int = 256            # rule 1: a ubatch of at least this many tokens prefetches
-    seed_previous: bool = True      # rule 2: the first big chunk of a prompt seeds from the previous prompt
-    first_chunk_all: bool = False   # rule 2's option: copy every expert of the next layer instead
-    lookahead: bool = True          # decode: the next layer's router on the current hidden state
-    prompt_lookahead: bool = True   # the same for prompt ubatches of >= min_batch tokens (their routed set)
-    lookahead_layers: int = 2       # ... guessing this many layers ahead: the next at once, the rest whenever the
-                                    # copy stream runs short of work (PromptPath._fill)
-    max_inflight_mib: int = 512     # speculative bytes on the copy stream at once (demand misses go first)
-    min_use: float = 0.0            # copy ahead only experts the ubatch routes with at least this probability
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine_config import PrefetchConfig  # noqa: F401  (the rules' switches; experts import it from here)
 
 
 class RoutingStats:
@@ -57,6 +56,20 @@ class RoutingStats:
         s = RoutingStats(*z["current"].shape)
         s.current, s.previous = z["current"], z["previous"]
         return s
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    enabled: bool = True
+    min_batch: int = 256            # rule 1: a ubatch of at least this many tokens prefetches
+    seed_previous: bool = True      # rule 2: the first big chunk of a prompt seeds from the previous prompt
+    first_chunk_all: bool = False   # rule 2's option: copy every expert of the next layer instead
+    lookahead: bool = True          # decode: the next layer's router on the current hidden state
+    prompt_lookahead: bool = True   # the same for prompt ubatches of >= min_batch tokens (their routed set)
+    lookahead_layers: int = 2       # ... guessing this many layers ahead: the next at once, the rest whenever the
+                                    # copy stream runs short of work (PromptPath._fill)
+    max_inflight_mib: int = 512     # speculative bytes on the copy stream at once (demand misses go first)
+    min_use: float = 0.0            # copy ahead only experts the ubatch routes with at least this probability
 
 
 @dataclass
