@@ -9,8 +9,8 @@
 #   bash bench/gpu.sh rows    [BENCH FLAGS]  the reference GGUF's `moestream bench` rows, pp4096 and tg64, -r 2: all
 #                                            on the GPU at ubatch 512 / 2048 / 4096, then --cpu-moe with
 #                                            --moe-cache-mib 0 / 8000 / 16000 / 24000 at the same ubatches
-#   bash bench/gpu.sh decode  [BENCH FLAGS]  the decode paths at 16000 MiB, ubatch 2048: the defaults (zero-copy
-#                                            decode) against --no-zero-copy-decode (the plain path, host steps)
+#   bash bench/gpu.sh decode  [BENCH FLAGS]  the decode row at 16000 MiB, ubatch 2048 (zero-copy decode; its A/B
+#                                            against --no-zero-copy-decode: bench/RESULTS.md, removed at stop 47)
 #   bash bench/gpu.sh server  [SERVE FLAGS]  `moestream serve` on the reference GGUF (--cpu-moe, 16000 MiB, -np 16)
 #                                            under 1 / 2 / 4 / 8 / 16 streaming clients (bench/serve_load.py), then
 #                                            a one-minute soak of it (bench/soak.py --url)
@@ -28,11 +28,9 @@
 #                                            machine, /tmp/ref-q4km.gguf and /tmp/ref-q8.gguf), then their rows: Q4_K_M
 #                                            all on the GPU, --cpu-moe with no cache and with 4000 MiB; Q8_0 --cpu-moe
 #   bash bench/gpu.sh qdecode                the quantized decode kernel's variants: bench/quant_kernels.py (values,
-#                                            subblocks, runs), then the Q4_K_M rows all on the GPU, --cpu-moe with 4000
-#                                            MiB and with no cache, at ubatch 2048, under MOESTREAM_DECODE_QUANT=values
-#                                            and =runs
-#   bash bench/gpu.sh host                   routed experts on the host's cores (kernels/host_experts.py) at the
-#                                            reference's expert shape, 1 / 4 / 8 / 16 threads (bench/host_experts.py)
+#                                            runs), then the Q4_K_M rows all on the GPU, --cpu-moe with 4000 MiB and
+#                                            with no cache, at ubatch 2048 (the default kernel; the whole-model rows of
+#                                            MOESTREAM_DECODE_QUANT=values and subblocks: bench/RESULTS.md, 2026-12-01)
 #   bash bench/gpu.sh kld                    perplexity's KL divergence of the Q4_K_M and Q8_0 files against the BF16
 #                                            reference, and of a cache state against all on the GPU (0 exactly)
 #   bash bench/gpu.sh next    [BENCH FLAGS]  the Qwen3-Next reference (make_reference_next_gguf.py, 12 layers, BF16,
@@ -42,9 +40,9 @@
 #                                            16000 MiB (and 16000 with --prefetch-first-all, --no-prefetch); Q4_K_M
 #                                            all on the GPU, at 4000 MiB (ubatch 2048 / 4096) and with no cache;
 #                                            then a Q4_K_M decode step's kernels (bench/step_profile.py)
-#   bash bench/gpu.sh arrays                 the Next Q4_K_M prompts at 4000 MiB (ubatch 4096 / 2048, -n 0 -r 3) with
-#                                            small host arrays by kernel and by copy call (MOESTREAM_HOST_ARRAYS) in
-#                                            turns, twice, and the prompt timeline at ubatch 4096 (the files of `next`)
+#   bash bench/gpu.sh arrays                 the Next Q4_K_M prompts at 4000 MiB (ubatch 4096 / 2048, -n 0 -r 3), the
+#                                            prompt timeline at ubatch 4096 (the files of `next`) and bench/copy_order.py
+#                                            (the copy-call A/B, MOESTREAM_HOST_ARRAYS=copy: bench/RESULTS.md, stop 38)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -72,7 +70,7 @@ N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
 case "$SUITE" in
-tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|host|all) ;;
+tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|all) ;;
 *) usage ;;
 esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
@@ -148,7 +146,6 @@ decode() {         # tg64 after pp4096 prompts, as the cache rows of rows measur
   reference 5
   local B="-m $REF -p 4096 -n 64 -ub 2048 -b 4096 -r 2 --cpu-moe --moe-cache-mib 16000"
   bench bench_decode.md 90 $B
-  bench bench_decode.md 90 $B --no-zero-copy-decode
 }
 
 server() {
@@ -197,10 +194,6 @@ parallel() {       # several sequences decoded together (llama-batched-bench's s
   bench parallel.md 120 -m $Q4 $P --cpu-moe --moe-cache-mib 4000
 }
 
-host() {
-  timeout 200 python3 bench/host_experts.py --threads 1,4,8,16 2>&1 | tee "$OUT/host_experts.md"
-}
-
 profile() {
   reference 5
   timeout 160 python3 bench/prompt_timeline.py $REF "$OUT" -ub 4096,2048 --cprofile 2>&1 | grep -v "^USDT\|UserWarning" \
@@ -222,15 +215,10 @@ quant() {
 qdecode() {
   timeout 300 python3 bench/quant_kernels.py 2>&1 | tee "$OUT/quant_kernels.md"
   quantized $Q4:Q4_K_M
-  local v B="-m $Q4 -p 4096 -n 64 -b 4096 -r 2 -ub 2048"
-  for v in values runs; do          # (subblocks' rows: bench/RESULTS.md, 2026-12-01)
-    export MOESTREAM_DECODE_QUANT=$v
-    echo "## MOESTREAM_DECODE_QUANT=$v" | tee -a "$OUT/bench_qdecode.md"
-    bench bench_qdecode.md 60 $B
-    bench bench_qdecode.md 60 $B --cpu-moe --moe-cache-mib 4000
-    bench bench_qdecode.md 60 $B --cpu-moe
-  done
-  unset MOESTREAM_DECODE_QUANT
+  local B="-m $Q4 -p 4096 -n 64 -b 4096 -r 2 -ub 2048"
+  bench bench_qdecode.md 60 $B
+  bench bench_qdecode.md 60 $B --cpu-moe --moe-cache-mib 4000
+  bench bench_qdecode.md 60 $B --cpu-moe
 }
 
 kld() {            # 16 chunks of 512 random ids (the reference has no tokenizer), ubatch 512
@@ -275,12 +263,7 @@ next() {           # issue 17's rows on the Qwen3-Next reference
 
 arrays() {         # how small host arrays reach the device, on Next's sweeping prompts (kernels/host_arrays.py)
   next_files
-  local m
-  for m in kernel copy kernel copy; do
-    echo "## MOESTREAM_HOST_ARRAYS=$m" >> "$OUT/next_arrays.md"
-    MOESTREAM_HOST_ARRAYS=$m bench next_arrays.md 70 -m $NQ -p 4096 -n 0 -b 4096 -r 3 -ub 4096,2048 --cpu-moe \
-      --moe-cache-mib 4000
-  done
+  bench next_arrays.md 70 -m $NQ -p 4096 -n 0 -b 4096 -r 3 -ub 4096,2048 --cpu-moe --moe-cache-mib 4000
   timeout 90 python3 bench/prompt_timeline.py $NQ /tmp/timeline_arrays --mib 4000 -ub 4096 2>&1 \
     | grep -v "^USDT\|UserWarning" | tee "$OUT/next_arrays_timeline.txt"
   timeout 60 python3 bench/copy_order.py 2>&1 | tee "$OUT/copy_order.txt"
@@ -308,7 +291,7 @@ tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
 pacing) pacing ${EXTRA[@]+"${EXTRA[@]}"} ;;
 parallel) parallel ;;
-profile|trace|kld|qdecode|host) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
+profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
 esac

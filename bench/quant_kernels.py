@@ -1,6 +1,6 @@
 """The quantized-expert kernels on the reference expert shape (I=768, H=2048; --shape I,H,k for another), one GPU:
 
-    python bench/quant_kernels.py [--experts 50] [--reps 50] [--variants values,subblocks,runs] [--no-dequant]
+    python bench/quant_kernels.py [--experts 50] [--reps 50] [--variants values,runs] [--no-dequant]
                                   [--runs-shapes 128x4,64x2,256x8,128x4r,128x4o,128x4-2] [--no-graphs]
                                   [--types bf16,Q4_K_M]
 
@@ -21,8 +21,8 @@ older tables' way). Each cell: microseconds a call (median of `reps` timed graph
 warm-up) and, in brackets, GB/s: the T k expert rows the call reads (a token's 8 rows of 2.65-5.0 MB each) over
 its time. `vs first`: |out - out_first| / |out_first| at T=8 against the first variant
 listed (bf16 outputs: the variants round differently, and must agree to about bf16's precision). Q2_K, Q3_K and
-the grid IQ types (IQ2_XXS ... IQ1_M) have no runs variant: their rows are "values" and "subblocks" (both value by
-value for them). Rows are random valid blocks (quant/dequant.py's random_blocks). Prints markdown.
+the grid IQ types (IQ2_XXS ... IQ1_M) have no runs variant: their rows are "values" only. (The "subblocks" variant's rows:
+bench/RESULTS.md, 2026-12-01; removed at stop 47.) Rows are random valid blocks (quant/dequant.py's random_blocks). Prints markdown.
 """
 import argparse
 import re
@@ -44,7 +44,7 @@ from moestream.quant.types import type_size
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=50)
 ap.add_argument("--reps", type=int, default=50)
-ap.add_argument("--variants", default="values,subblocks,runs")
+ap.add_argument("--variants", default="values,runs")
 ap.add_argument("--dequant", action=argparse.BooleanOptionalAction, default=True)
 ap.add_argument("--runs-shapes", default="128x4", help="runs variant shapes, UNITSxWARPS[r][o][-1|-2], comma list")
 ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
@@ -55,7 +55,7 @@ ap.add_argument("--shape", default="768,2048,8", help="I,H,k: the expert's shape
 ns = ap.parse_args()
 I, H, K = (int(v) for v in ns.shape.split(","))
 EXPERTS = 128
-# Q2_K, Q3_K and the grid IQ types (kernels/qblocks_iq.py: "values" and "subblocks" only, value by value)
+# Q2_K, Q3_K and the grid IQ types (kernels/qblocks_iq.py: "values" only)
 GRID = ((Q.Q2_K,) * 3, (Q.Q3_K,) * 3, (Q.IQ2_XXS,) * 3, (Q.IQ2_XS,) * 3, (Q.IQ2_S,) * 3, (Q.IQ3_XXS,) * 3,
         (Q.IQ3_S,) * 3, (Q.IQ1_S,) * 3, (Q.IQ1_M,) * 3)
 

@@ -1,14 +1,14 @@
 """What the last batch of several streams in a routing trace reads over the link, replayed through the live
 cache's code (experts/trace.py) on the CPU: experts a layer a decode step read from host memory in place, and
-uploaded, for pool sizes and the hot set's two forms. No GPU, no model.
+uploaded, for pool sizes. No GPU, no model.
 
     moestream bench -m ref.gguf --parallel 8 -npp 512 -ntg 64 -r 1 -ub 512 --trace p8.npz     # record (any device)
     python bench/replay_streams.py p8.npz [--slots-per-layer 37,74] [--policy cycle] [--belady] [--quantized]
     python bench/replay_streams.py p8.npz --slots-per-layer 74 --set hot_set.FREQ_DECAY=0.95 --set prompt.TAIL=32
 
 The trace holds a warm-up batch and then the timed one (bench --parallel's order); the counts are the timed
-batch's decode steps: the replay of the whole trace less the replay up to its first step. `sum` is the hot set's
-single decaying sum (MOESTREAM_HOT_SET=sum), `sequences` the per-sequence counts (the default). `--belady`: the
+batch's decode steps: the replay of the whole trace less the replay up to its first step. (The hot set's single
+decaying sum, MOESTREAM_HOT_SET=sum, was compared here until stop 47: bench/RESULTS.md, stop 28.) `--belady`: the
 fewest misses any pool of that size could have had on those steps, knowing the future, starting empty, a miss
 landing for free (bench/RESULTS.md, stop 28). `--set MODULE.NAME=VALUE` changes a constant of moestream.experts
 (hot_set, read_through, prompt, zero_copy) for the replay: how stop 29 swept the hot set's.
@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from moestream.experts import hot_set, trace as T
+from moestream.experts import trace as T
 
 ap = argparse.ArgumentParser()
 ap.add_argument("trace")
@@ -27,7 +27,7 @@ ap.add_argument("--slots-per-layer", default="37,74", help="comma list (74: 1600
 ap.add_argument("--policy", default="cycle")
 ap.add_argument("--belady", action="store_true")
 ap.add_argument("--quantized", action="store_true",
-                help="replay as a quantized file's pool: one region, staged host reads (a float trace's routing)")
+                help="replay as a quantized file's pool: staged host reads (a float trace's routing)")
 ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                 help="a constant of moestream.experts.MODULE for the replay (repeatable), e.g. hot_set.FREQ_DECAY=0.95")
 ns = ap.parse_args()
@@ -87,11 +87,9 @@ def belady(slots: int) -> float:
 print(f"{ns.trace}: {L} layers x {tr.n_experts} experts; the timed batch: {steps} steps of "
       f"{int(ub[first, 1])} tokens; per layer and step{' (' + ', '.join(ns.set) + ')' if ns.set else ''}:")
 bound = (" Belady |", " ---: |") if ns.belady else ("", "")
-print("| slots a layer | hot set | hit rate | host reads | uploads | over the link |" + bound[0])
-print("| ---: | --- | ---: | ---: | ---: | ---: |" + bound[1])
+print("| slots a layer | hit rate | host reads | uploads | over the link |" + bound[0])
+print("| ---: | ---: | ---: | ---: | ---: |" + bound[1])
 for slots in (int(s) for s in ns.slots_per_layer.split(",")):
-    for by_seq in (False, True):
-        hot_set.BY_SEQUENCE = by_seq
-        h, r, u = link(slots)
-        extra = f" {belady(slots):.2f} |" if ns.belady and by_seq else (" |" if ns.belady else "")
-        print(f"| {slots} | {'sequences' if by_seq else 'sum'} | {h:.3f} | {r:.2f} | {u:.2f} | {r + u:.2f} |{extra}")
+    h, r, u = link(slots)
+    extra = f" {belady(slots):.2f} |" if ns.belady else ""
+    print(f"| {slots} | {h:.3f} | {r:.2f} | {u:.2f} | {r + u:.2f} |{extra}")

@@ -9,7 +9,7 @@ other slot may hold experts kept from earlier prompts. Two victim orders: LRU, a
 layers' cycle (Belady's order, optimal when every expert of a layer is used at each pass). Prints each prompt's
 misses, and the share of a prompt's experts that cross the link after the first prompt, on average (the misses
 cycle with a period of a few prompts; bench/RESULTS.md, stop 26). `--regions N` splits the pool as a float pool of
-more than 1023 slots is (experts/planner.py): layer l keeps its experts in region l mod N, so the victims of its
+more than 1023 slots was (until stop 47): layer l keeps its experts in region l mod N, so the victims of its
 misses are that region's (`--slots 2666 --regions 3`: the BF16 pool at 16000 MiB; bench/RESULTS.md, stop 27).
 """
 import argparse

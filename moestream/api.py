@@ -23,6 +23,7 @@ from .quant.layout import expert_layouts
 from .runtime.generate import Completion, Generation
 from .runtime.load import load_engine
 from .runtime.memory import check_host_fits
+from .runtime.plan import resolve
 from .runtime.prompt_batch import next_batch
 from .runtime.requests import Request
 from .runtime.sampling import SamplingParams
@@ -74,7 +75,7 @@ class LLM:
             check(self.source)
         # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (load_engine takes
         # it resolved)
-        self.config = config.resolve(self.source.dtype_of("token_embd.weight"))
+        self.config = resolve(config, self.source.dtype_of("token_embd.weight"))
         cfg = self.source.config
         layouts = expert_layouts(self.source, cfg)       # a quantized file's experts are its blocks' bytes
         size = max(lay.row_bytes_for(getattr(torch, self.config.placement.dtype)) for lay in layouts.values())

@@ -1,11 +1,11 @@
 """What the engine is told: one frozen dataclass per concern, validated where it is made (a model's own config is
 config.py). Each field is documented once, here; flags.py maps every command-line flag (and LLM's flat keyword) to
-one of them. "auto" values are decided by EngineConfig.resolve, before Engine.load, which takes resolved configs
-only.
+one of them. "auto" values are decided by runtime/plan.py's resolve, before Engine.load, which takes resolved
+configs only. Plain data: it decides nothing (no kernel, no device).
 
     eng = EngineConfig(placement=Placement(cpu_moe=True), batching=Batching(ubatch_size=512))
     eng = flags.apply(EngineConfig(), cpu_moe=True, ubatch_size=512)       # the same, by flat names (flags.py)
-    eng = eng.resolve(torch.bfloat16)     # "auto" decided for this machine and checkpoint (LLM does this)
+    eng = resolve(eng, torch.bfloat16)    # "auto" decided for this machine and checkpoint (runtime/plan.py; LLM)
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from .config import ModelConfig
 from .errors import UserError
-from .experts.policy import POLICIES
 from .experts.prefetch import PrefetchConfig
+
+POLICIES = ("lfru", "lru", "cycle")     # the cache's victim orders (experts/policy.py makes each)
 
 
 def _number(v) -> bool:
@@ -104,37 +105,20 @@ class CacheConfig:
 class DecodeConfig:
     """How decode steps run."""
     zero_copy: bool | None = None    # decode kernels read each expert where it lies, a slot or pinned host memory
-                                     # (None: where the Triton kernel runs, CUDA with 16-bit weights)
+                                     # (None: where the Triton kernel runs, CUDA with 16-bit weights; elsewhere
+                                     # decode steps fetch their experts, the plain path). True on the CPU: through
+                                     # the plain-torch oracle (zero-copy decode's tests). Not False where it runs.
     read_through: bool = True        # ... and a one-token step writes what it read from host into free cache slots
     stage: bool | None = None        # ... copying the step's host reads into device rows first, in one launch
                                      # (kernels/stage.py; None: for quantized experts)
     cuda_graphs: bool = True         # decode steps replay CUDA graphs (on CUDA, with a kernel other than reference)
-    host_share: float = 0.0          # zero-copy decode over a cache: the share of a step's host-read experts that the
-                                     # host's cores compute (kernels/host_experts.py) while the GPU reads the rest
-
-    def __post_init__(self):
-        s = self.host_share
-        if not _number(s) or not 0 <= s <= 1:
-            raise UserError(f"--host-compute must be a share from 0 to 1, got {s!r}")
-
-    def stages(self, quantized: bool) -> bool:
-        """Whether zero-copy decode stages its host reads (kernels/stage.py): `stage`, by default for quantized
-        experts (their kernels read host rows in place at 29-34 GB/s of the link's 55); never while the host
-        computes some of them (host_share)."""
-        return bool(self.zero_copy) and not self.host_share and (self.stage if self.stage is not None else quantized)
-
-    def lands(self, quantized: bool) -> bool:
-        """Whether decode steps land what they read from host in free cache slots (read-through): quantized rows
-        only where they are staged (the unstaged quantized kernel reads a row once per choice, and lands nothing).
-        (A step the host shares lands nothing: experts/host_share.py.)"""
-        return self.read_through and (self.stages(quantized) or not quantized)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is told: built from flags (flags.py) or LLM(..., **overrides), resolved, then loaded.
 
-        ecfg = EngineConfig(cache=CacheConfig(mib=16000)).resolve(torch.bfloat16)
+        ecfg = resolve(EngineConfig(cache=CacheConfig(mib=16000)), torch.bfloat16)      # runtime/plan.py
         ecfg.placement.host_layers(model_cfg), ecfg.batching.ubatch, ecfg.cache.prefetch.min_batch
     """
     placement: Placement = field(default_factory=Placement)
@@ -161,33 +145,9 @@ class EngineConfig:
 
     @property
     def resolved(self) -> bool:
-        """Whether every "auto" is decided (what Engine.load takes)."""
+        """Whether every "auto" is decided (what Engine.load takes: runtime/plan.py's resolve decides them)."""
         return (self.placement.device != "auto" and self.placement.dtype != "auto" and self.kernel != "auto"
                 and self.decode.zero_copy is not None)
-
-    def resolve(self, file_dtype) -> "EngineConfig":
-        """This config with every "auto" decided for this machine and a checkpoint whose weights are the torch
-        dtype `file_dtype` (None: quantized): the device, the dtype, the expert kernel, zero-copy decode. The one
-        place they are decided; raises UserError for a device or kernel this machine does not have."""
-        import torch
-
-        from .device import Device
-        from .kernels import experts_reference, pick_kernel
-        from .kernels.decode import decode_available
-
-        dev = Device.resolve(self.placement.device)
-        dtype_name = self.placement.dtype
-        if dtype_name == "auto" and file_dtype is None:      # a quantized checkpoint: bf16 kernels on CUDA
-            dtype_name = "bfloat16" if dev.is_cuda else "float32"
-        elif dtype_name == "auto":
-            dtype_name = {torch.float32: "float32", torch.float16: "float16"}.get(file_dtype, "bfloat16")
-        dtype = getattr(torch, dtype_name)
-        kernel = "reference" if pick_kernel(self.kernel, dev.torch, dtype) is experts_reference else "grouped"
-        zero_copy = self.decode.zero_copy
-        if zero_copy is None:
-            zero_copy = decode_available(dev.torch, dtype)
-        return self.updated({"placement.device": dev.name, "placement.dtype": dtype_name, "kernel": kernel,
-                             "decode.zero_copy": zero_copy})
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")

@@ -90,9 +90,9 @@ OPTIONS = (
     Option("prefetch_max_inflight_mib", "cache.prefetch.max_inflight_mib", ("--prefetch-max-inflight-mib",),
            "at most this many MiB of copies ahead on the link at once (default 512; misses a ubatch waits for go "
            "first)", type=int, metavar="MIB"),
-    Option("zero_copy_decode", "decode.zero_copy", ("--no-zero-copy-decode",),
-           "decode steps fetch their experts through the cache (a host step per layer) instead of reading each "
-           "expert where it lies, a cache slot or pinned host memory", "off"),
+    Option("zero_copy_decode", "decode.zero_copy", (),
+           "on the CPU: decode steps read each expert where it lies through the plain-torch oracle (zero-copy "
+           "decode's tests); on CUDA the device decides (engine_config.DecodeConfig)"),
     Option("read_through", "decode.read_through", ("--read-through",),
            "zero-copy decode of one token also writes each expert it reads from host memory into a free cache "
            "slot, so the next token reads it there (default: on)", "both"),
@@ -100,12 +100,6 @@ OPTIONS = (
            "zero-copy decode copies the experts a step reads from host memory into device memory first, in one "
            "launch, and computes from there (default: on for quantized experts)", "both"),
     Option("cuda_graphs", "decode.cuda_graphs", ("--no-cuda-graphs",), "decode eagerly, without CUDA graphs", "off"),
-    Option("host_compute", "decode.host_share", ("--host-compute",),
-           "zero-copy decode over a cache: the host's cores compute this share (0-1) of a step's experts read from "
-           "host memory while the GPU reads the rest over the link (default 0: none), in steps that read at least 1 GB "
-           "from host (MOESTREAM_HOST_SHARE_MB). Those steps run eagerly and land nothing, staging is off, and those "
-           "experts' outputs are the host's float32 sums: the greedy tokens may differ from the GPU's",
-           type=float, metavar="SHARE"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 # The prefetch rules' own flags, which `moestream replay` takes too (it switches prefetch on with --prefetch).

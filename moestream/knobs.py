@@ -1,16 +1,16 @@
-"""Process-wide measurement knobs, read from the environment once (A/Bs in one tree; bench/RESULTS.md names each):
+"""Process-wide knobs, read from the environment once. Every `MOESTREAM_*` name the code reads is here:
 
-    MOESTREAM_COPY=batch|kernel|calls               how cache misses reach their slots (experts/slots.py)
-    MOESTREAM_COPY_PROGRAMS=N                       the row-copy kernel's programs (kernels/copy_rows.py)
-    MOESTREAM_FLOAT_POOL=one|regions                a float pool's regions (experts/planner.py)
-    MOESTREAM_HOT_SET=sequences|sum                 whose counts several-token steps keep (experts/hot_set.py)
-    MOESTREAM_DECODE_QUANT=values|subblocks|runs    the quantized decode kernel (kernels/decode_quant.py)
-    MOESTREAM_DELTA=fla|fla-recurrent|torch         the DeltaNet kernels on CUDA (kernels/delta.py)
-    MOESTREAM_LANDINGS=device|host                  how a step's landings reach the next table (experts/zero_copy.py)
-    MOESTREAM_HOST_ARRAYS=kernel|copy               how small host arrays reach the device (kernels/host_arrays.py)
+    MOESTREAM_DELTA=fla|torch      the DeltaNet kernels on CUDA: torch keeps the plain-torch references where fla-core
+                                   is installed but does not run (kernels/delta.py)
+    MOESTREAM_API_KEY=KEY          the server's key when --api-key is not given (server/cli.py)
 
 A value outside a knob's choices logs a warning and keeps the default, so a typo never changes what runs
 unnoticed (a lease once exported MOESTREAM_DELTA=fla-unfused, a name no code knew: RESULTS.md, stop 15).
+
+Knobs kept only to repeat a finished A/B were removed at stop 47 (bench/RESULTS.md names each one's figures):
+MOESTREAM_COPY, MOESTREAM_COPY_PROGRAMS, MOESTREAM_FLOAT_POOL, MOESTREAM_HOT_SET, MOESTREAM_DECODE_QUANT,
+MOESTREAM_LANDINGS, MOESTREAM_HOST_ARRAYS and MOESTREAM_DELTA=fla-recurrent. The automatic choices they overrode
+stay, each with its fallback where a platform lacks something (no Triton, no batch copy call in the driver).
 """
 from __future__ import annotations
 
@@ -28,12 +28,3 @@ def choice(name: str, choices: tuple[str, ...], default: str) -> str:
         return default
     return v
 
-
-def positive_int(name: str, default: int) -> int:
-    """The environment's value of `name` if it is a positive whole number, else `default` (with a warning if set)."""
-    v = os.environ.get(name, "")
-    if v.isdigit() and int(v) > 0:
-        return int(v)
-    if v:
-        log.warning("%s=%r is not a positive whole number: %d", name, v, default)
-    return default

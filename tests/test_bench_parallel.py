@@ -37,7 +37,7 @@ def test_a_row_per_parallel_value_with_llama_batched_bench_columns(capsys):
         assert r["ms_per_step"] == pytest.approx(r["t_tg"] * 1e3 / 4)
         assert r["pp_uploaded_gb"] > 0 and r["tg_uploaded_gb"] >= 0 and 0 <= r["tg_hit_rate"] <= 1
         assert r["uploaded_gb_per_step"] == pytest.approx(r["tg_uploaded_gb"] / 4)
-        assert r["tg_host_read_gb"] == 0 == r["tg_host_computed"]      # the CPU decode fetches its experts
+        assert r["tg_host_read_gb"] == 0                               # the CPU decode fetches its experts
         assert re.fullmatch(r"[0-9a-f]{16}", r["hash"])
     by_size = {m: [r["hash"] for r in rows if r["moe_cache_mib"] == m] for m in (0, 1)}
     assert by_size[0] == by_size[1] and len(set(by_size[0])) == 3       # the cache changes no token; B does

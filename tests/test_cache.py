@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from moestream import LLM, UserError
 from moestream.experts.routing import RouteCallback
 from moestream.experts.policy import make_policy
-from moestream.experts.residency import CacheTooSmall, Residency, split_regions
+from moestream.experts.residency import CacheTooSmall, Residency
 from moestream.experts.trace import TraceRecorder, load_trace, replay
 
 L, E = 3, 12
@@ -18,14 +18,11 @@ L, E = 3, 12
 
 # --- residency, without a model --------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
-@given(policy=st.sampled_from(["lfru", "lru", "cycle"]), n_slots=st.integers(4, 30), max_region=st.integers(4, 30),
+@given(policy=st.sampled_from(["lfru", "lru", "cycle"]), n_slots=st.integers(4, 30),
        steps=st.lists(st.tuples(st.integers(0, L - 1), st.sets(st.integers(0, E - 1), min_size=1, max_size=6),
                                 st.sets(st.integers(0, 29), max_size=3)), min_size=1, max_size=40))
-def test_residency_invariants(policy, n_slots, max_region, steps):
-    """Also with the pool split into regions (one per launch of the grouped kernel): check() asserts that every
-    expert sits in its layer's region, and a layer can only use its region's slots."""
-    res = Residency(n_slots, L, E, make_policy(policy, n_slots, list(range(L))),
-                    split_regions(n_slots, list(range(L)), max_region))
+def test_residency_invariants(policy, n_slots, steps):
+    res = Residency(n_slots, L, E, make_policy(policy, n_slots, list(range(L))))
     for layer, experts, pins in steps:
         res.policy.at_layer(layer, sweeping=len(experts) > 3)       # (cycle's order by layers, some of the time)
         res.pinned[:] = False
@@ -38,8 +35,7 @@ def test_residency_invariants(policy, n_slots, max_region, steps):
         try:
             plan = res.ensure(layer, experts)
         except CacheTooSmall:
-            a, b = res.bounds[layer]
-            assert len(set(experts.tolist()) - resident_before) > (b - a) - len([h for h in held if a <= h < b])
+            assert len(set(experts.tolist()) - resident_before) > n_slots - len(held)
             assert (res.owner == before_owner).all()            # a refused call changes nothing
             continue
         res.check()
@@ -233,39 +229,16 @@ def test_reconfigure_cache_keeps_logits_and_restarts_counters():
 
 
 
-def test_split_regions_balances_layers_and_caps_slots():
-    bounds, region_of = split_regions(2553, list(range(24)), 1023)
-    assert bounds == [(0, 851), (851, 1702), (1702, 2553)]
-    assert [region_of[l] for l in (0, 1, 2, 3, 22, 23)] == [0, 1, 2, 0, 1, 2]     # in turn: neighbours apart
-    assert split_regions(1000, [3, 5], 1023) == ([(0, 1000)], {3: 0, 5: 0})
-
-
-def test_a_pool_in_regions_changes_no_logits(monkeypatch):
-    """A pool split into regions (here of at most 40 slots, as 1023 would split a big pool) gives the same bits."""
-    import moestream.experts.planner as planner_mod
+def test_copying_ahead_takes_no_more_than_the_pool_holds():
+    """A pool smaller than a layer's experts (as Qwen3-Next's 512 experts were in a region of a 4000 MiB pool):
+    copying the next layer's experts ahead (here every one of them, --prefetch-first-all) takes what fits in the
+    pool's unpinned slots (it raised CacheTooSmall), and changes no logits."""
     ids = _prompt(70, 3)
     want = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128).logits(ids)
-    monkeypatch.setattr(planner_mod, "FLOAT_POOL", "regions")     # (not the default)
-    monkeypatch.setattr(planner_mod, "REGION_SLOTS", 40)
-    llm = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128, cpu_moe=True, moe_cache_mib=60)
-    assert len({b for b in llm.engine.host.residency.bounds}) > 1
-    assert torch.equal(llm.logits(ids), want)
-    llm.engine.host.residency.check()
-
-
-def test_copying_ahead_takes_no_more_than_the_layers_region_holds(monkeypatch):
-    """A pool in regions smaller than a layer's experts (Qwen3-Next's 512 experts at 4000 MiB of Q4_K_M): copying
-    the next layer's experts ahead (here every one of them, --prefetch-first-all) takes what fits in that layer's
-    region, not what the whole pool has free (it raised CacheTooSmall), and changes no logits."""
-    import moestream.experts.planner as planner_mod
-    ids = _prompt(70, 3)
-    want = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128).logits(ids)
-    monkeypatch.setattr(planner_mod, "FLOAT_POOL", "regions")     # (not the default)
-    monkeypatch.setattr(planner_mod, "REGION_SLOTS", 10)
-    llm = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128, cpu_moe=True, moe_cache_mib=15,
+    llm = LLM("synth:tiny", device="cpu", ubatch_size=32, ctx_size=128, cpu_moe=True, moe_cache_mib=4,
               prefetch_first_all=True, prefetch_min_batch=8)
     res = llm.engine.host.residency
-    assert max(b - a for a, b in res.bounds) < llm.engine.cfg.n_experts < llm.engine.host.n_slots
+    assert res.n_slots < llm.engine.cfg.n_experts
     assert torch.equal(llm.logits(ids), want)
     assert llm.engine.stats()["total"]["prefetched"] > 0
     res.check()

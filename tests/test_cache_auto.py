@@ -16,6 +16,7 @@ from moestream.kernels.stage import staging_bytes
 from moestream.loading.source import open_source
 from moestream.runtime.memory import AUTO_RESERVE, MiB, auto_cache_mib
 from moestream.runtime.placement import auto_cache
+from moestream.runtime.plan import decode_plan
 
 TINY = ["-m", "synth:tiny"]
 
@@ -47,23 +48,25 @@ def test_auto_on_a_gpu_counts_the_scratch_and_the_staging_rows_and_logs_the_figu
     scratch = cfg.n_experts * cfg.expert_numel * 2                                # a layer's experts in bfloat16
     host = len(cfg.moe_layers)
     ecfg = flags.apply(EngineConfig(), cpu_moe=True, moe_cache_mib="auto")
+    plan = lambda e, quantized: decode_plan(e, True, quantized, True, True)     # noqa: E731  (staged or not)
     with caplog.at_level(logging.INFO, logger="moestream"):
-        got = auto_cache(cfg, ecfg, FakeCuda(100 * MiB + scratch + AUTO_RESERVE + rest), torch.bfloat16, host, slot,
-                         False, rest=rest)
+        got = auto_cache(cfg, ecfg, plan(ecfg, False), FakeCuda(100 * MiB + scratch + AUTO_RESERVE + rest),
+                         torch.bfloat16, host, slot, rest=rest)
     assert got.cache.mib == 100 and got.cache.policy == ecfg.cache.policy
     assert "moe cache: auto = 100 MiB" in caplog.text
     # quantized experts that zero-copy decode stages: their scratch rows come out of the same free memory
     staged = flags.apply(ecfg, zero_copy_decode=True)
     free = 100 * MiB + scratch + AUTO_RESERVE + rest
-    assert auto_cache(cfg, staged, FakeCuda(free), torch.bfloat16, host, slot, True, rest=rest).cache.mib == \
-        (100 * MiB - staging_bytes(slot, cfg.n_experts_used)) // MiB
+    assert plan(staged, True).staged
+    assert auto_cache(cfg, staged, plan(staged, True), FakeCuda(free), torch.bfloat16, host, slot,
+                      rest=rest).cache.mib == (100 * MiB - staging_bytes(slot, cfg.n_experts_used)) // MiB
     # a roomy device caches every host expert, no more
-    assert auto_cache(cfg, ecfg, FakeCuda(1 << 40), torch.bfloat16, host, slot, False).cache.mib == \
+    assert auto_cache(cfg, ecfg, plan(ecfg, False), FakeCuda(1 << 40), torch.bfloat16, host, slot).cache.mib == \
         -(-host * cfg.n_experts * slot // MiB)
     # a number, or no host layer, is left as it is
-    assert auto_cache(cfg, ecfg, FakeCuda(1 << 40), torch.bfloat16, 0, slot, False) is ecfg
+    assert auto_cache(cfg, ecfg, plan(ecfg, False), FakeCuda(1 << 40), torch.bfloat16, 0, slot) is ecfg
     sized = flags.apply(ecfg, moe_cache_mib=8)
-    assert auto_cache(cfg, sized, FakeCuda(1 << 40), torch.bfloat16, host, slot, False) is sized
+    assert auto_cache(cfg, sized, plan(sized, False), FakeCuda(1 << 40), torch.bfloat16, host, slot) is sized
 
 
 def test_the_flag_takes_auto_in_every_command_and_refuses_other_words(capsys):

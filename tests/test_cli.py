@@ -239,8 +239,9 @@ def test_kv_cache_too_big_for_host_memory_is_refused_before_allocating(capsys):
     from moestream.loading.source import open_source
     from moestream import flags
     from moestream.runtime.memory import check_host_fits, host_bytes
+    from moestream.runtime.plan import resolve
     cfg = open_source("synth:tiny").config
-    ecfg = flags.apply(EngineConfig(), ctx_size=1 << 20).resolve(__import__("torch").float32)
+    ecfg = resolve(flags.apply(EngineConfig(), ctx_size=1 << 20), __import__("torch").float32)
     weights, kv = host_bytes(cfg, ecfg)
     assert kv > 0 and weights > 0
     with pytest.raises(UserError, match=r"-c 1048576: the KV cache needs \d+ MiB and the model's weights \d+ MiB, "

@@ -63,8 +63,7 @@ def _non_default_argv(o: flags.Option) -> list[str]:
     long = o.flags[-1]
     if o.kind == "value":
         value = {"device": "cpu", "dtype": "bfloat16", "kernel": "reference", "cache_policy": "lru",
-                 "prefetch_min_use": "0.5", "lookahead_layers": "3", "moe_cache_mib": "0",
-                 "host_compute": "0.25"}.get(o.name, "7")
+                 "prefetch_min_use": "0.5", "lookahead_layers": "3", "moe_cache_mib": "0"}.get(o.name, "7")
         return [long, value]
     if o.kind == "both":
         return ["--no-" + long[2:]]
@@ -96,8 +95,7 @@ def test_all_flags_at_once_round_trip_and_reach_their_fields():
     assert ecfg.cache.prefetch == PrefetchConfig(enabled=False, min_batch=7, seed_previous=False, first_chunk_all=True,
                                                  lookahead=False, prompt_lookahead=False, lookahead_layers=3,
                                                  max_inflight_mib=7, min_use=0.5)
-    assert (ecfg.decode.zero_copy, ecfg.decode.read_through, ecfg.decode.cuda_graphs) == (False, False, False)
-    assert ecfg.decode.host_share == 0.25
+    assert (ecfg.decode.zero_copy, ecfg.decode.read_through, ecfg.decode.cuda_graphs) == (None, False, False)
     assert ecfg.batching == Batching(ctx_size=7, n_seq=1, batch_size=7, ubatch_size=7, by_layer=False)
 
 
@@ -121,10 +119,10 @@ def test_a_command_can_change_a_flag_and_take_a_subset():
 
 
 def test_removed_flags_are_gone():
-    for flag in ("--shared-reads", "--no-host-decode-graphs"):
+    for flag in ("--shared-reads", "--no-host-decode-graphs", "--no-zero-copy-decode", "--host-compute"):
         with pytest.raises(SystemExit):
             parser().parse_args(["-m", "x", flag])
-    for name in ("shared_reads", "host_decode_graphs"):
+    for name in ("shared_reads", "host_decode_graphs", "host_compute"):
         with pytest.raises(TypeError, match="unknown engine option"):
             flags.apply(EngineConfig(), **{name: False})
 
@@ -163,15 +161,41 @@ def test_llm_takes_a_config_and_flat_overrides():
 # --- resolving "auto" ------------------------------------------------------------------------------------------
 def test_resolve_decides_every_auto_once():
     import torch
+    from moestream.runtime.plan import resolve
     ecfg = EngineConfig()
     assert not ecfg.resolved
-    r = flags.apply(ecfg, device="cpu").resolve(torch.float16)
+    r = resolve(flags.apply(ecfg, device="cpu"), torch.float16)
     assert r.resolved and r.placement.device == "cpu" and r.placement.dtype == "float16"
     assert r.kernel == "reference" and r.decode.zero_copy is False        # no Triton on the CPU
-    assert flags.apply(ecfg, device="cpu", zero_copy_decode=True).resolve(torch.float32).decode.zero_copy is True
-    assert flags.apply(ecfg, device="cpu").resolve(torch.uint8).placement.dtype == "bfloat16"
-    assert flags.apply(ecfg, device="cpu", dtype="float32").resolve(torch.bfloat16).placement.dtype == "float32"
-    assert r.resolve(torch.float32) == r                                   # resolving is idempotent
+    assert resolve(flags.apply(ecfg, device="cpu", zero_copy_decode=True), torch.float32).decode.zero_copy is True
+    assert resolve(flags.apply(ecfg, device="cpu"), torch.uint8).placement.dtype == "bfloat16"
+    assert resolve(flags.apply(ecfg, device="cpu", dtype="float32"), torch.bfloat16).placement.dtype == "float32"
+    assert resolve(r, torch.float32) == r                                  # resolving is idempotent
+
+
+def test_decode_steps_that_fetch_their_experts_are_refused_where_zero_copy_decode_runs(monkeypatch):
+    """--no-zero-copy-decode (removed at stop 47) on CUDA: zero_copy=False is refused where the decode kernel runs
+    (stood in for here: no CUDA), and stays the CPU's plain path."""
+    import torch
+    from moestream.runtime import plan
+    cpu = flags.apply(EngineConfig(), device="cpu", zero_copy_decode=False)
+    assert plan.resolve(cpu, torch.float32).decode.zero_copy is False
+    monkeypatch.setattr(plan, "decode_available", lambda device, dtype: True)
+    with pytest.raises(UserError, match="zero-copy decode"):
+        plan.resolve(cpu, torch.float32)
+    assert plan.resolve(flags.apply(EngineConfig(), device="cpu"), torch.float32).decode.zero_copy is True
+
+
+def test_engine_config_imports_nothing_above_config():
+    """engine_config.py is plain data: it imports no kernel and no runtime (the decisions are runtime/plan.py's);
+    the cache's policy names are the policies experts/policy.py makes."""
+    import ast
+    import moestream.engine_config as ec
+    from moestream.experts.policy import POLICIES
+    tree = ast.parse(open(ec.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    assert imported <= {"config", "errors", "experts.prefetch"}, imported
+    assert tuple(POLICIES) == ec.POLICIES
 
 
 def test_engine_load_takes_resolved_configs_only():
@@ -237,12 +261,15 @@ def test_a_context_too_big_for_the_device_names_c_not_the_experts():
     from moestream.loading.synth import SynthSource
     from moestream.quant.layout import expert_layouts
     from moestream.runtime.placement import check_device_fits
+    from moestream.runtime.plan import decode_plan
     src = SynthSource.from_spec("tiny")
     cfg = src.config
     layouts = expert_layouts(src, cfg)
     dev = types.SimpleNamespace(is_cuda=True, name="cuda:0", free_memory=lambda: 64 * MiB)
     big = flags.apply(EngineConfig(), ctx_size=1 << 20, cpu_moe=True)
     with pytest.raises(UserError, match=r"^-c 1048576: the KV cache needs \d+ MiB on cuda:0 .* use -c \d+ or less$"):
-        check_device_fits(cfg, big, dev, torch.float32, set(cfg.moe_layers), None, layouts)
+        check_device_fits(cfg, big, decode_plan(big, True, False, True, True), dev, torch.float32,
+                          set(cfg.moe_layers), None, layouts)
     ok = flags.apply(EngineConfig(), ctx_size=4096, cpu_moe=True)
-    check_device_fits(cfg, ok, dev, torch.float32, set(cfg.moe_layers), None, layouts)
+    check_device_fits(cfg, ok, decode_plan(ok, True, False, True, True), dev, torch.float32, set(cfg.moe_layers),
+                      None, layouts)

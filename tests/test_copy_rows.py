@@ -94,40 +94,23 @@ def test_a_layer_s_copier_is_the_batch_call_for_pinned_rows_up_to_4_mib_else_the
     pool = slots_mod.SlotPool.__new__(slots_mod.SlotPool)
     pool.pool = torch.empty(0)
     q4, bf16 = 3 << 20, 9 << 20                                         # a Q4_K_M expert's row, a bf16 one's
-    for batch, kernel, mode, rows, want in (
-            (True, True, "batch", Rows(q4), "batch"),
-            (True, True, "batch", Rows(bf16), "calls"),
-            (True, True, "batch", Rows(q4, pinned=False), "calls"),
-            (False, True, "batch", Rows(q4), "kernel"),                 # a driver with no batch call
-            (False, True, "batch", Rows(q4 + 2), "calls"),              # not whole 4-byte words
-            (True, True, "kernel", Rows(q4), "kernel"),
-            (True, True, "calls", Rows(q4), "calls"),
-            (False, False, "batch", Rows(q4), "calls")):
+    for batch, kernel, rows, want in (
+            (True, True, Rows(q4), "batch"),
+            (True, True, Rows(bf16), "calls"),
+            (True, True, Rows(q4, pinned=False), "calls"),
+            (False, True, Rows(q4), "kernel"),                 # a driver with no batch call
+            (False, True, Rows(q4 + 2), "calls"),              # not whole 4-byte words
+            (False, False, Rows(q4), "calls")):
         monkeypatch.setattr(slots_mod, "batch_copy_available", lambda dev, ok=batch: ok)
         monkeypatch.setattr(slots_mod, "copy_rows_available", lambda dev, ok=kernel: ok)
-        monkeypatch.setattr(slots_mod, "COPY_MODE", mode)
-        assert pool._copier(rows) == want, (batch, kernel, mode, rows.shape, rows._pinned)
+        assert pool._copier(rows) == want, (batch, kernel, rows.shape, rows._pinned)
 
 
-def test_on_the_cpu_every_layer_copies_by_copy_calls_and_a_bad_mode_warns(monkeypatch, caplog):
-    from moestream.experts.slots import _copy_mode
+def test_on_the_cpu_every_layer_copies_by_copy_calls():
     from moestream.kernels.batch_copy import batch_copy_available
     assert not batch_copy_available(torch.device("cpu"))
     llm = LLM("synth:tiny", ubatch_size=32, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=20)
     assert set(llm.engine.host.slots.copier.values()) == {"calls"}
-    monkeypatch.setenv("MOESTREAM_COPY", "kernel")
-    assert _copy_mode() == "kernel"
-    monkeypatch.setenv("MOESTREAM_COPY", "dma")
-    assert _copy_mode() == "batch" and "not one of batch, kernel, calls" in caplog.text
-
-
-def test_the_programs_knob_takes_a_positive_whole_number_or_warns(monkeypatch, caplog):
-    from moestream.kernels.copy_rows import _programs
-    monkeypatch.setenv("MOESTREAM_COPY_PROGRAMS", "8")
-    assert _programs() == 8
-    for bad in ("0", "eight"):
-        monkeypatch.setenv("MOESTREAM_COPY_PROGRAMS", bad)
-        assert _programs() == 16 and "not a positive whole number" in caplog.text
 
 
 def test_the_copy_queue_runs_launched_pieces_and_pairs_in_order():
@@ -146,23 +129,25 @@ def test_the_copy_queue_runs_launched_pieces_and_pairs_in_order():
 
 @pytest.mark.cuda
 def test_a_cache_filled_by_batch_calls_or_the_kernel_computes_what_copy_calls_fill():
-    """The prompt path's misses and copy-ahead go by batch calls (or the kernel) on CUDA; the logits are the all-GPU
-    model's, and those of the same cache filled by copy calls."""
+    """The prompt path's misses and copy-ahead go by batch calls (or, where the driver has none, the kernel; or copy
+    calls where neither runs) on CUDA; the logits are the all-GPU model's whichever fills the cache."""
     import moestream.experts.slots as slots_mod
     ids = torch.randint(0, 1000, (96,), generator=torch.Generator().manual_seed(1)).tolist()
     kw = dict(ubatch_size=32, ctx_size=128, device="cuda")
     want = LLM("synth:tiny", **kw).logits(ids)
     cap = slots_mod.MANY_ROWS_MAX
-    for mode, max_row, copier in (("batch", cap, "batch"), ("kernel", cap, "kernel"), ("calls", cap, "calls"),
-                                  ("batch", 0, "calls")):               # 0: rows too wide for either
-        default = slots_mod.COPY_MODE, slots_mod.MANY_ROWS_MAX
-        slots_mod.COPY_MODE, slots_mod.MANY_ROWS_MAX = mode, max_row
+    default = slots_mod.batch_copy_available, slots_mod.copy_rows_available, cap
+    no = lambda dev: False      # noqa: E731
+    for batch, kernel, max_row, copier in ((default[0], default[1], cap, "batch"), (no, default[1], cap, "kernel"),
+                                           (no, no, cap, "calls"),
+                                           (default[0], default[1], 0, "calls")):    # 0: rows too wide for either
+        slots_mod.batch_copy_available, slots_mod.copy_rows_available, slots_mod.MANY_ROWS_MAX = batch, kernel, max_row
         try:
             llm = LLM("synth:tiny", **kw, cpu_moe=True, moe_cache_mib=20)
         finally:
-            slots_mod.COPY_MODE, slots_mod.MANY_ROWS_MAX = default
-        assert set(llm.engine.host.slots.copier.values()) == {copier}, (mode, max_row)
-        assert torch.equal(llm.logits(ids), want), (mode, max_row)
+            slots_mod.batch_copy_available, slots_mod.copy_rows_available, slots_mod.MANY_ROWS_MAX = default
+        assert set(llm.engine.host.slots.copier.values()) == {copier}, (copier, max_row)
+        assert torch.equal(llm.logits(ids), want), (copier, max_row)
         assert llm.stats()["total"]["misses"] > 0
 
 

@@ -152,12 +152,10 @@ def test_chunked_prompt_matches_one_chunk_bf16():
 
 
 @needs_cuda
-@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 12},
-                                {"cpu_moe": True, "moe_cache_mib": 12, "zero_copy_decode": False}])
+@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 12}])
 def test_captured_decode_matches_eager_across_a_span_boundary(kw):
     """Positions 250..261 cross the 256-key span: graphs captured per span give the eager decode's bits, all on
-    the GPU and with host experts (zero-copy graphs); --no-zero-copy-decode with host experts decodes eagerly either
-    way (the plain path)."""
+    the GPU and with host experts (zero-copy graphs)."""
     def run(graphs):
         llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=600, device="cuda", cuda_graphs=graphs, **kw)
         eng = llm.engine

@@ -137,13 +137,11 @@ def _two_streams(**kw) -> list[torch.Tensor]:
 
 
 @needs_fla
-@pytest.mark.parametrize("delta", ["fla", "fla-recurrent"])
 @pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 64}])
-def test_hybrid_decode_graphs_give_the_eager_bits(kw, delta, monkeypatch):
+def test_hybrid_decode_graphs_give_the_eager_bits(kw):
     """A hybrid model's decode steps replayed as CUDA graphs give the bits of eager steps, also when a graph is
     captured in the middle of two sequences' decode (its warm-up runs on their states, kv.kept puts them back) and
-    after the server's captures of every size up front; with either of fla's decode steps."""
-    monkeypatch.setenv("MOESTREAM_DELTA", delta)
+    after the server's captures of every size up front."""
     assert type(LLM(TINY_BF16, ctx_size=64, device="cuda", **kw).engine.decoder).__name__ == "GraphDecode"
     eager = _two_streams(cuda_graphs=False, **kw)
     for warm in (False, True):

@@ -7,8 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from moestream import LLM
-from moestream.kernels.reference import experts_reference
+from moestream import LLM, flags
 
 from batched import join_and_leave
 
@@ -156,20 +155,21 @@ def test_decode_steps_take_the_fused_shared_expert(kw):
 
 
 def test_the_decode_path_is_chosen_once_from_the_placement():
-    """GraphDecode where a step holds no host step (every expert on the GPU, or zero-copy decode), on CUDA with
-    graphs on and a kernel with no host sync; EagerDecode otherwise. With host experts the graphs take zero-copy
-    steps only (the engine's eager path runs longer ones) and report their routing through the provider."""
+    """The decode plan (runtime/plan.py), decided once at setup: graphs where a step holds no host step (every
+    expert on the GPU, or zero-copy decode), on CUDA with graphs on and a kernel with no host sync; eager steps
+    otherwise. With host experts the graphs take zero-copy steps only (the engine's eager path runs longer ones)
+    and report their routing through the provider."""
     import types
+    from moestream.engine_config import EngineConfig
     from moestream.kernels.decode import MAX_TOKENS
-    from moestream.runtime.decode import EagerDecode, GraphDecode, choose_decode
+    from moestream.runtime.decode import EagerDecode, GraphDecode, decode_path
+    from moestream.runtime.plan import decode_plan
 
-    def path(host=None, zero_copy=True, cuda=True, graphs=True, kernel=object(), quantized=False, capturable=True,
-             host_share=0.0):
-        ecfg = types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=graphs, host_share=host_share))
-        eng = types.SimpleNamespace(ecfg=ecfg, device=types.SimpleNamespace(is_cuda=cuda), kernel=kernel, host=host,
-                                    decode_kernel=object() if zero_copy else None, quantized=quantized,
-                                    model=types.SimpleNamespace(capturable=capturable))
-        return choose_decode(eng)
+    def path(host=False, zero_copy=True, cuda=True, graphs=True, kernel="grouped", quantized=False,
+             capturable=True):
+        ecfg = flags.apply(EngineConfig(kernel=kernel), zero_copy_decode=zero_copy, cuda_graphs=graphs)
+        plan = decode_plan(ecfg, cuda, quantized, host, capturable)
+        return decode_path(types.SimpleNamespace(plan=plan, host=object() if host else None))
     for p in (path(), path(zero_copy=False)):                  # every expert on the GPU: every step is a graph
         assert isinstance(p, GraphDecode) and p.captures and p.takes(MAX_TOKENS + 1) and not p.reports_routing
     # Quantized experts fetched (no zero-copy kernel for their types, or a step longer than MAX_TOKENS) are
@@ -177,12 +177,10 @@ def test_the_decode_path_is_chosen_once_from_the_placement():
     assert isinstance(path(zero_copy=False, quantized=True), EagerDecode)
     q = path(quantized=True)
     assert isinstance(q, GraphDecode) and q.takes(MAX_TOKENS) and not q.takes(MAX_TOKENS + 1)
-    # --host-compute: the graphs still take the steps the host does not share (engine.decode runs a shared step,
-    # a host sync a layer, on the eager path)
-    for p in (path(host=object()), path(host=object(), host_share=0.5)):
-        assert isinstance(p, GraphDecode) and p.takes(MAX_TOKENS) and not p.takes(MAX_TOKENS + 1) and p.reports_routing
-    for p in (path(host=object(), zero_copy=False), path(cuda=False), path(graphs=False),
-              path(kernel=experts_reference), path(capturable=False), path(host=object(), capturable=False)):
+    p = path(host=True)
+    assert isinstance(p, GraphDecode) and p.takes(MAX_TOKENS) and not p.takes(MAX_TOKENS + 1) and p.reports_routing
+    for p in (path(host=True, zero_copy=False), path(cuda=False), path(graphs=False),
+              path(kernel="reference"), path(capturable=False), path(host=True, capturable=False)):
         assert isinstance(p, EagerDecode) and not p.captures and p.takes(MAX_TOKENS + 1) and p.reports_routing
     llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=2)
     llm.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)

@@ -1,7 +1,7 @@
-"""A float pool in one region (MOESTREAM_FLOAT_POOL=one, the default; experts/planner.py): a layer whose slots span
-more than one grouped GEMM launch reads them from a window of the pool or a compact stack gathered on the device
-(ExpertWeights.dense), with the bits of the pool itself; and sweeping prompts keep more across prompts than in
-regions (=regions), which hold three layers' experts at once."""
+"""A float pool is one region (experts/planner.py): a layer whose slots span more than one grouped GEMM launch reads
+them from a window of the pool or a compact stack gathered on the device (ExpertWeights.dense), with the bits of the
+pool itself; and sweeping prompts keep experts across prompts. (Regions of one launch each, MOESTREAM_FLOAT_POOL=
+regions, kept fewer: removed at stop 47.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,6 @@ import torch
 
 from moestream import LLM
 from moestream.device import Device
-from moestream.experts import planner
 from moestream.experts.cache import ExpertCache
 from moestream.experts.prefetch import PrefetchConfig
 from moestream.experts.provider import ExpertWeights
@@ -22,9 +21,8 @@ from moestream.quant.layout import ExpertLayout
 
 @pytest.fixture
 def launch_of_8(monkeypatch):
-    """One grouped GEMM launch takes 8 slots, and a float region holds at most 8."""
+    """One grouped GEMM launch takes 8 slots."""
     monkeypatch.setattr(grouped, "MAX_GROUPS", 8)
-    monkeypatch.setattr(planner, "REGION_SLOTS", 8)
 
 
 def test_a_stack_of_more_slots_than_a_launch_is_read_through_a_window_or_a_gather(launch_of_8):
@@ -49,19 +47,19 @@ def _prompt(n, seed):
     return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("pool", ["regions", "one"])
 @pytest.mark.parametrize("mib", [3, 1000])
-def test_logits_are_the_same_in_regions_and_in_one_region(launch_of_8, monkeypatch, pool, mib):
-    """3 MiB is 7 slots (one region either way), 1000 MiB all 64 experts: a region a layer (16 slots, gathered),
-    or one region of 64 slots whose layers are read through windows and gathers."""
+def test_logits_are_those_of_every_expert_on_the_device(launch_of_8, mib):
+    """3 MiB is 8 slots (one launch), 1000 MiB all 64 experts: one region of 64 slots whose layers are read
+    through windows and gathers."""
     base = LLM("synth:tiny", ubatch_size=16, ctx_size=128, device="cpu")
     want = [base.logits(_prompt(40, s)) for s in range(2)]
-    monkeypatch.setattr(planner, "FLOAT_POOL", pool)
     llm = LLM("synth:tiny", ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=mib)
-    n_regions = len({b for b in llm.engine.host.residency.bounds if b is not None})
-    assert (n_regions == 1) == (pool == "one" or mib == 3)
+    assert llm.engine.host.n_slots == (8 if mib == 3 else 64)
     for s, base_logits in enumerate(want):
-        assert torch.equal(llm.logits(_prompt(40, s)), base_logits), (pool, mib, s)
+        assert torch.equal(llm.logits(_prompt(40, s)), base_logits), (mib, s)
+
+
+REGIONS_UPLOADS = 180        # prompts 2-6 in four regions: [48, 36, 36, 36, 36, 36] (main at 9bd1b02)
 
 
 def _uploads_per_prompt(n_slots: int, prompts: int = 6, L: int = 6, E: int = 8) -> list[int]:
@@ -84,29 +82,25 @@ def _uploads_per_prompt(n_slots: int, prompts: int = 6, L: int = 6, E: int = 8) 
     return out
 
 
-def test_sweeps_keep_more_in_one_region_than_in_regions(launch_of_8, monkeypatch):
-    """30 slots for 6 layers of 8 experts: four regions of 7-8 slots keep at most one expert a region beside the
-    layer it holds; one region lets the sweep evict the layer just passed and keeps more."""
-    monkeypatch.setattr(planner, "FLOAT_POOL", "regions")
-    regions = _uploads_per_prompt(30)
-    monkeypatch.setattr(planner, "FLOAT_POOL", "one")
+def test_sweeps_keep_experts_across_prompts(launch_of_8):
+    """30 slots for 6 layers of 8 experts: a sweep evicts the layers just passed, and the next prompt finds what
+    it kept. (Four regions of 7-8 slots, each holding at most one expert beside the layer it holds, uploaded
+    more: REGIONS_UPLOADS, measured before they were removed.)"""
     one = _uploads_per_prompt(30)
-    assert regions[0] == one[0] == 48
-    assert sum(one[1:]) < sum(regions[1:]), (one, regions)
+    assert one == [48, 20, 34, 20, 34, 20]                  # (the same as before regions were removed)
+    assert sum(one[1:]) < REGIONS_UPLOADS, one
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("pool", ["regions", "one"])
-def test_grouped_kernel_over_windows_and_gathers_gives_the_all_gpu_logits_on_cuda(launch_of_8, monkeypatch, pool):
+def test_grouped_kernel_over_windows_and_gathers_gives_the_all_gpu_logits_on_cuda(launch_of_8):
     """bf16, the grouped kernel and the copy stream: launches of 8 slots over a pool of every expert (64 slots),
     read through windows and gathered stacks, give the bits of every expert on the GPU."""
     spec = "synth:tiny:dtype=bfloat16"
     prompts = [list(range(1 + s, 300 + s, 3)) for s in range(2)]
     base = LLM(spec, ctx_size=512, device="cuda", ubatch_size=64)
     want = [base.logits(p) for p in prompts]
-    monkeypatch.setattr(planner, "FLOAT_POOL", pool)
     for mib in (3, 100):
         llm = LLM(spec, ctx_size=512, device="cuda", ubatch_size=64, cpu_moe=True, moe_cache_mib=mib)
         for p, w in zip(prompts, want):
-            assert torch.equal(llm.logits(p), w), (pool, mib)
+            assert torch.equal(llm.logits(p), w), mib

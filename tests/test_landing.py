@@ -84,19 +84,17 @@ def test_the_host_learning_replay_runs_and_counts_no_upload_with_read_through():
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("mib,staged", [(8, False), (12, False), (12, True), (16, True)])
-def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device, mib, staged):
-    """MOESTREAM_LANDINGS=device (the default): a step notes where it landed what (note_landings), the next step's
-    table takes them in on the device (apply_landings), and the host takes them in only after that step is queued,
-    not between the two. Steps of one token and of two (two sequences every other step: the grouped kernel's rule,
-    or staged, the stage copy's) alike. The logits and every counter are those of =host, where begin_step takes
-    them in first; and the next steps do read them from their slots (hits, not host reads again). On CUDA (in
-    bfloat16) the steps replay CUDA graphs, which run both ops inside, and whose warm-up keeps the table; there the
-    counters are not compared (they depend on when the GPU frees slots: see below), each step's take-in is."""
+def test_a_steps_landings_reach_the_next_table_on_the_device(device, mib, staged):
+    """A step notes where it landed what (note_landings), the next step's table takes them in on the device
+    (apply_landings), and the host takes them in only after that step is queued, not between the two: exactly what
+    the device took in, at the same addresses. Steps of one token and of two (two sequences every other step: the
+    grouped kernel's rule, or staged, the stage copy's) alike; and the next steps do read them from their slots
+    (hits, not host reads again). On CUDA (in bfloat16) the steps replay CUDA graphs, which run both ops inside,
+    and whose warm-up keeps the table. (Taking them in on the host first, MOESTREAM_LANDINGS=host, gave the same
+    logits and counters; removed at stop 47.)"""
     from moestream import LLM
-    from moestream.experts import zero_copy
 
-    def run(where):
-        monkeypatch.setattr(zero_copy, "LANDINGS", where)
+    def run():
         dtype = dict(dtype="bfloat16") if device == "cuda" else {}
         llm = LLM("synth:tiny", ctx_size=128, device=device, zero_copy_decode=True, cpu_moe=True, n_seq=2,
                   moe_cache_mib=mib, read_through=True, stage_host_reads=staged, **dtype)
@@ -136,14 +134,9 @@ def test_a_steps_landings_reach_the_next_table_on_the_device(monkeypatch, device
                   if not k.endswith("_s") and k != "waits"}             # copies, which on CUDA depend on timing)
         return outs, counts, deferred
 
-    host, dev = run("host"), run("device")
-    assert all(torch.equal(a, b) for a, b in zip(host[0], dev[0]))
-    # On CUDA a slot stays pinned until the GPU has run the step that reads it (refresh_pins polls an event), so
-    # which slots keep_reserve may empty, and every count after that, depend on timing: compared on the CPU only.
-    if device == "cpu":
-        assert host[1] == dev[1]
+    dev = run()
     assert dev[1]["landed"] > 0 and dev[1]["hits"] > 0
-    assert host[2] == [] and len(dev[2]) == 39            # every step after the first took the last one's on the device
+    assert len(dev[2]) == 39                              # every step after the first took the last one's on the device
     assert (1, True) in dev[2] and (2, True) in dev[2]               # steps of one token and of two that landed
 
 

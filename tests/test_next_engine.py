@@ -278,16 +278,14 @@ def test_decode_steps_take_the_fused_kernels_the_gated_attention_among_them(hybr
 
 def test_a_hybrid_model_decodes_in_graphs_where_other_families_do():
     """Where another family's decode steps replay CUDA graphs (CUDA, graphs on, all experts on the device), a
-    hybrid model's do too (choose_decode on a stand-in engine: the choice only, nothing is captured; the captured
-    steps themselves are tests/test_cuda_delta.py's)."""
-    import types
+    hybrid model's do too (the decode plan: the choice only, nothing is captured; the captured steps themselves are
+    tests/test_cuda_delta.py's)."""
+    from moestream.engine_config import EngineConfig
     from moestream.models.transformer import MoETransformer
-    from moestream.runtime.decode import GraphDecode, choose_decode
+    from moestream.runtime.plan import decode_plan
     # one decoder for every family, whatever blocks its entry picks (DeltaNet layers too): capturable is its own
-    eng = types.SimpleNamespace(ecfg=types.SimpleNamespace(decode=types.SimpleNamespace(cuda_graphs=True)),
-                                device=types.SimpleNamespace(is_cuda=True), model=MoETransformer, kernel=object(),
-                                host=None, quantized=False, decode_kernel=None)
-    assert type(choose_decode(eng)) is GraphDecode
+    ecfg = EngineConfig(kernel="grouped")
+    assert decode_plan(ecfg, cuda=True, quantized=False, host=False, capturable=MoETransformer.capturable).graphs
 
 
 def test_forwards_kept_apart_from_every_sequence_leave_the_states_as_they_were(hybrid_checkpoint):

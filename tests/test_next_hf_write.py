@@ -35,6 +35,7 @@ from moestream.loading.synth import SynthSource
 from moestream.arch.names import dense_names
 from moestream.arch.hybrid_names import canonical_value, hf_value
 from moestream.runtime.load import load_engine
+from moestream.runtime.plan import resolve
 from moestream.tools.make_model import make_model
 
 ATOL = 1e-4
@@ -46,7 +47,7 @@ ARCH = {"qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
 
 def _logits(source, ids: list[int]) -> torch.Tensor:
     """moestream's float32 logits at every position (N, V), on the CPU, as LLM.logits computes them."""
-    ecfg = flags.apply(EngineConfig(), device="cpu", ctx_size=64).resolve(source.dtype_of("token_embd.weight"))
+    ecfg = resolve(flags.apply(EngineConfig(), device="cpu", ctx_size=64), source.dtype_of("token_embd.weight"))
     eng = load_engine(source, ecfg, progress=False)
     eng.begin_prompt(0)
     with torch.no_grad():

@@ -121,7 +121,7 @@ def test_routing_of_zero_copy_steps_reaches_the_callback():
 @pytest.mark.parametrize("read_through", [False, True])
 def test_cache_under_zero_copy_keeps_its_invariants_and_a_reserve_of_empty_slots(read_through):
     """A pool that evicts: after every step the table points only at landed experts, residency holds, and each
-    region keeps empty slots that the step in flight cannot read (the next misses are copied into them at once);
+    pool keeps empty slots that the step in flight cannot read (the next misses are copied into them at once);
     with read-through, less the landing slots the last step may have filled."""
     from moestream.experts.read_through import RESERVE
     llm = LLM("synth:tiny", **KW, cpu_moe=True, moe_cache_mib=12, read_through=read_through)
@@ -133,17 +133,16 @@ def test_cache_under_zero_copy_keeps_its_invariants_and_a_reserve_of_empty_slots
         tok = int(eng.decode([(0, tok, pos)])[0].argmax()) if pos % 3 else (tok * 7 + 11) % 1000
         _check_table(cache)
         cache.residency.check()
-        for (a, b), layers in cache.zero_copy.hot.regions.items():
-            landed = cache.zero_copy.n_land * len(layers)
-            if pos > 21:
-                assert (cache.residency.owner[a:b, 0] < 0).sum() >= min(RESERVE + landed, (b - a) // 8) - landed
+        landed, n = cache.zero_copy.n_land * len(cache.layers), cache.n_slots
+        if pos > 21:
+            assert (cache.residency.owner[:, 0] < 0).sum() >= min(RESERVE + landed, n // 8) - landed
     st = llm.stats()["total"]
     assert st["evictions"] > 0 and st["host_reads"] > 0
 
 
-def test_a_pool_smaller_than_a_step_keeps_each_regions_hottest_experts():
-    """8 layers x 4 routed > 16 slots: decode uploads nothing it would evict at the next step; each region keeps
-    the most routed experts of recent steps of all its layers, and the greedy tokens do not change."""
+def test_a_pool_smaller_than_a_step_keeps_the_hottest_experts():
+    """8 layers x 4 routed > 16 slots: decode uploads nothing it would evict at the next step; the pool keeps the
+    most routed experts of recent steps of all its layers, and the greedy tokens do not change."""
     spec = "synth:tiny:layers=8"
     want = LLM(spec, **KW).generate(PROMPTS[0], max_tokens=30, ignore_eos=True).sha256
     llm = LLM(spec, **KW, cpu_moe=True, moe_cache_mib=0)
@@ -159,12 +158,12 @@ def test_a_pool_smaller_than_a_step_keeps_each_regions_hottest_experts():
         _check_table(cache)
         cache.residency.check()
     hot = cache.zero_copy.hot
-    for (a, b), layers in hot.regions.items():  # each region holds its hottest experts, ranked across its layers
-        held = [(l, e) for l in layers for e in cache.residency.resident(l).tolist()]
-        f = hot.freq[layers].ravel()
-        top = np.argsort(-f, kind="stable")[:b - a]
-        hottest = {(layers[i // hot.freq.shape[1]], i % hot.freq.shape[1]) for i in top.tolist()}
-        assert len(held) <= b - a and set(held) <= hottest
+    layers, n = cache.layers, cache.n_slots     # the pool holds its hottest experts, ranked across its layers
+    held = [(l, e) for l in layers for e in cache.residency.resident(l).tolist()]
+    f = hot.freq[layers].ravel()
+    top = np.argsort(-f, kind="stable")[:n]
+    hottest = {(layers[i // hot.freq.shape[1]], i % hot.freq.shape[1]) for i in top.tolist()}
+    assert len(held) <= n and set(held) <= hottest
     assert reads[-1] < reads[0]
 
 

@@ -50,6 +50,7 @@ def buffer_decodes(n_experts: int, n_host_layers: int, top_k: int, lands: bool) 
 
 class BufferedCache(ExpertCache):
     pauses = False      # a prompt's uploads fill the rows that decode steps read as the cache's slots
+    BUFFER = True       # (Engine.stats: no --moe-cache-mib, the upload buffer)
 
     def __init__(self, store, n_layers: int, n_experts: int, device, *args, second: bool = False, **kw):
         """ExpertCache's arguments but n_slots: the rows are one layer's experts, one slot an expert id. second:

@@ -22,24 +22,23 @@ import torch
 from .planner import CachePlanner
 from .prefetch import PrefetchConfig
 from .prompt import PromptPath
-from .provider import ExpertProvider
+from .provider import HostProvider
 from .routing import RoutingStore
 from .slots import SlotPool
 from .store import ExpertStore
 
+MiB = 1 << 20
 
-class ExpertCache(ExpertProvider):
+
+class ExpertCache(HostProvider):
     def __init__(self, store: ExpertStore, n_slots: int, n_layers: int, n_experts: int, device, policy: str = "lfru",
                  prefetch: PrefetchConfig = PrefetchConfig(), host_layers: list[int] | None = None, n_seq: int = 1,
-                 top_k: int = 8, moe_layers: list[int] | None = None, routing: RoutingStore | None = None,
-                 one_region: bool | None = None):
+                 top_k: int = 8, moe_layers: list[int] | None = None, routing: RoutingStore | None = None):
         self.store, self.n_experts, self.device, self.prefetch = store, n_experts, device, prefetch
         self.layers = sorted(host_layers if host_layers is not None else store.rows)
         self.moe_layers = list(moe_layers) if moe_layers is not None else self.layers    # lookahead guesses' order
         self.planner = CachePlanner(n_slots, n_layers, n_experts, policy, store.expert_bytes, self.layers,
-                                    {l: store.layer_bytes(l) for l in store.rows},
-                                    one_region=all(store.layouts[l].quantized for l in self.layers)
-                                    if one_region is None else one_region)       # (a replay's stand-in rows)
+                                    {l: store.layer_bytes(l) for l in store.rows})
         self.residency, self.stats, self.policy_name = self.planner.residency, self.planner.stats, policy
         self.slots = SlotPool(store, self.residency, device)
         # Per context, the prompts' routing that seeds prefetch (routing.prompts[seq]): the engine's store, or its own.
@@ -48,23 +47,22 @@ class ExpertCache(ExpertProvider):
                                  self.routing, top_k, device)
         self.top_k = top_k
         self.zero_copy = None                                   # ZeroCopyDecode, when decode reads in place
-        self.host_share = None                                  # HostShare, when the host computes some of it
+
+    def use_plan(self, plan) -> None:
+        """Zero-copy decode over the pool where the plan (runtime/plan.py) says decode reads experts in place."""
+        if plan.zero_copy:
+            self.enable_zero_copy(plan.max_tokens, plan.lands, reads_once=plan.reads_once, staged=plan.staged)
 
     def enable_zero_copy(self, max_tokens: int, read_through: bool = False, reads_once: bool = True,
-                         staged: bool = False, host_share: float = 0.0) -> None:
+                         staged: bool = False) -> None:
         """Decode steps of up to max_tokens tokens read experts where they lie (experts/zero_copy.py); with
         read_through, a step also writes the experts it reads from host into free slots. reads_once: a
         several-token step's kernel reads each routed expert once (the bf16 kernel, or any kernel when staged;
         the quantized one unstaged reads it once per token that chose it). staged: a step copies its host reads
-        to the device first (kernels/stage.py). host_share: the host's cores compute that share of a step's host
-        reads (host_share.py)."""
+        to the device first (kernels/stage.py)."""
         from .zero_copy import ZeroCopyDecode
         self.zero_copy = ZeroCopyDecode(self.slots, self.planner, self.store, self.layers, max_tokens, self.top_k,
                                         read_through, reads_once, staged, self.routing)
-        self.host_share = None
-        if host_share:
-            from .host_share import HostShare
-            self.host_share = HostShare(self.store, self.stats, host_share, self.pool, self.top_k, reads_once)
 
     @property
     def pool(self):
@@ -127,25 +125,12 @@ class ExpertCache(ExpertProvider):
     def landing(self, layer: int, ids):
         return self.zero_copy.landing(layer, ids)
 
-    def host_part(self, layer: int, x, ids, weights, addrs):
-        if self.host_share is None:             # (set only with zero-copy decode)
-            return None
-        return self.host_share.split(layer, x, ids, weights, addrs, self.zero_copy.from_host[layer])
-
     def device_rows(self) -> list[torch.Tensor]:
         z = self.zero_copy
-        rows = [self.pool] + ([z.scratch] if z is not None and z.scratch is not None else [])
-        return rows + ([self.host_share.zero_rows] if self.host_share is not None else [])
-
-    def shares_step(self) -> bool:
-        hs = self.host_share
-        return hs is not None and hs.wants(self.zero_copy.step_bytes)
+        return [self.pool] + ([z.scratch] if z is not None and z.scratch is not None else [])
 
     def begin_decode_step(self, seqs: list[int] | None = None) -> None:
-        shared = self.shares_step()
-        if self.host_share is not None:
-            self.host_share.active = shared
-        self.zero_copy.begin_step(seqs, lands=not shared)
+        self.zero_copy.begin_step(seqs)
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
         self.zero_copy.end_step(n_tokens, observer, noted=True)
@@ -162,3 +147,22 @@ class ExpertCache(ExpertProvider):
         """Turn the compute stream's recorded waits into per-layer counts (synchronises; call when reading stats)."""
         self.flush_decode()
         self.slots.collect_waits(self.stats)
+
+    # --- what the engine reports ---------------------------------------------------------------------------------
+    BUFFER = False              # the upload buffer kept as the smallest cache (buffered.py), not --moe-cache-mib
+
+    def counters(self):
+        self.collect_waits()
+        return self.stats
+
+    def cache_info(self) -> dict:
+        return {"slots": self.n_slots, "policy": self.policy_name, "mib": self.n_slots * self.store.expert_bytes / MiB,
+                "buffer": self.BUFFER}
+
+    def pinned_slots(self) -> int:
+        """Call it between forwards, on the thread that owns the engine: the compute that read the last forward's
+        slots is queued by then, so its reads are marked first (the next forward would do so before planning
+        anything) and only pins that outlive their compute count. At rest it is 0."""
+        self.slots.mark_reads()
+        self.slots.refresh_pins()
+        return int(self.residency.pinned.sum())

@@ -10,11 +10,11 @@
 
 Several streams decoded together route more experts than a pool holds, and uploading each step's misses evicts
 what the next step reads (bench/RESULTS.md, issue 15: on the reference at 16000 MiB, 8 streams, 43 ms a step that
-way). So a several-token step uploads no miss. Each region of the pool keeps the most routed experts of its
+way). So a several-token step uploads no miss. The pool keeps the most routed experts of the host
 layers in recent steps (counts decayed by FREQ_DECAY a step), ranked across the layers as one (a layer whose routing
 is spread takes more slots than one whose few experts take most of its choices: on 8 streams' replayed routing,
 4.1 experts a layer a step over the link against 4.6 with an equal share a layer), at most FILL_PER_LAYER uploads
-a host layer a step, into empty slots first. `room` slots a layer stay free, emptied of the region's least routed
+a host layer a step, into empty slots first. `room` slots a layer stay free, emptied of the pool's least routed
 experts, so that the step's kernel lands what it reads from host memory (read-through) at no cost on the link. A
 pool smaller than one token's experts of every host layer keeps its experts this way too. On a skewed routing a few
 experts a layer take most routings (REFERENCE.md: the top 10% take 81%), so even a small share saves much of the
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import knobs
 from .residency import CacheTooSmall, Residency
 from .routing import RoutingStore
 from .stats import CacheStats
@@ -42,8 +41,6 @@ FILL_PER_LAYER = 16        # uploads a step at most, per host layer: fresh strea
                            # streams at 74 slots a layer: 4.27 / 3.87 / 3.75 / 3.65 / 3.63 experts a layer a step over
                            # the link at 2.7 / 5.3 / 8 / 16 / 32 a layer; 64 a step was 2.7 a layer on the 24-layer
                            # file)
-# MOESTREAM_HOT_SET=sum: one decaying sum; a new request forgets nothing, seeds nothing (before stop 36; an A/B)
-BY_SEQUENCE = knobs.choice("MOESTREAM_HOT_SET", ("sequences", "sum"), "sequences") == "sequences"
 
 
 class HotSet:
@@ -56,9 +53,6 @@ class HotSet:
         self.by_seq = np.zeros((0, L, E))                   # (S, L, E): sequence s's part of freq (grown as
                                                             # sequences appear; a server's are its slots)
         self.unseeded: set[int] = set()                     # sequences that began a request and took no step yet
-        self.regions: dict[tuple[int, int], list[int]] = {}             # each region's host layers
-        for l in layers:
-            self.regions.setdefault(residency.bounds[l], []).append(l)
 
     def observe(self, layers: np.ndarray, counts: np.ndarray, ids: np.ndarray | None = None,
                 seqs: list[int] | None = None) -> None:
@@ -67,7 +61,7 @@ class HotSet:
         sequences are not known, and the counts stay in freq until they fade)."""
         self.freq[layers] = self.freq[layers] * FREQ_DECAY + counts
         self.by_seq[:, layers] *= FREQ_DECAY
-        if seqs is None or ids is None or not BY_SEQUENCE:
+        if seqs is None or ids is None:
             return
         self._grow(max(seqs))
         owner = np.repeat(np.asarray(seqs), ids.shape[1] // len(seqs))     # each choice's sequence
@@ -83,8 +77,7 @@ class HotSet:
         if seq < len(self.by_seq):
             np.maximum(self.freq - self.by_seq[seq], 0, out=self.freq)
             self.by_seq[seq] = 0
-        if BY_SEQUENCE:
-            self.unseeded.add(seq)
+        self.unseeded.add(seq)
 
     def seed(self, seqs: list[int]) -> None:
         """A learned step's sequences: each one's first step of a request takes the routing of its prompt's last
@@ -100,17 +93,17 @@ class HotSet:
             self.freq += tail
 
     def desired(self, room: int) -> np.ndarray:
-        """(L, E): the experts the pool keeps for several-token steps. Each region keeps the hottest experts of all
-        its layers by decayed counts, one ranking (a layer whose routing is spread gets more slots than one whose
-        few experts take most of its choices), as many as it holds less `room` free slots a layer; none that no
-        step routed."""
+        """(L, E): the experts the pool keeps for several-token steps: the hottest experts of all host layers by
+        decayed counts, one ranking (a layer whose routing is spread gets more slots than one whose few experts
+        take most of its choices), as many as the pool holds less `room` free slots a layer; none that no step
+        routed."""
         want = np.zeros(self.freq.shape, dtype=bool)
-        for (a, b), layers in self.regions.items():
-            f = self.freq[layers].ravel()
-            top = np.argsort(-f, kind="stable")[:max(b - a - room * len(layers), 0)]
-            keep = np.zeros(f.shape, dtype=bool)
-            keep[top[f[top] >= 1.0]] = True
-            want[layers] = keep.reshape(len(layers), -1)
+        layers = self.layers
+        f = self.freq[layers].ravel()
+        top = np.argsort(-f, kind="stable")[:max(self.residency.n_slots - room * len(layers), 0)]
+        keep = np.zeros(f.shape, dtype=bool)
+        keep[top[f[top] >= 1.0]] = True
+        want[layers] = keep.reshape(len(layers), -1)
         return want
 
     def fill(self, empty_before: set, room: int) -> tuple[list, list]:
@@ -124,19 +117,18 @@ class HotSet:
         want.sort(key=lambda w: -w[0])
         now, behind = [], []
         for _, l, e in want[:FILL_PER_LAYER * len(self.layers)]:
-            a, b = res.bounds[l]
-            own, free = res.owner[a:b], ~res.pinned[a:b]
+            own, free = res.owner, ~res.pinned
             if not (free & (own[:, 0] < 0)).any():   # no empty slot: the least routed resident not desired goes
                 ok = free & (own[:, 0] >= 0)
                 ok[ok] = ~desired[own[ok, 0], own[ok, 1]]
                 if not ok.any():
                     continue
-                cand = a + np.flatnonzero(ok)
+                cand = np.flatnonzero(ok)
                 victim = cand[np.argmin(self.freq[res.owner[cand, 0], res.owner[cand, 1]])]
                 for old_l, _ in res.evict(np.array([victim])):
                     self.stats.record(old_l, evictions=1)
             try:
-                res.ensure(l, np.array([e]))         # takes the lowest empty unpinned slot of the region
+                res.ensure(l, np.array([e]))         # takes the lowest empty unpinned slot
             except CacheTooSmall:
                 continue
             slot = int(res.slot_of[l, e])
@@ -145,22 +137,20 @@ class HotSet:
         return now, behind
 
     def make_room(self, room: int, writing) -> None:
-        """Keep `room` slots a layer free in each region, evicting the region's least routed residents, so that
-        the next step lands what it reads from host memory instead of reading it again at every step. Never a
-        pinned slot, nor one a queued step writes (`writing`: its landing slots, or None)."""
+        """Keep `room` slots a layer free in the pool, evicting its least routed residents, so that the next step
+        lands what it reads from host memory instead of reading it again at every step. Never a pinned slot, nor
+        one a queued step writes (`writing`: its landing slots, or None)."""
         if not room:
             return
         res = self.residency
-        for (a, b), layers in self.regions.items():
-            own = res.owner[a:b]
-            over = room * len(layers) - int((own[:, 0] < 0).sum())
-            if over <= 0:
-                continue
-            ok = (own[:, 0] >= 0) & ~res.pinned[a:b]
-            if writing is not None:
-                w = writing[writing >= 0]
-                ok[w[(w >= a) & (w < b)] - a] = False
-            slots = a + np.flatnonzero(ok)
-            heat = self.freq[res.owner[slots, 0], res.owner[slots, 1]]
-            victims = slots[np.argsort(heat, kind="stable")[:over]]
-            self.stats.count(np.array([old_l for old_l, _ in res.evict(victims)]), "evictions")
+        own = res.owner
+        over = room * len(self.layers) - int((own[:, 0] < 0).sum())
+        if over <= 0:
+            return
+        ok = (own[:, 0] >= 0) & ~res.pinned
+        if writing is not None:
+            ok[writing[writing >= 0]] = False
+        slots = np.flatnonzero(ok)
+        heat = self.freq[res.owner[slots, 0], res.owner[slots, 1]]
+        victims = slots[np.argsort(heat, kind="stable")[:over]]
+        self.stats.count(np.array([old_l for old_l, _ in res.evict(victims)]), "evictions")

@@ -11,22 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import knobs
 from .policy import make_policy
-from .residency import Residency, split_regions
+from .residency import Residency
 from .stats import CacheStats
 
-# A pool of quantized experts is one region of any size (their kernels read a compact dequantized stack of the
-# slots a ubatch uses); so is a float pool by default (MOESTREAM_FLOAT_POOL=one): a layer whose slots span more than
-# one grouped GEMM launch reads a compact stack of them, gathered on the device (ExpertWeights.dense).
-# MOESTREAM_FLOAT_POOL=regions cuts a float pool into regions of at most REGION_SLOTS (torch._grouped_mm takes < 1024
-# groups: a layer's region is one launch, no gather), taken by the layers in turn. Regions keep three layers'
-# experts resident during a sweep; one region lets a sweep evict the layer just passed, and keeps more across
-# prompts: Qwen3-Next's BF16 prompts at 16000 MiB 7.3k -> 8.7k tok/s, the 30B's (two or three regions,
-# compute-bound) within -4% .. +2% (bench/RESULTS.md, stops 27 and 36).
-REGION_SLOTS = 1023
-FLOAT_POOLS = ("one", "regions")
-FLOAT_POOL = knobs.choice("MOESTREAM_FLOAT_POOL", FLOAT_POOLS, "one")
+# The pool is one region of any size: a float layer whose slots span more than one grouped GEMM launch reads a
+# window or a compact stack of them (ExpertWeights.dense), quantized rows a compact dequantized stack. (Regions of at
+# most one launch each were measured and removed at stop 47: bench/RESULTS.md, stops 27 and 36.)
 SWEEP_SHARE = 0.9                         # a ubatch that routes this share of a layer's experts sweeps the layer
 
 
@@ -34,14 +25,9 @@ class CachePlanner:
     """Residency under one policy, with its counters; `groups` splits a layer into waves where it must."""
 
     def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy: str, expert_bytes: int,
-                 layers: list[int] | None = None, layer_bytes: dict[int, int] | None = None,
-                 one_region: bool = False):
-        """one_region: the kernels index a compact stack, not the pool (every host layer quantized), so the pool is
-        one region whatever its size: a layer's experts may take any slot."""
-        max_region = max(1, n_slots) if one_region or FLOAT_POOL == "one" else REGION_SLOTS
+                 layers: list[int] | None = None, layer_bytes: dict[int, int] | None = None):
         layers = layers if layers is not None else list(range(n_layers))
-        regions = split_regions(n_slots, layers, max_region)
-        self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots, layers), regions)
+        self.residency = Residency(n_slots, n_layers, n_experts, make_policy(policy, n_slots, layers))
         self.stats = CacheStats()
         self.policy_name, self.expert_bytes = policy, expert_bytes
         self.layer_bytes = layer_bytes or {}            # a layer's expert bytes where they differ from expert_bytes
@@ -58,7 +44,7 @@ class CachePlanner:
     def groups(self, layer: int, wanted: np.ndarray) -> list[np.ndarray]:
         """The ubatch's routed experts of `layer` (distinct): one group, or waves when they can't all fit."""
         self.see(layer, len(wanted))
-        n = self.residency.region_size(layer)
+        n = self.residency.n_slots
         return [wanted] if len(wanted) <= n else [wanted[i:i + n] for i in range(0, len(wanted), n)]
 
     def plan(self, layer: int, group: np.ndarray, read_misses: int | None = None):

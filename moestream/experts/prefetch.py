@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
+
 class RoutingStats:
     """Expert counts per layer: the current prompt so far, its last ubatch, the previous prompt, and the last
     ubatch's last tokens (prompt.TAIL: the decode hot set's seed)."""

@@ -7,7 +7,7 @@ ahead (prefetch, lookahead, fill).
     y = kernel(x, w.slots, w.w13, w.w2); prompt.experts_launched(layer)     # then the next layer's copies go ahead
 
 Misses go on the copy stream ahead of the speculative copies (prefetch), whose bytes in flight are bounded. When a
-ubatch routes more experts in one layer than its region holds, `fetch` returns Waves. The decisions are the
+ubatch routes more experts in one layer than the pool holds, `fetch` returns Waves. The decisions are the
 planner's (planner.py); the slots, copies and pins are the pool's (slots.py), which zero-copy decode shares.
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ class PromptPath:
         next (`guesses`: the lookahead's counts per expert (E,) of the next MoE layers, nearest first: the first
         host layer among them is copied once this layer's experts are queued, the others whenever the copy stream
         runs short of work, `_fill`). Returns the layer's slot table (E,) (slot of each expert id within the
-        layer's region, -1 if absent), or the groups of experts to run in waves when the pool cannot hold them all
+        pool, -1 if absent), or the groups of experts to run in waves when the pool cannot hold them all
         at once (then nothing is loaded yet)."""
         self._copy_pending()                    # a copy-ahead nobody launched yet goes now (it is still useful)
         wanted = np.flatnonzero(counts).astype(np.int64)
@@ -265,8 +265,7 @@ class PromptPath:
         room = self._in_flight_room() if room is None else room
         n = min(len(experts), max(0, room // self.store.expert_bytes))
         self.slots.refresh_pins()
-        a, b = res.bounds[layer]            # the layer's region of the pool: the slots it can take (not the pool's)
-        n = min(n, int((~res.pinned[a:b]).sum()) - 1)
+        n = min(n, int((~res.pinned).sum()) - 1)
         if n <= 0:
             return 0
         experts = np.sort(experts[:n])      # (one batch: its order is not a priority; ascending, it copies in runs)

@@ -11,6 +11,9 @@ kernel reads it there (kernels/decode.py):
 
     addrs = provider.addresses(layer, ids)     # (T, k) int64 addresses, without touching the host
     table, routed = provider.address_table(layer)  # what `addresses` reads and writes (a fused router's launch)
+
+The engine asks more of the host layers' provider (HostProvider: prompts, ubatches and decode steps begin and end,
+the decode plan, counters); the MoE block asks only ExpertProvider's hooks.
 """
 from __future__ import annotations
 
@@ -90,19 +93,10 @@ class ExpertWeights:
 
 
 class ExpertProvider:
-    """What the MoE block and the engine ask of whoever holds some layers' experts. Every hook but `fetch` and
-    `addresses` is a no-op by default, so a provider says only what it does.
-
-    The engine calls begin_prompt / begin_ubatch around forwards and begin_decode_step / end_decode_step around a
-    zero-copy decode step; a "ubatch" here is one forward's tokens: a ubatch, or a prompt's batch of several run
-    layer by layer (Engine.forward_parts), whose routing `fetch` gets as one (T, k). The MoE block calls
-    lookahead_layers, fetch (or addresses and landing in a zero-copy step) and experts_launched for each of the
-    provider's layers."""
-
-    pauses = True       # a prompt ubatch may pause between layers for other forwards (suspend / resume)
-
-    def __init__(self):
-        self.stats = CacheStats()
+    """What the MoE block and the forward ask of whoever holds some layers' experts (models/moe.py,
+    models/transformer.py): lookahead_layers, fetch and experts_launched on the fetching path; address_table (or
+    addresses), layout and landing in a zero-copy decode step. `fetch`, `address_table` and `layout` are each
+    provider's own; the others are no-ops by default, so a provider says only what it does."""
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> "ExpertWeights":
         """ids (T, k) routed expert ids -> the weights and each choice's slot (or the cache's Waves)."""
@@ -130,23 +124,33 @@ class ExpertProvider:
         """Read-through and staging: the layer's kernels.stage.Landing for the decode kernel, or None."""
         return None
 
-    def host_part(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  addrs: torch.Tensor):
-        """A zero-copy step's experts the host's cores compute (--host-compute): None, or (addrs, compute): the
-        addresses the decode kernel reads instead (a zero row where the host computes the choice) and a call that
-        returns the host's part of the layer's output, (T, H) float32 on the host, after the kernel is queued."""
-        return None
-
-    def device_rows(self) -> list[torch.Tensor]:
-        """The device tensors of rows a decode kernel may read by address (slots, staging rows)."""
-        return []
-
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         """How many MoE layers ahead the forward should guess this layer's successors' experts (0: none)."""
         return 0
 
     def experts_launched(self, layer: int) -> None:
         """The layer's expert kernels are queued (the cache copies ahead from here)."""
+
+
+class HostProvider(ExpertProvider):
+    """The provider of the host layers (uploads per ubatch, the expert cache, the upload buffer as the smallest
+    cache: runtime/placement.py), and what the engine asks of it besides: begin_prompt / begin_ubatch around
+    forwards, begin_decode_step / end_decode_step and decode_step_ops around a zero-copy decode step, suspend /
+    resume around a paused prompt (where `pauses`), the decode plan once at setup (use_plan), the device rows
+    decode kernels read (device_rows), and its counters. A "ubatch" here is one forward's tokens: a ubatch, or a
+    prompt's batch of several run layer by layer (Engine.forward_parts), whose routing `fetch` gets as one (T, k)."""
+
+    pauses = True       # a prompt ubatch may pause between layers for other forwards (suspend / resume)
+
+    def __init__(self):
+        self.stats = CacheStats()
+
+    def use_plan(self, plan) -> None:
+        """The engine's decode plan (runtime/plan.py), once it is set up: how its decode steps read experts."""
+
+    def device_rows(self) -> list[torch.Tensor]:
+        """The device tensors of rows a decode kernel may read by address (slots, staging rows)."""
+        return []
 
     def begin_prompt(self, seq: int) -> None:
         self.stats.begin_prompt()
@@ -163,16 +167,11 @@ class ExpertProvider:
     def resume(self, state) -> None:
         """Go on with the prompt ubatch that suspend() paused, after other forwards."""
 
-    def shares_step(self) -> bool:
-        """Whether the next zero-copy step has the host's cores compute some of its experts (--host-compute): a
-        step that must run eagerly (a host sync a layer), and lands nothing."""
-        return False
-
     def begin_decode_step(self, seqs: list[int] | None = None) -> None:
         """A zero-copy decode step begins; seqs: each token's sequence."""
 
     def end_decode_step(self, n_tokens: int, observer=None) -> None:
-        pass
+        """A zero-copy decode step is queued: its routing to `observer` (a RouteObserver), then learn from it."""
 
     def decode_step_ops(self) -> tuple | None:
         """(first, last, kept): the device ops a zero-copy decode step runs before and after its forward, inside
@@ -180,15 +179,23 @@ class ExpertProvider:
         table), and a context manager that keeps their state across a capture's warm-up steps; None for none."""
         return None
 
-    def flush_decode(self) -> None:
-        pass
+    def counters(self) -> CacheStats:
+        """The counters, up to date (the cache collects the compute stream's waits first)."""
+        return self.stats
+
+    def cache_info(self) -> dict | None:
+        """The expert cache's size and policy for Engine.stats (None: no cache)."""
+        return None
+
+    def pinned_slots(self) -> int | None:
+        """The cache's slots the next forward could not evict (None: no cache): Engine.pinned_slots."""
+        return None
 
 
 class ResidentExperts(ExpertProvider):
     """Every expert of some layers on the compute device: slot = expert id, nothing moves."""
 
     def __init__(self, rows: dict[int, torch.Tensor], layouts: dict[int, ExpertLayout]):
-        super().__init__()
         self.rows, self.layouts = rows, layouts          # layer -> (E, row) on the device, and its layout
         self.addr = {l: row_addresses(r, r.device) for l, r in rows.items()}
 
@@ -206,7 +213,6 @@ class LayerRouter(ExpertProvider):
     """Sends each layer to the provider that owns it."""
 
     def __init__(self, by_layer: dict[int, ExpertProvider]):
-        super().__init__()
         self.by_layer = by_layer
 
     def fetch(self, layer: int, ids: torch.Tensor, lookahead=None) -> ExpertWeights:
@@ -220,10 +226,6 @@ class LayerRouter(ExpertProvider):
 
     def landing(self, layer: int, ids: torch.Tensor):
         return self.by_layer[layer].landing(layer, ids)
-
-    def host_part(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  addrs: torch.Tensor):
-        return self.by_layer[layer].host_part(layer, x, ids, weights, addrs)
 
     def layout(self, layer: int) -> ExpertLayout:
         return self.by_layer[layer].layout(layer)

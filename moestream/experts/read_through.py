@@ -5,7 +5,7 @@
     land = rt.hand_out(shape, writing)      # (L, R): the next step's free slots, -1 for none
     ls, es, ss = rt.absorb(routed, from_host, land, n_tokens)   # a completed step's landed experts, now resident
     rt.note_one_token(layers, reads)        # a one-token step's host reads of its layers ...
-    rt.after_one_token(regions)             # ... set how many slots each layer is handed; the regions keep them empty
+    rt.after_one_token()                    # ... set how many slots each layer is handed; the pool keeps them empty
     rt.room()                               # free slots a layer the hot set keeps for several-token steps
 
 A step is handed empty slots per layer (none a copy is still writing), and its kernel writes the first experts it
@@ -28,7 +28,7 @@ from .residency import Residency
 from .slots import SlotPool
 from .stats import CacheStats
 
-RESERVE = 16               # without read-through: empty slots kept per region for the misses of the step in flight
+RESERVE = 16               # without read-through: empty slots kept in the pool for the misses of the step in flight
 LAND_PER_LAYER = 2         # the fewest free slots a layer hands a one-token step to write its misses into (it hands
                            # more where its misses are more: MISS_DECAY, LAND_MARGIN; at most top_k)
 LAND_SEVERAL = 4           # ... and a several-token step (the free slots past a layer's land_count serve one-token
@@ -38,8 +38,8 @@ ROOM_SEVERAL = 1           # of which the hot set keeps this many a layer free, 
 MISS_DECAY = 0.9           # per step, of a layer's decayed count of one-token steps' host reads
 LAND_MARGIN = 1.3          # landing slots a layer: its decayed host reads x this + 1 (a replay of near-uniform and
                            # skewed routings, bench/host_learning.py: nearly every miss lands)
-RESERVE_SHARE = 4          # the empty slots kept (two steps' landing slots, or RESERVE) are at most a quarter of a
-                           # region (an eighth read more from host in every replayed routing)
+RESERVE_SHARE = 4          # the empty slots kept (two steps' landing slots, or RESERVE) are at most a quarter of the
+                           # pool (an eighth read more from host in every replayed routing)
 
 
 class ReadThrough:
@@ -77,15 +77,11 @@ class ReadThrough:
             if writing is not None:
                 free[writing[writing >= 0]] = False
             count = self.land_count.astype(np.int64)
-            spare = {}                           # each region's free slots, ascending, and how many are taken
+            spare, taken = np.flatnonzero(free), 0       # the pool's free slots, ascending, and how many are taken
             for lo, his in ((np.zeros_like(count), count), (count, np.full_like(count, self.n_land_several))):
                 for l in self.layers:
-                    a, b = res.bounds[l]
-                    if (a, b) not in spare:
-                        spare[(a, b)] = [a + np.flatnonzero(free[a:b]), 0]
-                    slots, taken = spare[(a, b)]
-                    got = slots[taken:taken + max(int(his[l]) - int(lo[l]), 0)]
-                    spare[(a, b)][1] = taken + len(got)
+                    got = spare[taken:taken + max(int(his[l]) - int(lo[l]), 0)]
+                    taken += len(got)
                     out[l, lo[l]:lo[l] + len(got)] = got
         return out
 
@@ -135,27 +131,27 @@ class ReadThrough:
         """A one-token step read reads[i] experts of layers[i] from host memory."""
         self.miss_avg[layers] = self.miss_avg[layers] * MISS_DECAY + reads * (1 - MISS_DECAY)
 
-    def after_one_token(self, regions) -> None:
+    def after_one_token(self) -> None:
         """After a one-token step is learned: each layer is handed as many landing slots as its recent misses ask
-        for, and the regions ({(a, b): layers}) keep two steps' worth of them empty (keep_reserve)."""
+        for, and the pool keeps two steps' worth of them empty (keep_reserve)."""
         if self.n_land:
             self.land_count[:] = np.clip(np.ceil(self.miss_avg * LAND_MARGIN) + 1, LAND_PER_LAYER, self.n_land)
-        self.keep_reserve(regions)
+        self.keep_reserve()
 
-    def keep_reserve(self, regions) -> None:
-        """Empty the least valued slots of each region until RESERVE and two steps' landing slots (the step in
-        flight's and the next's) are empty, at most a quarter of the region. The next step's table will not point
-        at them, so the misses learned while that step runs can be copied into them at once, and land before the
-        step after it, instead of queuing behind the step in flight; and the next step lands its misses in them."""
+    def keep_reserve(self) -> None:
+        """Empty the pool's least valued slots until RESERVE and two steps' landing slots (the step in flight's and
+        the next's) are empty, at most a quarter of the pool. The next step's table will not point at them, so the
+        misses learned while that step runs can be copied into them at once, and land before the step after it,
+        instead of queuing behind the step in flight; and the next step lands its misses in them."""
         res = self.residency
-        for a, b in sorted(regions):
-            lands = 2 * int(sum(self.land_count[l] for l in self.layers if res.bounds[l] == (a, b)))
-            keep = min(lands if self.n_land else RESERVE, (b - a) // RESERVE_SHARE)
-            owned = a + np.flatnonzero((res.owner[a:b, 0] >= 0) & ~res.pinned[a:b])
-            need = keep - ((b - a) - int((res.owner[a:b, 0] >= 0).sum()))
-            if need > 0 and len(owned) > need:
-                gone = res.evict(res.policy.lowest(owned, need))
-                self.stats.count(np.array([l for l, _ in gone]), "evictions")
+        n = res.n_slots
+        lands = 2 * int(sum(self.land_count[l] for l in self.layers))
+        keep = min(lands if self.n_land else RESERVE, n // RESERVE_SHARE)
+        owned = np.flatnonzero((res.owner[:, 0] >= 0) & ~res.pinned)
+        need = keep - (n - int((res.owner[:, 0] >= 0).sum()))
+        if need > 0 and len(owned) > need:
+            gone = res.evict(res.policy.lowest(owned, need))
+            self.stats.count(np.array([l for l, _ in gone]), "evictions")
 
     def room(self) -> int:
         """Free slots a layer keeps for several-token steps to land their misses in (0 without read-through or in

@@ -12,8 +12,8 @@ Invariants (tested directly, without a model):
 - A pinned slot is never a victim. An `ensure` pins, for its own duration, every slot it returns, so one call
   never evicts an expert it is about to hand out.
 - `ensure` asks for at most one upload per expert: a hit uploads nothing.
-- An expert of a layer sits in that layer's region of slots (`regions`): one region is one launch of the grouped
-  kernel, which takes fewer than 1024 groups. A pool of at most 1023 slots is one region.
+- The pool is one region: an expert of any host layer may take any slot (regions of at most one grouped GEMM
+  launch each were measured and removed at stop 47: bench/RESULTS.md, stops 27 and 36).
 """
 from __future__ import annotations
 
@@ -34,34 +34,13 @@ class Plan:
     evicted: list[tuple[int, int]] = field(default_factory=list)    # (layer, expert) no longer resident
 
 
-def split_regions(n_slots: int, layers: list[int], max_slots: int) -> tuple[list[tuple[int, int]], dict[int, int]]:
-    """Regions of at most `max_slots` slots, [start, end) each, and the region of each layer: the fewest equal
-    regions, taken by the layers in turn, so that consecutive layers sit in different regions. A layer's copy-ahead
-    then fills a region that the compute of the layer before it does not pin: with three regions of 735 slots, four
-    layers each, and a prompt routing all 512 experts of every layer (Qwen3-Next's Q4_K_M at 4000 MiB, before its
-    quantized pool became one region), the next layer's copies found 223 unpinned slots where its own layers had
-    shared a region, 735 now."""
-    n = max(1, min(-(-n_slots // max_slots), len(layers)))
-    size = -(-n_slots // n)
-    bounds = [(r * size, min((r + 1) * size, n_slots)) for r in range(n)]
-    return bounds, {l: i % n for i, l in enumerate(sorted(layers))}
-
-
 class Residency:
-    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy,
-                 regions: tuple[list[tuple[int, int]], dict[int, int]] | None = None):
+    def __init__(self, n_slots: int, n_layers: int, n_experts: int, policy):
         self.n_slots = n_slots
-        bounds, region_of = regions or ([(0, n_slots)], {})
-        self.bounds = [bounds[region_of.get(l, 0)] for l in range(n_layers)]     # layer -> its slots [a, b)
-        self.bounds_of = np.array(self.bounds, dtype=np.int64).reshape(n_layers, 2)
         self.slot_of = np.full((n_layers, n_experts), -1, dtype=np.int64)     # (L, E): slot or -1
         self.owner = np.full((n_slots, 2), -1, dtype=np.int64)                # (S, 2): (layer, expert) or -1
         self.pinned = np.zeros(n_slots, dtype=bool)                           # read by queued compute
         self.policy = policy
-
-    def region_size(self, layer: int) -> int:
-        a, b = self.bounds[layer]
-        return b - a
 
     def resident(self, layer: int) -> np.ndarray:
         return np.flatnonzero(self.slot_of[layer] >= 0)
@@ -74,10 +53,9 @@ class Residency:
         plan = Plan(slots, hit)
         if not hit.all():
             need = experts[~hit]
-            a, b = self.bounds[layer]
-            busy = self.pinned[a:b].copy()
-            busy[slots[hit] - a] = True                 # this call's hits are handed out: not victims
-            free = a + np.flatnonzero(~busy)
+            busy = self.pinned.copy()
+            busy[slots[hit]] = True                     # this call's hits are handed out: not victims
+            free = np.flatnonzero(~busy)
             if len(free) < len(need):
                 raise CacheTooSmall(f"{len(need)} misses but {len(free)} unpinned slots")
             owned = self.owner[free, 0] >= 0
@@ -98,11 +76,10 @@ class Residency:
         return plan
 
     def place(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray) -> None:
-        """Make empty slots of each layer's region hold these experts (their bytes were put there already): one
-        (layer, expert, slot) per index, distinct experts and slots."""
-        bounds = self.bounds_of[layers]                                     # (n, 2)
-        assert ((bounds[:, 0] <= slots) & (slots < bounds[:, 1])).all() and (self.owner[slots, 0] < 0).all() \
-            and (self.slot_of[layers, experts] < 0).all(), (layers, experts, slots)
+        """Make empty slots hold these experts (their bytes were put there already): one (layer, expert, slot) per
+        index, distinct experts and slots."""
+        assert (self.owner[slots, 0] < 0).all() and (self.slot_of[layers, experts] < 0).all(), \
+            (layers, experts, slots)
         self.owner[slots, 0], self.owner[slots, 1] = layers, experts
         self.slot_of[layers, experts] = slots
         self.policy.touch(slots)
@@ -124,5 +101,3 @@ class Residency:
         assert (self.owner[s, 0] == ls).all() and (self.owner[s, 1] == es).all(), "map and owner disagree"
         used = self.owner[:, 0] >= 0
         assert used.sum() == len(s), "an owned slot is not in the map"
-        region = np.array([self.bounds[l] for l in ls]).reshape(-1, 2)
-        assert ((s >= region[:, 0]) & (s < region[:, 1])).all(), "an expert outside its layer's region"

@@ -4,7 +4,7 @@
     seq = slots.submit([(slot, store.rows[layer][e])], speculative=False)   # one copy batch
     seq = slots.copy_experts(layer, [(e, slot), ...], speculative=True)     # the same from the layer's rows, in runs
     slots.hand_out(layer, plan.slots)    # compute waits for their copies; they stay pinned until it has read them
-    lut = slots.upload_table(layer, slots.table(layer))      # (E,) each expert's slot in the layer's region
+    lut = slots.upload_table(layer, slots.table(layer))      # (E,) each expert's slot
     y = kernel(x, lut[ids], *slots.layer_weights(layer))
     slots.mark_reads()                   # after the reading compute is queued: an event frees its slots later
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import knobs
 from ..kernels.batch_copy import batch_copy, batch_copy_available
 from ..kernels.copy_rows import copy_rows, copy_rows_available
 from ..kernels.host_arrays import upload
@@ -50,17 +49,10 @@ RUN_BYTES = 32 << 20                      # copy_experts: at most this much in o
 #   calls   a copy call per run of consecutive experts (run_copies): the CPU path, rows not pinned, and rows of
 #           more than MANY_ROWS_MAX bytes (bf16 experts, 6-9 MB: the host keeps up with their copy calls, and the
 #           batch call read 15% slower on the 30B's in one lease, +4% on Qwen3-Next's: RESULTS.md stop 26).
-# Each falls back to the next where it cannot run. MOESTREAM_COPY=kernel or =calls picks another for a whole
-# process (an A/B in one tree).
+# Each falls back to the next where it cannot run. (MOESTREAM_COPY, which forced a later one for an A/B, was removed
+# at stop 47: bench/RESULTS.md, stops 25 and 26.)
 COPY_MODES = ("batch", "kernel", "calls")
 MANY_ROWS_MAX = 4 << 20
-
-
-def _copy_mode() -> str:
-    return knobs.choice("MOESTREAM_COPY", COPY_MODES, "batch")
-
-
-COPY_MODE = _copy_mode()
 
 
 class SlotPool:
@@ -74,9 +66,8 @@ class SlotPool:
         self.store_rows = store.rows
         self.copier = {l: self._copier(r) for l, r in store.rows.items()}      # layer -> one of COPY_MODES
         self.aligned = store.aligned16(self.pool)
-        # Each host layer's region of the pool, as its rows (quantized layouts read only their own row's bytes).
-        self.regions = {l: (self.pool[a:b, :store.rows[l].shape[1]], a) for l, (a, b) in enumerate(residency.bounds)
-                        if l in store.rows}
+        # Each host layer's view of the pool, as its rows (quantized layouts read only their own row's bytes).
+        self.views = {l: self.pool[:, :r.shape[1]] for l, r in store.rows.items()}
         self.queue = CopyQueue(device)
         self.ready = np.zeros(n_slots, dtype=np.int64)          # copy batch that filled each slot
         self.prefetched = np.zeros(n_slots, dtype=bool)         # filled by a speculative copy, not claimed yet
@@ -91,12 +82,12 @@ class SlotPool:
         return self.residency.n_slots
 
     def _copier(self, rows: torch.Tensor) -> str:
-        """How copy_experts moves this layer's rows (COPY_MODES): COPY_MODE, or the first after it that can."""
+        """How copy_experts moves this layer's rows (COPY_MODES): the first that can."""
         row = rows.shape[1] * rows.element_size()
         many, dev = rows.is_pinned() and row <= MANY_ROWS_MAX, self.pool.device
-        if COPY_MODE == "batch" and many and batch_copy_available(dev):
+        if many and batch_copy_available(dev):
             return "batch"
-        if COPY_MODE != "calls" and many and copy_rows_available(dev) and row % 4 == 0:
+        if many and copy_rows_available(dev) and row % 4 == 0:
             return "kernel"
         return "calls"
 
@@ -239,11 +230,8 @@ class SlotPool:
 
     # --- slot tables ------------------------------------------------------------------------------------------
     def table(self, layer: int) -> np.ndarray:
-        """The layer's slot table (E,): each expert's slot within the layer's region (its weights' views), -1 if
-        absent."""
-        t = self.residency.slot_of[layer].copy()
-        t[t >= 0] -= self.regions[layer][1]
-        return t
+        """The layer's slot table (E,): each expert's slot, -1 if absent."""
+        return self.residency.slot_of[layer].copy()
 
     def upload_table(self, layer: int, table: np.ndarray) -> torch.Tensor:
         """The layer's slot table (E,) on the device, in order on the compute stream: not by a copy call, which
@@ -251,15 +239,13 @@ class SlotPool:
         return upload(table, self.device.torch)
 
     def weights(self, layer: int, slots: torch.Tensor, used: np.ndarray | None = None) -> ExpertWeights:
-        """The layer's region as the kernel reads it, each routed choice at `slots` (its table's entries; `used`:
+        """The pool as the layer's kernel reads it, each routed choice at `slots` (its table's entries; `used`:
         the distinct ones, ascending, if known)."""
-        rows, _ = self.regions[layer]
-        return ExpertWeights.over(rows, self.layouts[layer], slots, used)
+        return ExpertWeights.over(self.views[layer], self.layouts[layer], slots, used)
 
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float layouts: the (S_region, 2I, H) and (S_region, H, I) views of the layer's region."""
-        rows, _ = self.regions[layer]
-        return self.layouts[layer].views(rows)
+        """Float layouts: the (S, 2I, H) and (S, H, I) views of the pool as the layer's rows."""
+        return self.layouts[layer].views(self.views[layer])
 
 
 def _pieces(copy, n: int, row_bytes: int) -> list:

@@ -7,7 +7,7 @@ import numpy as np
 
 KEYS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "prefetched", "prefetched_bytes",
         "prefetch_used", "prefetch_wasted", "waits", "wait_s", "lookahead_tp", "lookahead_fp", "lookahead_fn",
-        "sync_s", "host_s", "host_reads", "host_read_bytes", "landed", "filled", "host_computed")
+        "sync_s", "host_s", "host_reads", "host_read_bytes", "landed", "filled")
 
 
 @dataclass
@@ -33,7 +33,6 @@ class Counts:
     host_read_bytes: int = 0        # ... and their bytes over the link
     landed: int = 0                 # read-through: experts a decode kernel wrote into a free slot as it read them
     filled: int = 0                 # prefetched from guesses beyond the next layer, the copy stream short of work
-    host_computed: int = 0          # --host-compute: experts a decode step computed on the host's cores instead
 
     def add(self, other: "Counts") -> None:
         for k in KEYS:

@@ -41,7 +41,7 @@ class Trace:
     ubatch_of: np.ndarray | None = None     # (R,) the ubatch of each record
     ubatches: np.ndarray | None = None      # (U, 4): sequence, tokens, is_prompt, begins a prompt
     guesses: list[np.ndarray | None] | None = None   # R lookahead guesses (T, k) of the next layer's experts
-    quantized: bool = False     # the experts were quantized rows: their pool is one region (planner.py)
+    quantized: bool = False     # the experts were quantized rows
     step_seqs: list[np.ndarray | None] | None = None   # (U,) each ubatch's tokens' sequences, where told
     begun: list[np.ndarray] | None = None   # (U,) the sequences whose prompts began just before each ubatch
 
@@ -194,7 +194,7 @@ def replay(trace: Trace, n_slots: int, policy: str = "lfru", prefetch: PrefetchC
         prefetch = replace(prefetch or PrefetchConfig(enabled=False), lookahead_layers=1)
         return _replay_live(trace, n_slots, policy, prefetch, zero_copy, read_through, staged)
     planner = CachePlanner(n_slots, trace.n_layers, trace.n_experts, policy, trace.expert_bytes,
-                           sorted(set(trace.layers.tolist())), one_region=trace.quantized)
+                           sorted(set(trace.layers.tolist())))
     for layer, ids in zip(trace.layers.tolist(), trace.ids):
         for group in planner.groups(layer, np.unique(ids).astype(np.int64)):
             planner.plan(layer, group)
@@ -214,7 +214,7 @@ def _replay_live(trace: Trace, n_slots: int, policy: str, prefetch: PrefetchConf
     guesses = trace.guesses or [None] * len(trace.ids)
     cache = ExpertCache(store, n_slots, trace.n_layers, trace.n_experts, Device("cpu"), policy, prefetch, layers,
                         _n_seq(trace),
-                        trace.ids[0].shape[1] if trace.ids else 8, one_region=trace.quantized)
+                        trace.ids[0].shape[1] if trace.ids else 8)
     if zero_copy:
         from ..kernels.decode import MAX_TOKENS
         cache.enable_zero_copy(MAX_TOKENS, read_through, staged=staged)

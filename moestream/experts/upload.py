@@ -30,7 +30,7 @@ import torch
 from ..quant.layout import ExpertLayout
 from .copy_queue import CopyQueue
 from .prefetch import PrefetchConfig
-from .provider import ExpertProvider, ExpertWeights, row_addresses
+from .provider import ExpertWeights, HostProvider, row_addresses
 from .routing import report_route
 from .slots import run_copies
 from .store import ExpertStore
@@ -39,7 +39,7 @@ ALL_CHOICES = 3            # with no routing seen yet, copy every expert ahead f
 WIDE_SHARE = 0.5           # copy ahead only a layer whose last big ubatch routed at least this share of its experts
 
 
-class UploadPerUbatch(ExpertProvider):
+class UploadPerUbatch(HostProvider):
     """Host-resident layers without a cache: each ubatch uploads its routed experts, each once.
 
     A set of rows has one row per expert id, so an expert lands in the row of its own id and the kernel launch is

@@ -26,12 +26,11 @@ empty slots kept in reserve starts at once and lands, normally, before step t+2,
 
 The table leaves the critical path between steps: it is prepared from the residency map while the step before
 it runs (after learning), and begin_step only patches in the copies that have landed since, then copies it over
-(one small copy). A step's landed experts reach the next step's table on the device (MOESTREAM_LANDINGS=device,
-the default): the step ends by noting where it landed what (note_landings, ReadThrough.absorb's rule in
-device ops), the next one starts by pointing its table there (apply_landings; both inside the steps' graphs), and
-the host takes them in while that next step runs. So nothing of the host's waits between two steps but the table's
-copy. (=host: begin_step takes them in on the host first, as before.) The host's tables and counters are the same
-either way, and so are the bits: a kernel reads the same bytes from the landing slot as from the host row.
+(one small copy). A step's landed experts reach the next step's table on the device: the step ends by noting where
+it landed what (note_landings, ReadThrough.absorb's rule in device ops), the next one starts by pointing its table
+there (apply_landings; both inside the steps' graphs), and the host takes them in while that next step runs. So
+nothing of the host's waits between two steps but the table's copy. (Taking them in on the host first, in
+begin_step, was measured and removed at stop 47: bench/RESULTS.md, stop 34.)
 """
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ import time
 import numpy as np
 import torch
 
-from .. import knobs
 from ..kernels.stage import Landing, staging_rows
 from .hot_set import HotSet
 from .planner import CachePlanner
@@ -51,9 +49,6 @@ from .residency import CacheTooSmall
 from .routing import report_route
 from .slots import SlotPool
 from .store import ExpertStore
-
-# Where a step's landings reach the next step's table (module docstring; bench/RESULTS.md, stop 34).
-LANDINGS = knobs.choice("MOESTREAM_LANDINGS", ("device", "host"), "device")
 
 
 class ZeroCopyDecode:
@@ -71,7 +66,6 @@ class ZeroCopyDecode:
         self.layer_ids = np.asarray(layers, dtype=np.int64)            # the host layers, for the host's learning
         self.layer_base = (np.arange(len(layers)) * E)[:, None]         # ... a layer's block of (n, E) counts
         self.layer_bytes = np.array([store.layer_bytes(l) for l in layers], dtype=np.int64)
-        self.region_sizes = np.array([planner.residency.region_size(l) for l in layers], dtype=np.int64)
         self.host_addr = np.zeros((L, E), dtype=np.int64)
         for l, rows in store.rows.items():
             self.host_addr[l] = row_addresses(rows, "cpu").numpy()
@@ -82,8 +76,6 @@ class ZeroCopyDecode:
         self.from_host = np.zeros((L, E), dtype=bool)       # the queued step's experts read from host memory
         self.pending = None                                 # Pending: a step not learned from yet
         self.seqs = None                                    # each token's sequence in the queued step, if told
-        self.step_lands = True                              # whether the queued step lands (not a host-shared one)
-        self.step_bytes = 0.0                               # bytes the last learned step read from host memory
         self.hot = HotSet(self.residency, self.stats, store, layers, routing)     # what several-token steps keep
         self.rt = ReadThrough(slots, self.residency, self.stats, layers, top_k, read_through, staged)
         self.n_land = self.rt.n_land                        # a one-token step's landing slots a layer (0: none)
@@ -101,7 +93,7 @@ class ZeroCopyDecode:
         self.next = None                                    # Prepared: the next step's table, or None
         # A step's landings, noted on the device for the next step's table (module docstring), or None.
         self.device_landings = DeviceLandings(self.rt, top_k, (L, E), dev.torch) \
-            if self.n_land > 0 and LANDINGS == "device" else None
+            if self.n_land > 0 else None
 
     def address_table(self, layer: int):
         """The layer's row of the step's table, and its row of routed, where the step keeps its ids for the host
@@ -117,7 +109,7 @@ class ZeroCopyDecode:
         """Read-through and staging: the layer's kernels.stage.Landing (ids, host-row addresses, landing slots'
         addresses: as many as ReadThrough.count gives a step of its tokens; the scratch rows when staged); None when
         neither is on."""
-        if not self.step_lands or (not self.n_land and self.scratch is None):
+        if not self.n_land and self.scratch is None:
             return None
         return Landing(ids, self.host_tab[layer], self.land[layer, :self.rt.count(ids.shape[0])], self.scratch,
                        self.aligned)
@@ -126,18 +118,17 @@ class ZeroCopyDecode:
         """Sequence `seq` begins a new request: the hot set forgets its earlier steps."""
         self.hot.forget(seq)
 
-    def begin_step(self, seqs: list[int] | None = None, lands: bool = True) -> None:
+    def begin_step(self, seqs: list[int] | None = None) -> None:
         """Put the step's address table on the device: an expert resident in a slot whose copy has landed reads
         from the slot, every other one from its host row. The table was prepared while the last step ran (or is
         prepared now, after a prompt); here it only takes in what changed since: with read-through, the experts the
         last step wrote into its landing slots (the next step reads them there), and copies that have landed.
-        seqs: each token's sequence (the hot set keeps each sequence's counts; None: not told). lands=False: the
-        step lands nothing (the host computes some of its experts: host_share.py)."""
-        self.seqs, self.step_lands = seqs, lands
+        seqs: each token's sequence (the hot set keeps each sequence's counts; None: not told)."""
+        self.seqs = seqs
         p = self.pending
-        # The last step's landings go to this table on the device (apply_landings) unless the host must know them
-        # now: a step the host shares reads from_host while it runs.
-        deferred = p is not None and p.noted and not p.absorbed and lands and self.next is not None
+        # The last step's landings go to this table on the device (apply_landings), where it noted them and the
+        # next table was prepared while it ran (not after a prompt, nor a trace's replay).
+        deferred = p is not None and p.noted and not p.absorbed and self.next is not None
         if p is not None and p.event is not None and not deferred:
             p.event.synchronize()                # that step has run: its table copy is done, its landings are in
         nxt, self.next = self.next, None
@@ -231,11 +222,11 @@ class ZeroCopyDecode:
         else:
             self.routed_host.copy_(self.routed)
         writes = None                            # the landing slots this step's kernel may write
-        if self.n_land and self.step_lands:
+        if self.n_land:
             writes = self.land_slots.copy()
             writes[:, self.rt.count(n_tokens):] = -1
         self.pending = Pending(n_tokens, event, self.from_host.copy(), writes, self.seqs,
-                               noted and self.step_lands and self.device_landings is not None)
+                               noted and self.device_landings is not None)
         if previous is not None:
             self._learn(*previous, after=event, writing=self.pending.land_slots)
         self.next = self._prepare(1 - self.current, writing=self.pending.land_slots)
@@ -271,7 +262,7 @@ class ZeroCopyDecode:
 
         - A one-token step, in a pool that holds a step's experts, with read-through: its misses landed in free
           slots as it read them (_absorb), so nothing is uploaded; each layer hands the next steps as many landing
-          slots as its recent misses ask for, and the regions keep that many empty (read_through.py).
+          slots as its recent misses ask for, and the pool keeps that many empty (read_through.py).
           An upload would move the bytes the step just read a second time: on a near-uniform routing (Qwen3-Next's
           reference) it moved 40% of the link's bytes, with no more hits (bench/host_learning.py, RESULTS.md).
         - The same without read-through: its misses are uploaded, in one batch on the copy stream, behind `after`
@@ -303,13 +294,12 @@ class ZeroCopyDecode:
         per_choice = np.where(on_host, counts, 0)       # each expert read from host: once, or once per choice
         reads = np.count_nonzero(per_choice, axis=1) if self.reads_once else per_choice.sum(axis=1)
         read_bytes = reads * self.layer_bytes
-        self.step_bytes = float(read_bytes.sum())
         wanted = counts > 0                      # (n, E)
         n_routed = wanted.sum(axis=1)
-        extra = np.zeros(len(L), dtype=np.int64)    # routed beyond what a layer's region holds: looked up, missed
-        for i in np.flatnonzero(n_routed > self.region_sizes):     # (rare: more than the layer's region)
+        extra = np.zeros(len(L), dtype=np.int64)    # routed beyond what the pool holds: looked up, missed
+        for i in np.flatnonzero(n_routed > res.n_slots):     # (rare: more than the pool)
             routed_i = np.flatnonzero(wanted[i])
-            keep = routed_i[np.argsort(-counts[i, routed_i], kind="stable")[:self.region_sizes[i]]]
+            keep = routed_i[np.argsort(-counts[i, routed_i], kind="stable")[:res.n_slots]]
             wanted[i] = False
             wanted[i, keep] = True
             extra[i] = len(routed_i) - len(keep)
@@ -327,7 +317,7 @@ class ZeroCopyDecode:
             if one_token:
                 self.rt.note_one_token(L, reads)
         if one_token:
-            self.rt.after_one_token(self.hot.regions)
+            self.rt.after_one_token()
         else:
             room = self.rt.room()
             self._submit(*self.hot.fill(empty, room), after)     # (nothing moved above: `empty` holds)

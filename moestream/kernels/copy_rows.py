@@ -16,16 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import knobs
 from .decode import triton
 
 
-def _programs() -> int:
-    """MOESTREAM_COPY_PROGRAMS=N sets the programs for a whole process (a measurement's knob)."""
-    return knobs.positive_int("MOESTREAM_COPY_PROGRAMS", 16)
-
-
-PROGRAMS = _programs()       # persistent programs: each keeps BLOCK bytes of loads in flight (16 x 64 KB in all)
+PROGRAMS = 16                # persistent programs: each keeps BLOCK bytes of loads in flight (16 x 64 KB in all)
 BLOCK_BYTES = 65536
 WARPS = 8
 

@@ -12,21 +12,17 @@ The dequantized values are gguf.quants' bits (no fused multiply-add, enable_fp_f
 differs from the float32 oracle only in its summation order; and its result depends only on the bytes read,
 never on where they were. Block shapes follow from the types and the shape alone (no autotuning).
 
-Three variants (`variant=`, default VARIANT below: "runs"). "runs" (kernels/decode_runs.py, kernels/qruns.py) gives
-each lane whole 16-byte runs of one block's quants, loaded as words (128-bit loads where the row is 16-aligned),
-unpacks them with shifts and masks and applies each sub-block's scales once, in the lane, for Q4_K, Q5_K, Q6_K,
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS (qruns.RUN_TYPES; gate and up of one type); a layout with any other
-type runs "values". Its bits differ from the other two by float rounding, still fixed by the bytes alone.
-"subblocks" takes the scales out of the dot products (kernels/qdots.py: per sub-block d sc sum(q x) - dmin m sum(x),
-sum(x) shared by a program's rows, int32 row offsets from one base, no masked blocks: a down row of I=768 is read
-one block a step) for Q4_K, Q5_K, Q6_K and Q8_0, the other types value by value; its bits differ from "values" by
-float rounding (and fused multiply-adds), still fixed by the bytes alone. "values", the first kernel, dequantizes
-every value to gguf.quants' bits (enable_fp_fusion=False) and differs from the float32 oracle only in summation
-order. Measured on the H200 (bench/quant_kernels.py, 2026-12-01; T=1, k=8, I=768, H=2048), Q4_K_M rows on the GPU:
-"values" 122 us, "subblocks" 135 us, bf16 69 us; from pinned host memory 1068 / 842 / 1715 us. Both are bound by
-instructions, not bytes: byte loads, one value a thread, and the sub-block sums as cross-thread shuffles (about 5 a
-value in the compiled PTX); "runs" is the answer to that: 33 us from device memory and 719 us from pinned host
-(bench/RESULTS.md, issue 14, stop 15), and the default.
+Two variants (`variant=`, default "runs"). "runs" (kernels/decode_runs.py, kernels/qruns.py) gives each lane whole
+16-byte runs of one block's quants, loaded as words (128-bit loads where the row is 16-aligned), unpacks them with
+shifts and masks and applies each sub-block's scales once, in the lane, for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, IQ4_NL and IQ4_XS (qruns.RUN_TYPES; gate and up of one type); a layout with any other type runs
+"values", the fallback. Its bits differ from "values" by float rounding, still fixed by the bytes alone. "values",
+the first kernel, dequantizes every value to gguf.quants' bits (enable_fp_fusion=False) and differs from the float32
+oracle only in summation order. Measured on the H200 (bench/quant_kernels.py, 2026-12-01; T=1, k=8, I=768, H=2048),
+Q4_K_M rows on the GPU: "values" 122 us, bf16 69 us; from pinned host memory 1068 / 1715 us. "values" is bound by
+instructions, not bytes (byte loads, one value a thread, the sub-block sums as cross-thread shuffles); "runs" is the
+answer to that: 33 us from device memory and 719 us from pinned host (bench/RESULTS.md, issue 14, stop 15). (A third,
+"subblocks", the scales out of the dot products, 135 / 842 us, was removed at stop 47.)
 
 The kernel itself lands nothing (`landing`, which kernels/decode.py takes, is refused): read-through for quantized
 rows comes with staged host reads (kernels/stage.py, the default for them), which copy a step's host reads into
@@ -36,11 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import knobs
 from ..quant.layout import ExpertLayout
 from ..quant.types import row_bytes
 from .qblocks import SHAPES, has_path, kvalues, triton
-from .qdots import SUBBLOCK_TYPES, step_blocks
 
 TILE = 4096              # values a program decodes per step (rows x blocks x block); fixed, so are the bits
 WARPS = 4
@@ -48,11 +42,7 @@ WARPS = 4
 # tg64 tok/s: "runs" 489 all on the GPU, 329 at --cpu-moe --moe-cache-mib 4000, 57 with no cache, against "values"'
 # 381 / 259 / 40, with the same greedy tokens. One kernel for every placement keeps one file's greedy tokens the same
 # whatever the placement; a layout of a type "runs" does not cover takes "values" on every placement alike.
-# MOESTREAM_DECODE_QUANT=values|subblocks|runs picks one for a whole process (bench/gpu.sh qdecode measures each).
-VARIANTS = ("values", "subblocks", "runs")
-VARIANT = knobs.choice("MOESTREAM_DECODE_QUANT", VARIANTS, "runs")
-ROWS = 4                 # subblocks: rows a program reads of each matrix (a gate/up program: 2 x 4 x 1152 bytes
-STEP_VALUES = 1024       # of Q4_K); values of a row a step reads, at most (a step: ROWS x STEP_VALUES values)
+VARIANTS = ("values", "runs")     # bench/quant_kernels.py and the tests ask for each
 
 
 def decode_quant_available(layout: ExpertLayout) -> bool:
@@ -66,7 +56,7 @@ def decode_quant_available(layout: ExpertLayout) -> bool:
 if triton is not None:
     import triton.language as tl
 
-    from .qdots import row_dots, value_dots
+    from .qdots import value_dots
 
     @triton.jit
     def _gate_up(x_ptr, addr_ptr, h_ptr, kv_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
@@ -105,82 +95,22 @@ if triton is not None:
             acc += wc * d
         tl.store(out_ptr + t * H + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
 
-    @triton.jit
-    def _base(addr_ptr, i):
-        """Choice i's row address, its alignment visible to the compiler (a multiple of 16 stays one: the
-        shifts say so) where it is 16-aligned: then the quants load as words. The values do not change."""
-        a = tl.load(addr_ptr + i)
-        return a, (a >> 4) << 4
 
-    @triton.jit
-    def _gate_up_sb(x_ptr, addr_ptr, h_ptr, kv_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
-                    R: tl.constexpr, OG: tl.constexpr, OU: tl.constexpr,
-                    QG: tl.constexpr, RBG: tl.constexpr, NBG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr,
-                    NSG: tl.constexpr, SBG: tl.constexpr, BBG: tl.constexpr,
-                    QU: tl.constexpr, RBU: tl.constexpr, NBU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr,
-                    NSU: tl.constexpr, SBU: tl.constexpr, BBU: tl.constexpr):
-        """_gate_up by sub-block (kernels/qdots.py): rows as int32 byte offsets from the matrix's base."""
-        pair = tl.program_id(0)
-        t = pair // K
-        rows = tl.program_id(1) * R + tl.arange(0, R)
-        rmask = rows < I
-        a, a16 = _base(addr_ptr, pair)
-        xp = x_ptr + t * H
-        if a == a16:
-            base = a16.to(tl.pointer_type(tl.uint8))
-            g = row_dots(base + OG, rows * RBG, rmask, xp, kv_ptr, QG, NBG, BSG, TSG, NSG, SBG, BBG)
-            u = row_dots(base + OU, rows * RBU, rmask, xp, kv_ptr, QU, NBU, BSU, TSU, NSU, SBU, BBU)
-        else:
-            base = a.to(tl.pointer_type(tl.uint8))
-            g = row_dots(base + OG, rows * RBG, rmask, xp, kv_ptr, QG, NBG, BSG, TSG, NSG, SBG, BBG)
-            u = row_dots(base + OU, rows * RBU, rmask, xp, kv_ptr, QU, NBU, BSU, TSU, NSU, SBU, BBU)
-        h = g * tl.sigmoid(g) * u
-        tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
-
-    @triton.jit
-    def _down_sb(h_ptr, addr_ptr, w_ptr, out_ptr, kv_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
-                 R: tl.constexpr, OD: tl.constexpr,
-                 QD: tl.constexpr, RBD: tl.constexpr, NBD: tl.constexpr, BSD: tl.constexpr, TSD: tl.constexpr,
-                 NSD: tl.constexpr, SBD: tl.constexpr, BBD: tl.constexpr):
-        """_down by sub-block: the same sum over the k choices, in choice order."""
-        t = tl.program_id(0)
-        rows = tl.program_id(1) * R + tl.arange(0, R)
-        rmask = rows < H
-        ro = rows * RBD                                                                     # (R,) int32
-        acc = tl.zeros([R], dtype=tl.float32)
-        for c in range(K):
-            a, a16 = _base(addr_ptr, t * K + c)
-            wc = tl.load(w_ptr + t * K + c).to(tl.float32)
-            hp = h_ptr + (t * K + c) * I
-            if a == a16:
-                d = row_dots(a16.to(tl.pointer_type(tl.uint8)) + OD, ro, rmask, hp, kv_ptr,
-                             QD, NBD, BSD, TSD, NSD, SBD, BBD)
-            else:
-                d = row_dots(a.to(tl.pointer_type(tl.uint8)) + OD, ro, rmask, hp, kv_ptr,
-                             QD, NBD, BSD, TSD, NSD, SBD, BBD)
-            acc += wc * d
-        tl.store(out_ptr + t * H + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
-
-
-def _matrix(qtype, n_rows: int, n_cols: int, variant: str = "subblocks") -> tuple[int, tuple]:
+def _matrix(qtype, n_rows: int, n_cols: int) -> tuple[int, tuple]:
     """(rows per program, the constexprs of one matrix: type, row bytes, blocks a row, block shape, blocks a step)."""
     bs, ts, nsub, sub = SHAPES[qtype]
     nb = n_cols // bs
-    if variant == "subblocks" and qtype in SUBBLOCK_TYPES:
-        bb = step_blocks(qtype, nb, STEP_VALUES)
-        return ROWS, (int(qtype), row_bytes(qtype, n_cols), nb, bs, ts, nsub, sub, bb)
     bb = min(triton.next_power_of_2(nb), max(1, TILE // 2 // bs))
     r = min(triton.next_power_of_2(n_rows), max(1, TILE // (bb * bs)))
     return r, (int(qtype), row_bytes(qtype, n_cols), nb, bs, ts, nsub, sub, bb)
 
 
 def experts_by_address_quant(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, layout: ExpertLayout,
-                             landing=None, variant: str = VARIANT) -> torch.Tensor:
+                             landing=None, variant: str = "runs") -> torch.Tensor:
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
 
     variant: "runs" (kernels/decode_runs.py: a 16-byte run of quants a lane, for the layouts it covers, "values"
-    for the others), "subblocks" (kernels/qdots.py: the scales out of the dot products) or "values" (the first
-    kernel: every value dequantized, gguf.quants' bits, then multiplied)."""
+    for the others) or "values" (the first kernel: every value dequantized, gguf.quants' bits, then multiplied)."""
     if landing is not None:
         raise NotImplementedError("experts_by_address_quant lands nothing: stage the host reads (kernels/stage.py)")
     assert decode_quant_available(layout), layout
@@ -189,27 +119,19 @@ def experts_by_address_quant(x: torch.Tensor, addrs: torch.Tensor, weights: torc
         from .decode_runs import experts_by_address_runs, runs_layout
         if runs_layout(layout):
             return experts_by_address_runs(x, addrs, weights, layout)
-        variant = "values"
     T, H = x.shape
     I, k = layout.inter, addrs.shape[1]
     og, ou, od = layout.offsets
     x, addrs, weights = x.contiguous(), addrs.contiguous(), weights.contiguous()
     kv = kvalues(x.device)
-    rg, g = _matrix(layout.types[0], I, H, variant)
-    ru, u = _matrix(layout.types[1], I, H, variant)
-    rd, d = _matrix(layout.types[2], H, I, variant)
+    rg, g = _matrix(layout.types[0], I, H)
+    ru, u = _matrix(layout.types[1], I, H)
+    rd, d = _matrix(layout.types[2], H, I)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)                                  # (T k, I)
     out = torch.empty_like(x)                                                                   # (T, H)
-    if variant == "values":
-        r = min(rg, ru)
-        _gate_up[(T * k, triton.cdiv(I, r))](x, addrs, h, kv, H, I, k, r, og, ou, *g, *u, num_warps=WARPS,
-                                             enable_fp_fusion=False)
-        _down[(T, triton.cdiv(H, rd))](h, addrs, weights, out, kv, H, I, k, rd, od, *d, num_warps=WARPS,
-                                       enable_fp_fusion=False)
-        return out
     r = min(rg, ru)
-    _gate_up_sb[(T * k, triton.cdiv(I, r))](x, addrs, h, kv, H, I, k, r, og, ou, *g, *u, num_warps=WARPS,
-                                            enable_fp_fusion=True)
-    _down_sb[(T, triton.cdiv(H, rd))](h, addrs, weights, out, kv, H, I, k, rd, od, *d, num_warps=WARPS,
-                                      enable_fp_fusion=True)
+    _gate_up[(T * k, triton.cdiv(I, r))](x, addrs, h, kv, H, I, k, r, og, ou, *g, *u, num_warps=WARPS,
+                                         enable_fp_fusion=False)
+    _down[(T, triton.cdiv(H, rd))](h, addrs, weights, out, kv, H, I, k, rd, od, *d, num_warps=WARPS,
+                                   enable_fp_fusion=False)
     return out

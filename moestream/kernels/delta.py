@@ -31,10 +31,11 @@ programs already fill the SMs at B = 1, a state row's 32 float32 columns are one
 fixed work (the conv and norms of q and k, some 1800 loads) stays well under its state slice's 4096 floats; at 16
 the two would be even: twice the recomputation, for a program not much shorter.
 
-MOESTREAM_DELTA=fla-recurrent keeps the step from before the in-place one: fla's fused_recurrent_gated_delta_rule
-with the norms, gates and conv as torch ops around it, on gathered states (bench/RESULTS.md measured it against the
-one-launch in-place step: a Qwen3-Next decode step of 2.87 ms against 1.69). torch keeps the references on CUDA
-too. No kernel here uses atomics, so a forward's bits do not depend on the expert cache.
+MOESTREAM_DELTA=torch keeps the references on CUDA too (where fla-core is installed but does not run there). (The
+step from before the in-place one, fla's fused_recurrent_gated_delta_rule with the norms, gates and conv as torch
+ops around it on gathered states, =fla-recurrent, was measured against the one-launch in-place step, a Qwen3-Next
+decode step of 2.87 ms against 1.69, and removed at stop 47: bench/RESULTS.md.) No kernel here uses atomics, so a
+forward's bits do not depend on the expert cache.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ try:
 except ImportError:
     triton = None
 
-DELTA_KERNELS = ("fla", "fla-recurrent", "torch")     # MOESTREAM_DELTA's choices (pick_delta_kernels)
+DELTA_KERNELS = ("fla", "torch")     # MOESTREAM_DELTA's choices (pick_delta_kernels)
 
 
 def fla_available() -> bool:
@@ -220,11 +221,9 @@ def step_in_place_triton(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float
 
 def pick_delta_kernels(device: torch.device, dtype: torch.dtype, want: str | None = None):
     """The DeltaNet kernels for this device and dtype: fla's on CUDA where it is installed, else the references.
-    want: fla (the default), fla-recurrent or torch; None: MOESTREAM_DELTA's, or fla."""
+    want: fla (the default) or torch; None: MOESTREAM_DELTA's, or fla."""
     from .delta_reference import TORCH, DeltaKernels, causal_conv1d
     want = want or knobs.choice("MOESTREAM_DELTA", DELTA_KERNELS, "fla")
     if torch.device(device).type != "cuda" or want == "torch" or not fla_available() or triton is None:
         return TORCH
-    if want == "fla-recurrent":
-        return DeltaKernels("fla-recurrent", causal_conv1d, _fla_chunk, _fla_recurrent)
     return DeltaKernels("fla", causal_conv1d, _fla_chunk, _fla_recurrent, in_place=step_in_place_triton)

@@ -15,8 +15,8 @@ do) and waits for nothing but the compute stream's own work.
 The bytes go through a pinned arena of two halves: an upload takes the next bytes of the current half; when one
 half is full the other is taken again, once the work queued before it was left (an event on each stream that
 read it) has run. The arena's address is baked into the launch, so no upload may be captured in a CUDA graph;
-those, arrays over half the arena, and all arrays without CUDA and Triton go by copy call, as they all do under
-`MOESTREAM_HOST_ARRAYS=copy` (a measurement's knob).
+those, arrays over half the arena, and all arrays without CUDA and Triton go by copy call. (MOESTREAM_HOST_ARRAYS=copy,
+every array by copy call for an A/B, was removed at stop 47: bench/RESULTS.md, stop 38.)
 """
 from __future__ import annotations
 
@@ -25,13 +25,11 @@ import threading
 import numpy as np
 import torch
 
-from .. import knobs
 from .decode import triton
 
 HALF_BYTES = 2 << 20          # each half of the pinned arena
 ALIGN = 16                    # every upload starts 16-byte aligned in the arena (and pads to it)
 BLOCK = 1024                  # words (4 bytes) a program copies
-BY_KERNEL = knobs.choice("MOESTREAM_HOST_ARRAYS", ("kernel", "copy"), "kernel") == "kernel"    # copy: the old way
 
 if triton is not None:
     import triton.language as tl
@@ -105,7 +103,7 @@ def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
     a copy call where Triton is missing, or in a graph's capture), elsewhere a plain copy."""
     if device.type != "cuda":
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-    if triton is None or not BY_KERNEL:
+    if triton is None:
         return _by_copy_call(a, device)
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     if device not in _uploads:

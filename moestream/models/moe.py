@@ -63,12 +63,7 @@ def moe_experts(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, 
         land = provider.landing(layer, ids)
         if addrs is None:
             addrs = provider.addresses(layer, ids)
-        part = provider.host_part(layer, x, ids, weights[0], addrs)     # --host-compute: some on the host's cores
-        if part is not None:
-            addrs, compute = part
         out = by_address(x, addrs, weights[0], provider.layout(layer), land)
-        if part is not None:                       # (the kernel is queued: the host computes its part meanwhile)
-            out = out + compute().to(out.device, out.dtype)
         return [_shared(x, lw, cfg, out, fused)]
     w = provider.fetch(layer, ids, guess)
     rows = _bounds(xs)

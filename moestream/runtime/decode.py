@@ -1,13 +1,14 @@
-"""Decode paths: how a decode step runs, chosen once when the engine is set up (and again for a new cache).
+"""Decode paths: how a decode step runs, as the engine's decode plan says (runtime/plan.py: decided once when the
+engine is set up, and again for a new cache).
 
-    path = choose_decode(engine)            # GraphDecode where a step can be captured, else EagerDecode
+    path = decode_path(engine)              # GraphDecode where the plan says graphs, else EagerDecode
     if path.takes(len(steps)):              # (the engine's EagerDecode runs the steps a path does not take)
         logits = path.run(steps, span)      # steps = [(seq, token, position)] -> (B, V) logits
 
 - EagerDecode, the plain path: a step is one eager forward. Its experts are fetched through the providers (the
   host decides between layers: uploads, the cache) or, in a zero-copy step, read where they lie. It is the CPU
-  reference, what --no-zero-copy-decode (with host experts) and --no-cuda-graphs give on CUDA, and the path of
-  every step longer than MAX_TOKENS tokens that has host experts.
+  reference, what --no-cuda-graphs gives on CUDA (and CUDA without Triton, where steps fetch their experts), and
+  the path of every step longer than MAX_TOKENS tokens that has host experts.
 - GraphDecode: one CUDA graph per (batch size, span) (runtime/graphs.py), for steps with no host step inside:
   zero-copy steps of at most MAX_TOKENS tokens on any placement, and every step when all experts are on the GPU.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import experts_reference
 from ..kernels.decode import MAX_TOKENS
 from ..models.transformer import Segment
 from .step_ops import between_ops, step_ops
@@ -93,8 +93,8 @@ class GraphDecode(DecodePath):
     def takes(self, n_tokens: int) -> bool:
         """Host experts: zero-copy steps only (a longer step decides on the host between layers); quantized
         experts too (a longer step dequantizes its experts, which sizes its scratch on the host)."""
-        eng = self.engine
-        return (eng.host is None and not eng.quantized) or n_tokens <= MAX_TOKENS
+        plan = self.engine.plan
+        return plan.graph_all or n_tokens <= plan.max_tokens
 
     @property
     def reports_routing(self) -> bool:
@@ -111,16 +111,7 @@ class GraphDecode(DecodePath):
         return logits
 
 
-def choose_decode(engine) -> DecodePath:
-    """GraphDecode where a step can be captured: CUDA graphs on (--no-cuda-graphs), a model whose steps may be
-    captured, an expert kernel with no host sync (the reference
-    kernel reads its slot counts back), and no host step inside a step (every float expert on the GPU, or
-    zero-copy decode); else EagerDecode. Zero-copy decode's expert kernel runs in eager steps alike."""
-    eng = engine
-    capturable = (eng.ecfg.decode.cuda_graphs and eng.device.is_cuda and eng.model.capturable
-                  and eng.kernel is not experts_reference)      # (a step the host shares runs eagerly: engine.decode)
-    # Quantized experts are dequantized per ubatch (a host sync, to size the scratch) unless decode reads in place.
-    fetch_ok = eng.host is None and not eng.quantized
-    if capturable and (fetch_ok or eng.decode_kernel is not None):
-        return GraphDecode(eng)
-    return EagerDecode(eng)
+def decode_path(engine) -> DecodePath:
+    """GraphDecode where the engine's plan replays steps as CUDA graphs (DecodePlan.graphs), else EagerDecode.
+    Zero-copy decode's expert kernel runs in eager steps alike."""
+    return GraphDecode(engine) if engine.plan.graphs else EagerDecode(engine)

@@ -1,15 +1,16 @@
 """The engine: load a WeightSource, place its weights, and run forwards in ubatches.
 
     src = open_source("synth:tiny")
-    ecfg = flags.apply(EngineConfig(), cpu_moe=True).resolve(src.dtype_of("token_embd.weight"))   # as LLM does
+    ecfg = resolve(flags.apply(EngineConfig(), cpu_moe=True), src.dtype_of("token_embd.weight"))  # runtime/plan.py
     eng = load_engine(src, ecfg)                                  # runtime/load.py builds the engine
     logits = eng.prefill(seq=0, tokens=[1, 2, 3], start=0)        # (1, V): the last token's logits
     logits = eng.decode([(0, token, pos)])                        # (B, V): one token per sequence
 
 Attention, norms, routers, embeddings and the KV cache live on the device; routed experts live on the device or,
 for host layers (--cpu-moe / --n-cpu-moe), in pinned host memory behind an expert provider. On CUDA a decode step
-reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and runs as one CUDA graph; the decode
-path is chosen once, at setup (runtime/decode.py).
+reads each expert where it lies (zero-copy decode, experts/zero_copy.py) and runs as one CUDA graph; how decode
+steps run is the decode plan, decided once at setup (runtime/plan.py) and handed to the engine, which builds its
+decode path from it (runtime/decode.py), and to the host provider.
 
 Hybrid families (Qwen3-Next, Qwen3.5-MoE: models/deltanet.py) keep, besides the KV of their attention layers, a conv
 window and a recurrent state per DeltaNet layer and sequence (runtime/kv_cache.py's HybridCache): a forward's
@@ -18,7 +19,6 @@ prompt reuses a sequence's cache only as an exact continuation (reusable_prefix)
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -28,30 +28,27 @@ from ..config import ModelConfig
 from ..engine_config import EngineConfig
 from ..device import Device
 from ..errors import UserError
-from ..experts.budget import check_cache_fits
-from ..experts.buffered import BufferedCache
-from ..experts.cache import ExpertCache
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
 from ..kernels import AddressBook, pick_decode_kernel
 from ..kernels.decode import MAX_TOKENS
 from ..models.transformer import Batch, MoETransformer, Segment
-from .decode import EagerDecode, choose_decode
+from .decode import EagerDecode, decode_path
 from .kv_cache import KVCache
+from .placement import fit_cache, host_provider
+from .plan import DecodePlan, decode_plan
 from .prompt_batch import segments_of
-from .placement import auto_cache, cache_slots_for, host_provider
 
-log = logging.getLogger("moestream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MiB = 1 << 20
 
 
 class Engine:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, model: MoETransformer, experts, kv: KVCache,
-                 kernel, device: Device, host=None, book: AddressBook | None = None,
+                 kernel, device: Device, plan: DecodePlan, host=None, book: AddressBook | None = None,
                  routing: RoutingStore | None = None, quantized: bool = False):
         self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
-        self.kernel, self.device = kernel, device
-        self.host = host                # the provider of host layers (UploadPerUbatch, ExpertCache or BufferedCache)
+        self.kernel, self.device, self.plan = kernel, device, plan
+        self.host = host                # the HostProvider of host layers (experts/upload.py, cache.py, buffered.py)
         self.dtype = model.lm_head.dtype
         self.quantized = quantized      # expert rows are GGUF blocks, dequantized as kernels read them
         self.book = book or AddressBook()
@@ -63,7 +60,7 @@ class Engine:
         # (the model is not changed after load). Zero-copy decode reads each expert where it lies, on every
         # placement alike (so a cached decode gives the all-GPU bits); None: decode steps fetch their experts.
         layouts = [experts.layout(l) for l in cfg.moe_layers]
-        self.decode_kernel = pick_decode_kernel(ecfg.decode.zero_copy, device.torch, self.dtype, self.book, layouts)
+        self.decode_kernel = pick_decode_kernel(plan.zero_copy, device.torch, self.dtype, self.book, layouts)
         from ..kernels import fused
         # Norms, rotary, cache writes and top-k fused (CUDA), in every decode path alike: the same bits.
         self.fused = fused if fused.fused_available(device.torch, self.dtype, cfg.head_dim) else None
@@ -214,8 +211,7 @@ class Engine:
             part = lambda i: (steps[i:i + MAX_TOKENS], None if tokens is None else tokens[i:i + MAX_TOKENS])
             return torch.cat([self.decode(*part(i)) for i in range(0, len(steps), MAX_TOKENS)])
         span = self.kv.span(max(p for _, _, p in steps) + 1)
-        shared = self.host is not None and self.host.shares_step()      # --host-compute: eager, a sync a layer
-        path = self.decoder if self.decoder.takes(len(steps)) and not shared else self.eager
+        path = self.decoder if self.decoder.takes(len(steps)) else self.eager
         return path.run(steps, span, tokens)
 
     def warm_up_decode(self, n_seq: int) -> None:
@@ -275,15 +271,9 @@ class Engine:
     def stats(self) -> dict:
         """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative)."""
         from ..experts.stats import CacheStats
-        if isinstance(self.host, ExpertCache):
-            self.host.collect_waits()
-        st = self.host.stats if self.host is not None else CacheStats()
+        st = self.host.counters() if self.host is not None else CacheStats()
         total = CacheStats.summary(st.total)
-        cache = None
-        if isinstance(self.host, ExpertCache):
-            cache = {"slots": self.host.n_slots, "policy": self.host.policy_name,
-                     "mib": self.host.n_slots * self.host.store.expert_bytes / MiB,
-                     "buffer": isinstance(self.host, BufferedCache)}   # no --moe-cache-mib: the upload buffer
+        cache = self.host.cache_info() if self.host is not None else None
         return {"cache": cache, "total": total, "prompt": CacheStats.summary(st.prompt),
                 "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
                 "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"]}
@@ -293,12 +283,7 @@ class Engine:
         between forwards, on the thread that owns the engine: the compute that read the last forward's slots is
         queued by then, so its reads are marked first (the next forward would do so before planning anything) and
         only pins that outlive their compute count. At rest it is 0; a pin that never goes away shows here."""
-        if not isinstance(self.host, ExpertCache):
-            return None
-        pool = self.host.slots
-        pool.mark_reads()
-        pool.refresh_pins()
-        return int(pool.residency.pinned.sum())
+        return self.host.pinned_slots() if self.host is not None else None
 
     def reconfigure_cache(self, **changes) -> None:
         """A new expert cache (size, policy, prefetch switches) over the same pinned store, without reloading:
@@ -314,33 +299,24 @@ class Engine:
         self.experts.by_layer = {l: p for l, p in self.experts.by_layer.items() if l not in store.rows}
         if self.device.is_cuda:
             torch.cuda.empty_cache()
-        ecfg = auto_cache(self.cfg, ecfg, self.device, self.dtype, len(store.rows), store.expert_bytes,
-                          self.quantized)                # auto: what is free now, the rest of the model in place
-        n_slots = cache_slots_for(self.cfg, ecfg, len(store.rows), store.expert_bytes)
-        if n_slots is not None:          # the rest of the model is in place: the new pool needs the free memory
-            check_cache_fits(ecfg.cache.mib, n_slots * store.expert_bytes, 0, self.device.free_memory(),
-                             self.device.name)
+        plan = decode_plan(ecfg, self.device.is_cuda, self.quantized, True, self.model.capturable)
+        # auto: what is free now; the rest of the model is in place: the new pool needs the free memory
+        ecfg, n_slots = fit_cache(self.cfg, ecfg, plan, self.device, self.dtype, set(store.rows), store.layouts,
+                                  store.expert_bytes)
         self.routing.clear_prompts()         # the new cache learns the prompts' routing from scratch
-        self.host = host_provider(self.cfg, ecfg, store, self.device, n_slots, self.routing)
+        self.host = host_provider(self.cfg, ecfg, plan, store, self.device, n_slots, self.routing)
         self.experts.by_layer.update({l: self.host for l in store.rows})
-        self.ecfg = ecfg
+        self.ecfg, self.plan = ecfg, plan
         self._setup_decode()
 
     def _setup_decode(self) -> None:
-        """Choose the decode path (runtime/decode.py), with a cache's zero-copy decode under it. A new cache gets a
-        new path: its graphs read the new cache's tables."""
-        zero_copy_cache = isinstance(self.host, ExpertCache) and self.decode_kernel is not None
-        if self.ecfg.decode.host_share and not zero_copy_cache:
-            log.warning("--host-compute applies to zero-copy decode over a cache of host experts (CUDA, --cpu-moe or "
-                        "--n-cpu-moe, --moe-cache-mib): ignored here")
-        if zero_copy_cache:
-            staged = self.ecfg.decode.stages(self.quantized)
-            once = staged or not self.quantized    # (quantized rows land and are read once a step only staged)
-            self.host.enable_zero_copy(MAX_TOKENS, self.ecfg.decode.lands(self.quantized), reads_once=once,
-                                       staged=staged, host_share=self.ecfg.decode.host_share)
-        for rows in self.host.device_rows() if self.host is not None else ():
-            self.book.add(rows)              # what decode kernels read by address (the plain-torch one through it)
-        self.decoder = choose_decode(self)
+        """The host provider takes the decode plan (a cache's zero-copy decode), then the decode path is built from
+        it (runtime/decode.py). A new cache gets a new path: its graphs read the new cache's tables."""
+        if self.host is not None:
+            self.host.use_plan(self.plan)
+            for rows in self.host.device_rows():
+                self.book.add(rows)          # what decode kernels read by address (the plain-torch one through it)
+        self.decoder = decode_path(self)
 
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
         """Change -b/-ub without reloading (they change how prompts are cut, not where weights live)."""

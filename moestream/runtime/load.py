@@ -28,8 +28,8 @@ from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
 from .kv_cache import make_cache
-from .placement import (auto_cache, cache_slots_for, check_device_fits, device_bytes, host_provider,
-                        slot_bytes)
+from .placement import fit_cache, host_provider
+from .plan import decode_plan
 
 log = logging.getLogger("moestream")
 
@@ -37,7 +37,7 @@ log = logging.getLogger("moestream")
 def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says."""
     if not ecfg.resolved:
-        raise ValueError("load_engine takes a resolved EngineConfig: ecfg.resolve(file_dtype) first")
+        raise ValueError("load_engine takes a resolved EngineConfig: runtime.plan.resolve(ecfg, file_dtype) first")
     cfg: ModelConfig = source.config
     dev = Device.resolve(ecfg.placement.device)
     dtype = DTYPES[ecfg.placement.dtype]
@@ -49,11 +49,8 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     quantized = any(lay.quantized for lay in layouts.values())
     row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
     width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
-    slot = slot_bytes(layouts, host, dtype)
-    ecfg = auto_cache(cfg, ecfg, dev, dtype, len(host), slot, quantized,             # --moe-cache-mib auto, in MiB
-                      rest=device_bytes(cfg, ecfg, dtype, host, layouts))
-    n_slots = cache_slots_for(cfg, ecfg, len(host), slot)
-    check_device_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)
+    plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), MoETransformer.capturable)  # how decode steps run
+    ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)       # (--moe-cache-mib auto: in MiB)
 
     names = dense_names(cfg)
     moe = cfg.moe_layers
@@ -89,7 +86,7 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, ours
     if host_rows:
         store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
-        hosted = host_provider(cfg, ecfg, store, dev, n_slots, routing)
+        hosted = host_provider(cfg, ecfg, plan, store, dev, n_slots, routing)
         providers.update({l: hosted for l in host_rows})
         log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                  len(host_rows), store.nbytes / MiB, len(dev_rows))
@@ -102,5 +99,4 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     book = AddressBook()
     for rows in (*dev_rows.values(), *host_rows.values()):
         book.add(rows)
-    return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, hosted, book, routing,
-                  quantized)
+    return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, plan, hosted, book, routing, quantized)

@@ -2,11 +2,9 @@
 or the upload rows kept as the smallest cache), the cache's slots, and whether the device's part of a placement
 fits, checked before anything is loaded.
 
-    ecfg = auto_cache(cfg, ecfg, dev, dtype, len(host), slot, quantized, rest=device_bytes(cfg, ecfg, dtype, host,
-                      layouts))                                           # --moe-cache-mib auto: a number of MiB
-    n_slots = cache_slots_for(cfg, ecfg, len(host), slot_bytes(layouts, host, dtype))    # None: no cache
-    check_device_fits(cfg, ecfg, dev, dtype, host, n_slots, layouts)    # UserError naming what does not fit
-    provider = host_provider(cfg, ecfg, store, dev, n_slots, routing)
+    ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)  # auto in MiB; None: no cache; UserError
+    provider = host_provider(cfg, ecfg, plan, store, dev, n_slots, routing)
+    ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts, store.expert_bytes)   # a new cache
 """
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ from ..arch.names import dense_numel
 from ..quant.layout import ExpertLayout
 from .kv_cache import cache_nbytes
 from .memory import AUTO_RESERVE, auto_cache_mib, context_that_fits, fewer_sequences
+from .plan import DecodePlan
 
 log = logging.getLogger("moestream")
 
@@ -36,18 +35,17 @@ MiB = 1 << 20
 SECOND_ROWS_FREE = 2 << 30     # no cache: a second set of upload rows only where this much stays free
 
 
-def host_provider(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: Device, n_slots: int | None,
-                   routing: RoutingStore):
+def host_provider(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, store: ExpertStore, dev: Device,
+                  n_slots: int | None, routing: RoutingStore):
     """No cache: uploads per ubatch, into rows that zero-copy decode keeps as the smallest cache (buffered.py) where
-    it runs and gains (buffer_decodes); or the expert cache with its copy stream and prefetcher."""
+    the plan has it and it gains (buffer_decodes); or the expert cache with its copy stream and prefetcher."""
     args = (cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch, sorted(store.rows),
             ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
     if n_slots is None:
         second = second_rows(cfg, ecfg, store, dev)
-        if ecfg.decode.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used,
-                                                    ecfg.decode.lands(store.quantized)):
+        if plan.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used, plan.lands):
             return BufferedCache(store, *args, second=second)
-        return UploadPerUbatch(store, cfg.n_experts, dev, cfg.n_experts_used, ecfg.decode.stages(store.quantized),
+        return UploadPerUbatch(store, cfg.n_experts, dev, cfg.n_experts_used, plan.staged,
                                second=second, prefetch=ecfg.cache.prefetch)
     log.info("moe cache: %.0f MiB = %d slots of %.1f MB (%s policy)", n_slots * store.expert_bytes / MiB, n_slots,
              store.expert_bytes / 1e6, ecfg.cache.policy)
@@ -65,14 +63,28 @@ def second_rows(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: D
     return second and len(store.rows) > 1
 
 
-def cache_slots_for(cfg: ModelConfig, ecfg: EngineConfig, n_host_layers: int, expert_bytes: int) -> int | None:
-    """The expert cache's slots for this model and config (experts/budget.py), None for no cache."""
-    return cache_slots(ecfg.cache.mib, expert_bytes, cfg.n_experts, n_host_layers,
-                       ecfg.batching.ubatch * cfg.n_experts_used)
+def fit_cache(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, dev: Device, dtype: torch.dtype,
+              host: set[int], layouts: dict[int, ExpertLayout],
+              slot: int | None = None) -> tuple[EngineConfig, int | None]:
+    """The slots-and-fit sequence of a new pool, at load and for a new cache (Engine.reconfigure_cache): `ecfg`
+    with --moe-cache-mib auto made a number of MiB (auto_cache), and the expert cache's slots (experts/budget.py;
+    None: no cache), refused with a UserError where they do not fit the device: at load, with everything else the
+    device will hold (check_device_fits, before anything is loaded); over a loaded model (the old cache gone:
+    `slot`, the store's expert bytes, given), the pool alone in the free memory."""
+    loaded = slot is not None
+    slot = slot if loaded else slot_bytes(layouts, host, dtype)
+    rest = 0 if loaded else device_bytes(cfg, ecfg, dtype, host, layouts)       # the rest of the model: in place
+    ecfg = auto_cache(cfg, ecfg, plan, dev, dtype, len(host), slot, rest)
+    n_slots = cache_slots(ecfg.cache.mib, slot, cfg.n_experts, len(host), ecfg.batching.ubatch * cfg.n_experts_used)
+    if not loaded:
+        check_device_fits(cfg, ecfg, plan, dev, dtype, host, n_slots, layouts)
+    elif n_slots is not None:
+        check_cache_fits(ecfg.cache.mib, n_slots * slot, 0, dev.free_memory(), dev.name)
+    return ecfg, n_slots
 
 
-def auto_cache(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, n_host_layers: int,
-               slot: int, quantized: bool, rest: int = 0) -> EngineConfig:
+def auto_cache(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, dev: Device, dtype: torch.dtype,
+               n_host_layers: int, slot: int, rest: int = 0) -> EngineConfig:
     """`ecfg` with --moe-cache-mib auto made the MiB the device has left (memory.auto_cache_mib), logged; `ecfg`
     itself for a number, or with no host layer (no cache). rest: what the model still places on the device
     (device_bytes; 0 for a new cache over a loaded model). On the CPU, auto is 0, the smallest pool: the experts
@@ -83,7 +95,7 @@ def auto_cache(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.d
         log.info("moe cache: auto = 0 MiB on %s (the smallest pool: the experts are in this memory already)",
                  dev.name)
         return ecfg.updated({"cache.mib": 0})
-    if ecfg.decode.stages(quantized):
+    if plan.staged:
         rest += staging_bytes(slot, cfg.n_experts_used)      # the staged host reads' rows, beside the pool
     scratch = cfg.n_experts * cfg.expert_numel * torch.empty((), dtype=dtype).element_size()
     free = dev.free_memory()
@@ -109,8 +121,8 @@ def slot_bytes(layouts: dict[int, ExpertLayout], host: set[int], dtype: torch.dt
     return max((layouts[l].row_bytes_for(dtype) for l in host), default=0)
 
 
-def check_device_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: torch.dtype, host: set[int],
-                n_slots: int | None, layouts: dict[int, ExpertLayout]) -> None:
+def check_device_fits(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, dev: Device, dtype: torch.dtype,
+                      host: set[int], n_slots: int | None, layouts: dict[int, ExpertLayout]) -> None:
     """Refuse, before loading anything, a placement whose device part cannot fit in free device memory."""
     if not dev.is_cuda:
         return
@@ -134,7 +146,7 @@ def check_device_fits(cfg: ModelConfig, ecfg: EngineConfig, dev: Device, dtype: 
     slot = slot_bytes(layouts, host, dtype)
     if host:
         pool = (n_slots if n_slots is not None else cfg.n_experts) * slot   # the cache or upload buffer
-        if ecfg.decode.stages(any(lay.quantized for lay in layouts.values())):
+        if plan.staged:
             pool += staging_bytes(slot, cfg.n_experts_used)         # the staged host reads' scratch rows
     if n_slots is not None:
         check_cache_fits(ecfg.cache.mib, pool, rest, free, dev.name)

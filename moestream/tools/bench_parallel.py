@@ -40,7 +40,7 @@ from . import report
 from .bench_common import ints, placement, release_memory, scalar
 from .report import Col, na
 
-KEYS = ("hits", "misses", "uploaded_bytes", "copies", "host_reads", "host_read_bytes", "host_computed")
+KEYS = ("hits", "misses", "uploaded_bytes", "copies", "host_reads", "host_read_bytes")
 SEQ_STRIDE = 104729                    # a prime: sequence s's prompt seed is sequence 0's + s * SEQ_STRIDE
 
 
@@ -152,8 +152,7 @@ def summarise(test: ParallelTest, runs: list[dict]) -> dict:
         lookups = c["hits"] + c["misses"]
         row |= {f"{phase}_hit_rate": c["hits"] / lookups if lookups else None,
                 f"{phase}_uploaded_gb": c["uploaded_bytes"] / 1e9, f"{phase}_copies": c["copies"],
-                f"{phase}_host_reads": c["host_reads"], f"{phase}_host_read_gb": c["host_read_bytes"] / 1e9,
-                f"{phase}_host_computed": c["host_computed"]}             # --host-compute: the host's experts
+                f"{phase}_host_reads": c["host_reads"], f"{phase}_host_read_gb": c["host_read_bytes"] / 1e9}
     per_step = lambda v: v / tg if tg else None
     row |= {"ms_per_step": per_step(row["t_tg"] * 1e3), "host_read_gb_per_step": per_step(row["tg_host_read_gb"]),
             "uploaded_gb_per_step": per_step(row["tg_uploaded_gb"]),
