@@ -3,7 +3,8 @@
 # leaves its logs under $OUT (at most 8 files come back from there: no suite writes more). bench/RESULTS.md is the
 # dated record of what they measured; this script only says how.
 #
-#   bash bench/gpu.sh tests   [PYTEST ARGS]  the `cuda` tests (python3 -m pytest -m cuda -q), one pytest a file so
+#   bash bench/gpu.sh tests   [PYTEST ARGS]  the `cuda` tests (python3 -m pytest -m cuda -q, without pyproject's addopts:
+#                                            the GPU machine has no pytest-xdist), one pytest a file so
 #                                            that a file's failures are printed even when the suite runs out of
 #                                            time (one process with the arguments given instead, if any)
 #   bash bench/gpu.sh rows    [BENCH FLAGS]  the reference GGUF's `moestream bench` rows, pp4096 and tg64, -r 2: all
@@ -120,7 +121,7 @@ healthy() {        # wait up to $1 s for the server on port 8080 to answer /heal
 
 tests() {
   if [ $# -gt 0 ]; then
-    timeout 420 python3 -m pytest -m cuda -q -rf --tb=short "$@" > "$OUT/cuda_tests.log" 2>&1
+    timeout 420 python3 -m pytest -o addopts="" -m cuda -q -rf --tb=short "$@" > "$OUT/cuda_tests.log" 2>&1
     echo "cuda tests: exit $?"; tail -25 "$OUT/cuda_tests.log"; return
   fi
   local f end=$((SECONDS + 540))
@@ -128,7 +129,7 @@ tests() {
   for f in $(grep -l "mark.cuda" tests/test_*.py); do      # (the files with cuda tests, in the suite's order)
     if [ $SECONDS -ge $end ]; then echo "$f: not run (out of time)" | tee -a "$OUT/cuda_tests.log"; continue; fi
     echo "## $f" >> "$OUT/cuda_tests.log"
-    timeout $((end - SECONDS)) python3 -m pytest -m cuda -q -rf --tb=short -p no:cacheprovider "$f" \
+    timeout $((end - SECONDS)) python3 -m pytest -o addopts="" -m cuda -q -rf --tb=short -p no:cacheprovider "$f" \
       >> "$OUT/cuda_tests.log" 2>&1
     echo "$f: exit $? $(tail -1 "$OUT/cuda_tests.log")"
   done

@@ -24,6 +24,8 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every test must run: {report.longrepr}"
 
+
+@pytest.hookimpl(optionalhook=True)      # (a hook of pytest-xdist's: without it installed, pytest knows no such hook)
 def pytest_xdist_auto_num_workers(config):
     """addopts' -n auto: xdist's count (a worker a core) for the CPU suite; one process for `-m cuda`, whose tests
     share one GPU and read its free memory and timings."""
