@@ -209,7 +209,7 @@ QWEN_LIKE = ("{%- for message in messages %}{%- if message.role == 'system' or m
 
 
 def test_template_roles():
-    from moestream.server.app import template_roles
+    from moestream.server.prompts import template_roles
     assert template_roles(QWEN_LIKE) == {"system", "user", "assistant", "tool"}
     assert template_roles("{{ messages[0]['role'] }}") == set()              # writes any role: no check
 

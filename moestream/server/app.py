@@ -4,7 +4,7 @@ Prometheus /metrics and /health.
     app = create_app(loader=lambda: LLM("synth:tiny", n_seq=4), n_slots=4)    # loads in the background
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
-Requests are tokenized here and handed to the scheduler thread (runtime/scheduler.py), which owns the engine; its events
+Requests are tokenized (prompts.py) and handed to the scheduler thread (runtime/scheduler.py), which owns the engine; its events
 come back through the event loop (call_soon_threadsafe) into one asyncio.Queue per HTTP request. A client that goes
 away cancels its requests: the scheduler frees their slots before its next forward.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 import time
 
@@ -28,21 +27,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import UserError
-from ..runtime.sampling import SamplingParams
 from ..runtime.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from . import openai_format as fmt
 from .guard import Guard
 from .metrics import CONTENT_TYPE, ServerMetrics, engine_snapshot
-from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, validation_message
+from .prompts import chat_prompt, check_ids, encode, params, tokenizer
+from .schemas import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
+                      validation_message)
 
 log = logging.getLogger("moestream.server")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
 
 
 def _shutting_down() -> ApiError:
@@ -150,7 +143,7 @@ def create_app(llm=None, *, loader=None, sched: SchedulerConfig | None = None, a
         llm, _ = st.ready()
         st.model_for(body)
         texts = body.prompts()
-        prompts = [await run_in_threadpool(_encode, llm, p) for p in texts]
+        prompts = [await run_in_threadpool(encode, llm, p) for p in texts]
         echo = [p if isinstance(p, str) else fmt.detok(llm.tokenizer, ids) for p, ids in zip(texts, prompts)] \
             if body.echo else None
         return await _serve(st, request, body, prompts, "text", echo=echo, default_max=16)
@@ -162,13 +155,13 @@ def create_app(llm=None, *, loader=None, sched: SchedulerConfig | None = None, a
         if llm.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
                                 "token ids (prompt: [1, 2, 3])", param="messages")
-        prompt = await run_in_threadpool(_chat_prompt, llm, body)
+        prompt = await run_in_threadpool(chat_prompt, llm, body)
         return await _serve(st, request, body, [prompt], "chat", default_max=None)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         llm, _ = st.ready()
-        tok = _tokenizer(llm)
+        tok = tokenizer(llm)
         ids = await run_in_threadpool(tok.encode, body.content, body.add_special)
         if body.with_pieces:
             return {"tokens": [{"id": i, "piece": tok.token_to_piece(i)} for i in ids]}
@@ -177,8 +170,8 @@ def create_app(llm=None, *, loader=None, sched: SchedulerConfig | None = None, a
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         llm, _ = st.ready()
-        tok = _tokenizer(llm)
-        _check_ids(llm, body.tokens, "tokens")
+        tok = tokenizer(llm)
+        check_ids(llm, body.tokens, "tokens")
         return {"content": await run_in_threadpool(tok.decode, body.tokens)}
 
     @app.get("/slots")
@@ -206,111 +199,12 @@ def create_app(llm=None, *, loader=None, sched: SchedulerConfig | None = None, a
                  on_shutdown=st.begin_shutdown)
 
 
-# --- prompts ---------------------------------------------------------------------------------------------------------
-def _encode(llm, prompt) -> list[int]:
-    if isinstance(prompt, str) and llm.tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer: give the prompt as token ids (prompt: [1, 2, 3])",
-                       param="prompt")
-    ids = llm.encode(prompt)                 # UserError (-> 400) for ids outside the vocabulary
-    if not ids:
-        raise ApiError(400, "the prompt is empty: give at least one token", param="prompt")
-    return ids
-
-
-def _chat_prompt(llm, body: ChatRequest) -> list[int]:
-    tok = llm.tokenizer
-    msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-    _check_messages(msgs, tok.chat_template)
-    reserved = {"messages", "tools", "add_generation_prompt"}
-    extra = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k.isidentifier() and k not in reserved}
-    try:
-        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tools=body.tools, **extra)
-    except UserError:
-        raise
-    except Exception as e:                   # a template tripping on unusual input is the input's fault
-        raise ApiError(400, f"the chat template failed on these messages: {e}", param="messages") from None
-    ids = tok.encode(text, add_special_tokens=False)
-    if not ids:
-        raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
-    return ids
-
-
-_ROLE_TESTS = (re.compile(r"""role['"]?\]?\s*[!=]=\s*['"]([\w-]+)['"]"""),        # message.role == 'user'
-               re.compile(r"""['"]([\w-]+)['"]\s*[!=]=\s*\w+(?:\.role|\[['"]role['"]\])"""))   # 'user' == m.role
-_ROLE_LISTS = re.compile(r"""role['"]?\]?\s+(?:not\s+)?in\s*[\[(]([^\])]*)[\])]""")        # role in ['a', 'b']
-
-
-def template_roles(template: str | None) -> set[str]:
-    """The roles a chat template tells apart; empty for a template that writes any role as it is (chatml's)."""
-    if not template:
-        return set()
-    roles = {m for rx in _ROLE_TESTS for m in rx.findall(template)}
-    for group in _ROLE_LISTS.findall(template):
-        roles.update(re.findall(r"""['"]([\w-]+)['"]""", group))
-    return roles
-
-
-def _check_messages(msgs: list[dict], template: str | None) -> None:
-    """400s naming the field, for what a template would trip on or silently drop: a message without content
-    (only an assistant message calling tools may have none) and a role the template does not know. OpenAI's newer
-    `developer` role is `system` for a template that knows only that."""
-    roles = template_roles(template)
-    for i, m in enumerate(msgs):
-        if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):
-            raise ApiError(400, f"messages[{i}].content: a {m['role']} message needs content (null is only for an "
-                                "assistant message with tool_calls)", param=f"messages[{i}].content")
-        if roles and m["role"] not in roles:
-            if m["role"] == "developer" and "system" in roles:
-                m["role"] = "system"
-                continue
-            raise ApiError(400, f"messages[{i}].role: {m['role']!r} is not a role this model's chat template knows "
-                                f"({', '.join(sorted(roles))})", param=f"messages[{i}].role")
-
-
-def _tokenizer(llm):
-    if llm.tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer")
-    return llm.tokenizer
-
-
-def _check_ids(llm, ids, param) -> None:
-    V = llm.model_config.vocab_size
-    bad = [i for i in ids if not 0 <= i < V]
-    if bad:
-        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{V - 1})", param=param)
-
-
-def _params(llm, body, n_prompt: int, default_max: int | None, i: int) -> SamplingParams:
-    ctx, chat = llm.engine.kv.ctx, isinstance(body, ChatRequest)
-    if n_prompt >= ctx:
-        raise ApiError(400, f"the prompt has {n_prompt} tokens but the context is {ctx} (-c): shorten it",
-                       param="messages" if chat else "prompt", code="context_length_exceeded")
-    asked = (body.max_completion_tokens if chat else None) or body.max_tokens
-    if asked is not None and n_prompt + asked > ctx:
-        raise ApiError(400, f"this model's context is {ctx} tokens, but you asked for {n_prompt + asked} "
-                            f"({n_prompt} in the prompt, {asked} to generate)", param="max_tokens",
-                       code="context_length_exceeded")
-    max_tokens = asked if asked is not None else min(default_max or ctx, ctx - n_prompt)
-    seed = body.seed
-    if seed is not None and i:               # n > 1: each choice its own stream, all reproducible
-        seed = (seed + i + (1 << 63)) % (1 << 64) - (1 << 63)
-    try:
-        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                              top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
-                              min_p=body.min_p or 0.0, seed=seed, stop=body.stops,
-                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                              repeat_penalty=body.repeat_penalty, repeat_last_n=body.repeat_last_n)
-    except UserError as e:
-        raise ApiError(400, str(e)) from None
-
-
 # --- serving one completion request ------------------------------------------------------------------------------
 async def _serve(st: State, http: HttpRequest, body, prompts: list[list[int]], kind: str, echo=None,
                  default_max: int | None = 16):
     llm, sched = st.ready()
     if body.stop_token_ids:
-        _check_ids(llm, body.stop_token_ids, "stop_token_ids")
+        check_ids(llm, body.stop_token_ids, "stop_token_ids")
     n_logprobs = fmt.logprobs_wanted(body, kind)
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -321,7 +215,7 @@ async def _serve(st: State, http: HttpRequest, body, prompts: list[list[int]], k
     for ids in prompts:                      # choice i is prompt i // n, sample i % n (OpenAI's order)
         for _ in range(body.n):
             i = len(reqs)
-            reqs.append(Request(ids, _params(llm, body, len(ids), default_max, i), emit, index=i,
+            reqs.append(Request(ids, params(llm, body, len(ids), default_max, i), emit, index=i,
                                 logprobs=n_logprobs, cache_prompt=body.cache_prompt, stream=body.stream))
     if len(reqs) > st.max_queue + st.n_slots:     # could never be queued whole: the request's fault, not load
         raise ApiError(400, f"{len(reqs)} choices (prompts x n) in one request, but this server takes at most "

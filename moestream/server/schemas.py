@@ -225,3 +225,10 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
                code: str | int | None = None) -> dict:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
