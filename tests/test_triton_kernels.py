@@ -88,7 +88,10 @@ def grouped(T, k, E, shared):
     share its step; close to the per-choice kernel."""
     from moestream.kernels.decode import experts_by_address
     from moestream.kernels.reference import AddressBook, experts_by_address_reference
-    H, I = 48, 20                               # not powers of two: the masks
+    # Not powers of two: the masks (H in a gate/up and combine tile of 16, I in a down tile of 8, and I = 6 in
+    # gate/up tiles of 2 rows). Small, since the interpreter runs T k (I / 2 + H / 4) programs a call: the loops
+    # over H and I take one step at any H and I (the tiles are fit to them, kernels/decode_tiles.py).
+    H, I = 12, 6
     g = torch.Generator().manual_seed(T * 100 + E)
     rows = torch.randn(E, 3 * I * H, generator=g)
     perm = torch.randperm(E, generator=g)
@@ -218,9 +221,13 @@ def gated_attention(nh, nkv, hd, rd, n=256):
 
 def hybrid_decode():
     """synth:tiny-next's decode steps (tests/batched.py's join_and_leave) with every fused kernel, the gated
-    attention's and the shared expert's among them, against its eager steps; prompts run none."""
+    attention's and the shared expert's among them, against its eager steps; prompts run none. The plain GEMVs
+    (linear, norm_linear: the projections and the vocabulary's head, 2/3 of this check's interpreted time) are
+    tests/test_gemv.py's interpreter checks, and tests/test_decode_paths.py's torch stand-ins here: this check
+    interprets the rest (the gated attention's, the shared expert's, add_rms_norm and norm_route) in the model."""
     import types
     from batched import join_and_leave
+    from test_decode_paths import _stand_in_fused
     from moestream import LLM
     from moestream.kernels import fused
 
@@ -228,10 +235,12 @@ def hybrid_decode():
         eng, calls = LLM("synth:tiny-next", device="cpu", ctx_size=128, n_seq=2).engine, []
         assert eng.fused is None                    # no CUDA: the engine leaves them out; here they are put in
         if with_fused:
+            gemvs = _stand_in_fused(calls)
             counted = lambda name: lambda *a: (calls.append(name), getattr(fused, name)(*a))[1]
-            eng.fused = types.SimpleNamespace(**{n: counted(n) for n in ("gated_qk_rope_kv", "decode_attention",
-                                                                           "add_rms_norm", "linear", "norm_linear",
-                                                                           "norm_route", "shared_expert")})
+            eng.fused = types.SimpleNamespace(linear=gemvs.linear, norm_linear=gemvs.norm_linear,
+                                              **{n: counted(n) for n in ("gated_qk_rope_kv", "decode_attention",
+                                                                         "add_rms_norm", "norm_route",
+                                                                         "shared_expert")})
         return join_and_leave(eng), calls
     (eager, _), (out, calls) = run(False), run(True)
     steps = 8                                       # join_and_leave's decode steps
