@@ -296,8 +296,9 @@ def _one_line_error(code, err, needle):
 
 
 BAD = [
-    (["synth:tiny", "{out}", "IQ2_XXS"], "Q8_0, Q4_0"),
-    (["synth:tiny", "{out}", "Q2_K_S"], "importance matrix"),
+    (["synth:tiny", "{out}", "Q9_K"], "Q8_0, Q4_0"),                  # an unknown type: the list of those written
+    (["synth:tiny", "{out}", "IQ2_XXS"], "importance matrix"),
+    (["synth:tiny", "{out}", "Q2_K_S"], "needs an importance matrix"),
     (["synth:tiny", "{existing}", "Q8_0"], "already exists"),
     (["/no/such/model", "{out}", "Q8_0"], "model not found"),
     (["synth:nope", "{out}", "Q8_0"], "synth preset"),
