@@ -1,7 +1,7 @@
 """What the engine is told: one frozen dataclass per concern, validated where it is made (a model's own config is
 config.py). Each field is documented once, here; flags.py maps every command-line flag (and LLM's flat keyword) to
-one of them. "auto" values are decided by runtime/plan.py's resolve, before Engine.load, which takes resolved
-configs only. Plain data: it decides nothing (no kernel, no device).
+one of them. "auto" values are decided by runtime/plan.py's resolve, before runtime/load.py's load_engine, which
+takes resolved configs only. Plain data: it decides nothing (no kernel, no device).
 
     eng = EngineConfig(placement=Placement(cpu_moe=True), batching=Batching(ubatch_size=512))
     eng = flags.apply(EngineConfig(), cpu_moe=True, ubatch_size=512)       # the same, by flat names (flags.py)
@@ -145,7 +145,7 @@ class EngineConfig:
 
     @property
     def resolved(self) -> bool:
-        """Whether every "auto" is decided (what Engine.load takes: runtime/plan.py's resolve decides them)."""
+        """Whether every "auto" is decided (what load_engine takes: runtime/plan.py's resolve decides them)."""
         return (self.placement.device != "auto" and self.placement.dtype != "auto" and self.kernel != "auto"
                 and self.decode.zero_copy is not None)
 
