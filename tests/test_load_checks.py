@@ -12,11 +12,10 @@ import json
 import shutil
 
 import gguf
-import numpy as np
 import pytest
 import torch
-from gguf import GGUFValueType
 
+from gguf_edit import rewrite_gguf
 from moestream import LLM
 from moestream.cli import main
 from moestream.errors import UserError
@@ -82,29 +81,10 @@ def test_a_config_that_matches_opens_and_reads_as_before(tiny_hf):
     assert torch.equal(src.tensor("blk.1.attn_q.weight"), synth.tensor("blk.1.attn_q.weight"))
 
 
-def _rewrite(src, out, change: dict):
-    """A copy of a GGUF with metadata keys changed ({key: value}, the value's type kept; None deletes it; a new
-    key is written as given, a list as an array)."""
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or (key in change and change[key] is None):
-            continue
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(key, change.get(key, f.contents()), f.types[0], sub)
-    for key, v in change.items():
-        if key not in r.fields and v is not None:
-            w.add_array(key, v) if isinstance(v, list) else w.add_uint32(key, v)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    return out
-
-
 def test_a_gguf_whose_expert_count_disagrees_is_one_line_at_open(tmp_path, monkeypatch):
     """The same check, shared: the GGUF's keys against its tensor table, before any tensor's data is read."""
     path = write_gguf(SynthSource.from_spec("tiny"), tmp_path / "tiny.gguf")
-    bad = _rewrite(path, tmp_path / "bad.gguf", {"qwen3moe.expert_count": 8})
+    bad = rewrite_gguf(path, tmp_path / "bad.gguf", {"qwen3moe.expert_count": 8})
     monkeypatch.setattr("moestream.loading.gguf._to_torch", lambda *a: pytest.fail("data read before the check"))
     with pytest.raises(UserError) as e:
         GGUFSource(bad)
@@ -136,11 +116,11 @@ def test_recurrent_layers_win_over_full_attention_interval(tmp_path):
     nxt = SynthSource.from_spec("tiny-next")
     odd = SynthSource(nxt.config.replace(layer_types=ODD_TYPES), tokenizer=nxt.tokenizer)
     path = write_gguf(odd, tmp_path / "odd.gguf")
-    both = _rewrite(path, tmp_path / "both.gguf", {"qwen3next.full_attention_interval": 2})
+    both = rewrite_gguf(path, tmp_path / "both.gguf", {"qwen3next.full_attention_interval": 2})
     assert GGUFSource(both).config.layer_types == ODD_TYPES
-    blocks = _rewrite(path, tmp_path / "mtp.gguf", {"qwen3next.block_count": 5, "qwen3next.nextn_predict_layers": 1,
-                                                    "qwen3next.attention.recurrent_layers": [0, 1, 1, 0, 0]})
+    blocks = rewrite_gguf(path, tmp_path / "mtp.gguf", {"qwen3next.block_count": 5, "qwen3next.nextn_predict_layers": 1,
+                                                         "qwen3next.attention.recurrent_layers": [0, 1, 1, 0, 0]})
     assert GGUFSource(blocks).config.layer_types == ODD_TYPES        # one flag a block, the MTP block's too
-    short = _rewrite(path, tmp_path / "short.gguf", {"qwen3next.attention.recurrent_layers": [0, 1, 1]})
+    short = rewrite_gguf(path, tmp_path / "short.gguf", {"qwen3next.attention.recurrent_layers": [0, 1, 1]})
     with pytest.raises(UserError, match="attention.recurrent_layers .* for block_count 4"):
         GGUFSource(short)

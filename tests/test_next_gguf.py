@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFValueType
 
 import gguf
+from gguf_edit import rewrite_gguf
 from moestream import LLM, UserError
 from moestream.loading.gguf import GGUFSource
 from moestream.loading.gguf_write import write_gguf
@@ -205,24 +205,6 @@ def test_moestream_quantize_q4_k_m_keeps_k_quant_experts(tmp_path):
 
 # --- keys ---------------------------------------------------------------------------------------------------------
 
-def _rewrite(src: str, out, change: dict) -> str:
-    """A copy of a GGUF with metadata keys changed ({key: value}, the value's type kept; None deletes the key;
-    a new key is written as uint32)."""
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or (key in change and change[key] is None):
-            continue
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(key, change.get(key, f.contents()), f.types[0], sub)
-    for key, v in change.items():
-        if key not in r.fields and v is not None:
-            w.add_uint32(key, v)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    return str(out)
-
 
 @pytest.mark.parametrize("change, named", [
     ({"ssm.state_size": None}, "lacks metadata key qwen35moe.ssm.state_size"),
@@ -235,7 +217,7 @@ def _rewrite(src: str, out, change: dict) -> str:
     ({"ssm.group_count": 1}, "tensor blk.0.attn_qkv.weight has shape (128, 64) but qwen35moe.ssm.group_count 1, "),
 ])
 def test_a_missing_or_bad_key_is_one_line(q35, tmp_path, change, named):
-    path = _rewrite(q35[2], tmp_path / "bad.gguf", {f"{ARCH}.{k}": v for k, v in change.items()})
+    path = rewrite_gguf(q35[2], tmp_path / "bad.gguf", {f"{ARCH}.{k}": v for k, v in change.items()})
     with pytest.raises(UserError) as e:
         LLM(path, **KW)
     assert named in str(e.value) and "\n" not in str(e.value)
@@ -245,7 +227,7 @@ def test_multi_token_prediction_blocks_are_not_read(q35, tmp_path):
     """llama.cpp's converter counts Qwen3.5's MTP layers in block_count and says how many in nextn_predict_layers."""
     f32 = q35[2]
     n = GGUFSource(f32).config.n_layers
-    path = _rewrite(f32, tmp_path / "mtp.gguf", {f"{ARCH}.block_count": n + 1, f"{ARCH}.nextn_predict_layers": 1})
+    path = rewrite_gguf(f32, tmp_path / "mtp.gguf", {f"{ARCH}.block_count": n + 1, f"{ARCH}.nextn_predict_layers": 1})
     assert GGUFSource(path).config == GGUFSource(f32).config
 
 
