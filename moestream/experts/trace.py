@@ -166,7 +166,21 @@ def load_trace(path: str) -> Trace:
         if "begun" in a and len(ubs):
             begun = split(a, "begun_counts", "begun", len(ubs))
     quantized = len(meta) > 3 and bool(meta[3])            # (older traces: float experts)
+    if ubs is not None:
+        ubs, step_seqs, begun = _dense_sequences(ubs, step_seqs, begun)
     return Trace(layers, ids, n_layers, n_experts, int(meta[2]), ub_of, ubs, guesses, quantized, step_seqs, begun)
+
+
+def _dense_sequences(ubs: np.ndarray, step_seqs: list | None, begun: list | None):
+    """The trace's sequence ids renumbered 0, 1, ... in their order: the replayed cache keeps state per sequence
+    number, and a recorded id (a server's request counter, or a damaged file's) may be any size."""
+    parts = [ubs[:, 0], *(p for p in step_seqs or () if p is not None), *(begun or ())]
+    ids = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+    dense = lambda p: None if p is None else np.searchsorted(ids, p).astype(np.int64)    # noqa: E731
+    ubs = ubs.copy()
+    ubs[:, 0] = dense(ubs[:, 0])
+    return (ubs, None if step_seqs is None else [dense(p) for p in step_seqs],
+            None if begun is None else [dense(p) for p in begun])
 
 
 def _within(a: np.ndarray, high: int | None) -> bool:
