@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
+GATINGS = ("softmax", "sigmoid")
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
 LAYER_TYPES = ("full_attention", "linear_attention")
 # ModelConfig's whole-number fields (checked for type before anything compares them) and the config.json key each
@@ -21,7 +22,8 @@ LAYER_TYPES = ("full_attention", "linear_attention")
 INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
               "n_experts_used", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
               "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-              "linear_value_head_dim", "linear_conv_kernel")
+              "linear_value_head_dim", "linear_conv_kernel", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
            "n_experts_used": "num_experts_per_tok", "linear_conv_kernel": "linear_conv_kernel_dim"}
 
@@ -63,13 +65,26 @@ class ModelConfig:
     attn_output_gate: bool = False             # q_proj also gives a per-head sigmoid gate on the attention output
     zero_centred_norm: bool = False            # HF's norm weights are w in x_normed * (1 + w); the canonical
                                                # tensors hold 1 + w, as GGUF does (arch/hybrid_names.py)
+    # --- the router's options (models/router.py; DeepSeek-V3, GLM-4.5) --------------------------------------------
+    gating: str = "softmax"                    # softmax | sigmoid: the scores of every expert
+    router_bias: bool = False                  # a per-expert correction bias (exp_probs_b) added for the choice only
+    n_group: int = 1                           # experts in n_group groups; top-k within the best topk_group of them
+    topk_group: int = 1                        # (a group's score: the sum of its two best biased scores)
+    routed_scaling_factor: float = 1.0         # a factor on the routed experts' weights
+    # --- multi-head latent attention (models/mla.py; DeepSeek-V2/V3, Kimi K2): kv_lora_rank 0 = none -------------
+    q_lora_rank: int = 0                       # q through a low-rank q_a -> norm -> q_b (0: one attn_q)
+    kv_lora_rank: int = 0                      # the latent each token caches (and its rotary key)
+    qk_nope_head_dim: int = 0                  # a q/k head's dims without rotary (head_dim = nope + rope)
+    qk_rope_head_dim: int = 0                  # its rotary dims, the key's shared by every head
+    v_head_dim: int = 0                        # a value head's dims
+    rope_interleave: bool = False              # rotary on adjacent pairs (DeepSeek's, llama.cpp's NORM), not halves
 
     def __post_init__(self):
         for name in INT_FIELDS:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise UserError(f"model config: {name} must be a whole number, got {v!r}")
-        for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+        for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise UserError(f"model config: {name} must be a number, got {v!r}")
@@ -95,12 +110,28 @@ class ModelConfig:
                 raise UserError(f"unsupported layer type {odd[0]!r}; supported: {', '.join(LAYER_TYPES)}")
         if self.linear_layers:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                         "linear_value_head_dim", "linear_conv_kernel"):
+                         "linear_value_head_dim", "linear_conv_kernel", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, name) <= 0:
                     raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise UserError(f"model config: {self.linear_num_value_heads} linear value heads are not a multiple "
                                 f"of {self.linear_num_key_heads} key heads")
+        if self.gating not in GATINGS:
+            raise UserError(f"unsupported expert gating {self.gating!r}; supported: {', '.join(GATINGS)}")
+        if self.n_group < 1 or self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise UserError(f"model config: {self.n_experts} experts in n_group {self.n_group} groups with "
+                            f"topk_group {self.topk_group} make no router")
+        if self.n_group > 1 and (self.n_experts // self.n_group < 2
+                                 or self.topk_group * (self.n_experts // self.n_group) < self.n_experts_used):
+            raise UserError(f"model config: topk_group {self.topk_group} of n_group {self.n_group} groups hold fewer "
+                            f"than top-k {self.n_experts_used} experts (or groups of one expert)")
+        if self.kv_lora_rank and (self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim
+                                  or min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) <= 0
+                                  or self.n_kv_heads != self.n_heads):
+            raise UserError(f"model config: latent attention needs positive qk_nope_head_dim, qk_rope_head_dim and "
+                            f"v_head_dim with head_dim their q/k sum and as many KV heads as heads, got "
+                            f"{self.qk_nope_head_dim}, {self.qk_rope_head_dim}, {self.v_head_dim}, {self.head_dim}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise UserError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
                             f"rotary width of head_dim {self.head_dim}")
@@ -128,7 +159,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dims of each q/k head that rotary embeddings turn (all of them but with partial rotary)."""
+        """The dims of each q/k head that rotary embeddings turn: the leading ones (all of them but with partial
+        rotary), or latent attention's qk_rope_head_dim (its last)."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property

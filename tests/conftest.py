@@ -62,6 +62,27 @@ def family_configs():
                            shared_expert_intermediate_size=40, decoder_sparse_step=2)),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, intermediate_size=32)),
         "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, intermediate_size=32, clip_qkv=4.0)),
+        # GLM-4.5: q/k/v biases, QK-norm, half rotary, sigmoid routing with its bias in 2 of 4 groups, a shared
+        # expert, a scale, a dense first layer
+        "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                     dict(head_dim=16, n_routed_experts=8, moe_intermediate_size=32, intermediate_size=48,
+                          attention_bias=True, use_qk_norm=True, n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                          first_k_dense_replace=1, n_shared_experts=1, norm_topk_prob=True)),
+        # DeepSeek-V3: latent attention with q_lora_rank, groups, two shared experts, a dense first layer, YaRN
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                        dict(n_routed_experts=8, moe_intermediate_size=16, intermediate_size=48, q_lora_rank=24,
+                             kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_group=4,
+                             topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, n_shared_experts=2,
+                             num_key_value_heads=4,
+                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                              "original_max_position_embeddings": 128, "beta_fast": 32,
+                                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+        # Kimi K2's shape of it: q_proj without a low rank, one group, no dense layer, norm_topk_prob off
+        "deepseek_v3_plain_q": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                                dict(n_routed_experts=8, moe_intermediate_size=16, q_lora_rank=None, kv_lora_rank=16,
+                                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+                                     first_k_dense_replace=0, n_shared_experts=1, norm_topk_prob=False,
+                                     num_key_value_heads=4)),
     }
 
 
@@ -80,6 +101,9 @@ def write_checkpoint(family: str, out_dir: str, dtype=torch.float32, seed: int =
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):    # a correction bias that changes some choices
+                b.copy_(0.1 * torch.randn_like(b))
     model = model.to(dtype)
     model.save_pretrained(out_dir)
     return model

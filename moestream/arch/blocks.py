@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ATTENTION_KINDS = ("gqa", "gated")       # room: "mla" (a latent KV cache), "qsa" (an indexer picks the keys)
+ATTENTION_KINDS = ("gqa", "gated", "mla")    # room: "qsa" (an indexer picks the keys)
 MIXERS = ("deltanet",)                   # layer_types' linear_attention layers
 RESIDUALS = ("plain",)                   # room: "hyper" (hyper-connections: several residual streams)
 
 
 @dataclass(frozen=True)
 class Attention:
-    """The attention layers' block. gqa: grouped-query attention (with ModelConfig's biases, QK-norm and clamp);
-    gated: GQA whose output a sigmoid of q_proj's second half gates per element, rotary on the first rotary_dim
-    dims (Qwen3-Next)."""
+    """The attention layers' block. gqa: grouped-query attention (with ModelConfig's biases, QK-norm, clamp and
+    partial rotary); gated: GQA whose output a sigmoid of q_proj's second half gates per element, rotary on the
+    first rotary_dim dims (Qwen3-Next); mla: multi-head latent attention (DeepSeek-V3), a latent KV cache."""
     kind: str = "gqa"
     window: int | None = None            # room: attention over the last `window` keys only (sliding window)
     sinks: bool = False                  # room: a learnt sink logit per head in the softmax (gpt-oss)
@@ -32,11 +32,14 @@ class Attention:
 @dataclass(frozen=True)
 class Router:
     """The MoE router: the gating function over every expert's logit, then top-k; ModelConfig.norm_topk_prob says
-    whether the k weights are renormalised."""
-    gating: str = "softmax"              # softmax in float32; room: "sigmoid" (DeepSeek-V3)
-    bias: bool = False                   # room: a per-expert correction bias added for the choice only
-    groups: int = 1                      # room: top-k within the best of `groups` expert groups
-    scale: float = 1.0                   # room: a factor on the routed weights (routed_scaling_factor)
+    whether the k weights are renormalised. A family's entry gives what its checkpoints default to where their
+    config does not say (DeepSeek-V3's and GLM-4.5's: sigmoid with a correction bias); ModelConfig holds what a
+    checkpoint sets, and models/router.py's router_of makes the block's options from it."""
+    gating: str = "softmax"              # softmax in float32, or sigmoid (DeepSeek-V3)
+    bias: bool = False                   # a per-expert correction bias added for the choice only (exp_probs_b)
+    groups: int = 1                      # top-k within the best topk_group of `groups` expert groups
+    scale: float = 1.0                   # a factor on the routed weights (routed_scaling_factor)
+    topk_group: int = 1
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Blocks:
     router: Router = field(default_factory=Router)
     experts: ExpertMLP = field(default_factory=ExpertMLP)
     residual: str = "plain"
+    shared_gate: bool = True             # a shared expert (ModelConfig's width) is sigmoid-gated (Qwen2-MoE); False:
+                                         # always on, ungated (DeepSeek-V3, GLM-4.5)
 
     @property
     def hybrid(self) -> bool:
@@ -61,7 +66,12 @@ class Blocks:
         return self.mixer is not None
 
 
-# The two sets of blocks the families of today pick (arch/families.py).
+# The sets of blocks the families pick (arch/families.py).
 MOE = Blocks(Attention("gqa"), router=Router("softmax"), experts=ExpertMLP("swiglu"), residual="plain")
+# DeepSeek-V3 and GLM-4.5: sigmoid routing with a correction bias (groups and scale are the checkpoint's), shared
+# experts always on.
+SIGMOID = Router("sigmoid", bias=True)
+MLA = Blocks(Attention("mla"), router=SIGMOID, shared_gate=False)
+GQA_SIGMOID = Blocks(Attention("gqa"), router=SIGMOID, shared_gate=False)
 HYBRID = Blocks(Attention("gated"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
                 residual="plain")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from .blocks import HYBRID, MOE, Blocks
+from .blocks import GQA_SIGMOID, HYBRID, MLA, MOE, Blocks
 
 # (module, gate, up, down): one expert's three projections stored one tensor each, at
 # `model.layers.N.{module}.{e}.{proj}.weight`.
@@ -67,6 +67,13 @@ class Family:
     gguf_tiled_v: bool = False       # GGUF holds the DeltaNet's value heads tiled, not grouped by key head
                                      # (llama.cpp's qwen35moe: arch/hybrid_names.py reorder_v_heads)
     gguf_rope_sections: tuple[int, ...] = ()   # rope.dimension_sections to write (qwen35moe's loader requires them)
+    # --- DeepSeek-V3 and GLM-4.5 -----------------------------------------------------------------------------
+    hf_renames: tuple[tuple[str, str], ...] = ()      # (canonical, HF) layer suffixes this family spells otherwise
+    shared_count_key: str | None = None   # the shared experts' count (n_shared_experts), each moe_intermediate wide
+    first_dense_key: str | None = None    # the leading dense layers' count (first_k_dense_replace)
+    qk_norm_key: str | None = None        # a config key that turns qk_norm on (GLM-4.5's use_qk_norm; None: fixed)
+    partial_rotary: float | None = None   # the rotary fraction of a head where config.json does not say (None: 1)
+    gguf_split_kv_b: bool = False         # GGUF holds MLA's attn_kv_b as attn_k_b + attn_v_b (llama.cpp's deepseek2)
 
     @property
     def hybrid(self) -> bool:
@@ -102,9 +109,19 @@ HF_LAYER = {
     "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_dt.bias": "linear_attn.dt_bias",
     "ssm_a": "linear_attn.A_log", "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
+    # DeepSeek-V3's and GLM-4.5's router bias; multi-head latent attention (models/mla.py)
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight", "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight", "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
 }
 
 _QWEN_EXPERTS: tuple[ExpertSpelling, ...] = (("mlp.experts", "gate_proj", "up_proj", "down_proj"),)
+# DeepSeek's and GLM-4.5's shared experts (one MLP n_shared_experts x moe_intermediate_size wide) and the router's
+# correction bias.
+_SHARED_EXPERTS = (("ffn_gate_shexp.weight", "mlp.shared_experts.gate_proj.weight"),
+                   ("ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight"),
+                   ("ffn_down_shexp.weight", "mlp.shared_experts.down_proj.weight"))
 # llama.cpp's hybrid architectures (qwen3next, qwen35moe) call the FFN's norm post_attention_norm.
 _POST_ATTENTION_NORM = (("ffn_norm.weight", "post_attention_norm.weight"),)
 
@@ -182,6 +199,32 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            hf_text_form=("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
            gguf_renames=_POST_ATTENTION_NORM, gguf_tiled_v=True,
            gguf_rope_sections=(11, 11, 10, 0)),
+    # GQA with q/k/v biases (attention_bias), optional per-head QK-norm (use_qk_norm), rotary on the first half of
+    # each head (NEOX), the sigmoid router with a correction bias (one group), shared experts always on, dense
+    # first layers (first_k_dense_replace). llama.cpp's glm4moe spells ffn_norm post_attention_norm; checkpoints'
+    # MTP layer (num_nextn_predict_layers, model.layers.{n}) is not read.
+    Family("glm4_moe", "GLM-4.5", "Glm4MoeForCausalLM", "glm4_moe", ("glm4moe",),
+           experts_key="n_routed_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=False,
+           norm_topk_prob="norm_topk_prob", attn_bias="attention_bias", hf_bias_key="attention_bias",
+           shared_expert_key=None, clip_qkv_key=None, hf_extra=(),
+           qk_norm="head",
+           gguf_arch="glm4moe", gguf_norm_topk=False,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=GQA_SIGMOID,
+           gguf_renames=_POST_ATTENTION_NORM, hf_renames=_SHARED_EXPERTS, shared_count_key="n_shared_experts",
+           first_dense_key="first_k_dense_replace", qk_norm_key="use_qk_norm", partial_rotary=0.5),
+    # Multi-head latent attention (models/mla.py: q_lora_rank, kv_lora_rank, a latent KV cache), rotary on adjacent
+    # pairs (rope_interleave), the sigmoid router with a correction bias in n_group groups (scoring_func,
+    # topk_method noaux_tc), shared experts always on, dense first layers. Kimi K2 is this architecture with 384
+    # experts. llama.cpp's deepseek2 holds kv_b as attn_k_b and attn_v_b (older files: one attn_kv_b).
+    Family("deepseek_v3", "DeepSeek-V3", "DeepseekV3ForCausalLM", "deepseek_v3", ("kimi_k2",),
+           experts_key="n_routed_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=False,
+           norm_topk_prob="norm_topk_prob", attn_bias=False, hf_bias_key="attention_bias",
+           shared_expert_key=None, clip_qkv_key=None, hf_extra=(),
+           qk_norm="none",
+           gguf_arch="deepseek2", gguf_norm_topk=False,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=MLA,
+           hf_renames=_SHARED_EXPERTS, shared_count_key="n_shared_experts", first_dense_key="first_k_dense_replace",
+           gguf_split_kv_b=True),
 )})
 
 # config.json's `architectures[0]` or `model_type` -> family.

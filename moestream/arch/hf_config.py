@@ -15,6 +15,9 @@ def config_from_hf(c: dict, generation_config: dict | None = None) -> ModelConfi
     arch/families.py maps it."""
     c = _text_config(c)
     arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
+    for name in (arch, c.get("model_type")):
+        if name in REFUSED:
+            raise UserError(f"{name}: {REFUSED[name]} is not supported by moestream")
     fam = family_named(arch) or family_named(c.get("model_type", ""))
     if fam is None:
         raise UserError(f"unsupported architecture {arch!r} (model_type {c.get('model_type')!r}); "
@@ -24,7 +27,8 @@ def config_from_hf(c: dict, generation_config: dict | None = None) -> ModelConfi
         n_layers = c["num_hidden_layers"]
         hidden = c["hidden_size"]
         n_heads = c["num_attention_heads"]
-        n_experts = next((c[k] for k in ("num_experts", "num_local_experts") if c.get(k) is not None), None)
+        n_experts = next((c[k] for k in ("num_experts", "num_local_experts", fam.experts_key)
+                         if c.get(k) is not None), None)
         if n_experts is None:
             raise KeyError(fam.experts_key)
         moe_inter = c.get(fam.moe_intermediate_key) or c["intermediate_size"]
@@ -38,6 +42,12 @@ def config_from_hf(c: dict, generation_config: dict | None = None) -> ModelConfi
         if c.get("rope_scaling"):
             rope.update(c["rope_scaling"])
         hybrid = _hybrid_options(c, rope, arch) if fam.hybrid else {}
+        hybrid |= _sigmoid_options(c, fam, arch, moe_inter) if fam.shared_count_key else {}
+        if fam.partial_rotary:
+            hybrid["partial_rotary_factor"] = float(rope.get("partial_rotary_factor")
+                                                    or c.get("partial_rotary_factor") or fam.partial_rotary)
+        if fam.first_dense_key:
+            dense = list(range(min(c.get(fam.first_dense_key) or 0, n_layers)))
         for key in ("mrope_section", "mrope_interleaved"):    # text positions are alike on all three axes:
             rope.pop(key, None)                                 # multimodal RoPE is then plain RoPE
         if rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -47,23 +57,74 @@ def config_from_hf(c: dict, generation_config: dict | None = None) -> ModelConfi
         if generation_config and generation_config.get("eos_token_id") is not None:
             eos = generation_config["eos_token_id"]
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return ModelConfig(
+        kw = dict(
             family=fam.name, vocab_size=c["vocab_size"], hidden_size=hidden, n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
             head_dim=c.get("head_dim") or hidden // n_heads,
+            qk_norm=fam.qk_norm if not fam.qk_norm_key or c.get(fam.qk_norm_key) else "none",
             n_experts=n_experts, n_experts_used=c["num_experts_per_tok"], moe_intermediate_size=moe_inter,
             intermediate_size=c.get("intermediate_size", 0) if dense else 0,
             shared_expert_intermediate_size=c.get(fam.shared_expert_key, 0) if fam.shared_expert_key else 0,
-            dense_layers=tuple(dense), norm_topk_prob=option(fam.norm_topk_prob, c), qk_norm=fam.qk_norm,
+            dense_layers=tuple(dense), norm_topk_prob=option(fam.norm_topk_prob, c),
             attn_bias=option(fam.attn_bias, c), clip_qkv=c.get(fam.clip_qkv_key) if fam.clip_qkv_key else None,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, **hybrid,
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
         )
+        return ModelConfig(**(kw | hybrid))
     except KeyError as e:
         raise UserError(f"config.json lacks {e.args[0]!r}: is it a complete {arch} config?") from None
+
+
+# Checkpoints of a family moestream runs, but with an option it does not: architecture or model_type -> what.
+REFUSED = {"DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (an indexer picks the keys)",
+           "deepseek_v32": "DeepSeek-V3.2's sparse attention (an indexer picks the keys)"}
+TOPK_METHODS = {"noaux_tc": "sigmoid", "greedy": "softmax"}     # DeepSeek's topk_method -> the gating it goes with
+
+
+def _sigmoid_options(c: dict, fam, arch: str, moe_inter: int) -> dict:
+    """DeepSeek-V3's and GLM-4.5's ModelConfig fields: the router's (scoring_func, topk_method, n_group,
+    topk_group, routed_scaling_factor, the correction bias), the shared experts' width, and latent attention's
+    where the config has kv_lora_rank. An option moestream does not run is a UserError naming it."""
+    index = sorted(k for k in c if k.startswith("index_") and c[k] is not None)
+    if index:
+        raise UserError(f"{arch}: DeepSeek-V3.2's sparse attention ({index[0]}) is not supported by moestream")
+    _check_quantization(c, arch)
+    gating = c.get("scoring_func") or fam.blocks.router.gating
+    method = c.get("topk_method")
+    if gating not in ("softmax", "sigmoid"):
+        raise UserError(f"{arch}: scoring_func {gating!r} is not supported by moestream (softmax or sigmoid)")
+    if method is not None and TOPK_METHODS.get(method) != gating:
+        raise UserError(f"{arch}: topk_method {method!r} with scoring_func {gating!r} is not supported by moestream "
+                        f"(noaux_tc with sigmoid, greedy with softmax)")
+    grouped = method != "greedy"            # greedy: plain top-k, the groups unused (transformers' DeepseekV2)
+    out = dict(gating=gating, router_bias=gating == "sigmoid",
+               n_group=(c.get("n_group") or 1) if grouped else 1,
+               topk_group=(c.get("topk_group") or 1) if grouped else 1,
+               routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),
+               shared_expert_intermediate_size=(c.get(fam.shared_count_key) or 0) * moe_inter)
+    if c.get("kv_lora_rank"):
+        if c.get("attention_bias"):
+            raise UserError(f"{arch}: attention_bias=true is not supported by moestream's latent attention")
+        nope, rot = c["qk_nope_head_dim"], c["qk_rope_head_dim"]
+        out |= dict(q_lora_rank=c.get("q_lora_rank") or 0, kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=nope,
+                    qk_rope_head_dim=rot, v_head_dim=c["v_head_dim"], head_dim=nope + rot,
+                    n_kv_heads=c["num_attention_heads"], rope_interleave=bool(c.get("rope_interleave", True)))
+    return out
+
+
+def _check_quantization(c: dict, arch: str) -> None:
+    """A quantization_config moestream does not load is refused naming it. FP8 with block scales (DeepSeek-V3's,
+    GLM-4.5's releases) is the FP8 expert type's (issue 52's FP8 part): refused here until it is in."""
+    q = c.get("quantization_config")
+    if not q:
+        return
+    method = q.get("quant_method", "?") if isinstance(q, dict) else q
+    blocks = isinstance(q, dict) and q.get("weight_block_size")
+    what = f"quantization_config {method!r}" + (f" with {blocks} blocks" if blocks else "")
+    raise UserError(f"{arch}: {what} is not supported by moestream yet; use a GGUF or a bfloat16 checkpoint")
 
 
 def hf_key(family: str, field: str) -> str:
@@ -76,13 +137,15 @@ def hf_key(family: str, field: str) -> str:
 
 def _check_types(c: dict, family: str) -> None:
     """config.json's numbers checked for type before any is used, each refused in one line naming its key."""
+    fam = FAMILIES[family]
     ints = {hf_key(family, f) for f in INT_FIELDS} | {"num_experts", "num_local_experts", "intermediate_size",
-                                                       "decoder_sparse_step"}
+                                                       "decoder_sparse_step"} | (
+        {fam.shared_count_key, fam.first_dense_key} - {None})
     for key in sorted(ints):
         v = c.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
             raise UserError(f"config.json: {key} must be a whole number, got {v!r}")
-    for key in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+    for key in ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor"):
         v = c.get(key)
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
             raise UserError(f"config.json: {key} must be a number, got {v!r}")

@@ -40,8 +40,23 @@ FLOAT32 = ("ssm_a",)
 
 
 def keeps_float32(name: str) -> bool:
-    """Whether the engine keeps this canonical tensor in float32 (FLOAT32) rather than the model's dtype."""
-    return name.rsplit(".", 1)[-1] in FLOAT32
+    """Whether the engine keeps this canonical tensor in float32 (FLOAT32) rather than the model's dtype; and the
+    router's correction bias (exp_probs_b), which transformers keeps in float32 and adds to float32 scores."""
+    return name.rsplit(".", 1)[-1] in FLOAT32 or name.endswith("exp_probs_b.bias")
+
+
+def attention_names(cfg: ModelConfig) -> list[str]:
+    """A GQA or latent-attention layer's attention tensors (suffixes after `blk.N.`), its norm first."""
+    if cfg.kv_lora_rank:          # multi-head latent attention (models/mla.py)
+        q = ["attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"] if cfg.q_lora_rank else ["attn_q.weight"]
+        return ["attn_norm.weight", *q, "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_kv_b.weight",
+                "attn_output.weight"]
+    names = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"]
+    if cfg.attn_bias:
+        names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    if cfg.qk_norm != "none":
+        names += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    return names
 
 
 def dense_names(cfg: ModelConfig) -> list[str]:
@@ -54,19 +69,17 @@ def dense_names(cfg: ModelConfig) -> list[str]:
         names.append("output.weight")
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        names += [p + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                                  "attn_output.weight", "ffn_norm.weight")]
-        if cfg.attn_bias:
-            names += [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
-        if cfg.qk_norm != "none":
-            names += [p + "attn_q_norm.weight", p + "attn_k_norm.weight"]
+        names += [p + n for n in (*attention_names(cfg), "ffn_norm.weight")]
         if i in cfg.dense_layers:
             names += [p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight"]
         else:
             names.append(p + "ffn_gate_inp.weight")
+            if cfg.router_bias:
+                names.append(p + "exp_probs_b.bias")
             if cfg.shared_expert_intermediate_size:
-                names += [p + n for n in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
-                                          "ffn_gate_inp_shexp.weight")]
+                names += [p + n for n in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")]
+                if FAMILIES[cfg.family].blocks.shared_gate:
+                    names.append(p + "ffn_gate_inp_shexp.weight")
     return names
 
 
@@ -78,12 +91,13 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     nv, lk = cfg.linear_num_value_heads, cfg.linear_num_key_heads * cfg.linear_key_head_dim     # DeltaNet
     lv = nv * cfg.linear_value_head_dim
     base = name.split(".", 2)[2] if name.startswith("blk.") else name
+    r, qr, dn, dr, dv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     shapes = {
         "token_embd.weight": (V, H), "output.weight": (V, H), "output_norm.weight": (H,),
         "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
         # with an output gate, q_proj holds each head's q then its gate
         "attn_q.weight": (2 * q if cfg.attn_output_gate else q, H), "attn_k.weight": (kv, H),
-        "attn_v.weight": (kv, H), "attn_output.weight": (H, q),
+        "attn_v.weight": (kv, H), "attn_output.weight": (H, cfg.n_heads * cfg.v_head_dim if r else q),
         "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
         "attn_q_norm.weight": (hd,) if cfg.qk_norm == "head" else (q,),
         "attn_k_norm.weight": (hd,) if cfg.qk_norm == "head" else (kv,),
@@ -100,6 +114,13 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "ssm_beta.weight": (nv, H), "ssm_alpha.weight": (nv, H),
         "ssm_conv1d.weight": (2 * lk + lv, cfg.linear_conv_kernel), "ssm_dt.bias": (nv,), "ssm_a": (nv,),
         "ssm_norm.weight": (cfg.linear_value_head_dim,), "ssm_out.weight": (H, lv),
+        "exp_probs_b.bias": (cfg.n_experts,),
+        # multi-head latent attention: q (nh*(dn+dr), .) through a rank-qr bottleneck or not; the latent r and
+        # the shared rotary key dr; kv_b (nh*(dn+dv), r), or in GGUF attn_k_b (nh, r, dn) and attn_v_b (nh, dv, r)
+        "attn_q_a.weight": (qr, H), "attn_q_a_norm.weight": (qr,), "attn_q_b.weight": (q, qr),
+        "attn_kv_a_mqa.weight": (r + dr, H), "attn_kv_a_norm.weight": (r,),
+        "attn_kv_b.weight": (cfg.n_heads * (dn + dv), r),
+        "attn_k_b.weight": (cfg.n_heads, r, dn), "attn_v_b.weight": (cfg.n_heads, dv, r),
     }
     return shapes[base]
 
@@ -152,12 +173,16 @@ def gguf_name(cfg: ModelConfig, name: str) -> str:
 def gguf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, torch shape) of every tensor of the model's GGUF file in file order: the globals, then each layer
     with its expert stacks. The shared expert's gate is (H,), as llama.cpp stores it. Names are canonical (the file
-    spells them gguf_name(cfg, name)), but for qwen3next's ssm_in, written as the attn_qkv and attn_gate it holds."""
+    spells them gguf_name(cfg, name)), but for qwen3next's ssm_in, written as the attn_qkv and attn_gate it holds, and
+    deepseek2's attn_kv_b, written as attn_k_b and attn_v_b (arch/mla_names.py)."""
     E, inter, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
     names = dense_names(cfg)
     if FAMILIES[cfg.family].gguf_split_qkvz:     # llama.cpp's qwen3next: ssm_in as attn_qkv + attn_gate
         names = [m for n in names for m in ((n.replace("ssm_in", "attn_qkv"), n.replace("ssm_in", "attn_gate"))
                                              if n.endswith(".ssm_in.weight") else (n,))]
+    if FAMILIES[cfg.family].gguf_split_kv_b:     # llama.cpp's deepseek2: attn_kv_b as attn_k_b + attn_v_b
+        names = [m for n in names for m in ((n.replace("attn_kv_b", "attn_k_b"), n.replace("attn_kv_b", "attn_v_b"))
+                                             if n.endswith(".attn_kv_b.weight") else (n,))]
 
     def shape(name):
         s = canonical_shape(cfg, name)

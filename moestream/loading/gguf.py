@@ -35,6 +35,7 @@ from gguf import GGUFValueType
 
 from ..arch.families import BY_GGUF_ARCH
 from ..arch.hybrid_names import fuse_qkvz, reorder_v_heads
+from ..arch.mla_names import fuse_kv_b
 from ..arch.names import EXPERT_STACKS, check_shape, dense_names
 from ..config import ModelConfig
 from ..errors import UserError
@@ -238,7 +239,9 @@ class GGUFSource:
         hidden, n_heads = self._key("embedding_length"), self._key("attention.head_count")
         head_dim = self._key("attention.key_length", hidden // max(n_heads, 1))   # (0 heads: ModelConfig says so)
         hybrid = self._hybrid_options(n_layers, head_dim) if fam.hybrid else {}
-        return ModelConfig(
+        if fam.shared_count_key:        # deepseek2, glm4moe
+            hybrid |= self._sigmoid_options(fam, moe, head_dim, rope)
+        kw = dict(
             family=fam.name, vocab_size=self._shape("token_embd.weight")[0], hidden_size=hidden, n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=self._key("attention.head_count_kv", n_heads),
             head_dim=head_dim,
@@ -253,8 +256,45 @@ class GGUFSource:
             rope_theta=float(self._key("rope.freq_base", 10000.0, float)), rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=self._key("context_length", 4096),
             tie_word_embeddings="output.weight" not in self._tensors,
-            bos_token_id=bos, eos_token_ids=tuple(eos), **hybrid,
+            bos_token_id=bos, eos_token_ids=tuple(eos),
         )
+        return ModelConfig(**(kw | hybrid))
+
+    def _sigmoid_options(self, fam, moe: int, head_dim: int, rope: dict) -> dict:
+        """deepseek2's and glm4moe's ModelConfig fields, as llama.cpp b11549 reads them: expert_gating_func
+        (1 softmax, 2 sigmoid; absent: deepseek2's softmax, V2's files, and glm4moe's sigmoid), the correction bias
+        where exp_probs_b is, expert_group_count / _used_count, expert_weights_scale (0: none); glm4moe's QK-norm
+        where its tensors are and its rotary width (rope.dimension_count); deepseek2's latent attention
+        (kv_lora_rank, q_lora_rank, key_length_mla and value_length_mla, or in files without them key_length and
+        value_length), rotary on adjacent pairs (llama.cpp's NORM rope), and YaRN's mscale_all_dim from
+        rope.scaling.yarn_log_multiplier (0.1 x mscale_all_dim, as the converter writes it; mscale taken alike)."""
+        func = self._key("expert_gating_func", None)
+        gating = {None: fam.blocks.router.gating, 1: "softmax", 2: "sigmoid"}.get(func)
+        if gating is None:
+            raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.expert_gating_func = {func!r}, a gating "
+                            "moestream does not run (1 softmax, 2 sigmoid)")
+        scale = self._key("expert_weights_scale", 0.0, float)
+        out = dict(gating=gating, router_bias=self.has(f"blk.{moe}.exp_probs_b.bias"),
+                   n_group=self._key("expert_group_count", 0) or 1,
+                   topk_group=self._key("expert_group_used_count", 0) or 1,
+                   routed_scaling_factor=float(scale) if scale else 1.0)
+        if not self._key("attention.kv_lora_rank", 0):
+            out["qk_norm"] = "head" if self.has(f"blk.{moe}.attn_q_norm.weight") else "none"
+            out["partial_rotary_factor"] = self._key("rope.dimension_count", head_dim) / max(head_dim, 1)
+            return out
+        rot = self._key("rope.dimension_count")
+        k_len = self._key("attention.key_length_mla", None)
+        v_len = self._key("attention.value_length_mla", None)
+        if k_len is None:                               # a file of llama.cpp's converter before MLA (no split kv_b)
+            k_len, v_len = self._key("attention.key_length"), self._key("attention.value_length")
+        if "yarn_log_multiplier" in rope:
+            rope["mscale_all_dim"] = round(float(rope.pop("yarn_log_multiplier")) / 0.1, 6)
+            rope.setdefault("mscale", rope["mscale_all_dim"])
+        n_heads = self._key("attention.head_count")
+        return out | dict(q_lora_rank=self._key("attention.q_lora_rank", 0),
+                          kv_lora_rank=self._key("attention.kv_lora_rank"),
+                          qk_nope_head_dim=k_len - rot, qk_rope_head_dim=rot, v_head_dim=v_len, head_dim=k_len,
+                          n_kv_heads=n_heads, rope_interleave=True, rope_scaling=tuple(sorted(rope.items())))
 
     def _hybrid_options(self, n_layers: int, head_dim: int) -> dict:
         """A hybrid file's (qwen3next, qwen35moe) ModelConfig fields of the DeltaNet and gated attention layers."""
@@ -331,12 +371,16 @@ class GGUFSource:
         return name
 
     def _split(self, name: str) -> tuple[str, str] | None:
-        """The attn_qkv and attn_gate that hold ssm_in `name` in a qwen3next file (llama.cpp's converter splits it)."""
-        if not (name.endswith(".ssm_in.weight") and BY_GGUF_ARCH[self.arch].gguf_split_qkvz
-                and name not in self._tensors):
+        """The attn_qkv and attn_gate that hold ssm_in `name` in a qwen3next file (llama.cpp's converter splits it);
+        the attn_k_b and attn_v_b that hold attn_kv_b in a deepseek2 file (older files hold attn_kv_b itself)."""
+        if name in self._tensors:
             return None
         layer = name.rsplit(".", 2)[0]
-        return f"{layer}.attn_qkv.weight", f"{layer}.attn_gate.weight"
+        if name.endswith(".ssm_in.weight") and BY_GGUF_ARCH[self.arch].gguf_split_qkvz:
+            return f"{layer}.attn_qkv.weight", f"{layer}.attn_gate.weight"
+        if name.endswith(".attn_kv_b.weight") and BY_GGUF_ARCH[self.arch].gguf_split_kv_b:
+            return f"{layer}.attn_k_b.weight", f"{layer}.attn_v_b.weight"
+        return None
 
     def has(self, name: str) -> bool:
         split = self._split(name)
@@ -345,7 +389,8 @@ class GGUFSource:
     def tensor(self, name: str) -> torch.Tensor:
         split = self._split(name)
         if split:
-            return fuse_qkvz(self.config, *(self.tensor(n) for n in split))
+            fuse = fuse_kv_b if name.endswith(".attn_kv_b.weight") else fuse_qkvz
+            return fuse(self.config, *(self.tensor(n) for n in split))
         t = self._tensors.get(self._file_name(name))
         if t is None:
             raise UserError(f"GGUF {str(self.path)!r} lacks tensor {self._file_name(name)}: is the file complete?")

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ..arch.families import FAMILIES
 from ..arch.hybrid_names import reorder_v_heads, split_qkvz
+from ..arch.mla_names import split_kv_b
 from ..arch.names import EXPERT_STACKS, gguf_name, gguf_tensors
 from ..config import ModelConfig
 from ..errors import UserError
@@ -59,9 +60,14 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size or cfg.moe_intermediate_size)
     w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    if cfg.kv_lora_rank:            # deepseek2's MLA: one key head of latent + rotary key (the cache's layout)
+        w.add_head_count_kv(1)
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+    else:
+        w.add_head_count_kv(cfg.n_kv_heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.n_experts)
@@ -72,6 +78,8 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if FAMILIES[cfg.family].hybrid:
         _add_hybrid_metadata(w, cfg)
+    if FAMILIES[cfg.family].shared_count_key:
+        _add_sigmoid_metadata(w, cfg)
     if cfg.clip_qkv is not None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.rope:
@@ -80,7 +88,9 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
                             "export this model as a Hugging Face directory instead")
         w.add_string(f"{w.arch}.rope.scaling.type", cfg.rope_type)
         for k, v in cfg.rope.items():
-            if k not in ("type", "rope_type"):
+            if k == "mscale_all_dim" and cfg.kv_lora_rank:      # deepseek2: as llama.cpp's converter writes it
+                w.add_rope_scaling_yarn_log_mul(0.1 * v)
+            elif k not in ("type", "rope_type"):
                 _add_kv(w, f"{w.arch}.rope.scaling.{ROPE_KEYS.get(k, k)}", v)
     w.add_file_type(file_type)
     if quantized:
@@ -116,6 +126,39 @@ def _add_hybrid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_rope_dimension_count(cfg.rotary_dim)
     if FAMILIES[cfg.family].gguf_rope_sections:
         w.add_rope_dimension_sections(list(FAMILIES[cfg.family].gguf_rope_sections))
+
+
+def _add_sigmoid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """deepseek2's and glm4moe's keys, as llama.cpp b11549's converter writes them: the gating, scale and groups
+    of the router, the shared experts' count, the leading dense layers; glm4moe's rotary width; deepseek2's latent
+    attention (its cache as one key head of kv_lora_rank + rope dims, the MLA head sizes in the _mla keys)."""
+    if cfg.dense_layers != tuple(range(len(cfg.dense_layers))):
+        raise UserError(f"a {cfg.family} GGUF holds dense layers first only, not {cfg.dense_layers}")
+    inter = cfg.moe_intermediate_size
+    if cfg.shared_expert_intermediate_size % inter:
+        raise UserError(f"a {cfg.family} GGUF holds shared experts of the routed experts' width {inter}, not "
+                        f"{cfg.shared_expert_intermediate_size}")
+    w.add_expert_shared_count(cfg.shared_expert_intermediate_size // inter)
+    w.add_leading_dense_block_count(len(cfg.dense_layers))
+    w.add_expert_gating_func({"softmax": gguf.ExpertGatingFuncType.SOFTMAX,
+                              "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}[cfg.gating])
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.n_group > 1:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    w.add_nextn_predict_layers(0)
+    if not cfg.kv_lora_rank:
+        w.add_rope_dimension_count(cfg.rotary_dim)
+        return
+    if not cfg.rope_interleave:
+        raise UserError("a deepseek2 GGUF rotates adjacent pairs (rope_interleave); this model rotates halves: "
+                        "export it as a Hugging Face directory")
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
 
 
 def _add_tensor_info(w: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtype: Q) -> None:
@@ -201,6 +244,9 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
             stacks = _expert_stacks(source, layer, shape, dtypes)
         if layer_stack in EXPERT_STACKS:
             t = stacks.pop(layer_stack)
+        elif FAMILIES[cfg.family].gguf_split_kv_b and name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+            t = split_kv_b(cfg, source.tensor(name.rsplit(".", 2)[0] + ".attn_kv_b.weight"))[
+                name.endswith("attn_v_b.weight")]
         elif FAMILIES[cfg.family].gguf_split_qkvz and name.endswith(("attn_qkv.weight", "attn_gate.weight")):
             qkv_gate = split_qkvz(cfg, source.tensor(name.rsplit(".", 2)[0] + ".ssm_in.weight"))
             t = qkv_gate[name.endswith("attn_gate.weight")]

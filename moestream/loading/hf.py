@@ -51,7 +51,7 @@ def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
     if suffix == "ffn_gate_inp.weight":
         spellings = first_own(FAMILIES[family].hf_router, [f.hf_router for f in FAMILIES.values()])
     else:
-        spellings = [HF_LAYER[suffix]]
+        spellings = [dict(FAMILIES[family].hf_renames).get(suffix, HF_LAYER[suffix])]
     return [f"{prefix}layers.{layer}.{s}" for s in spellings]
 
 
@@ -244,7 +244,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """A config.json dict that transformers loads and arch.config_from_hf reads back into `cfg`."""
     fam = FAMILIES[cfg.family]
-    if cfg.dense_layers and not fam.sparse_step:
+    leading = cfg.dense_layers == tuple(range(len(cfg.dense_layers)))
+    if cfg.dense_layers and not (fam.sparse_step or fam.first_dense_key and leading):
         raise UserError(f"a {cfg.family} config.json cannot express dense layers {cfg.dense_layers}")
     eos = list(cfg.eos_token_ids)
     arch, model_type = fam.hf_text_form or (fam.hf_architecture, fam.hf_model_type)
@@ -268,6 +269,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     else:
         d[fam.moe_intermediate_key] = cfg.moe_intermediate_size
     d.update(fam.hf_extra)
+    if fam.partial_rotary:
+        d["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
     if fam.hybrid:          # Gated DeltaNet and gated attention, as Qwen3NextConfig and Qwen3_5MoeTextConfig read them
         d.update(layer_types=list(cfg.layer_types), linear_num_key_heads=cfg.linear_num_key_heads,
                  linear_num_value_heads=cfg.linear_num_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
@@ -276,10 +279,36 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         d["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
     if fam.shared_expert_key:
         d[fam.shared_expert_key] = cfg.shared_expert_intermediate_size
+    if fam.shared_count_key:
+        d.update(_sigmoid_config(cfg, fam))
     if fam.clip_qkv_key:
         d[fam.clip_qkv_key] = cfg.clip_qkv
     if fam.hf_bias_key:      # a family without biases says so: its transformers module has none to load
         d[fam.hf_bias_key] = cfg.attn_bias and fam.attn_bias is not False
+    return d
+
+
+def _sigmoid_config(cfg: ModelConfig, fam) -> dict:
+    """DeepSeek-V3's and GLM-4.5's keys (transformers' DeepseekV3Config and Glm4MoeConfig, and what
+    arch/hf_config.py reads): the router's, the shared experts' count, the dense first layers, QK-norm and partial
+    rotary; latent attention's."""
+    inter = cfg.moe_intermediate_size
+    if cfg.shared_expert_intermediate_size % inter:
+        raise UserError(f"a {cfg.family} config.json holds shared experts of the routed experts' width {inter}, "
+                        f"not {cfg.shared_expert_intermediate_size}")
+    d = {fam.shared_count_key: cfg.shared_expert_intermediate_size // inter,
+         fam.first_dense_key: len(cfg.dense_layers), "intermediate_size": cfg.intermediate_size or inter,
+         "n_group": cfg.n_group, "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
+         "scoring_func": cfg.gating, "topk_method": "noaux_tc" if cfg.gating == "sigmoid" else "greedy",
+         "num_nextn_predict_layers": 0}
+    if fam.qk_norm_key:
+        d[fam.qk_norm_key] = cfg.qk_norm != "none"
+    if fam.partial_rotary:
+        d["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.kv_lora_rank:
+        d.update(q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=cfg.kv_lora_rank,
+                 qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                 v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, head_dim=cfg.qk_rope_head_dim)
     return d
 
 

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .gated_attention import partial_rope
-from .layers import apply_rope, attention, decode_attention, rms_norm
+from .layers import attention, decode_attention, rms_norm
 
 
 class GQA:
-    """Grouped-query attention with ModelConfig's options: q/k/v biases (Qwen2-MoE), QK-norm per head (Qwen3-MoE)
-    or over the whole projection (OLMoE), q/k/v clamped (OLMoE's clip_qkv). Room for a sliding window with sinks:
+    """Grouped-query attention with ModelConfig's options: q/k/v biases (Qwen2-MoE, GLM-4.5), QK-norm per head
+    (Qwen3-MoE, GLM-4.5's use_qk_norm) or over the whole projection (OLMoE), q/k/v clamped (OLMoE's clip_qkv),
+    rotary on the first rotary_dim dims of each head (GLM-4.5's partial_rotary_factor). Room for a sliding window with sinks:
     the mask of `attend` and a sink logit per head (arch/blocks.py's Attention.window, sinks)."""
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -36,9 +37,12 @@ class GQA:
         return "attn_qkv"
 
     def fuses(self, fused) -> bool:
-        """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, and
-        no clipping (OLMoE's whole-projection norm and clip_qkv run as eager ops, with the mask)."""
-        return fused is not None and self.cfg.qk_norm in ("none", "head") and not self.cfg.clip_qkv
+        """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, no
+        clipping and rotary on whole heads (OLMoE's whole-projection norm and clip_qkv, GLM-4.5's partial rotary run
+        as eager ops, with the mask)."""
+        cfg = self.cfg
+        return (fused is not None and cfg.qk_norm in ("none", "head") and not cfg.clip_qkv
+                and cfg.rotary_dim == cfg.head_dim)
 
     def __call__(self, x, lw, slot: int, batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
         cfg = self.cfg
@@ -63,7 +67,7 @@ class GQA:
         if cfg.qk_norm == "head":
             q = rms_norm(q, lw["attn_q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         kv.write(slot, batch.seq_ids, batch.positions, k, v)
         o = attend(q, slot, batch, kv, mask)                                 # (T, nh, hd)
         return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
@@ -122,4 +126,6 @@ def attend(q, slot: int, batch, kv, mask=None) -> torch.Tensor:
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-KINDS = {"gqa": GQA, "gated": GatedAttention}
+from .mla import MLA  # noqa: E402  (it builds on GQA)
+
+KINDS = {"gqa": GQA, "gated": GatedAttention, "mla": MLA}

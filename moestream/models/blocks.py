@@ -17,6 +17,7 @@ from ..kernels.delta_reference import TORCH, DeltaKernels
 from . import attention
 from .deltanet import DeltaNet
 from .residual import Plain
+from .router import router_of
 
 
 MIXER_KINDS = {"deltanet": DeltaNet}
@@ -26,7 +27,7 @@ MIXER_KINDS = {"deltanet": DeltaNet}
 class Built:
     attention: attention.GQA             # the attention layers' kind (GQA or GatedAttention)
     mixers: list                         # per layer: the attention kind or the mixer
-    router: Router
+    router: Router                       # the checkpoint's options (models/router.py's router_of)
     residual: Plain
 
 
@@ -40,7 +41,7 @@ def build(cfg: ModelConfig, blocks: Blocks, delta: DeltaKernels | None = None) -
     if linear and mixer is None:
         raise ValueError(f"{cfg.family}: linear_attention layers, but its blocks name no mixer")
     mixers = [mixer if i in linear else attn for i in range(cfg.n_layers)]
-    return Built(attn, mixers, blocks.router, Plain(cfg.rms_norm_eps))
+    return Built(attn, mixers, router_of(cfg), Plain(cfg.rms_norm_eps))
 
 
 def check(blocks: Blocks) -> None:
@@ -50,8 +51,7 @@ def check(blocks: Blocks) -> None:
         (a.kind not in ATTENTION_KINDS, f"attention kind {a.kind!r}"),
         (a.window is not None, "sliding-window attention"), (a.sinks, "attention sinks"),
         (blocks.mixer is not None and blocks.mixer not in MIXERS, f"mixer {blocks.mixer!r}"),
-        (r.gating != "softmax", f"{r.gating} gating"), (r.bias, "a router correction bias"),
-        (r.groups != 1, "grouped top-k"), (r.scale != 1.0, "a routed-weight scale"),
+        (r.gating not in ("softmax", "sigmoid"), f"{r.gating} gating"),
         (e.activation != "swiglu", f"expert activation {e.activation!r}"), (e.clamp is not None, "clamped SwiGLU"),
         (e.bias, "expert biases"),
         (blocks.residual not in RESIDUALS, f"residual {blocks.residual!r}")) if bad]

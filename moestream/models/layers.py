@@ -88,9 +88,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 DETERMINISTIC_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal attention of a prompt chunk: q (1, nh, Tq, hd) are the last Tq of the Tk positions in k, v
-    (1, nkv, Tk, hd) (the earlier ones are the KV cache) -> (1, nh, Tq, hd).
+    (1, nkv, Tk, hdv) (the earlier ones are the KV cache) -> (1, nh, Tq, hdv); scale: the softmax's (None:
+    hd ** -0.5).
 
     Grouped-query attention: the KV heads are shared by nh / nkv query heads each, without copying them. The
     causal mask is aligned to the last key (lower right), which flash attention applies without materialising it.
@@ -99,7 +100,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     mask = None if Tq == Tk else causal_lower_right(Tq, Tk)
 
     def sdpa():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     if not q.is_cuda:
         return sdpa()
@@ -122,6 +123,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v.float())            # (B, nkv, g, hd)
     return out.reshape(B, nh, hd).to(q.dtype)
+
+
+def interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave, llama.cpp's NORM rope), the
+    rotated pairs written as [evens | odds], as transformers' apply_rotary_pos_emb_interleave writes them (q and k
+    alike, so their dot products are the pairs'). x (T, heads, rd); cos, sin (T, rd), halves repeated."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

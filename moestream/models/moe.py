@@ -40,7 +40,8 @@ def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, pr
     if routed is not None:
         weights, ids = [routed[0]], routed[1]
     else:
-        pairs = [route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob, router) for x in xs]
+        pairs = [route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob, router,
+                       lw.get("exp_probs_b.bias")) for x in xs]
         weights, ids = [w for w, _ in pairs], _cat([i for _, i in pairs])
     n = sum(x.shape[0] for x in xs)
     ahead = min(provider.lookahead_layers(layer, n), len(next_routers)) if next_routers else 0
@@ -98,13 +99,18 @@ def _bounds(xs: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 
 def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor, fused=None) -> torch.Tensor:
-    """Add the sigmoid-gated shared expert, where the family has one. The torch form is the fused kernel's
-    oracle (kernels/shared_expert.py: float32 sums rounded once, so not these bits)."""
+    """Add the shared expert, where the family has one: sigmoid-gated where the layer has its gate
+    (ffn_gate_inp_shexp: Qwen2-MoE, the hybrids), else always on (DeepSeek-V3's n_shared_experts, GLM-4.5's). The
+    torch form is the fused kernel's oracle (kernels/shared_expert.py: float32 sums rounded once, so not these
+    bits); the ungated one runs as torch ops on every path."""
     if cfg.shared_expert_intermediate_size:
         gate, up, down = lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"]
+        gate_inp = lw.get("ffn_gate_inp_shexp.weight")
+        if gate_inp is None:
+            return out + swiglu(x, gate, up, down)
         if fused is not None:               # a decode step on CUDA: two launches instead of nine
-            return fused.shared_expert(x, gate, up, down, lw["ffn_gate_inp_shexp.weight"], out)
-        out = out + torch.sigmoid(F.linear(x, lw["ffn_gate_inp_shexp.weight"])) * swiglu(x, gate, up, down)
+            return fused.shared_expert(x, gate, up, down, gate_inp, out)
+        out = out + torch.sigmoid(F.linear(x, gate_inp)) * swiglu(x, gate, up, down)
     return out
 
 

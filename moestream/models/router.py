@@ -1,11 +1,16 @@
-"""The MoE router block: the gating function over every expert's logit, top-k, the weights renormalised where the
-checkpoint says (ModelConfig.norm_topk_prob). A family's entry picks its options (arch/blocks.py's Router).
+"""The MoE router block: the gating function over every expert's logit, top-k (within the best expert groups, by a
+correction bias, where the checkpoint says), the weights renormalised and scaled where it says. A family's entry
+gives the defaults (arch/blocks.py's Router); the checkpoint's values are ModelConfig's (`router_of`).
 
-    weights, ids = route(x, lw["ffn_gate_inp.weight"], k, norm_topk)       # x (T, H) -> (T, k) each
+    weights, ids = route(x, lw["ffn_gate_inp.weight"], k, norm_topk)                 # x (T, H) -> (T, k) each
+    weights, ids = route(x, w, k, norm_topk, router_of(cfg), lw["exp_probs_b.bias"])   # DeepSeek-V3, GLM-4.5
 
-Softmax is the gating every family run today uses; a sigmoid with a correction bias and expert groups (DeepSeek-V3)
-is the room models/blocks.py keeps: it refuses those options until the next family brings their math here. A fused
-decode step routes in kernels/fused.py's norm_route, which is softmax's.
+Softmax, top-k, renormalise is every Qwen family's, Mixtral's and OLMoE's, in the model's dtype as before.
+DeepSeek-V3's (and GLM-4.5's, one group) is transformers' DeepseekV3TopkRouter and llama.cpp's build_moe_ffn:
+logits and sigmoid scores in float32; the correction bias added to the scores for the choice only; the experts in
+n_group groups, a group scored by the sum of its two best biased scores, the best topk_group groups kept; top-k of
+their experts; the weights their unbiased scores, renormalised (norm_topk), times routed_scaling_factor. A fused
+decode step routes in kernels/fused.py's norm_route, which is plain softmax's (`fuses`).
 """
 from __future__ import annotations
 
@@ -13,27 +18,47 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.blocks import Router
+from ..config import ModelConfig
 
 SOFTMAX = Router()
 
 
-def _softmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+def router_of(cfg: ModelConfig) -> Router:
+    """The router block's options as the checkpoint sets them."""
+    return Router(cfg.gating, cfg.router_bias, cfg.n_group, cfg.routed_scaling_factor, cfg.topk_group)
 
 
-GATING = {"softmax": _softmax}          # (T, E) logits -> (T, E) float32 scores; room: "sigmoid"
+def fuses(spec: Router) -> bool:
+    """Whether kernels/fused.py's norm_route computes this router (plain softmax top-k)."""
+    return spec == SOFTMAX
 
 
-def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool,
-          spec: Router = SOFTMAX) -> tuple[torch.Tensor, torch.Tensor]:
-    """spec's gating over all experts in float32 (softmax), top-k, optionally renormalised: (T, k) weights (x's
-    dtype), ids.
+def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, spec: Router = SOFTMAX,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """spec's gating over all experts, top-k, optionally renormalised and scaled: (T, k) weights (x's dtype), ids.
+    bias (E,): the correction bias of spec.bias.
 
     Mixtral's softmax-over-the-top-k-logits is the same function as softmax, top-k, renormalise.
     """
-    logits = F.linear(x, router)                                        # (T, E)
-    probs = GATING[spec.gating](logits)
-    weights, ids = torch.topk(probs, k, dim=-1)                         # (T, k)
+    if spec == SOFTMAX:
+        logits = F.linear(x, router)                                    # (T, E)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k, dim=-1)                     # (T, k)
+        if norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+    logits = F.linear(x.float(), router.float())                        # (T, E) float32, as transformers' router
+    scores = torch.sigmoid(logits) if spec.gating == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores + bias.float() if spec.bias else scores
+    if spec.groups > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, spec.groups, E // spec.groups)         # (T, G, E/G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)       # (T, G)
+        best = torch.topk(group_scores, spec.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)     # (T, G)
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
+    ids = torch.topk(choice, k, dim=-1).indices                         # (T, k)
+    weights = scores.gather(1, ids)
     if norm_topk:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), ids
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * spec.scale).to(x.dtype), ids

@@ -29,6 +29,7 @@ from ..kernels.host_arrays import upload
 from .blocks import build
 from .layers import rms_norm, swiglu
 from .moe import moe_experts, moe_route
+from .router import fuses as router_fuses
 
 MAX_AHEAD = 4                   # lookahead guesses reach at most this many MoE layers ahead
 
@@ -102,10 +103,9 @@ class MoETransformer:
         self.layers = [{k[len(f"blk.{i}."):]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
                        for i in range(cfg.n_layers)]
         for lw in self.layers:          # q, k and v in one GEMM: one launch and one pass over x instead of three
-            for kind in ("weight", "bias"):
-                parts = [lw.pop(f"attn_{n}.{kind}", None) for n in "qkv"]
-                if parts[0] is not None:
-                    lw[f"attn_qkv.{kind}"] = torch.cat(parts)
+            for kind in ("weight", "bias"):       # (latent attention has attn_q alone: left as it is)
+                if all(f"attn_{n}.{kind}" in lw for n in "qkv"):
+                    lw[f"attn_qkv.{kind}"] = torch.cat([lw.pop(f"attn_{n}.{kind}") for n in "qkv"])
         self.cos, self.sin = rope                                            # (P, hd) float32 each
         self.lm_head = weights.get("output.weight", weights["token_embd.weight"])
         if cfg.qk_norm == "head":       # the fused decode kernel takes both head norms' weights in one tensor
@@ -161,7 +161,8 @@ class MoETransformer:
             routed = addrs = None
             ms = []
             for j in range(len(parts)):
-                if fused is not None:   # a decode step: the add, norm, router, top-k and addresses in one launch
+                if fused is not None and router_fuses(self.router):   # a decode step: the add, norm, router,
+                    # top-k and addresses in one launch (softmax routers; the others route in moe_route)
                     table = experts.address_table(i) if by_address is not None else None
                     hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
                                                                 cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],

@@ -5,6 +5,10 @@
     kv.write(layer, seq_ids, positions, k, v)        # k, v: (T, nkv, hd)
     cache = make_cache(model_cfg, n_seq, ctx, dtype, device)     # a HybridCache where the model has DeltaNet layers
 
+Latent attention (models/mla.py) keeps the latent layout: per layer, k holds each token's latent (n_seq, 1, ctx, r)
+and v its rotary key (n_seq, 1, ctx, dr), one "head" each (`kv_layout`), so that writes, spans, prefix reuse and
+batched decode are the KV cache's own.
+
 The engine calls begin(segments) before a forward and end(segments) after it (and check(segments) before a decode
 step, whose path starts work before the forward). A KV cache needs none of them: any
 position can be rewritten, and a sequence can be cut back to any prefix (its later keys are masked, then
@@ -32,11 +36,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class KVCache:
     exact_prefix_only = False       # a sequence may be cut back to any prefix of what it holds
 
-    def __init__(self, n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, device):
+    def __init__(self, n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, device, hd_v: int | None = None):
+        """hd_v: the values' head size where it is not the keys' (the latent layout)."""
         self.n_seq, self.ctx = n_seq, ctx
-        shape = (n_seq, n_kv, ctx, hd)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [torch.zeros((n_seq, n_kv, ctx, hd), dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros((n_seq, n_kv, ctx, hd_v or hd), dtype=dtype, device=device) for _ in range(n_layers)]
 
     def span(self, n: int) -> int:
         """Keys a decode step attends when its furthest token is at position n - 1: n rounded up to a power of two
@@ -53,8 +57,8 @@ class KVCache:
         return out
 
     @staticmethod
-    def nbytes_for(n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype) -> int:
-        return 2 * n_layers * n_seq * n_kv * ctx * hd * torch.empty((), dtype=dtype).element_size()
+    def nbytes_for(n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, hd_v: int | None = None) -> int:
+        return n_layers * n_seq * n_kv * ctx * (hd + (hd_v or hd)) * torch.empty((), dtype=dtype).element_size()
 
     def write(self, layer: int, seq_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # Advanced indices on dims 0 and 2 around a slice: the indexed view is (T, nkv, hd), k's own shape.
@@ -171,14 +175,24 @@ class HybridCache(KVCache):
         return n if n == len(cached) else 0
 
 
+def kv_layout(cfg) -> tuple[int, int, int]:
+    """(heads, key head size, value head size) a token keeps per attention layer: GQA's KV heads, or latent
+    attention's one latent of kv_lora_rank and one rotary key of qk_rope_head_dim (576 values at DeepSeek-V3's)."""
+    if cfg.kv_lora_rank:
+        return 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    return cfg.n_kv_heads, cfg.head_dim, cfg.head_dim
+
+
 def make_cache(cfg, n_seq: int, ctx: int, dtype, device) -> KVCache:
     """The cache of a model of `cfg`: a HybridCache where it has DeltaNet layers, else a KVCache of every layer."""
     if cfg.linear_layers:
         return HybridCache(cfg, n_seq, ctx, dtype, device)
-    return KVCache(cfg.n_layers, n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, device)
+    n_kv, hd, hd_v = kv_layout(cfg)
+    return KVCache(cfg.n_layers, n_seq, ctx, n_kv, hd, dtype, device, hd_v)
 
 
 def cache_nbytes(cfg, n_seq: int, ctx: int, dtype) -> tuple[int, int]:
     """(bytes that grow with the context: the attention layers' K and V; bytes that do not: DeltaNet states)."""
-    kv = KVCache.nbytes_for(len(cfg.attention_layers), n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype)
+    n_kv, hd, hd_v = kv_layout(cfg)
+    kv = KVCache.nbytes_for(len(cfg.attention_layers), n_seq, ctx, n_kv, hd, dtype, hd_v)
     return kv, HybridCache.state_nbytes_for(cfg, n_seq, dtype) if cfg.linear_layers else 0
