@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from moestream.arch.families import FAMILIES
 from moestream.arch.hf_config import config_from_hf
-from moestream.arch.names import dense_names
+from moestream.arch.names import dense_names, gguf_name, gguf_tensors
 from moestream.config import ModelConfig
 from moestream.errors import UserError
 from moestream.loading.gguf import GGUFSource
@@ -31,6 +31,16 @@ OPTIONS = {
     "qwen2_moe": dict(attn_bias=True, shared_expert_intermediate_size=20),
     "mixtral": dict(norm_topk_prob=True),
     "olmoe": dict(qk_norm="full", clip_qkv=4.0),
+    "glm4_moe": dict(qk_norm="head", attn_bias=True, partial_rotary_factor=0.5, gating="sigmoid", router_bias=True,
+                     n_group=2, topk_group=1, routed_scaling_factor=2.5, shared_expert_intermediate_size=32,
+                     dense_layers=(0,), intermediate_size=24, norm_topk_prob=True),
+    "deepseek_v3": dict(n_kv_heads=4, head_dim=12, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, gating="sigmoid", router_bias=True,
+                        n_group=2, topk_group=1, routed_scaling_factor=2.5, shared_expert_intermediate_size=16,
+                        dense_layers=(0,), intermediate_size=24, norm_topk_prob=True,
+                        rope_scaling=(("beta_fast", 32), ("beta_slow", 1), ("factor", 4.0), ("mscale", 1.0),
+                                      ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 64),
+                                      ("rope_type", "yarn"))),
 }
 
 
@@ -48,7 +58,7 @@ def test_family_names_round_trip(family, tmp_path):
     """write_hf writes the table's architecture and first spellings and reads back the same model; write_gguf
     writes the table's GGUF architecture (or refuses a family without one) and reads back the same model."""
     fam = FAMILIES[family]
-    cfg = ModelConfig(family=family, **SMALL, **OPTIONS[family])
+    cfg = ModelConfig(family=family, **(SMALL | OPTIONS[family]))
     src = SynthSource(cfg, seed=3)
     write_hf(src, tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -60,7 +70,7 @@ def test_family_names_round_trip(family, tmp_path):
     want |= {f"model.layers.{i}.{mod}.{e}.{p}.weight" for i in cfg.moe_layers for e in range(cfg.n_experts)
              for p in (g, u, d)}
     assert keys == want
-    assert f"model.layers.0.{fam.hf_router[0]}" in keys
+    assert f"model.layers.{cfg.moe_layers[0]}.{fam.hf_router[0]}" in keys
     back = HFSource(tmp_path / "hf")
     assert back.config == cfg
     assert all(back.tensor(n).equal(src.tensor(n)) for n in dense_names(cfg))
@@ -73,7 +83,7 @@ def test_family_names_round_trip(family, tmp_path):
     write_gguf(src, tmp_path / "m.gguf")
     reader = gguf.GGUFReader(tmp_path / "m.gguf")
     assert reader.fields["general.architecture"].contents() == fam.gguf_arch
-    assert {t.name for t in reader.tensors} >= set(dense_names(cfg))
+    assert {t.name for t in reader.tensors} == {gguf_name(cfg, n) for n, _ in gguf_tensors(cfg)}
     out = GGUFSource(tmp_path / "m.gguf")
     assert out.config == cfg
     assert all(x.equal(y) for x, y in zip(out.expert(2, 1), src.expert(2, 1)))
