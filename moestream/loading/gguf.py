@@ -269,7 +269,8 @@ class GGUFSource:
         value_length), rotary on adjacent pairs (llama.cpp's NORM rope), and YaRN's mscale_all_dim from
         rope.scaling.yarn_log_multiplier (0.1 x mscale_all_dim, as the converter writes it; mscale taken alike)."""
         func = self._key("expert_gating_func", None)
-        gating = {None: fam.blocks.router.gating, 1: "softmax", 2: "sigmoid"}.get(func)
+        absent = "softmax" if self.arch == "deepseek2" else fam.blocks.router.gating      # llama.cpp's defaults
+        gating = {None: absent, 1: "softmax", 2: "sigmoid"}.get(func)
         if gating is None:
             raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.expert_gating_func = {func!r}, a gating "
                             "moestream does not run (1 softmax, 2 sigmoid)")

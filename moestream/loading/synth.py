@@ -4,6 +4,8 @@
     src = SynthSource.from_spec("qwen3-30b-a3b:layers=4:seed=1")  # Qwen3-30B-A3B shapes, 4 layers
     src = SynthSource.from_spec("tiny-next")                     # CPU-sized qwen3_next: DeltaNet and attention
     src = SynthSource.from_spec("qwen3-next-80b-a3b:layers=8")   # Qwen3-Next-80B-A3B shapes, 8 layers
+    src = SynthSource.from_spec("deepseek-v3:layers=4")          # DeepSeek-V3 shapes: 1 dense, 3 MoE layers
+    src = SynthSource.from_spec("glm-4.5-air:layers=4")          # GLM-4.5-Air shapes; tiny-deepseek, tiny-glm
     src.tensor("blk.0.attn_q.weight")                            # (nh*hd, H), made on demand
 
 Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16. The seed is 0
@@ -64,10 +66,49 @@ PRESETS: dict[str, dict] = {
         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4, partial_rotary_factor=0.25,
         attn_output_gate=True, zero_centred_norm=True,
     ),
+    # DeepSeek-V3's real shapes (its config.json; Kimi K2's differ in 384 experts, 64 heads, one group): latent
+    # attention, 256 experts in 8 groups, a shared expert, YaRN to 160k.
+    "deepseek-v3": dict(
+        family="deepseek_v3", vocab_size=129280, hidden_size=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+        head_dim=192, n_experts=256, n_experts_used=8, moe_intermediate_size=2048, intermediate_size=18432,
+        shared_expert_intermediate_size=2048, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=163840, gating="sigmoid", router_bias=True, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_interleave=True,
+        rope_scaling=(("beta_fast", 32), ("beta_slow", 1), ("factor", 40.0), ("mscale", 1.0), ("mscale_all_dim", 1.0),
+                      ("original_max_position_embeddings", 4096), ("rope_type", "yarn")),
+    ),
+    # GLM-4.5-Air's real shapes: GQA with q/k/v biases and half rotary, 128 experts, a shared expert.
+    "glm-4.5-air": dict(
+        family="glm4_moe", vocab_size=151552, hidden_size=4096, n_layers=46, n_heads=96, n_kv_heads=8, head_dim=128,
+        n_experts=128, n_experts_used=8, moe_intermediate_size=1408, intermediate_size=10944,
+        shared_expert_intermediate_size=1408, norm_topk_prob=True, attn_bias=True, partial_rotary_factor=0.5,
+        rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, gating="sigmoid", router_bias=True,
+    ),
+    # CPU-sized ones of each.
+    "tiny-deepseek": dict(
+        family="deepseek_v3", vocab_size=TINY_VOCAB, hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=8,
+        head_dim=48, n_experts=16, n_experts_used=4, moe_intermediate_size=128, intermediate_size=256,
+        shared_expert_intermediate_size=128, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e4,
+        max_position_embeddings=4096, gating="sigmoid", router_bias=True, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, rope_interleave=True,
+    ),
+    "tiny-glm": dict(
+        family="glm4_moe", vocab_size=TINY_VOCAB, hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32,
+        n_experts=16, n_experts_used=4, moe_intermediate_size=128, intermediate_size=256,
+        shared_expert_intermediate_size=128, norm_topk_prob=True, attn_bias=True, qk_norm="head",
+        partial_rotary_factor=0.5, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=4096,
+        gating="sigmoid", router_bias=True,
+    ),
 }
 DEFAULT_DTYPE = {"tiny": torch.float32, "qwen3-30b-a3b": torch.bfloat16, "tiny-next": torch.float32,
-                 "qwen3-next-80b-a3b": torch.bfloat16}
-HAS_TOKENIZER = {"tiny", "tiny-next"}
+                 "qwen3-next-80b-a3b": torch.bfloat16, "deepseek-v3": torch.bfloat16, "glm-4.5-air": torch.bfloat16,
+                 "tiny-deepseek": torch.float32, "tiny-glm": torch.float32}
+HAS_TOKENIZER = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm"}
+# Presets with dense first layers (first_k_dense_replace): that many, or one where layers=N leaves fewer than
+# twice as many (bench/make_reference_deepseek_gguf.py's 4 layers: 1 dense, 3 MoE).
+DENSE_FIRST = {"deepseek-v3": 3, "glm-4.5-air": 1, "tiny-deepseek": 1, "tiny-glm": 1}
 DEFAULT_SEED = {"tiny-next": 6}             # a demo preset whose greedy text after "Once upon a time" is not empty
 FULL_ATTENTION_INTERVAL = {"tiny-next": 2, "qwen3-next-80b-a3b": 4}     # hybrid presets: attention every N layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,7 +117,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # are soft. The tiny model scales them up so its routing is decisive, as a trained model's is; the big preset
 # keeps the reference file's plain init.
 TINY_ROUTER_SCALE = 3.0
-SCALED_ROUTERS = {"tiny", "tiny-next"}
+SCALED_ROUTERS = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm"}
 
 
 def _usage() -> str:
@@ -119,6 +160,9 @@ class SynthSource:
                     raise ValueError
             except ValueError:
                 raise UserError(f"bad synth option {opt!r} in 'synth:{spec}'; {_usage()}") from None
+        if name in DENSE_FIRST:
+            k = DENSE_FIRST[name]
+            kw["dense_layers"] = tuple(range(k if kw["n_layers"] >= 2 * k else 1))
         if name in FULL_ATTENTION_INTERVAL:     # the layer types of however many layers, as transformers derives them
             step = FULL_ATTENTION_INTERVAL[name]
             kw["layer_types"] = tuple("linear_attention" if (i + 1) % step else "full_attention"
