@@ -141,3 +141,27 @@ def test_a_quantization_config_other_than_fp8_blocks_is_one_line_naming_it(dirs,
     with pytest.raises(UserError) as e:
         HFSource(path)
     assert "\n" not in str(e.value) and named in str(e.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_numerics_contract_of_an_fp8_checkpoint_on_cuda(dirs):
+    """bf16 on the GPU (the grouped kernel over the Triton dequantizer's scratch, the Triton FP8 decode kernel
+    reading slots and pinned host rows in place): bit-identical logits and the same greedy tokens all on the GPU
+    and over the cache at every size; the prompt's logits near the dequantized checkpoint's (the same bf16 weights,
+    summed in another order where the kernels differ)."""
+    qpath, fpath = dirs
+    kw = dict(ubatch_size=16, ctx_size=128, device="cuda", dtype="bfloat16")
+    base = LLM(qpath, **kw)
+    assert base.engine.quantized and base.engine.dtype == torch.bfloat16
+    want = [base.logits(_prompt(40, s)) for s in range(2)]
+    greedy = base.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256
+    ref = LLM(fpath, **kw)
+    for s, w in enumerate(want):
+        r = ref.logits(_prompt(40, s)).float()
+        assert ((w.float() - r).norm() / r.norm()).item() < 2e-2
+    for extra in (dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=0), dict(cpu_moe=True, moe_cache_mib=1)):
+        llm = LLM(qpath, **kw, **extra)
+        for s, w in enumerate(want):
+            assert torch.equal(llm.logits(_prompt(40, s)), w), (extra, s)
+        assert llm.generate(_prompt(12, 9), max_tokens=12, ignore_eos=True).sha256 == greedy, extra

@@ -14,6 +14,9 @@ aligned; at real shapes, multiples of 128, there is no padding).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ..errors import UserError
@@ -22,14 +25,13 @@ BLOCK = 128                      # the block's rows and columns (weight_block_si
 E4M3 = torch.float8_e4m3fn
 
 
+@dataclass(frozen=True, repr=False)
 class BlockFP8:
-    """The expert-row type of FP8 block-scaled matrices (a GGML type's peer in ExpertLayout.types)."""
-    name = "FP8"
+    """The expert-row type of FP8 block-scaled matrices (a GGML type's peer in ExpertLayout.types); every instance
+    is equal (copies and pickles of a layout compare equal)."""
+    name: ClassVar[str] = "FP8"
 
     def __repr__(self) -> str:
-        return "FP8"
-
-    def __reduce__(self):                  # one instance, also through pickling
         return "FP8"
 
 
