@@ -2,7 +2,7 @@
 
 One row is one expert, so one copy moves one expert. A layer's ExpertLayout (quant/layout.py) says how a row reads:
 typed rows of the model's dtype read as stacked weights (views, no copy); a quantized file's rows are its GGUF
-blocks, uint8, which the kernels dequantize as they read them:
+blocks (an FP8 checkpoint's: its e4m3 bytes and block scales), uint8, which the kernels dequantize as they read them:
 
     w13, w2 = layout.views(rows)      # float rows (n, numel): (n, 2I, H) and (n, H, I)
     store.layer_bytes(layer)          # one expert's bytes in that layer: what an upload moves

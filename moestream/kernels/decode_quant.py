@@ -49,6 +49,8 @@ def decode_quant_available(layout: ExpertLayout) -> bool:
     """Whether all three of the layout's matrices have a Triton path."""
     if triton is None or not layout.quantized:
         return False
+    if layout.fp8:
+        return True                 # kernels/fp8.py
     I, H = layout.inter, layout.hidden
     return all(has_path(t, n) for t, n in zip(layout.types, (H, H, I)))
 
@@ -114,6 +116,9 @@ def experts_by_address_quant(x: torch.Tensor, addrs: torch.Tensor, weights: torc
     if landing is not None:
         raise NotImplementedError("experts_by_address_quant lands nothing: stage the host reads (kernels/stage.py)")
     assert decode_quant_available(layout), layout
+    if layout.fp8:                  # FP8 block-scaled rows: one kernel, whatever the variant
+        from .fp8 import experts_by_address_fp8
+        return experts_by_address_fp8(x, addrs, weights, layout)
     assert variant in VARIANTS, variant
     if variant == "runs":
         from .decode_runs import experts_by_address_runs, runs_layout

@@ -71,6 +71,9 @@ def _segments(layout: ExpertLayout) -> list[list]:
 def dequantize_rows(rows: torch.Tensor, index: torch.Tensor, layout: ExpertLayout,
                     out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """rows (S, >= nbytes) uint8, index (n,) int64 -> w13 (n, 2I, H), w2 (n, H, I) of out_dtype."""
+    if layout.fp8:                  # FP8 block-scaled matrices: kernels/fp8.py
+        from .fp8 import dequantize_rows_fp8
+        return dequantize_rows_fp8(rows, index, layout, out_dtype)
     assert layout.quantized and rows.dtype == torch.uint8 and rows.stride(1) == 1
     I, H = layout.inter, layout.hidden
     index = index.reshape(-1).to(device=rows.device, dtype=torch.int64).contiguous()

@@ -14,6 +14,10 @@ The hybrid families (Qwen3-Next, Qwen3.5-MoE) hold other values than HF's (1 + w
 (C, K)): arch/hybrid_names.py's canonical_value turns HF's into them, and hf_value back, so that they read back as
 the same bits. (A float32 checkpoint written again gets its norms' w back as fl(1 + w) - 1, within 2**-24, and may
 get another float32 A_log of the same -exp: what transformers and this reader compute from them is unchanged.)
+An FP8 checkpoint (quant/fp8.py: e4m3 weights, each with its 128 x 128 blocks' `weight_scale_inv`) hands out its
+dense tensors and `expert()` widened to float32 (the loader rounds them once to the model's dtype), and its experts
+as their FP8 bytes (`expert_types`, `expert_bytes`), which the engine keeps as they are from the file to the slot.
+
 Qwen3.5-MoE is written in its text-only form (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text, tensors under
 `model.`), which transformers and this reader both load: the multimodal form's config.json needs a vision tower,
 which this model has not.
@@ -37,6 +41,7 @@ from ..arch.hybrid_names import canonical_value, hf_value
 from ..arch.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
 from ..config import ModelConfig
 from ..errors import UserError
+from ..quant import fp8
 
 INDEX = "model.safetensors.index.json"
 
@@ -67,8 +72,9 @@ class HFSource:
         self.path = Path(path)
         if not self.path.is_dir():
             raise UserError(f"{str(self.path)!r} is not a directory; give a Hugging Face model directory")
-        self.config = config_from_hf(_read_json(self.path / "config.json", "config.json"),
-                                          _read_json(self.path / "generation_config.json", None))
+        raw = _read_json(self.path / "config.json", "config.json")
+        fp8.check_quantization_config(raw.get("quantization_config"))
+        self.config = config_from_hf(raw, _read_json(self.path / "generation_config.json", None))
         self._where: dict[str, object] = {}     # HF tensor name -> the safe_open handle of its file
         for file in self._shard_files():
             try:
@@ -165,13 +171,12 @@ class HFSource:
         return canonical_value(self.config, _suffix(name), t)
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        names = self._expert_names(layer, e)
+        if names is not None:
+            gate, up, down = (self._read(n) for n in names)
+            return gate, up, down
         p = f"{self.prefix}layers.{layer}."
         fam, every = FAMILIES[self.config.family], FAMILIES.values()
-        for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
-            names = [f"{p}{mod}.{e}.{proj}.weight" for proj in (g, u, d)]
-            if names[0] in self._where:
-                gate, up, down = (self._read(n) for n in names)
-                return gate, up, down
         for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
             gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
             if gate_up in self._where and down in self._where:
@@ -179,11 +184,25 @@ class HFSource:
         raise UserError(f"checkpoint lacks tensor {p}mlp.experts.{e}.gate_proj.weight (expert {e} of layer "
                         f"{layer}): is the download complete?")
 
-    def expert_types(self, layer: int) -> None:
-        return None                              # safetensors experts are float: the engine converts them
+    def expert_types(self, layer: int) -> tuple | None:
+        """(FP8, FP8, FP8) where the layer's experts are FP8 (kept as their bytes); None for float experts, which
+        the engine converts to the model's dtype."""
+        names = self._expert_names(layer, 0)
+        return (fp8.FP8,) * 3 if names is not None and self._is_fp8(names[0]) else None
 
     def expert_bytes(self, layer: int, e: int) -> torch.Tensor:
-        raise UserError("a Hugging Face checkpoint has no quantized expert blocks")
+        """Expert e of an FP8 layer as its row (quant/layout.py): gate | up | down, each its e4m3 bytes and scales."""
+        names = self._expert_names(layer, e)
+        if names is None:
+            raise UserError(f"layer {layer}'s experts are not FP8 tensors of their own; moestream keeps only those "
+                            "as they are")
+        parts = []
+        for n in names:
+            if not self._is_fp8(n):
+                raise UserError(f"tensor {n} is {self._where[n].get_slice(n).get_dtype()} while its expert's gate "
+                                "is FP8; moestream reads experts whose three matrices are all FP8 or all float")
+            parts.append(fp8.pack(self._where[n].get_tensor(n), self._scale_inv(n)))
+        return torch.cat(parts)
 
     def dtype_of(self, name: str) -> torch.dtype:
         return self._read_first(hf_names(name, self.config.family, self.prefix), name).dtype
@@ -196,11 +215,36 @@ class HFSource:
         raise UserError(f"checkpoint lacks tensor {names[0]} ({canonical}): is the download complete?")
 
     def _read(self, name: str) -> torch.Tensor:
+        """A tensor as the file holds it; an FP8 one widened to float32 by its block scales."""
         if name not in self._where:
             raise UserError(f"checkpoint lacks tensor {name}: is the download complete?")
-        return self._where[name].get_tensor(name)
+        t = self._where[name].get_tensor(name)
+        return fp8.dequantize(t, self._scale_inv(name)) if t.dtype == fp8.E4M3 else t
+
+    def _is_fp8(self, name: str) -> bool:
+        return self._where[name].get_slice(name).get_dtype() == "F8_E4M3"
+
+    def _scale_inv(self, name: str) -> torch.Tensor:
+        """The block scales of FP8 tensor `name`, float32 (quant/fp8.py's scales_of: one line where absent)."""
+        scale = fp8.scale_name(name)
+        shape = tuple(self._where[name].get_slice(name).get_shape())
+        return fp8.scales_of(name, shape, self._where[scale].get_tensor(scale) if scale in self._where else None)
+
+    def _expert_names(self, layer: int, e: int) -> list[str] | None:
+        """Expert e's gate, up and down tensor names where the layer's experts are tensors of their own; None for
+        fused stacks."""
+        p = f"{self.prefix}layers.{layer}."
+        fam, every = FAMILIES[self.config.family], FAMILIES.values()
+        for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
+            names = [f"{p}{mod}.{e}.{proj}.weight" for proj in (g, u, d)]
+            if names[0] in self._where:
+                return names
+        return None
 
     def _fused_expert(self, gate_up: str, down: str, e: int):
+        if self._is_fp8(gate_up) or self._is_fp8(down):
+            raise UserError(f"{gate_up} is an FP8 stack of every expert; moestream reads FP8 experts stored one "
+                            "tensor each (as the published FP8 checkpoints are)")
         inter = self.config.moe_intermediate_size          # the stacks' shapes were checked at open
         gu, dn = self._where[gate_up].get_slice(gate_up), self._where[down].get_slice(down)
         pair = gu[e]                                               # (2I, H): gate rows, then up rows

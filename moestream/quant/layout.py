@@ -8,7 +8,8 @@
 A float layout (`types=None`) is the typed rows the engine has always had: rows (n, 3*I*H) of the model's dtype,
 read as views (`views`). A quantized layout holds each matrix's GGUF blocks as they are in the file, row after row
 (ggml's layout: a row of H values is H / block_size blocks); F16, BF16 and F32 matrices inside a quantized layout
-are their raw bytes.
+are their raw bytes. An FP8 checkpoint's layout has `FP8` (quant/fp8.py) for each matrix: its e4m3 bytes, then its
+128 x 128 blocks' float32 scales.
 """
 from __future__ import annotations
 
@@ -17,18 +18,37 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from . import fp8
 from .types import FLOAT, row_bytes
+
+
+def matrix_bytes(t, rows: int, cols: int) -> int:
+    """Bytes of a (rows, cols) matrix of type t (a GGML type or FP8) in an expert row."""
+    return fp8.matrix_bytes(rows, cols) if fp8.is_fp8(t) else rows * row_bytes(t, cols)
+
+
+def dequantize_matrix(data: torch.Tensor, t, rows: int, cols: int) -> torch.Tensor:
+    """data (n, >= bytes) uint8 of matrices of type t -> (n, rows, cols) float32, by the plain-torch dequantizers."""
+    if fp8.is_fp8(t):
+        return fp8.dequantize_packed(data, rows, cols)
+    from .dequant import dequantize
+    return dequantize(data[:, :matrix_bytes(t, rows, cols)].reshape(data.shape[0], rows, -1), t)
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     inter: int
     hidden: int
-    types: tuple[Q, Q, Q] | None = None      # (gate, up, down) GGML types; None: typed rows of the model's dtype
+    types: tuple[Q, Q, Q] | None = None      # (gate, up, down) GGML types or FP8; None: rows of the model's dtype
 
     @property
     def quantized(self) -> bool:
         return self.types is not None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the matrices are FP8 block-scaled (all three: an FP8 checkpoint's experts)."""
+        return self.quantized and all(fp8.is_fp8(t) for t in self.types)
 
     @property
     def numel(self) -> int:
@@ -37,9 +57,8 @@ class ExpertLayout:
     @property
     def sizes(self) -> tuple[int, int, int]:
         """Bytes of gate, up and down (quantized layouts)."""
-        g, u, d = self.types
-        return (self.inter * row_bytes(g, self.hidden), self.inter * row_bytes(u, self.hidden),
-                self.hidden * row_bytes(d, self.inter))
+        (g, u, d), I, H = self.types, self.inter, self.hidden
+        return matrix_bytes(g, I, H), matrix_bytes(u, I, H), matrix_bytes(d, H, I)
 
     @property
     def offsets(self) -> tuple[int, int, int]:
@@ -64,14 +83,12 @@ class ExpertLayout:
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """rows (n, >= nbytes) uint8 -> w13 (n, 2I, H), w2 (n, H, I) of dtype, by the plain-torch dequantizers
         (float32, then one rounding to dtype)."""
-        from .dequant import dequantize
         I, H = self.inter, self.hidden
-        n = rows.shape[0]
         (og, ou, od), (sg, su, sd) = self.offsets, self.sizes
         g, u, d = self.types
-        gate = dequantize(rows[:, og:og + sg].reshape(n, I, -1), g).to(dtype)
-        up = dequantize(rows[:, ou:ou + su].reshape(n, I, -1), u).to(dtype)
-        w2 = dequantize(rows[:, od:od + sd].reshape(n, H, -1), d).to(dtype)
+        gate = dequantize_matrix(rows[:, og:og + sg], g, I, H).to(dtype)
+        up = dequantize_matrix(rows[:, ou:ou + su], u, I, H).to(dtype)
+        w2 = dequantize_matrix(rows[:, od:od + sd], d, H, I).to(dtype)
         return torch.cat([gate, up], dim=1), w2
 
 
@@ -94,8 +111,14 @@ def describe(layouts: dict[int, ExpertLayout], row_bytes: dict[int, int], file_t
 
 def expert_layouts(source, cfg) -> dict[int, ExpertLayout]:
     """Each MoE layer's expert row (an ExpertLayout): float rows of the model's dtype, or, where any layer of a GGUF
-    has quantized expert stacks, every layer's GGUF blocks as they are in the file."""
+    has quantized expert stacks, every layer's GGUF blocks as they are in the file (an FP8 checkpoint: every
+    layer's FP8 matrices)."""
     types = {l: source.expert_types(l) for l in cfg.moe_layers}
     quantized = any(t is not None and any(q not in FLOAT for q in t) for t in types.values())
+    if quantized and any(t is None for t in types.values()):
+        from ..errors import UserError
+        mixed = [l for l, t in types.items() if t is None]
+        raise UserError(f"the experts of layers {mixed} are float while other layers' are FP8; moestream reads a "
+                        "checkpoint whose experts are all FP8 or all float")
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
     return {l: ExpertLayout(I, H, types[l] if quantized else None) for l in cfg.moe_layers}
