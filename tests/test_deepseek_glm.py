@@ -102,9 +102,6 @@ _V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vo
     (dict(topk_method="greedy"), "topk_method 'greedy' with scoring_func 'sigmoid'"),
     (dict(index_topk=2048), "sparse attention (index_topk)"),
     (dict(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"]), "DeepSeek-V3.2's sparse attention"),
-    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
-     "quantization_config 'fp8' with [128, 128] blocks"),
-    (dict(quantization_config={"quant_method": "awq"}), "quantization_config 'awq'"),
     (dict(n_group=3), "8 experts in n_group 3 groups"),
     (dict(attention_bias=True), "attention_bias=true"),
 ])
@@ -129,3 +126,16 @@ def test_gguf_gating_func_read_and_refused(written, tmp_path):
     assert default == ("softmax" if arch == "deepseek2" else "sigmoid")       # llama.cpp's defaults
     with pytest.raises(UserError, match=f"{arch}.expert_gating_func = 3, a gating moestream does not run"):
         GGUFSource(rewrite_gguf(out, tmp_path / "c.gguf", {f"{arch}.expert_gating_func": 3}))
+
+
+def test_an_fp8_checkpoint_gives_its_dequantized_weights_logits(tmp_path):
+    """DeepSeek-V3's release form: e4m3 weights with 128 x 128 block scales (experts kept FP8, the latent attention's
+    dense FP8 tensors widened at load) give the logits of the same checkpoint with the weights dequantized, bit for
+    bit (float32 on the CPU: a dequantized value is the same float32 product on both sides)."""
+    from fp8_checkpoint import fp8_checkpoint
+    write_checkpoint("deepseek_v3", str(tmp_path / "float"))
+    fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", tmp_path / "deq")
+    want = LLM(str(tmp_path / "deq"), ubatch_size=16, ctx_size=64, device="cpu").logits(_ids(20))
+    for kw in ({}, dict(cpu_moe=True, moe_cache_mib=0)):
+        llm = LLM(str(tmp_path / "fp8"), ubatch_size=16, ctx_size=64, device="cpu", **kw)
+        assert llm.engine.quantized and torch.equal(llm.logits(_ids(20)), want), kw

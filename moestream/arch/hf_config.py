@@ -91,7 +91,6 @@ def _sigmoid_options(c: dict, fam, arch: str, moe_inter: int) -> dict:
     index = sorted(k for k in c if k.startswith("index_") and c[k] is not None)
     if index:
         raise UserError(f"{arch}: DeepSeek-V3.2's sparse attention ({index[0]}) is not supported by moestream")
-    _check_quantization(c, arch)
     gating = c.get("scoring_func") or fam.blocks.router.gating
     method = c.get("topk_method")
     if gating not in ("softmax", "sigmoid"):
@@ -113,18 +112,6 @@ def _sigmoid_options(c: dict, fam, arch: str, moe_inter: int) -> dict:
                     qk_rope_head_dim=rot, v_head_dim=c["v_head_dim"], head_dim=nope + rot,
                     n_kv_heads=c["num_attention_heads"], rope_interleave=bool(c.get("rope_interleave", True)))
     return out
-
-
-def _check_quantization(c: dict, arch: str) -> None:
-    """A quantization_config moestream does not load is refused naming it. FP8 with block scales (DeepSeek-V3's,
-    GLM-4.5's releases) is the FP8 expert type's (issue 52's FP8 part): refused here until it is in."""
-    q = c.get("quantization_config")
-    if not q:
-        return
-    method = q.get("quant_method", "?") if isinstance(q, dict) else q
-    blocks = isinstance(q, dict) and q.get("weight_block_size")
-    what = f"quantization_config {method!r}" + (f" with {blocks} blocks" if blocks else "")
-    raise UserError(f"{arch}: {what} is not supported by moestream yet; use a GGUF or a bfloat16 checkpoint")
 
 
 def hf_key(family: str, field: str) -> str:
