@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from .errors import UserError
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
-LAYER_TYPES = ("full_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
 # ModelConfig's whole-number fields (checked for type before anything compares them) and the config.json key each
 # is read from, where it differs from the field's name (the family's own keys come from its entry).
 INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
               "n_experts_used", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
               "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-              "linear_value_head_dim", "linear_conv_kernel")
+              "linear_value_head_dim", "linear_conv_kernel", "sliding_window")
 HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
            "n_experts_used": "num_experts_per_tok", "linear_conv_kernel": "linear_conv_kernel_dim"}
 
@@ -53,7 +53,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # --- hybrid families (qwen3_next, qwen3_5_moe): Gated DeltaNet layers between gated attention layers ---------
-    layer_types: tuple[str, ...] = ()          # per layer, full_attention | linear_attention; () = all attention
+    layer_types: tuple[str, ...] = ()          # per layer, full_attention | linear_attention | sliding_attention;
+                                               # () = all full attention
     linear_num_key_heads: int = 0              # DeltaNet q/k heads
     linear_num_value_heads: int = 0            # DeltaNet v heads (a multiple of the q/k heads), one state each
     linear_key_head_dim: int = 0               # dk: a state is (dk, dv) per value head
@@ -63,6 +64,8 @@ class ModelConfig:
     attn_output_gate: bool = False             # q_proj also gives a per-head sigmoid gate on the attention output
     zero_centred_norm: bool = False            # HF's norm weights are w in x_normed * (1 + w); the canonical
                                                # tensors hold 1 + w, as GGUF does (arch/hybrid_names.py)
+    # --- sliding-window attention (gpt-oss) ---------------------------------------------------------------------
+    sliding_window: int = 0                    # sliding_attention layers attend their last this many positions
 
     def __post_init__(self):
         for name in INT_FIELDS:
@@ -93,9 +96,12 @@ class ModelConfig:
             odd = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if odd:
                 raise UserError(f"unsupported layer type {odd[0]!r}; supported: {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+                raise UserError("unsupported layer type 'sliding_attention' without a positive sliding_window "
+                                f"(got {self.sliding_window}); set the config's sliding_window")
         if self.linear_layers:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                         "linear_value_head_dim", "linear_conv_kernel"):
+                         "linear_value_head_dim", "linear_conv_kernel", "sliding_window"):
                 if getattr(self, name) <= 0:
                     raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
             if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -119,6 +125,11 @@ class ModelConfig:
     def linear_layers(self) -> list[int]:
         """Indices of the Gated DeltaNet layers (a conv window and a recurrent state per sequence, no KV)."""
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        """Indices of the attention layers that attend only their last sliding_window positions."""
+        return [i for i, t in enumerate(self.layer_types) if t == "sliding_attention"]
 
     @property
     def attention_layers(self) -> list[int]:

@@ -7,13 +7,17 @@ Names (prefix `blk.{i}.` for layer i), shapes in torch order (out_features, in_f
     token_embd.weight (V, H)   output_norm.weight (H,)   output.weight (V, H)  [absent when tied]
     attn_norm.weight (H,)      attn_q.weight (nh*hd, H)  attn_k.weight / attn_v.weight (nkv*hd, H)
     attn_output.weight (H, nh*hd)
-    attn_q.bias / attn_k.bias / attn_v.bias             [qwen2_moe]
+    attn_q.bias / attn_k.bias / attn_v.bias             [qwen2_moe, gpt-oss]
+    attn_output.bias (H,)   attn_sinks.weight (nh,)     [gpt-oss: the o bias (with the q/k/v ones), sinks]
     attn_q_norm.weight / attn_k_norm.weight (hd,)       [qwen3_moe: per head]  (nh*hd,) / (nkv*hd,) [olmoe]
     ffn_norm.weight (H,)
     MoE layers:   ffn_gate_inp.weight (E, H)   experts through a source's expert(), stacked in GGUF as
                   ffn_gate_exps / ffn_up_exps (E, I, H) and ffn_down_exps (E, H, I)
                   ffn_gate_shexp.weight / ffn_up_shexp.weight (Is, H), ffn_down_shexp.weight (H, Is),
                   ffn_gate_inp_shexp.weight (1, H)     [qwen2_moe shared expert and its sigmoid gate]
+                  ffn_gate_inp.bias (E,), ffn_gate_exps.bias / ffn_up_exps.bias (E, I), ffn_down_exps.bias (E, H)
+                                                       [gpt-oss: the router's and the experts' biases, kept with
+                                                        the dense tensors on the device, indexed by expert id]
     dense layers: ffn_gate.weight / ffn_up.weight (I, H), ffn_down.weight (H, I)
     hybrid families (qwen3_next, qwen3_5_moe): the names and values of arch/hybrid_names.py; attention layers'
                   attn_q.weight is (nh*2hd, H) (q and its output gate), and DeltaNet layers have ssm_* instead
@@ -49,6 +53,7 @@ def dense_names(cfg: ModelConfig) -> list[str]:
     if FAMILIES[cfg.family].hybrid:     # DeltaNet and gated attention layers: arch/hybrid_names.py names them
         from .hybrid_names import hybrid_names
         return [n for n in hybrid_names(cfg) if not n.endswith(EXPERT_SUFFIXES)]
+    blocks = FAMILIES[cfg.family].blocks
     names = ["token_embd.weight", "output_norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("output.weight")
@@ -58,12 +63,20 @@ def dense_names(cfg: ModelConfig) -> list[str]:
                                   "attn_output.weight", "ffn_norm.weight")]
         if cfg.attn_bias:
             names += [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+            if blocks.attention.out_bias:
+                names.append(p + "attn_output.bias")
+        if blocks.attention.sinks:
+            names.append(p + "attn_sinks.weight")
         if cfg.qk_norm != "none":
             names += [p + "attn_q_norm.weight", p + "attn_k_norm.weight"]
         if i in cfg.dense_layers:
             names += [p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight"]
         else:
             names.append(p + "ffn_gate_inp.weight")
+            if blocks.router.linear_bias:
+                names.append(p + "ffn_gate_inp.bias")
+            if blocks.experts.bias:
+                names += [p + f"{s}.bias" for s in EXPERT_STACKS]
             if cfg.shared_expert_intermediate_size:
                 names += [p + n for n in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
                                           "ffn_gate_inp_shexp.weight")]
@@ -85,6 +98,9 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "attn_q.weight": (2 * q if cfg.attn_output_gate else q, H), "attn_k.weight": (kv, H),
         "attn_v.weight": (kv, H), "attn_output.weight": (H, q),
         "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+        "attn_output.bias": (H,), "attn_sinks.weight": (cfg.n_heads,), "ffn_gate_inp.bias": (cfg.n_experts,),
+        "ffn_gate_exps.bias": (cfg.n_experts, cfg.moe_intermediate_size),
+        "ffn_up_exps.bias": (cfg.n_experts, cfg.moe_intermediate_size), "ffn_down_exps.bias": (cfg.n_experts, H),
         "attn_q_norm.weight": (hd,) if cfg.qk_norm == "head" else (q,),
         "attn_k_norm.weight": (hd,) if cfg.qk_norm == "head" else (kv,),
         "ffn_gate_inp.weight": (cfg.n_experts, H),

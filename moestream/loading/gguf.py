@@ -227,6 +227,7 @@ class GGUFSource:
             back = {v: k for k, v in ROPE_KEYS.items()}
             rope = {back.get(k[len(prefix):], k[len(prefix):]): v for k, v in self._fields.items()
                     if k.startswith(prefix)}
+            rope.pop("truncate", None)     # llama.cpp always rounds YaRN's correction range (gpt-oss: docs)
         bos = self._token_id("tokenizer.ggml.bos_token_id")
         eos = self._fields.get(EOS_IDS_KEY)
         if eos is None:
@@ -238,6 +239,8 @@ class GGUFSource:
         hidden, n_heads = self._key("embedding_length"), self._key("attention.head_count")
         head_dim = self._key("attention.key_length", hidden // max(n_heads, 1))   # (0 heads: ModelConfig says so)
         hybrid = self._hybrid_options(n_layers, head_dim) if fam.hybrid else {}
+        if fam.blocks.attention.window:
+            hybrid = self._window_options(n_layers)
         return ModelConfig(
             family=fam.name, vocab_size=self._shape("token_embd.weight")[0], hidden_size=hidden, n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=self._key("attention.head_count_kv", n_heads),
@@ -268,6 +271,22 @@ class GGUFSource:
                     linear_conv_kernel=self._key("ssm.conv_kernel"),
                     partial_rotary_factor=self._key("rope.dimension_count", head_dim // 4) / max(head_dim, 1),
                     attn_output_gate=True, zero_centred_norm=True)
+
+    def _window_options(self, n_layers: int) -> dict:
+        """gpt-oss's sliding layers, as llama.cpp's loader reads them: attention.sliding_window, and
+        attention.sliding_window_pattern (a flag a layer, or every N-th layer full; default 2: even layers slide)."""
+        window = self._key("attention.sliding_window")
+        pattern = self._fields.get(f"{self.arch}.attention.sliding_window_pattern", 2)
+        if isinstance(pattern, list):
+            if len(pattern) < n_layers or not all(isinstance(f, (bool, int)) for f in pattern):
+                self._no_model(f"attention.sliding_window_pattern {pattern!r} for {n_layers} layers")
+            sliding = [bool(f) for f in pattern[:n_layers]]
+        elif isinstance(pattern, int) and pattern >= 0:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+        else:
+            self._no_model(f"attention.sliding_window_pattern {pattern!r}")
+        return dict(layer_types=tuple("sliding_attention" if f else "full_attention" for f in sliding),
+                    sliding_window=window)
 
     def _values(self, wanted) -> dict:
         """The metadata fields whose keys `wanted` takes, as plain values."""

@@ -21,17 +21,22 @@ def _softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
-GATING = {"softmax": _softmax}          # (T, E) logits -> (T, E) float32 scores; room: "sigmoid"
+# (T, E) logits -> (T, E) float32 scores; softmax_weight's softmax is over the chosen k (route); room: "sigmoid"
+GATING = {"softmax": _softmax, "softmax_weight": None}
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool,
-          spec: Router = SOFTMAX) -> tuple[torch.Tensor, torch.Tensor]:
+          spec: Router = SOFTMAX, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """spec's gating over all experts in float32 (softmax), top-k, optionally renormalised: (T, k) weights (x's
-    dtype), ids.
+    dtype), ids. bias: the router linear's (spec.linear_bias).
 
-    Mixtral's softmax-over-the-top-k-logits is the same function as softmax, top-k, renormalise.
+    Mixtral's softmax-over-the-top-k-logits is the same function as softmax, top-k, renormalise. softmax_weight
+    (gpt-oss, as transformers and llama.cpp compute it): top-k over the logits, a float32 softmax over those k.
     """
-    logits = F.linear(x, router)                                        # (T, E)
+    logits = F.linear(x, router, bias)                                  # (T, E)
+    if spec.gating == "softmax_weight":
+        top, ids = torch.topk(logits, k, dim=-1)                        # (T, k)
+        return torch.softmax(top.float(), dim=-1).to(x.dtype), ids
     probs = GATING[spec.gating](logits)
     weights, ids = torch.topk(probs, k, dim=-1)                         # (T, k)
     if norm_topk:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..arch.blocks import Blocks
+from ..arch.blocks import Blocks, Router
 from ..config import ModelConfig
 from ..kernels.delta_reference import DeltaKernels
 from ..kernels.host_arrays import upload
@@ -96,6 +96,9 @@ class MoETransformer:
         built = build(cfg, blocks, delta)
         self.attention, self.mixers, self.router, self.residual = (built.attention, built.mixers, built.router,
                                                                    built.residual)
+        self.mlp = blocks.experts
+        # a fused decode step's norm_route (kernels/gemv.py) is the plain softmax router's (no bias, all experts)
+        self.fused_route = blocks.router == Router()
         self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
         # the layers' tensors live in self.layers only: what __init__ concatenates there does not keep its parts
         self.w = {n: t for n, t in weights.items() if not n.startswith("blk.")}
@@ -112,6 +115,9 @@ class MoETransformer:
             for lw in self.layers:
                 if "attn_q_norm.weight" in lw:
                     lw["attn_qk_norm.weight"] = torch.cat([lw["attn_q_norm.weight"], lw["attn_k_norm.weight"]])
+        for lw in self.layers:          # gpt-oss's expert biases as the kernels add them: (E, 2I) gate | up
+            if "ffn_gate_exps.bias" in lw:
+                lw["ffn_gate_up_exps.bias"] = torch.cat([lw.pop("ffn_gate_exps.bias"), lw.pop("ffn_up_exps.bias")], 1)
         moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead
         self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD])
                              for i, a in enumerate(moe)}
@@ -161,7 +167,7 @@ class MoETransformer:
             routed = addrs = None
             ms = []
             for j in range(len(parts)):
-                if fused is not None:   # a decode step: the add, norm, router, top-k and addresses in one launch
+                if fused is not None and self.fused_route:   # a decode step: add, norm, router, top-k, addresses
                     table = experts.address_table(i) if by_address is not None else None
                     hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
                                                                 cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
@@ -172,7 +178,8 @@ class MoETransformer:
                 ms.append(m)
             weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
                                             self.router)
-            deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs)
+            deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs,
+                                 self.mlp)
             yield i
         outs = []
         for p, h, delta in zip(parts, hs, deltas):
