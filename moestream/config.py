@@ -101,7 +101,7 @@ class ModelConfig:
                                 f"(got {self.sliding_window}); set the config's sliding_window")
         if self.linear_layers:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                         "linear_value_head_dim", "linear_conv_kernel", "sliding_window"):
+                         "linear_value_head_dim", "linear_conv_kernel"):
                 if getattr(self, name) <= 0:
                     raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
             if self.linear_num_value_heads % self.linear_num_key_heads:
