@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
-GATINGS = ("softmax", "sigmoid")
+GATINGS = ("softmax", "sigmoid", "softmax_weight")
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
-LAYER_TYPES = ("full_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
 # ModelConfig's whole-number fields (checked for type before anything compares them) and the config.json key each
 # is read from, where it differs from the field's name (the family's own keys come from its entry).
 INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
               "n_experts_used", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
               "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim", "linear_conv_kernel", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window")
 HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
            "n_experts_used": "num_experts_per_tok", "linear_conv_kernel": "linear_conv_kernel_dim"}
 
@@ -55,7 +55,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # --- hybrid families (qwen3_next, qwen3_5_moe): Gated DeltaNet layers between gated attention layers ---------
-    layer_types: tuple[str, ...] = ()          # per layer, full_attention | linear_attention; () = all attention
+    layer_types: tuple[str, ...] = ()          # per layer, full_attention | linear_attention | sliding_attention;
+                                               # () = all full attention
     linear_num_key_heads: int = 0              # DeltaNet q/k heads
     linear_num_value_heads: int = 0            # DeltaNet v heads (a multiple of the q/k heads), one state each
     linear_key_head_dim: int = 0               # dk: a state is (dk, dv) per value head
@@ -65,8 +66,9 @@ class ModelConfig:
     attn_output_gate: bool = False             # q_proj also gives a per-head sigmoid gate on the attention output
     zero_centred_norm: bool = False            # HF's norm weights are w in x_normed * (1 + w); the canonical
                                                # tensors hold 1 + w, as GGUF does (arch/hybrid_names.py)
-    # --- the router's options (models/router.py; DeepSeek-V3, GLM-4.5) --------------------------------------------
-    gating: str = "softmax"                    # softmax | sigmoid: the scores of every expert
+    # --- the router's options (models/router.py; DeepSeek-V3, GLM-4.5, gpt-oss) -----------------------------------
+    gating: str = "softmax"                    # softmax | sigmoid: the scores of every expert; softmax_weight: a
+                                               # softmax over the chosen k logits (gpt-oss)
     router_bias: bool = False                  # a per-expert correction bias (exp_probs_b) added for the choice only
     n_group: int = 1                           # experts in n_group groups; top-k within the best topk_group of them
     topk_group: int = 1                        # (a group's score: the sum of its two best biased scores)
@@ -78,6 +80,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0                  # its rotary dims, the key's shared by every head
     v_head_dim: int = 0                        # a value head's dims
     rope_interleave: bool = False              # rotary on adjacent pairs (DeepSeek's, llama.cpp's NORM), not halves
+    # --- sliding-window attention (gpt-oss) ---------------------------------------------------------------------
+    sliding_window: int = 0                    # sliding_attention layers attend their last this many positions
 
     def __post_init__(self):
         for name in INT_FIELDS:
@@ -108,10 +112,12 @@ class ModelConfig:
             odd = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if odd:
                 raise UserError(f"unsupported layer type {odd[0]!r}; supported: {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+                raise UserError("unsupported layer type 'sliding_attention' without a positive sliding_window "
+                                f"(got {self.sliding_window}); set the config's sliding_window")
         if self.linear_layers:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                         "linear_value_head_dim", "linear_conv_kernel", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                         "linear_value_head_dim", "linear_conv_kernel"):
                 if getattr(self, name) <= 0:
                     raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
             if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -150,6 +156,11 @@ class ModelConfig:
     def linear_layers(self) -> list[int]:
         """Indices of the Gated DeltaNet layers (a conv window and a recurrent state per sequence, no KV)."""
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        """Indices of the attention layers that attend only their last sliding_window positions."""
+        return [i for i, t in enumerate(self.layer_types) if t == "sliding_attention"]
 
     @property
     def attention_layers(self) -> list[int]:

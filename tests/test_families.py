@@ -45,8 +45,9 @@ OPTIONS = {
 
 
 # The hybrid families (Qwen3-Next, Qwen3.5-MoE) have their own tests: tests/test_next_family.py, test_next_engine.py,
-# test_next_gguf.py and test_next_hf_write.py (their HF directories, whose values write_hf turns back into HF's).
-ENGINE_FAMILIES = [name for name, f in FAMILIES.items() if not f.hybrid]
+# test_next_gguf.py and test_next_hf_write.py (their HF directories, whose values write_hf turns back into HF's);
+# gpt-oss too (its experts fused and interleaved in HF): tests/test_gptoss.py.
+ENGINE_FAMILIES = [name for name, f in FAMILIES.items() if not f.hybrid and not f.hf_interleaved]
 
 
 def test_every_family_has_a_test_model():

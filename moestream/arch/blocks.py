@@ -25,29 +25,36 @@ class Attention:
     partial rotary); gated: GQA whose output a sigmoid of q_proj's second half gates per element, rotary on the
     first rotary_dim dims (Qwen3-Next); mla: multi-head latent attention (DeepSeek-V3), a latent KV cache."""
     kind: str = "gqa"
-    window: int | None = None            # room: attention over the last `window` keys only (sliding window)
-    sinks: bool = False                  # room: a learnt sink logit per head in the softmax (gpt-oss)
+    window: bool = False                 # layer_types' sliding_attention layers attend their last
+                                         # ModelConfig.sliding_window keys only (gpt-oss)
+    sinks: bool = False                  # a learnt sink logit per head joins the softmax: it takes mass and adds
+                                         # no value (gpt-oss: attn_sinks.weight)
+    out_bias: bool = False               # ModelConfig.attn_bias puts a bias on o_proj too (gpt-oss)
 
 
 @dataclass(frozen=True)
 class Router:
     """The MoE router: the gating function over every expert's logit, then top-k; ModelConfig.norm_topk_prob says
     whether the k weights are renormalised. A family's entry gives what its checkpoints default to where their
-    config does not say (DeepSeek-V3's and GLM-4.5's: sigmoid with a correction bias); ModelConfig holds what a
-    checkpoint sets, and models/router.py's router_of makes the block's options from it."""
-    gating: str = "softmax"              # softmax in float32, or sigmoid (DeepSeek-V3)
+    config does not say (DeepSeek-V3's and GLM-4.5's: sigmoid with a correction bias; gpt-oss's softmax_weight);
+    ModelConfig holds what a checkpoint sets, and models/router.py's router_of makes the block's options from it."""
+    gating: str = "softmax"              # softmax in float32, sigmoid (DeepSeek-V3), or softmax_weight (llama.cpp's
+                                         # name; gpt-oss): top-k over the logits, then a softmax over the chosen k
     bias: bool = False                   # a per-expert correction bias added for the choice only (exp_probs_b)
     groups: int = 1                      # top-k within the best topk_group of `groups` expert groups
     scale: float = 1.0                   # a factor on the routed weights (routed_scaling_factor)
     topk_group: int = 1
+    linear_bias: bool = False            # the router's linear has a bias (gpt-oss: ffn_gate_inp.bias)
 
 
 @dataclass(frozen=True)
 class ExpertMLP:
-    """One expert's MLP: SwiGLU, down(silu(gate x) * up x), in every kernel (kernels/)."""
-    activation: str = "swiglu"
-    clamp: float | None = None           # room: gate and up clamped before the activation (gpt-oss)
-    bias: bool = False                   # room: biases on gate, up and down
+    """One expert's MLP: SwiGLU, down(silu(gate x) * up x), in every kernel (kernels/); or swiglu_oai (gpt-oss,
+    llama.cpp's name): gate clamped above at `clamp`, up to [-clamp, clamp], (up + 1) * gate * sigmoid(1.702 gate),
+    with biases on gate, up and down (kernels/reference.py's OaiSwiglu)."""
+    activation: str = "swiglu"           # swiglu | swiglu_oai
+    clamp: float | None = None           # swiglu_oai's limit (7, as llama.cpp fixes it)
+    bias: bool = False                   # biases on gate, up and down (ffn_{gate,up,down}_exps.bias), by expert id
 
 
 @dataclass(frozen=True)
@@ -73,5 +80,8 @@ MOE = Blocks(Attention("gqa"), router=Router("softmax"), experts=ExpertMLP("swig
 SIGMOID = Router("sigmoid", bias=True)
 MLA = Blocks(Attention("mla"), router=SIGMOID, shared_gate=False)
 GQA_SIGMOID = Blocks(Attention("gqa"), router=SIGMOID, shared_gate=False)
+GPT_OSS = Blocks(Attention("gqa", window=True, sinks=True, out_bias=True),
+                 router=Router("softmax_weight", linear_bias=True),
+                 experts=ExpertMLP("swiglu_oai", clamp=7.0, bias=True), residual="plain")
 HYBRID = Blocks(Attention("gated"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
                 residual="plain")

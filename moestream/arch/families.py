@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from .blocks import GQA_SIGMOID, HYBRID, MLA, MOE, Blocks
+from .blocks import GPT_OSS, GQA_SIGMOID, HYBRID, MLA, MOE, Blocks
 
 # (module, gate, up, down): one expert's three projections stored one tensor each, at
 # `model.layers.N.{module}.{e}.{proj}.weight`.
@@ -74,6 +74,10 @@ class Family:
     qk_norm_key: str | None = None        # a config key that turns qk_norm on (GLM-4.5's use_qk_norm; None: fixed)
     partial_rotary: float | None = None   # the rotary fraction of a head where config.json does not say (None: 1)
     gguf_split_kv_b: bool = False         # GGUF holds MLA's attn_kv_b as attn_k_b + attn_v_b (llama.cpp's deepseek2)
+    # --- gpt-oss -------------------------------------------------------------------------------------------------
+    hf_interleaved: bool = False     # hf_fused experts as gpt-oss keeps them: gate_up_proj (E, H, 2I) with gate and
+                                     # up in alternate columns, down_proj (E, I, H), and gate_up_proj_bias (E, 2I)
+                                     # (alternate too) and down_proj_bias (E, H) beside them
 
     @property
     def hybrid(self) -> bool:
@@ -101,6 +105,9 @@ HF_LAYER = {
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # gpt-oss: the o_proj bias, each head's sink logit, the router's bias (its experts' biases: HFSource)
+    "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.bias": "mlp.router.bias",
     # Gated DeltaNet (qwen3_next: ssm_in and ssm_ba, fused and grouped by key head; qwen3_5_moe: the split ones).
     # Canonical values differ from HF's in ssm_a (-exp(A_log)) and the norms (1 + w): see arch/hybrid_names.py.
     "ssm_in.weight": "linear_attn.in_proj_qkvz.weight", "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
@@ -225,6 +232,18 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=MLA,
            hf_renames=_SHARED_EXPERTS, shared_count_key="n_shared_experts", first_dense_key="first_k_dense_replace",
            gguf_split_kv_b=True),
+    # Sliding-window (layer_types, sliding_window) and full attention layers, a sink logit per head, q/k/v/o biases,
+    # YaRN; a biased router whose softmax is over the chosen k; experts of clamped SwiGLU with biases, fused in HF
+    # with gate and up interleaved (arch/blocks.py's GPT_OSS). llama.cpp's gpt-oss calls ffn_norm
+    # post_attention_norm. config.json's intermediate_size is the experts' width.
+    Family("gpt_oss", "gpt-oss", "GptOssForCausalLM", "gpt_oss", ("gpt-oss",),
+           experts_key="num_local_experts", moe_intermediate_key="intermediate_size", sparse_step=False,
+           norm_topk_prob=False, attn_bias="attention_bias", hf_bias_key="attention_bias",
+           shared_expert_key=None, clip_qkv_key=None, hf_extra=(("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)),
+           qk_norm="none",
+           gguf_arch="gpt-oss", gguf_norm_topk=False,
+           hf_router=("mlp.router.weight",), hf_experts=(), hf_fused=("mlp.experts",), blocks=GPT_OSS,
+           gguf_renames=_POST_ATTENTION_NORM, hf_interleaved=True),
 )})
 
 # config.json's `architectures[0]` or `model_type` -> family.

@@ -48,6 +48,8 @@ def config_from_hf(c: dict, generation_config: dict | None = None) -> ModelConfi
                                                     or c.get("partial_rotary_factor") or fam.partial_rotary)
         if fam.first_dense_key:
             dense = list(range(min(c.get(fam.first_dense_key) or 0, n_layers)))
+        if fam.blocks.attention.window:
+            hybrid |= _window_options(c, arch)
         for key in ("mrope_section", "mrope_interleaved"):    # text positions are alike on all three axes:
             rope.pop(key, None)                                 # multimodal RoPE is then plain RoPE
         if rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -71,7 +73,7 @@ def config_from_hf(c: dict, generation_config: dict | None = None) -> ModelConfi
             rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, gating=fam.blocks.router.gating,
         )
         return ModelConfig(**(kw | hybrid))
     except KeyError as e:
@@ -151,6 +153,23 @@ def _text_config(c: dict) -> dict:
     if not isinstance(c.get("text_config"), dict):
         return c
     return {k: v for k, v in c.items() if k not in ("text_config", "vision_config")} | c["text_config"]
+
+
+def _window_options(c: dict, arch: str) -> dict:
+    """gpt-oss's ModelConfig fields: layer_types (sliding_attention and full_attention; transformers' default when
+    absent: even layers sliding) and sliding_window; an option moestream does not run is a UserError naming it."""
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    window = c.get("sliding_window")
+    unsupported = [(c.get("swiglu_limit", 7.0) != 7.0, f"swiglu_limit {c.get('swiglu_limit')!r} (only 7.0)"),
+                   (c.get("swiglu_alpha", 1.702) != 1.702, f"swiglu_alpha {c.get('swiglu_alpha')!r} (only 1.702)"),
+                   ("linear_attention" in types, "layer type 'linear_attention'"),
+                   (window is not None and (type(window) is not int or window <= 0),
+                    f"sliding_window {window!r} (a positive whole number)")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"{arch}: {what} is not supported by moestream")
+    return dict(layer_types=tuple(types), sliding_window=window or 0)
 
 
 def _hybrid_options(c: dict, rope: dict, arch: str) -> dict:

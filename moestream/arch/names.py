@@ -7,13 +7,17 @@ Names (prefix `blk.{i}.` for layer i), shapes in torch order (out_features, in_f
     token_embd.weight (V, H)   output_norm.weight (H,)   output.weight (V, H)  [absent when tied]
     attn_norm.weight (H,)      attn_q.weight (nh*hd, H)  attn_k.weight / attn_v.weight (nkv*hd, H)
     attn_output.weight (H, nh*hd)
-    attn_q.bias / attn_k.bias / attn_v.bias             [qwen2_moe]
+    attn_q.bias / attn_k.bias / attn_v.bias             [qwen2_moe, gpt-oss]
+    attn_output.bias (H,)   attn_sinks.weight (nh,)     [gpt-oss: the o bias (with the q/k/v ones), sinks]
     attn_q_norm.weight / attn_k_norm.weight (hd,)       [qwen3_moe: per head]  (nh*hd,) / (nkv*hd,) [olmoe]
     ffn_norm.weight (H,)
     MoE layers:   ffn_gate_inp.weight (E, H)   experts through a source's expert(), stacked in GGUF as
                   ffn_gate_exps / ffn_up_exps (E, I, H) and ffn_down_exps (E, H, I)
                   ffn_gate_shexp.weight / ffn_up_shexp.weight (Is, H), ffn_down_shexp.weight (H, Is),
                   ffn_gate_inp_shexp.weight (1, H)     [qwen2_moe shared expert and its sigmoid gate]
+                  ffn_gate_inp.bias (E,), ffn_gate_exps.bias / ffn_up_exps.bias (E, I), ffn_down_exps.bias (E, H)
+                                                       [gpt-oss: the router's and the experts' biases, kept with
+                                                        the dense tensors on the device, indexed by expert id]
     dense layers: ffn_gate.weight / ffn_up.weight (I, H), ffn_down.weight (H, I)
     hybrid families (qwen3_next, qwen3_5_moe): the names and values of arch/hybrid_names.py; attention layers'
                   attn_q.weight is (nh*2hd, H) (q and its output gate), and DeltaNet layers have ssm_* instead
@@ -51,9 +55,14 @@ def attention_names(cfg: ModelConfig) -> list[str]:
         q = ["attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"] if cfg.q_lora_rank else ["attn_q.weight"]
         return ["attn_norm.weight", *q, "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_kv_b.weight",
                 "attn_output.weight"]
+    attention = FAMILIES[cfg.family].blocks.attention
     names = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"]
     if cfg.attn_bias:
         names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        if attention.out_bias:
+            names.append("attn_output.bias")
+    if attention.sinks:
+        names.append("attn_sinks.weight")
     if cfg.qk_norm != "none":
         names += ["attn_q_norm.weight", "attn_k_norm.weight"]
     return names
@@ -64,6 +73,7 @@ def dense_names(cfg: ModelConfig) -> list[str]:
     if FAMILIES[cfg.family].hybrid:     # DeltaNet and gated attention layers: arch/hybrid_names.py names them
         from .hybrid_names import hybrid_names
         return [n for n in hybrid_names(cfg) if not n.endswith(EXPERT_SUFFIXES)]
+    blocks = FAMILIES[cfg.family].blocks
     names = ["token_embd.weight", "output_norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("output.weight")
@@ -76,6 +86,10 @@ def dense_names(cfg: ModelConfig) -> list[str]:
             names.append(p + "ffn_gate_inp.weight")
             if cfg.router_bias:
                 names.append(p + "exp_probs_b.bias")
+            if blocks.router.linear_bias:
+                names.append(p + "ffn_gate_inp.bias")
+            if blocks.experts.bias:
+                names += [p + f"{s}.bias" for s in EXPERT_STACKS]
             if cfg.shared_expert_intermediate_size:
                 names += [p + n for n in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")]
                 if FAMILIES[cfg.family].blocks.shared_gate:
@@ -99,6 +113,9 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "attn_q.weight": (2 * q if cfg.attn_output_gate else q, H), "attn_k.weight": (kv, H),
         "attn_v.weight": (kv, H), "attn_output.weight": (H, cfg.n_heads * cfg.v_head_dim if r else q),
         "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+        "attn_output.bias": (H,), "attn_sinks.weight": (cfg.n_heads,), "ffn_gate_inp.bias": (cfg.n_experts,),
+        "ffn_gate_exps.bias": (cfg.n_experts, cfg.moe_intermediate_size),
+        "ffn_up_exps.bias": (cfg.n_experts, cfg.moe_intermediate_size), "ffn_down_exps.bias": (cfg.n_experts, H),
         "attn_q_norm.weight": (hd,) if cfg.qk_norm == "head" else (q,),
         "attn_k_norm.weight": (hd,) if cfg.qk_norm == "head" else (kv,),
         "ffn_gate_inp.weight": (cfg.n_experts, H),

@@ -47,10 +47,11 @@ class ExpertWeights:
             return ExpertWeights(None, None, slots, rows, layout, used)
         return ExpertWeights(*layout.views(rows), slots, used=used)
 
-    def run(self, kernel, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """kernel(x, slots, w13, w2) -> (T, k, H), over the weights `dense` gives for `slots` (default: self's)."""
+    def run(self, kernel, x: torch.Tensor, slots: torch.Tensor | None = None, act=None) -> torch.Tensor:
+        """kernel(x, slots, w13, w2) -> (T, k, H), over the weights `dense` gives for `slots` (default: self's);
+        act: gpt-oss's activation and biases for these choices (kernels/reference.py's OaiSwiglu), or None."""
         d = self.dense(x.dtype, slots)
-        return kernel(x, d.slots, d.w13, d.w2)
+        return kernel(x, d.slots, d.w13, d.w2) if act is None else kernel(x, d.slots, d.w13, d.w2, act)
 
     def dense(self, dtype: torch.dtype, slots: torch.Tensor | None = None) -> "ExpertWeights":
         """The float weights a kernel reads for `slots` (default: self's), and each choice's index into them: self

@@ -4,6 +4,7 @@ zero-copy decode steps `decode` (Triton; steps of several tokens in `decode_grou
 Both have one signature:
 
     y = experts(x, slots, w13, w2)     # x (T, H); slots (T, k) int64; w13 (S, 2I, H); w2 (S, H, I) -> (T, k, H)
+    y = experts(x, slots, w13, w2, act)     # gpt-oss: act an OaiSwiglu (each choice's expert id, biases, clamp)
 
 `slots[t, j]` is the slot holding token t's j-th routed expert. The output is unweighted: the MoE block combines
 the k outputs in a fixed order, so an expert's result never depends on its slot or on the other experts.
@@ -12,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from .reference import AddressBook, experts_by_address_reference, experts_reference
+from .reference import AddressBook, OaiSwiglu, experts_by_address_reference, experts_reference
+
+
+def by_address_kernels(blocks) -> bool:
+    """Whether the zero-copy decode kernels (decode.py, decode_grouped.py, decode_quant.py and its runs, and their
+    oracle) compute this family's expert MLP (arch/blocks.py's Blocks): plain SwiGLU only. gpt-oss's clamped SwiGLU
+    with biases is computed by `reference` and `grouped` (an OaiSwiglu passed as a fifth argument); the decode plan
+    gives its steps no by-address kernel (runtime/plan.py)."""
+    return blocks.experts.activation == "swiglu" and not blocks.experts.bias
 
 
 def pick_kernel(name: str, device: torch.device, dtype: torch.dtype):

@@ -1,6 +1,8 @@
 """The plain-torch expert kernel: the CPU path, and the oracle every fast kernel is tested against."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -20,11 +22,46 @@ def sort_by_slot(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch
     return order, counts
 
 
-def experts_reference(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """x (T, H), slots (T, k) -> (T, k, H): for each used slot, silu(x W_gate^T) * (x W_up^T) W_down^T."""
+@dataclass(frozen=True)
+class OaiSwiglu:
+    """gpt-oss's expert MLP beyond SwiGLU's GEMMs (arch/blocks.py's swiglu_oai), for one kernel call: each choice's
+    expert id, whose biases it adds wherever the expert sits (a slot never changes its result), and the clamp.
+    The biases stay on the device with the dense weights, (E, .) a layer."""
+    ids: torch.Tensor          # (T, k) int64: the expert of each routed choice (the kernel's slots' order)
+    b13: torch.Tensor          # (E, 2I): gate biases, then up biases
+    b2: torch.Tensor           # (E, H): down biases
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def rows(self, ids: torch.Tensor) -> "OaiSwiglu":
+        """The same for a subset of the choices, ids (T', k')."""
+        return OaiSwiglu(ids, self.b13, self.b2, self.limit, self.alpha)
+
+
+def glu(gu: torch.Tensor, inter: int, act: OaiSwiglu | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The activation between an expert's two GEMMs, gu (n, 2I) gate then up -> (n, I): silu(gate) * up, or with
+    `act` (gpt-oss, as transformers computes it) the biases of experts `ids` (n,) added first, gate clamped above
+    and up on both sides, (up + 1) * gate * sigmoid(alpha gate)."""
+    if act is None:
+        return F.silu(gu[:, :inter]) * gu[:, inter:]
+    gu = gu + act.b13[ids].to(gu.dtype)
+    gate, up = gu[:, :inter].clamp(max=act.limit), gu[:, inter:].clamp(-act.limit, act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
+def down_bias(y: torch.Tensor, act: OaiSwiglu | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """An expert's output y (n, H) with its down bias (experts `ids` (n,)), where `act` has one."""
+    return y if act is None else y + act.b2[ids].to(y.dtype)
+
+
+def experts_reference(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      act: OaiSwiglu | None = None) -> torch.Tensor:
+    """x (T, H), slots (T, k) -> (T, k, H): for each used slot, silu(x W_gate^T) * (x W_up^T) W_down^T; with `act`,
+    gpt-oss's clamped SwiGLU and biases (glu, down_bias)."""
     T, k = slots.shape
     inter = w2.shape[-1]
     order, counts = sort_by_slot(slots, w13.shape[0])
+    ids = act.ids.reshape(-1)[order] if act is not None else None        # (T*k,) each sorted row's expert
     xs = x[order // k]                                                    # (T*k, H), grouped by slot
     out = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
@@ -32,9 +69,9 @@ def experts_reference(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w
         if n == 0:
             continue
         rows = order[start:start + n]
+        e = ids[start:start + n] if ids is not None else None
         gu = F.linear(xs[start:start + n], w13[s])                         # (n, 2I): gate then up
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        out[rows] = F.linear(h, w2[s])                                    # (n, H)
+        out[rows] = down_bias(F.linear(glu(gu, inter, act, e), w2[s]), act, e)    # (n, H)
         start += n
     return out.view(T, k, -1)
 

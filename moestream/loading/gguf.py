@@ -228,6 +228,7 @@ class GGUFSource:
             back = {v: k for k, v in ROPE_KEYS.items()}
             rope = {back.get(k[len(prefix):], k[len(prefix):]): v for k, v in self._fields.items()
                     if k.startswith(prefix)}
+            rope.pop("truncate", None)     # llama.cpp always rounds YaRN's correction range (gpt-oss: docs)
         bos = self._token_id("tokenizer.ggml.bos_token_id")
         eos = self._fields.get(EOS_IDS_KEY)
         if eos is None:
@@ -241,6 +242,8 @@ class GGUFSource:
         hybrid = self._hybrid_options(n_layers, head_dim) if fam.hybrid else {}
         if fam.shared_count_key:        # deepseek2, glm4moe
             hybrid |= self._sigmoid_options(fam, moe, head_dim, rope)
+        if fam.blocks.attention.window:
+            hybrid |= self._window_options(n_layers)
         kw = dict(
             family=fam.name, vocab_size=self._shape("token_embd.weight")[0], hidden_size=hidden, n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=self._key("attention.head_count_kv", n_heads),
@@ -256,7 +259,7 @@ class GGUFSource:
             rope_theta=float(self._key("rope.freq_base", 10000.0, float)), rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=self._key("context_length", 4096),
             tie_word_embeddings="output.weight" not in self._tensors,
-            bos_token_id=bos, eos_token_ids=tuple(eos),
+            bos_token_id=bos, eos_token_ids=tuple(eos), gating=fam.blocks.router.gating,
         )
         return ModelConfig(**(kw | hybrid))
 
@@ -309,6 +312,22 @@ class GGUFSource:
                     linear_conv_kernel=self._key("ssm.conv_kernel"),
                     partial_rotary_factor=self._key("rope.dimension_count", head_dim // 4) / max(head_dim, 1),
                     attn_output_gate=True, zero_centred_norm=True)
+
+    def _window_options(self, n_layers: int) -> dict:
+        """gpt-oss's sliding layers, as llama.cpp's loader reads them: attention.sliding_window, and
+        attention.sliding_window_pattern (a flag a layer, or every N-th layer full; default 2: even layers slide)."""
+        window = self._key("attention.sliding_window")
+        pattern = self._fields.get(f"{self.arch}.attention.sliding_window_pattern", 2)
+        if isinstance(pattern, list):
+            if len(pattern) < n_layers or not all(isinstance(f, (bool, int)) for f in pattern):
+                self._no_model(f"attention.sliding_window_pattern {pattern!r} for {n_layers} layers")
+            sliding = [bool(f) for f in pattern[:n_layers]]
+        elif isinstance(pattern, int) and pattern >= 0:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+        else:
+            self._no_model(f"attention.sliding_window_pattern {pattern!r}")
+        return dict(layer_types=tuple("sliding_attention" if f else "full_attention" for f in sliding),
+                    sliding_window=window)
 
     def _values(self, wanted) -> dict:
         """The metadata fields whose keys `wanted` takes, as plain values."""

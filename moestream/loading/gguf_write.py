@@ -80,6 +80,11 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
         _add_hybrid_metadata(w, cfg)
     if FAMILIES[cfg.family].shared_count_key:
         _add_sigmoid_metadata(w, cfg)
+    if FAMILIES[cfg.family].blocks.attention.window:      # gpt-oss: the window, and the sliding layers where
+        w.add_sliding_window(cfg.sliding_window)           # they are not llama.cpp's default (even layers)
+        if cfg.layer_types != tuple("full_attention" if i % 2 else "sliding_attention" for i in range(cfg.n_layers)):
+            w.add_array(f"{w.arch}.attention.sliding_window_pattern",
+                        [t == "sliding_attention" for t in cfg.layer_types])
     if cfg.clip_qkv is not None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.rope:
@@ -90,7 +95,8 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
         for k, v in cfg.rope.items():
             if k == "mscale_all_dim" and cfg.kv_lora_rank:      # deepseek2: as llama.cpp's converter writes it
                 w.add_rope_scaling_yarn_log_mul(0.1 * v)
-            elif k not in ("type", "rope_type"):
+            # truncate: llama.cpp always rounds YaRN's correction range, and a GGUF has no key to say otherwise
+            elif k not in ("type", "rope_type", "truncate"):
                 _add_kv(w, f"{w.arch}.rope.scaling.{ROPE_KEYS.get(k, k)}", v)
     w.add_file_type(file_type)
     if quantized:
@@ -236,7 +242,7 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
     bar = tqdm(plan, desc="writing", unit="tensor", disable=not progress)
     for name, shape, qtype in bar:
         bar.set_postfix_str(f"{name} {qtype.name}", refresh=False)
-        layer_stack = name.split(".")[2] if name.startswith("blk.") else ""
+        layer_stack = name.split(".")[2] if name.startswith("blk.") and name.endswith(".weight") else ""
         if layer_stack == EXPERT_STACKS[0]:
             # float files build the stacks in their own dtype; quantized stacks keep the source's until encoded
             layer = int(name.split(".")[1])

@@ -92,6 +92,8 @@ class HFSource:
         tensor() and expert() would hand it out; one line naming the keys and the tensor where they disagree."""
         cfg = self.config
         for name in dense_names(cfg):
+            if _fused_bias(cfg, name):
+                continue                      # checked with its stack below
             hf = next((n for n in hf_names(name, cfg.family, self.prefix) if n in self._where), None)
             if hf is not None:                # a missing one is named when it is read
                 self._check(name, hf, _canonical_shape_of(name, self._shape(hf)))
@@ -102,10 +104,16 @@ class HFSource:
                 gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
                 if gate_up in self._where and down in self._where:
                     E, inter, H = canonical_shape(cfg, "ffn_gate_exps.weight")    # gate_up: gate rows, then up
+                    inter_t = fam.hf_interleaved            # gpt-oss: (E, H, 2I) and (E, I, H)
                     self._check(f"blk.{layer}.ffn_gate_exps.weight", gate_up, self._shape(gate_up),
-                                want=(E, 2 * inter, H))
-                    self._check(f"blk.{layer}.ffn_down_exps.weight", down, self._shape(down))
+                                want=(E, H, 2 * inter) if inter_t else (E, 2 * inter, H))
+                    self._check(f"blk.{layer}.ffn_down_exps.weight", down, self._shape(down),
+                                want=(E, inter, H) if inter_t else None)
                     break
+                if fam.hf_interleaved and f"{gate_up}_blocks" in self._where:
+                    raise UserError(f"{gate_up}_blocks: MXFP4 experts (*_blocks / *_scales) need moestream's MXFP4 "
+                                    "expert type, which this build lacks; give the float checkpoint (transformers "
+                                    "saves one after loading with dequantize=True) or a GGUF with float experts")
             else:
                 for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
                     first = f"{p}{mod}.0.{g}.weight"
@@ -164,6 +172,13 @@ class HFSource:
         return any(n in self._where for n in hf_names(name, self.config.family, self.prefix))
 
     def tensor(self, name: str) -> torch.Tensor:
+        if _fused_bias(self.config, name):      # gpt-oss: gate_up_proj_bias (E, 2I) alternates gate and up
+            _, layer, suffix = name.split(".", 2)
+            p = f"{self.prefix}layers.{layer}.{FAMILIES[self.config.family].hf_fused[0]}."
+            if suffix == "ffn_down_exps.bias":
+                return self._read(p + "down_proj_bias")
+            both = self._read(p + "gate_up_proj_bias")
+            return both[:, suffix == "ffn_up_exps.bias"::2].contiguous()
         t = self._read_first(hf_names(name, self.config.family, self.prefix), name)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)                 # some exports keep the shared expert's gate as (H,)
@@ -247,8 +262,16 @@ class HFSource:
                             "tensor each (as the published FP8 checkpoints are)")
         inter = self.config.moe_intermediate_size          # the stacks' shapes were checked at open
         gu, dn = self._where[gate_up].get_slice(gate_up), self._where[down].get_slice(down)
-        pair = gu[e]                                               # (2I, H): gate rows, then up rows
-        return pair[:inter], pair[inter:], dn[e]
+        pair = gu[e]
+        if FAMILIES[self.config.family].hf_interleaved:    # (H, 2I): gate and up in alternate columns; down (I, H)
+            return pair[:, ::2].t().contiguous(), pair[:, 1::2].t().contiguous(), dn[e].t().contiguous()
+        return pair[:inter], pair[inter:], dn[e]                   # (2I, H): gate rows, then up rows
+
+
+def _fused_bias(cfg: ModelConfig, name: str) -> bool:
+    """Whether `name` is an expert bias that HF keeps fused beside its stacks (gpt-oss's gate_up_proj_bias,
+    down_proj_bias), not a tensor of its own."""
+    return FAMILIES[cfg.family].hf_interleaved and name.endswith(tuple(f"{s}.bias" for s in EXPERT_STACKS))
 
 
 def _canonical_shape_of(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -315,6 +338,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     d.update(fam.hf_extra)
     if fam.partial_rotary:
         d["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if fam.blocks.attention.window:     # gpt-oss: its sliding and full layers
+        d.update(layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window or None)
     if fam.hybrid:          # Gated DeltaNet and gated attention, as Qwen3NextConfig and Qwen3_5MoeTextConfig read them
         d.update(layer_types=list(cfg.layer_types), linear_num_key_heads=cfg.linear_num_key_heads,
                  linear_num_value_heads=cfg.linear_num_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
@@ -363,13 +388,31 @@ def _layer_of(name: str) -> int:
 def _tensors(source):
     """(HF name, tensor) for every tensor, made one at a time, layer by layer so that a shard holds whole layers."""
     cfg = source.config
-    names = dense_names(cfg)
+    names = [n for n in dense_names(cfg) if not _fused_bias(cfg, n)]
     for layer in range(-1, cfg.n_layers):
         for n in (n for n in names if _layer_of(n) == layer):
             yield hf_names(n, cfg.family)[0], _hf_value(source, n)
-        if layer in cfg.moe_layers:
+        if layer in cfg.moe_layers and FAMILIES[cfg.family].hf_interleaved:
+            yield from _interleaved_experts(source, layer)
+        elif layer in cfg.moe_layers:
             for e in range(cfg.n_experts):
                 yield from zip(_expert_names(cfg.family, layer, e), source.expert(layer, e))
+
+
+def _interleaved_experts(source, layer: int):
+    """A layer's experts as gpt-oss keeps them (Family.hf_interleaved): (HF name, tensor) of gate_up_proj
+    (E, H, 2I), gate_up_proj_bias (E, 2I), down_proj (E, I, H) and down_proj_bias (E, H)."""
+    cfg = source.config
+    p = f"model.layers.{layer}.{FAMILIES[cfg.family].hf_fused[0]}."
+    experts = [source.expert(layer, e) for e in range(cfg.n_experts)]
+    gate = torch.stack([g for g, _, _ in experts]).transpose(1, 2)             # (E, H, I)
+    up = torch.stack([u for _, u, _ in experts]).transpose(1, 2)
+    yield p + "gate_up_proj", torch.stack([gate, up], dim=-1).flatten(2)    # (E, H, 2I): gate, up alternate
+    b = f"blk.{layer}."
+    yield p + "gate_up_proj_bias", torch.stack([source.tensor(b + "ffn_gate_exps.bias"),
+                                                source.tensor(b + "ffn_up_exps.bias")], dim=-1).flatten(1)
+    yield p + "down_proj", torch.stack([d for _, _, d in experts]).transpose(1, 2).contiguous()   # (E, I, H)
+    yield p + "down_proj_bias", source.tensor(b + "ffn_down_exps.bias")
 
 
 def _hf_value(source, name: str) -> torch.Tensor:
@@ -398,7 +441,7 @@ def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30,
         stale.unlink(missing_ok=True)
     cfg = source.config
     cast = None if dtype == "auto" else getattr(torch, dtype)
-    n_tensors = len(dense_names(cfg)) + 3 * cfg.n_experts * len(cfg.moe_layers)
+    n_tensors = len(dense_names(cfg)) + 3 * cfg.n_experts * len(cfg.moe_layers)   # (a bar's total)
     shards: list[Path] = []                 # written so far, under temporary names
     weight_map: dict[str, int] = {}         # HF name -> shard number
     shard: dict[str, torch.Tensor] = {}

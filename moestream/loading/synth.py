@@ -6,6 +6,7 @@
     src = SynthSource.from_spec("qwen3-next-80b-a3b:layers=8")   # Qwen3-Next-80B-A3B shapes, 8 layers
     src = SynthSource.from_spec("deepseek-v3:layers=4")          # DeepSeek-V3 shapes: 1 dense, 3 MoE layers
     src = SynthSource.from_spec("glm-4.5-air:layers=4")          # GLM-4.5-Air shapes; tiny-deepseek, tiny-glm
+    src = SynthSource.from_spec("gpt-oss-120b:layers=4")         # gpt-oss-120b shapes (float experts), 4 layers
     src.tensor("blk.0.attn_q.weight")                            # (nh*hd, H), made on demand
 
 Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16. The seed is 0
@@ -22,6 +23,10 @@ Hybrid presets (Qwen3-Next) place their attention layers every `full_attention_i
 group), for any layers=N, as the checkpoints' config.json does. Their canonical tensors are what the math takes:
 norms hold 1 + w already, and the DeltaNet decay rate ssm_a = -exp(A_log) is drawn negative, A_log uniform in
 [-2, 0.5] (float32, as the engine keeps it).
+
+gpt-oss presets (tiny-gptoss, gpt-oss-20b, gpt-oss-120b) alternate sliding-window and full layers (even layers
+slide, as the checkpoints' layer_types), with sinks, biases and YaRN as their config.json. Their experts are float
+(bfloat16): the published checkpoints' MXFP4 experts need the MXFP4 expert type.
 """
 from __future__ import annotations
 
@@ -102,13 +107,30 @@ PRESETS: dict[str, dict] = {
         gating="sigmoid", router_bias=True,
     ),
 }
+# gpt-oss's config.json (both sizes): YaRN with its correction range not rounded, a window of 128, q/k/v/o biases.
+_GPT_OSS = dict(family="gpt_oss", vocab_size=201088, hidden_size=2880, n_heads=64, n_kv_heads=8, head_dim=64,
+                n_experts_used=4, moe_intermediate_size=2880, attn_bias=True, gating="softmax_weight",
+                rms_norm_eps=1e-5, rope_theta=150000.0,
+                rope_scaling=tuple(sorted(dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                               original_max_position_embeddings=4096, truncate=False).items())),
+                max_position_embeddings=131072, sliding_window=128)
+PRESETS.update({
+    # A CPU-sized gpt-oss: sliding (window 16) and full layers, sinks, biases, clamped SwiGLU experts.
+    "tiny-gptoss": _GPT_OSS | dict(vocab_size=TINY_VOCAB, hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=2,
+                                   head_dim=32, n_experts=16, moe_intermediate_size=128, sliding_window=16,
+                                   max_position_embeddings=4096),
+    "gpt-oss-20b": _GPT_OSS | dict(n_layers=24, n_experts=32),
+    "gpt-oss-120b": _GPT_OSS | dict(n_layers=36, n_experts=128),
+})
 DEFAULT_DTYPE = {"tiny": torch.float32, "qwen3-30b-a3b": torch.bfloat16, "tiny-next": torch.float32,
                  "qwen3-next-80b-a3b": torch.bfloat16, "deepseek-v3": torch.bfloat16, "glm-4.5-air": torch.bfloat16,
-                 "tiny-deepseek": torch.float32, "tiny-glm": torch.float32}
-HAS_TOKENIZER = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm"}
+                 "tiny-deepseek": torch.float32, "tiny-glm": torch.float32, "tiny-gptoss": torch.float32,
+                 "gpt-oss-20b": torch.bfloat16, "gpt-oss-120b": torch.bfloat16}
+HAS_TOKENIZER = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm", "tiny-gptoss"}
 # Presets with dense first layers (first_k_dense_replace): that many, or one where layers=N leaves fewer than
 # twice as many (bench/make_reference_deepseek_gguf.py's 4 layers: 1 dense, 3 MoE).
 DENSE_FIRST = {"deepseek-v3": 3, "glm-4.5-air": 1, "tiny-deepseek": 1, "tiny-glm": 1}
+SLIDING = {"tiny-gptoss", "gpt-oss-20b", "gpt-oss-120b"}        # even layers slide, odd ones attend everything
 DEFAULT_SEED = {"tiny-next": 6}             # a demo preset whose greedy text after "Once upon a time" is not empty
 FULL_ATTENTION_INTERVAL = {"tiny-next": 2, "qwen3-next-80b-a3b": 4}     # hybrid presets: attention every N layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,7 +139,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # are soft. The tiny model scales them up so its routing is decisive, as a trained model's is; the big preset
 # keeps the reference file's plain init.
 TINY_ROUTER_SCALE = 3.0
-SCALED_ROUTERS = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm"}
+SCALED_ROUTERS = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm", "tiny-gptoss"}
 
 
 def _usage() -> str:
@@ -167,6 +189,8 @@ class SynthSource:
             step = FULL_ATTENTION_INTERVAL[name]
             kw["layer_types"] = tuple("linear_attention" if (i + 1) % step else "full_attention"
                                       for i in range(kw["n_layers"]))
+        if name in SLIDING:
+            kw["layer_types"] = tuple("full_attention" if i % 2 else "sliding_attention" for i in range(kw["n_layers"]))
         tok = None
         if name in HAS_TOKENIZER:
             from ..text.tokenizer import synth_tokenizer      # lazily: it trains a small BPE in memory

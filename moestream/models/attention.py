@@ -18,16 +18,22 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .gated_attention import partial_rope
-from .layers import attention, decode_attention, rms_norm
+from .layers import attention, attention_sinks, decode_attention, rms_norm
 
 
 class GQA:
     """Grouped-query attention with ModelConfig's options: q/k/v biases (Qwen2-MoE, GLM-4.5), QK-norm per head
     (Qwen3-MoE, GLM-4.5's use_qk_norm) or over the whole projection (OLMoE), q/k/v clamped (OLMoE's clip_qkv),
-    rotary on the first rotary_dim dims of each head (GLM-4.5's partial_rotary_factor). Room for a sliding window with sinks:
-    the mask of `attend` and a sink logit per head (arch/blocks.py's Attention.window, sinks)."""
-    def __init__(self, cfg: ModelConfig):
+    rotary on the first rotary_dim dims of each head (GLM-4.5's partial_rotary_factor); with gpt-oss's options
+    (arch/blocks.py's Attention): sliding_attention layers attend their last cfg.sliding_window positions, a sink logit per head
+    joins the softmax (attn_sinks.weight), and o_proj has a bias. The KV cache keeps every position of a sliding
+    layer too (the window is a mask), so prefix reuse treats it as any layer's."""
+    def __init__(self, cfg: ModelConfig, window: bool = False, sinks: bool = False):
         self.cfg = cfg
+        self.sinks = sinks
+        # the KV layers (indices into the cache's attention layers) that attend the last sliding_window positions
+        sliding = set(cfg.sliding_layers) if window else set()
+        self.windowed = {j for j, i in enumerate(cfg.attention_layers) if i in sliding}
 
     def prepare(self, lw: dict) -> None:
         """At load: nothing (the decoder has put q, k and v in one attn_qkv)."""
@@ -38,11 +44,11 @@ class GQA:
 
     def fuses(self, fused) -> bool:
         """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, no
-        clipping and rotary on whole heads (OLMoE's whole-projection norm and clip_qkv, GLM-4.5's partial rotary run
-        as eager ops, with the mask)."""
+        clipping, rotary on whole heads, no sinks and no window (OLMoE's whole-projection norm and clip_qkv,
+        GLM-4.5's partial rotary, gpt-oss's sinks and window run as eager ops, with the mask)."""
         cfg = self.cfg
         return (fused is not None and cfg.qk_norm in ("none", "head") and not cfg.clip_qkv
-                and cfg.rotary_dim == cfg.head_dim)
+                and cfg.rotary_dim == cfg.head_dim and not self.sinks and not self.windowed)
 
     def __call__(self, x, lw, slot: int, batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
         cfg = self.cfg
@@ -69,8 +75,13 @@ class GQA:
             k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
         q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         kv.write(slot, batch.seq_ids, batch.positions, k, v)
-        o = attend(q, slot, batch, kv, mask)                                 # (T, nh, hd)
-        return F.linear(o.reshape(T, -1), lw["attn_output.weight"])
+        window = self.cfg.sliding_window if slot in self.windowed else 0
+        if window and mask is not None:      # a decode step: only the keys of the last `window` positions
+            n = mask.shape[1]
+            mask = mask & (torch.arange(n, device=mask.device)[None, :] > batch.positions[:, None] - window)
+        sinks = lw["attn_sinks.weight"] if self.sinks else None
+        o = attend(q, slot, batch, kv, mask, sinks, window)                  # (T, nh, hd)
+        return F.linear(o.reshape(T, -1), lw["attn_output.weight"], lw.get("attn_output.bias"))
 
 
 class GatedAttention(GQA):
@@ -104,9 +115,11 @@ class GatedAttention(GQA):
         return F.linear(o, lw["attn_output.weight"])
 
 
-def attend(q, slot: int, batch, kv, mask=None) -> torch.Tensor:
+def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> torch.Tensor:
     """q (T, nh, hd) against each token's own sequence's cache in KV layer `slot`, up to and including its
-    position (decode: `mask` (B, n) says which of the first n keys each token attends)."""
+    position (decode: `mask` (B, n) says which of the first n keys each token attends). sinks (nh,): each head's
+    sink logit in the softmax; window: a prompt's queries attend their last `window` positions only (decode: the
+    mask says so)."""
     keys, values = kv.k[slot], kv.v[slot]                                    # (n_seq, nkv, ctx, hd)
     if batch.is_decode:
         # The whole context, masked, in eager and captured decodes alike: the same shapes give the same bits.
@@ -115,17 +128,21 @@ def attend(q, slot: int, batch, kv, mask=None) -> torch.Tensor:
             kk, vv = keys[:, :, :n], values[:, :, :n]                        # (1, nkv, n, hd)
         else:
             kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]    # (B, nkv, n, hd)
-        return decode_attention(q, kk, vv, mask)                             # (B, nh, hd)
+        return decode_attention(q, kk, vv, mask, sinks)                      # (B, nh, hd)
     outs, r = [], 0
     for s in batch.segments:
         end = s.start + s.n
         qs = q[r:r + s.n].transpose(0, 1).unsqueeze(0)                       # (1, nh, n, hd)
         kk, vv = keys[s.seq:s.seq + 1, :, :end], values[s.seq:s.seq + 1, :, :end]
-        outs.append(attention(qs, kk, vv)[0].transpose(0, 1))               # (n, nh, hd)
+        if sinks is None and not window:
+            outs.append(attention(qs, kk, vv)[0].transpose(0, 1))           # (n, nh, hd)
+        else:
+            outs.append(attention_sinks(qs, kk, vv, sinks, window)[0].transpose(0, 1))
         r += s.n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 from .mla import MLA  # noqa: E402  (it builds on GQA)
 
-KINDS = {"gqa": GQA, "gated": GatedAttention, "mla": MLA}
+KINDS = {"gqa": GQA, "gated": GatedAttention, "mla": MLA}     # each made as KINDS[kind](cfg); gqa's and gated's
+                                                                # take window= and sinks= too

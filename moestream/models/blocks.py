@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch.blocks import ATTENTION_KINDS, MIXERS, RESIDUALS, Blocks, Router
-from ..config import ModelConfig
+from ..config import GATINGS, ModelConfig
 from ..kernels.delta_reference import TORCH, DeltaKernels
 from . import attention
 from .deltanet import DeltaNet
@@ -35,7 +35,9 @@ def build(cfg: ModelConfig, blocks: Blocks, delta: DeltaKernels | None = None) -
     """The blocks of a decoder of `cfg` as `blocks` picks them; delta: the DeltaNet's kernels (None: the plain
     torch references)."""
     check(blocks)
-    attn = attention.KINDS[blocks.attention.kind](cfg)
+    a = blocks.attention
+    opts = dict(window=a.window, sinks=a.sinks) if a.kind == "gqa" else {}     # check: gqa's options only
+    attn = attention.KINDS[a.kind](cfg, **opts)
     linear = set(cfg.linear_layers)
     mixer = MIXER_KINDS[blocks.mixer](cfg, delta or TORCH) if blocks.mixer else None
     if linear and mixer is None:
@@ -49,11 +51,14 @@ def check(blocks: Blocks) -> None:
     a, r, e = blocks.attention, blocks.router, blocks.experts
     missing = [what for bad, what in (
         (a.kind not in ATTENTION_KINDS, f"attention kind {a.kind!r}"),
-        (a.window is not None, "sliding-window attention"), (a.sinks, "attention sinks"),
+        ((a.window or a.sinks or a.out_bias) and a.kind != "gqa", f"window, sinks or o bias on {a.kind} attention"),
         (blocks.mixer is not None and blocks.mixer not in MIXERS, f"mixer {blocks.mixer!r}"),
-        (r.gating not in ("softmax", "sigmoid"), f"{r.gating} gating"),
-        (e.activation != "swiglu", f"expert activation {e.activation!r}"), (e.clamp is not None, "clamped SwiGLU"),
-        (e.bias, "expert biases"),
+        (r.gating not in GATINGS, f"{r.gating} gating"),
+        (r.linear_bias and r.gating != "softmax_weight", f"a router linear bias with {r.gating} gating"),
+        (e.activation not in ("swiglu", "swiglu_oai"), f"expert activation {e.activation!r}"),
+        (e.clamp is not None and e.activation != "swiglu_oai", "clamped SwiGLU"),
+        (e.clamp is None and e.activation == "swiglu_oai", "swiglu_oai without its clamp"),
+        (e.bias and e.activation != "swiglu_oai", "expert biases on plain SwiGLU"),
         (blocks.residual not in RESIDUALS, f"residual {blocks.residual!r}")) if bad]
     if missing:
         raise NotImplementedError(f"blocks not built yet: {', '.join(missing)}")

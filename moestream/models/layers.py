@@ -108,20 +108,67 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         return sdpa()
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attention_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                    window: int = 0, rows: int = 512) -> torch.Tensor:
+    """attention() with gpt-oss's options: each head's sink logit `sinks` (nh,) joins the softmax (it takes mass
+    and adds no value), and with `window` each query attends only its last `window` positions (itself included,
+    as transformers' and llama.cpp's sliding window). q (1, nh, Tq, hd), the last Tq of the Tk positions of k, v
+    (1, nkv, Tk, hd) -> (1, nh, Tq, hd).
+
+    Plain torch in float32 (scores, softmax, sums), `rows` queries at a time, each against only the keys it may
+    attend: the CPU path and, for now, the CUDA one (no fused kernel takes sinks and a window deterministically).
+    """
+    _, nh, Tq, hd = q.shape
+    nkv, Tk = k.shape[1], k.shape[2]
+    g = nh // nkv
+    out = torch.empty_like(q)
+    for a in range(0, Tq, rows):
+        b = min(a + rows, Tq)
+        first, last = Tk - Tq + a, Tk - Tq + b - 1                          # the chunk's positions
+        lo = max(0, first - window + 1) if window else 0
+        kk, vv = k[0, :, lo:last + 1].float(), v[0, :, lo:last + 1].float()     # (nkv, n, hd)
+        qg = q[0, :, a:b].float().reshape(nkv, g * (b - a), hd)
+        scores = torch.matmul(qg, kk.transpose(-1, -2)).view(nkv, g, b - a, -1) * hd ** -0.5   # (nkv, g, r, n)
+        pos = torch.arange(first, last + 1, device=q.device)[:, None]
+        key = torch.arange(lo, last + 1, device=q.device)[None, :]
+        allowed = (key <= pos) & ((key > pos - window) if window else True)     # (r, n)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[0, :, a:b] = _softmax_sinks(scores, sinks).matmul(vv[:, None]).reshape(nh, b - a, hd).to(q.dtype)
+    return out
+
+
+def _softmax_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 scores (nkv, g, ..., n), with each head's sink logit (nh,) as one more
+    column that is dropped after (transformers' eager_attention_forward's order)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    nkv, g = scores.shape[:2]
+    sink = sinks.float().view(nkv, g, *([1] * (scores.dim() - 2))).expand(*scores.shape[:-1], 1)
+    both = torch.cat([scores, sink], dim=-1)
+    both = both - both.max(dim=-1, keepdim=True).values
+    return torch.softmax(both, dim=-1)[..., :-1]
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence against its whole cache: q (B, nh, hd); k, v (B, nkv, n, hd); mask (B, n) bool
     (True: attend) -> (B, nh, hd).
 
     Two batched matmuls and a float32 softmax, grouped by KV head (no copy of the cache per query head): torch's
     fused kernels either do not take a mask with grouped heads (they fall back to a slow path that copies the
     cache) or are not deterministic (cuDNN, see above). Scores and softmax in float32, as flash attention keeps them.
+    sinks (nh,): each head's sink logit joins the softmax (gpt-oss; a sliding window is the caller's mask).
     """
     B, nh, hd = q.shape
     nkv = k.shape[1]
     qg = q.reshape(B, nkv, nh // nkv, hd).float()                           # (B, nkv, g, hd)
     scores = torch.matmul(qg, k.float().transpose(-1, -2)) * hd ** -0.5     # (B, nkv, g, n)
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())            # (B, nkv, g, hd)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = _softmax_sinks(scores.transpose(0, 1).transpose(1, 2), sinks).transpose(1, 2).transpose(0, 1)
+    out = torch.matmul(probs, v.float())                                    # (B, nkv, g, hd)
     return out.reshape(B, nh, hd).to(q.dtype)
 
 

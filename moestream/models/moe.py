@@ -7,11 +7,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..arch.blocks import ExpertMLP
 from ..config import ModelConfig
 from ..experts.provider import ExpertWeights
 from ..experts.routing import report_route
+from ..kernels.reference import OaiSwiglu
 from .layers import swiglu
 from .router import SOFTMAX, route
+
+SWIGLU = ExpertMLP()
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -41,7 +45,7 @@ def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, pr
         weights, ids = [routed[0]], routed[1]
     else:
         pairs = [route(x, lw["ffn_gate_inp.weight"], cfg.n_experts_used, cfg.norm_topk_prob, router,
-                       lw.get("exp_probs_b.bias")) for x in xs]
+                       lw.get("exp_probs_b.bias"), lw.get("ffn_gate_inp.bias")) for x in xs]
         weights, ids = [w for w, _ in pairs], _cat([i for _, i in pairs])
     n = sum(x.shape[0] for x in xs)
     ahead = min(provider.lookahead_layers(layer, n), len(next_routers)) if next_routers else 0
@@ -53,13 +57,20 @@ def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, pr
 
 
 def moe_experts(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,
-                guess=None, by_address=None, fused=None, addrs=None) -> list[torch.Tensor]:
+                guess=None, by_address=None, fused=None, addrs=None, mlp: ExpertMLP = SWIGLU) -> list[torch.Tensor]:
     """The expert half over the parts of a forward (moe_route's): the routed experts' weights from the provider,
     once for all parts, then each part's kernel, combine and shared expert as in a forward of that part alone.
     `by_address` (a zero-copy decode step, one part): that kernel reads each expert where the provider says it
     lies (addrs (T, k), where the router's launch looked them up already). `fused` (kernels.fused, decode steps
-    on CUDA): the shared expert in two launches, on every path alike."""
+    on CUDA): the shared expert in two launches, on every path alike. `mlp`: the expert MLP's options (arch/blocks.py;
+    gpt-oss's swiglu_oai goes to the kernel as an OaiSwiglu with each choice's expert id; the decode plan gives it
+    no by_address kernel, runtime/plan.py)."""
+    act = None
+    if mlp.activation == "swiglu_oai":     # the layer's (E, 2I) gate | up and (E, H) down biases
+        act = OaiSwiglu(ids, lw["ffn_gate_up_exps.bias"], lw["ffn_down_exps.bias"], mlp.clamp)
     if by_address is not None:
+        if act is not None:
+            raise ValueError("the zero-copy decode kernels have no swiglu_oai: the decode plan must not pick one")
         x, = xs
         land = provider.landing(layer, ids)
         if addrs is None:
@@ -70,7 +81,8 @@ def moe_experts(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, 
     rows = _bounds(xs)
     if isinstance(w, ExpertWeights):
         d = w.dense(xs[0].dtype)                   # quantized rows dequantized once for every part
-        ys = [kernel(x, d.slots[a:b], d.w13, d.w2) for x, (a, b) in zip(xs, rows)]       # (T, k, H) each
+        ys = [kernel(x, d.slots[a:b], d.w13, d.w2) if act is None else
+              kernel(x, d.slots[a:b], d.w13, d.w2, act.rows(ids[a:b])) for x, (a, b) in zip(xs, rows)]   # (T, k, H)
     else:
         # Waves (a pool smaller than the routed set): each wave computes its experts' rows of each part, in the
         # same token order as one launch would, so every expert's result is the same.
@@ -80,7 +92,8 @@ def moe_experts(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, 
             for x, y, (a, b) in zip(xs, ys, rows):
                 tok, j = member[a:b].nonzero(as_tuple=True)
                 if len(tok):
-                    y[tok, j] = wave.run(kernel, x[tok], wave.slots[a:b][tok, j].unsqueeze(1))[:, 0]
+                    sub = act.rows(ids[a:b][tok, j].unsqueeze(1)) if act is not None else None
+                    y[tok, j] = wave.run(kernel, x[tok], wave.slots[a:b][tok, j].unsqueeze(1), sub)[:, 0]
     provider.experts_launched(layer)               # the cache copies the next layer's experts ahead from here
     return [_shared(x, lw, cfg, combine(y, wt), fused) for x, y, wt in zip(xs, ys, weights)]
 

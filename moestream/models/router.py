@@ -4,13 +4,16 @@ gives the defaults (arch/blocks.py's Router); the checkpoint's values are ModelC
 
     weights, ids = route(x, lw["ffn_gate_inp.weight"], k, norm_topk)                 # x (T, H) -> (T, k) each
     weights, ids = route(x, w, k, norm_topk, router_of(cfg), lw["exp_probs_b.bias"])   # DeepSeek-V3, GLM-4.5
+    weights, ids = route(x, w, k, norm_topk, router_of(cfg), linear_bias=lw["ffn_gate_inp.bias"])   # gpt-oss
 
 Softmax, top-k, renormalise is every Qwen family's, Mixtral's and OLMoE's, in the model's dtype as before.
 DeepSeek-V3's (and GLM-4.5's, one group) is transformers' DeepseekV3TopkRouter and llama.cpp's build_moe_ffn:
 logits and sigmoid scores in float32; the correction bias added to the scores for the choice only; the experts in
 n_group groups, a group scored by the sum of its two best biased scores, the best topk_group groups kept; top-k of
-their experts; the weights their unbiased scores, renormalised (norm_topk), times routed_scaling_factor. A fused
-decode step routes in kernels/fused.py's norm_route, which is plain softmax's (`fuses`).
+their experts; the weights their unbiased scores, renormalised (norm_topk), times routed_scaling_factor.
+gpt-oss's softmax_weight (transformers' GptOssTopKRouter, llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT):
+the router linear with its bias, top-k over the logits, a float32 softmax over those k. A fused decode step routes
+in kernels/fused.py's norm_route, which is plain softmax's (`fuses`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.blocks import Router
+from ..arch.families import FAMILIES
 from ..config import ModelConfig
 
 SOFTMAX = Router()
@@ -25,7 +29,8 @@ SOFTMAX = Router()
 
 def router_of(cfg: ModelConfig) -> Router:
     """The router block's options as the checkpoint sets them."""
-    return Router(cfg.gating, cfg.router_bias, cfg.n_group, cfg.routed_scaling_factor, cfg.topk_group)
+    return Router(cfg.gating, cfg.router_bias, cfg.n_group, cfg.routed_scaling_factor, cfg.topk_group,
+                  FAMILIES[cfg.family].blocks.router.linear_bias)
 
 
 def fuses(spec: Router) -> bool:
@@ -34,11 +39,13 @@ def fuses(spec: Router) -> bool:
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, spec: Router = SOFTMAX,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          bias: torch.Tensor | None = None, linear_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """spec's gating over all experts, top-k, optionally renormalised and scaled: (T, k) weights (x's dtype), ids.
-    bias (E,): the correction bias of spec.bias.
+    bias (E,): the correction bias of spec.bias; linear_bias (E,): the router linear's (spec.linear_bias).
 
-    Mixtral's softmax-over-the-top-k-logits is the same function as softmax, top-k, renormalise.
+    Mixtral's softmax-over-the-top-k-logits is the same function as softmax, top-k, renormalise. softmax_weight
+    (gpt-oss, as transformers and llama.cpp compute it): top-k over the logits, a float32 softmax over those k.
     """
     if spec == SOFTMAX:
         logits = F.linear(x, router)                                    # (T, E)
@@ -47,6 +54,9 @@ def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, spec: 
         if norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
+    if spec.gating == "softmax_weight":
+        top, ids = torch.topk(F.linear(x, router, linear_bias), k, dim=-1)       # (T, k)
+        return torch.softmax(top.float(), dim=-1).to(x.dtype), ids
     logits = F.linear(x.float(), router.float())                        # (T, E) float32, as transformers' router
     scores = torch.sigmoid(logits) if spec.gating == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores + bias.float() if spec.bias else scores

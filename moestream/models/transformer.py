@@ -97,6 +97,7 @@ class MoETransformer:
         built = build(cfg, blocks, delta)
         self.attention, self.mixers, self.router, self.residual = (built.attention, built.mixers, built.router,
                                                                    built.residual)
+        self.mlp = blocks.experts
         self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
         # the layers' tensors live in self.layers only: what __init__ concatenates there does not keep its parts
         self.w = {n: t for n, t in weights.items() if not n.startswith("blk.")}
@@ -112,6 +113,9 @@ class MoETransformer:
             for lw in self.layers:
                 if "attn_q_norm.weight" in lw:
                     lw["attn_qk_norm.weight"] = torch.cat([lw["attn_q_norm.weight"], lw["attn_k_norm.weight"]])
+        for lw in self.layers:          # gpt-oss's expert biases as the kernels add them: (E, 2I) gate | up
+            if "ffn_gate_exps.bias" in lw:
+                lw["ffn_gate_up_exps.bias"] = torch.cat([lw.pop("ffn_gate_exps.bias"), lw.pop("ffn_up_exps.bias")], 1)
         moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead
         self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD])
                              for i, a in enumerate(moe)}
@@ -173,7 +177,8 @@ class MoETransformer:
                 ms.append(m)
             weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
                                             self.router)
-            deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs)
+            deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs,
+                                 self.mlp)
             yield i
         outs = []
         for p, h, delta in zip(parts, hs, deltas):

@@ -29,7 +29,8 @@ from ..engine_config import EngineConfig
 from ..device import Device
 from ..errors import UserError
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
-from ..kernels import AddressBook, pick_decode_kernel
+from ..arch.families import FAMILIES
+from ..kernels import AddressBook, by_address_kernels, pick_decode_kernel
 from ..kernels.decode import MAX_TOKENS
 from ..models.transformer import Batch, MoETransformer, Segment
 from .decode import EagerDecode, decode_path
@@ -299,7 +300,8 @@ class Engine:
         self.experts.by_layer = {l: p for l, p in self.experts.by_layer.items() if l not in store.rows}
         if self.device.is_cuda:
             torch.cuda.empty_cache()
-        plan = decode_plan(ecfg, self.device.is_cuda, self.quantized, True, self.model.capturable)
+        plan = decode_plan(ecfg, self.device.is_cuda, self.quantized, True, self.model.capturable,
+                           by_address_kernels(FAMILIES[self.cfg.family].blocks))
         # auto: what is free now; the rest of the model is in place: the new pool needs the free memory
         ecfg, n_slots = fit_cache(self.cfg, ecfg, plan, self.device, self.dtype, set(store.rows), store.layouts,
                                   store.expert_bytes)

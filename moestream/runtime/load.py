@@ -19,7 +19,7 @@ from ..engine_config import EngineConfig
 from ..experts.provider import LayerRouter, ResidentExperts
 from ..experts.routing import RoutingStore
 from ..experts.store import ExpertStore, fill_layer
-from ..kernels import AddressBook, pick_kernel
+from ..kernels import AddressBook, by_address_kernels, pick_kernel
 from ..kernels.delta import pick_delta_kernels
 from ..arch.families import FAMILIES
 from ..models.layers import rope_tables
@@ -49,7 +49,9 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     quantized = any(lay.quantized for lay in layouts.values())
     row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
     width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
-    plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), MoETransformer.capturable)  # how decode steps run
+    blocks = FAMILIES[cfg.family].blocks         # the family table says which blocks the decoder is built from
+    plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), MoETransformer.capturable,  # how decode steps run
+                       by_address_kernels(blocks))
     ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)       # (--moe-cache-mib auto: in MiB)
 
     names = dense_names(cfg)
@@ -91,7 +93,6 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
         log.info("experts: %d layers in pinned host memory (%.0f MiB), %d on the device",
                  len(host_rows), store.nbytes / MiB, len(dev_rows))
     rope = rope_tables(cfg, ctx, dev.torch)
-    blocks = FAMILIES[cfg.family].blocks         # the family table says which blocks the decoder is built from
     delta = pick_delta_kernels(dev.torch, dtype) if blocks.mixer == "deltanet" else None
     model = MoETransformer(cfg, weights, rope, blocks, delta)
     kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch)

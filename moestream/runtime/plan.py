@@ -72,11 +72,14 @@ class DecodePlan:
     max_tokens: int = MAX_TOKENS
 
 
-def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, capturable: bool) -> DecodePlan:
+def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, capturable: bool,
+                by_address: bool = True) -> DecodePlan:
     """The plan for a resolved `ecfg` on a CUDA device or not: quantized expert rows or not, some experts in host
-    memory or not, a model whose decode steps may be captured or not."""
+    memory or not, a model whose decode steps may be captured or not, an expert MLP the zero-copy decode kernels
+    compute or not (`by_address`: False for gpt-oss's clamped SwiGLU with biases, which only the prompt's kernels
+    compute: its decode steps fetch their experts, and on CUDA replay graphs only where nothing is on the host)."""
     d = ecfg.decode
-    zero_copy = bool(d.zero_copy)
+    zero_copy = bool(d.zero_copy) and by_address
     staged = zero_copy and (d.stage if d.stage is not None else quantized)
     # Quantized rows land and are read once a step only staged (the unstaged quantized kernel reads a row once per
     # choice, and lands nothing).

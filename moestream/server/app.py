@@ -30,6 +30,7 @@ from ..errors import UserError
 from ..runtime.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from . import openai_format as fmt
 from .guard import Guard
+from .harmony import is_harmony
 from .metrics import CONTENT_TYPE, ServerMetrics, engine_snapshot
 from .prompts import chat_prompt, check_ids, encode, params, tokenizer
 from .schemas import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
@@ -228,7 +229,7 @@ async def _serve(st: State, http: HttpRequest, body, prompts: list[list[int]], k
         st.metrics.on_rejected()
         raise ApiError(503, f"server busy: {e}; retry later", "server_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
-    out = fmt.Formatter(kind, st.model_for(body), llm.tokenizer, body, prompts, echo)
+    out = fmt.Formatter(kind, st.model_for(body), llm.tokenizer, body, prompts, echo, is_harmony(llm.tokenizer))
     if body.stream:
         return StreamingResponse(_stream(sched, reqs, queue, out), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

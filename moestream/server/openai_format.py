@@ -5,13 +5,16 @@
         chunks = out.event(ev)                     # stream: the chunks to send now
     out.response()                                 # not streamed: the whole response, once every choice is done
 
-kind "text" is /v1/completions (object text_completion), "chat" is /v1/chat/completions.
+kind "text" is /v1/completions (object text_completion), "chat" is /v1/chat/completions. harmony (gpt-oss's chat
+template): a chat answer's analysis channel is its reasoning_content, the rest its content (server/harmony.py).
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
+
+from .harmony import HarmonySplit, split
 
 
 def sse(obj) -> str:
@@ -31,7 +34,8 @@ def logprobs_wanted(body, kind: str) -> int | None:
 
 
 class Formatter:
-    def __init__(self, kind: str, model: str, tokenizer, body, prompts: list[list[int]], echo: list[str] | None = None):
+    def __init__(self, kind: str, model: str, tokenizer, body, prompts: list[list[int]], echo: list[str] | None = None,
+                 harmony: bool = False):
         self.kind, self.model, self.tok, self.body = kind, model, tokenizer, body
         self.prompts, self.echo = prompts, echo
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -41,6 +45,8 @@ class Formatter:
         self.offsets = [len(echo[i // body.n]) if echo else 0 for i in range(self.n_choices)]
         self.include_usage = body.include_usage
         self.want_logprobs = logprobs_wanted(body, kind) is not None
+        self.harmony = harmony and kind == "chat"
+        self.splits = [HarmonySplit() for _ in range(self.n_choices)] if self.harmony else None
 
     # --- streaming --------------------------------------------------------------------------------------------------
     def start(self) -> list[dict]:
@@ -54,11 +60,23 @@ class Formatter:
     def event(self, ev) -> list[dict]:
         if ev[0] == "token":
             _, i, piece, lps = ev
+            logprobs = self._logprobs(i, lps) if self.want_logprobs else None
+            if self.harmony:
+                return self._channels(i, self.splits[i].feed(piece), logprobs)
             content = {"content": piece} if self.kind == "chat" else piece
-            return [self._chunk(i, content, logprobs=self._logprobs(i, lps) if self.want_logprobs else None)]
+            return [self._chunk(i, content, logprobs=logprobs)]
         _, i, res = ev
         self.results[i] = res
-        return [self._chunk(i, {} if self.kind == "chat" else "", finish=res)]
+        held = self._channels(i, self.splits[i].finish(), None) if self.harmony else []
+        return held + [self._chunk(i, {} if self.kind == "chat" else "", finish=res)]
+
+    def _channels(self, i: int, pieces: list[tuple[str, str]], logprobs) -> list[dict]:
+        """A harmony piece's chunks: one a channel it wrote in (reasoning_content or content); a piece that was
+        all markers writes none (but carries its logprobs in an empty content delta, where they are wanted)."""
+        if not pieces:
+            return [self._chunk(i, {"content": ""}, logprobs=logprobs)] if logprobs is not None else []
+        return [self._chunk(i, {field: text}, logprobs=logprobs if j == 0 else None)
+                for j, (field, text) in enumerate(pieces)]
 
     def _chunk(self, i: int, content, logprobs=None, finish=None) -> dict:
         choice = {"index": i, "delta" if self.kind == "chat" else "text": content, "logprobs": logprobs,
@@ -83,7 +101,10 @@ class Formatter:
             r = self.results[i]
             lps = self._logprobs(i, r.logprobs) if self.want_logprobs else None
             c = {"index": i, "logprobs": lps, "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
-            if self.kind == "chat":
+            if self.harmony:
+                reasoning, content = split(r.text)
+                c["message"] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+            elif self.kind == "chat":
                 c["message"] = {"role": "assistant", "content": r.text}
             else:
                 c["text"] = (self.echo[i // self.body.n] if self.echo else "") + r.text

@@ -29,6 +29,8 @@ def chat_prompt(llm, body: ChatRequest) -> list[int]:
     check_messages(msgs, tok.chat_template)
     reserved = {"messages", "tools", "add_generation_prompt"}
     extra = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k.isidentifier() and k not in reserved}
+    if body.reasoning_effort is not None:    # gpt-oss's template reads it (chat_template_kwargs' own wins)
+        extra.setdefault("reasoning_effort", body.reasoning_effort)
     try:
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tools=body.tools, **extra)
     except UserError:

@@ -138,6 +138,7 @@ class ChatRequest(_Sampling):
     function_call: str | dict | None = None
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None
+    reasoning_effort: str | None = None       # low | medium | high: to the chat template (gpt-oss's harmony)
 
     @field_validator("tools", "tool_choice", "functions", "function_call")
     @classmethod
