@@ -67,6 +67,8 @@ class Family:
     gguf_tiled_v: bool = False       # GGUF holds the DeltaNet's value heads tiled, not grouped by key head
                                      # (llama.cpp's qwen35moe: arch/hybrid_names.py reorder_v_heads)
     gguf_rope_sections: tuple[int, ...] = ()   # rope.dimension_sections to write (qwen35moe's loader requires them)
+    hf_gate_up_interleaved: bool = False   # a fused gate_up_proj holds gate and up rows alternating (gpt-oss),
+                                     # not gate rows then up rows
 
     @property
     def hybrid(self) -> bool:

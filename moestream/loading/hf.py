@@ -9,6 +9,10 @@ Experts may be stored one tensor per expert and projection (qwen*_moe/olmoe `mlp
 `block_sparse_moe.experts.E.w1/w3/w2`) or fused per layer as transformers 5 holds them in memory
 (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)); a fused expert is sliced out of its
 stack without reading the rest. Each family's spellings and config.json keys are its entry in arch/families.py.
+Fused experts may also be MXFP4 in OpenAI's packed form (gpt-oss's checkpoints: `gate_up_proj_blocks` (E, 2I, H / 32,
+16) with `gate_up_proj_scales` (E, 2I, H / 32), `down_proj_blocks` / `down_proj_scales`): they are repacked to
+ggml's MXFP4 blocks (quant/mxfp4.py) and handed out as such (`expert_types`, `expert_bytes`), so they stay MXFP4
+from the file to the slot as a GGUF's do; `expert` gives their values as float32.
 
 The hybrid families (Qwen3-Next, Qwen3.5-MoE) hold other values than HF's (1 + w norms, -exp(A_log), the conv as
 (C, K)): arch/hybrid_names.py's canonical_value turns HF's into them, and hf_value back, so that they read back as
@@ -27,6 +31,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -37,8 +42,10 @@ from ..arch.hybrid_names import canonical_value, hf_value
 from ..arch.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
 from ..config import ModelConfig
 from ..errors import UserError
+from ..quant.mxfp4 import check_openai, from_openai
 
 INDEX = "model.safetensors.index.json"
+PACKED = ("gate_up_proj", "down_proj")      # OpenAI's packed MXFP4 experts: {module}.{p}_blocks and {p}_scales
 
 
 def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
@@ -90,7 +97,13 @@ class HFSource:
             if hf is not None:                # a missing one is named when it is read
                 self._check(name, hf, _canonical_shape_of(name, self._shape(hf)))
         fam, every = FAMILIES[cfg.family], FAMILIES.values()
-        for layer in cfg.moe_layers:
+        packed = [layer for layer in cfg.moe_layers if self._packed(layer)]
+        if packed and len(packed) < len(cfg.moe_layers):
+            raise UserError(f"MoE layers {sorted(set(cfg.moe_layers) - set(packed))} have no packed MXFP4 experts "
+                            f"where layer {packed[0]}'s are: every layer's experts must be MXFP4 or none")
+        for layer in packed:
+            self._check_packed(layer)
+        for layer in (l for l in cfg.moe_layers if l not in packed):
             p = f"{self.prefix}layers.{layer}."
             for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
                 gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
@@ -113,6 +126,30 @@ class HFSource:
                                 self._check(f"blk.{layer}.{stack}.weight", f"{p}{mod}.{{0..{n - 1}}}.{proj}.weight",
                                             (n, *self._shape(name)))
                         break
+
+    def _packed(self, layer: int) -> str | None:
+        """The layer's experts module prefix (`model.layers.N.mlp.experts.`) where its experts are OpenAI's packed
+        MXFP4 (a `gate_up_proj_blocks` tensor), else None."""
+        fam, every = FAMILIES[self.config.family], FAMILIES.values()
+        for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
+            p = f"{self.prefix}layers.{layer}.{mod}."
+            if f"{p}gate_up_proj_blocks" in self._where:
+                return p
+        return None
+
+    def _check_packed(self, layer: int) -> None:
+        """Both pairs present, each blocks' shape its scales' + [16], and the matrices they hold the config's."""
+        p = self._packed(layer)
+        E, inter, H = canonical_shape(self.config, "ffn_gate_exps.weight")
+        for proj, stack, want in zip(PACKED, ("ffn_gate_exps", "ffn_down_exps"), ((E, 2 * inter, H), None)):
+            blocks, scales = f"{p}{proj}_blocks", f"{p}{proj}_scales"
+            for n in (blocks, scales):
+                if n not in self._where:
+                    raise UserError(f"checkpoint lacks tensor {n} (MXFP4 experts of layer {layer}): is the download "
+                                    "complete?")
+            shape = self._shape(blocks)
+            check_openai(shape, self._shape(scales), blocks)
+            self._check(f"blk.{layer}.{stack}.weight", blocks, (*shape[:-2], shape[-2] * 32), want=want)
 
     def _check(self, name: str, tensor: str, shape, want=None) -> None:
         check_shape(self.config, name, shape, tensor=tensor, want=want,
@@ -165,6 +202,9 @@ class HFSource:
         return canonical_value(self.config, _suffix(name), t)
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._packed(layer):
+            from ..quant.dequant import dequantize
+            return tuple(dequantize(m, Q.MXFP4) for m in self._packed_expert(layer, e))
         p = f"{self.prefix}layers.{layer}."
         fam, every = FAMILIES[self.config.family], FAMILIES.values()
         for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
@@ -179,11 +219,15 @@ class HFSource:
         raise UserError(f"checkpoint lacks tensor {p}mlp.experts.{e}.gate_proj.weight (expert {e} of layer "
                         f"{layer}): is the download complete?")
 
-    def expert_types(self, layer: int) -> None:
-        return None                              # safetensors experts are float: the engine converts them
+    def expert_types(self, layer: int) -> tuple[Q, Q, Q] | None:
+        """MXFP4 for packed experts; None for float ones (the engine converts them to the model's dtype)."""
+        return (Q.MXFP4,) * 3 if self._packed(layer) else None
 
     def expert_bytes(self, layer: int, e: int) -> torch.Tensor:
-        raise UserError("a Hugging Face checkpoint has no quantized expert blocks")
+        """Packed experts: expert e of `layer` as ggml's MXFP4 blocks, gate | up | down, flat uint8."""
+        if not self._packed(layer):
+            raise UserError("this Hugging Face checkpoint's experts are float: it has no quantized expert blocks")
+        return torch.cat([m.reshape(-1) for m in self._packed_expert(layer, e)])
 
     def dtype_of(self, name: str) -> torch.dtype:
         return self._read_first(hf_names(name, self.config.family, self.prefix), name).dtype
@@ -199,6 +243,20 @@ class HFSource:
         if name not in self._where:
             raise UserError(f"checkpoint lacks tensor {name}: is the download complete?")
         return self._where[name].get_tensor(name)
+
+    def _packed_expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's gate (I, H / 32 * 17), up and down (H, I / 32 * 17) as ggml's MXFP4 rows, read from its slice
+        of the packed stacks alone."""
+        p = self._packed(layer)
+        gate_up, down = (from_openai(self._slice(f"{p}{proj}_blocks", e), self._slice(f"{p}{proj}_scales", e),
+                                     f"{p}{proj}_blocks") for proj in PACKED)
+        if FAMILIES[self.config.family].hf_gate_up_interleaved:
+            return gate_up[0::2], gate_up[1::2], down
+        inter = self.config.moe_intermediate_size
+        return gate_up[:inter], gate_up[inter:], down
+
+    def _slice(self, name: str, e: int) -> torch.Tensor:
+        return self._where[name].get_slice(name)[e]
 
     def _fused_expert(self, gate_up: str, down: str, e: int):
         inter = self.config.moe_intermediate_size          # the stacks' shapes were checked at open
