@@ -203,3 +203,22 @@ def test_packed_blocks_and_scales_that_disagree_are_one_line(hf_dirs, tmp_path):
     with pytest.raises(UserError, match=r"MXFP4 tensor model\.layers\.1\.mlp\.experts\.down_proj_blocks: blocks") as e:
         HFSource(bad)
     assert "\n" not in str(e.value)
+
+
+def test_a_gguf_of_the_packed_checkpoint_keeps_its_values_and_logits(hf_dirs, tmp_path):
+    """Re-encoding MXFP4 values is lossless (a block's scale comes back, or a smaller one whose codes are the old
+    ones doubled): the GGUF written from the packed checkpoint, experts MXFP4 and the rest F32, holds the same
+    expert values and gives bit-identical logits."""
+    import gguf as gg
+    from moestream.loading.gguf import GGUFSource
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.hf import HFSource
+    src = HFSource(hf_dirs / "packed")
+    path = write_gguf(src, tmp_path / "m.gguf", types=lambda name, shape: Q.MXFP4 if len(shape) == 3 else Q.F32,
+                      file_type=gg.LlamaFileType.MOSTLY_MXFP4_MOE)
+    out = GGUFSource(path)
+    for w, v in zip(src.expert(1, 4), out.expert(1, 4)):
+        assert torch.equal(w, v)
+    kw = dict(ubatch_size=16, ctx_size=128, device="cpu", cpu_moe=True, moe_cache_mib=1)
+    assert torch.equal(LLM(str(path), **kw).logits(_prompt(40, 4)),
+                       LLM(str(hf_dirs / "packed"), **kw).logits(_prompt(40, 4)))
