@@ -186,8 +186,8 @@ def test_an_option_not_run_is_a_one_line_error(gptoss, change, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
-def test_mxfp4_experts_are_refused_in_one_line(gptoss, tmp_path):
-    """OpenAI's checkpoints keep experts as *_blocks / *_scales: a one-line error until the MXFP4 type exists."""
+def test_mxfp4_blocks_and_scales_that_disagree_are_one_line(gptoss, tmp_path):
+    """OpenAI's packed experts (*_blocks / *_scales) whose shapes disagree: one line naming the tensor."""
     from safetensors.torch import load_file, save_file
     path, _ = gptoss
     shutil.copytree(path, tmp_path / "mx")
@@ -197,9 +197,9 @@ def test_mxfp4_experts_are_refused_in_one_line(gptoss, tmp_path):
         for proj in ("gate_up_proj", "down_proj"):
             del sd[p + proj]
             sd[p + proj + "_blocks"] = torch.zeros(8, 64, 2, 16, dtype=torch.uint8)
-            sd[p + proj + "_scales"] = torch.zeros(8, 64, 2, dtype=torch.uint8)
+            sd[p + proj + "_scales"] = torch.zeros(8, 64, 3, dtype=torch.uint8)
     save_file(sd, str(tmp_path / "mx" / "model.safetensors"))
-    with pytest.raises(UserError, match="MXFP4 experts") as e:
+    with pytest.raises(UserError, match="gate_up_proj_blocks.*disagree") as e:
         HFSource(tmp_path / "mx")
     assert "\n" not in str(e.value)
 

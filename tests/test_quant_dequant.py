@@ -94,8 +94,8 @@ def test_an_unsupported_type_names_itself_and_the_types_that_work():
     with pytest.raises(UserError, match="TQ1_0") as err:
         dequantize(torch.zeros(2, GGML_QUANT_SIZES[Q.TQ1_0][1], dtype=torch.uint8), Q.TQ1_0)
     assert "Q4_K" in str(err.value) and "IQ1_M" in str(err.value)
-    with pytest.raises(UserError, match="MXFP4"):
-        random_blocks(Q.MXFP4, 1)
+    with pytest.raises(UserError, match="NVFP4"):
+        random_blocks(Q.NVFP4, 1)
 
 
 def test_partial_blocks_are_refused():

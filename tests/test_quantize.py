@@ -11,11 +11,12 @@ from gguf import GGMLQuantizationType as Q
 from moestream.quant.quantize import ENCODERS, quantize
 
 # Relative RMS error (||deq - x|| / ||x||) on N(0, 1) rows, measured ~0.0054, 0.086, 0.079, 0.043, 0.038,
-# 0.297, 0.151, 0.072, 0.036, 0.018, 0.076, 0.077 (the numbers ggml's reference quantizers give on such data),
-# with margin.
+# 0.297, 0.151, 0.072, 0.036, 0.018, 0.076, 0.077, 0.115 (the numbers ggml's reference quantizers give on such
+# data), with margin.
 MAX_REL_RMS = {Q.Q8_0: 0.01, Q.Q4_0: 0.1, Q.Q4_1: 0.09, Q.Q5_0: 0.05, Q.Q5_1: 0.045, Q.Q2_K: 0.31, Q.Q3_K: 0.16,
-               Q.Q4_K: 0.08, Q.Q5_K: 0.042, Q.Q6_K: 0.021, Q.IQ4_NL: 0.085, Q.IQ4_XS: 0.085}
-BIT_EXACT = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)       # gguf.quants.quantize implements these
+               Q.Q4_K: 0.08, Q.Q5_K: 0.042, Q.Q6_K: 0.021, Q.IQ4_NL: 0.085, Q.IQ4_XS: 0.085,
+               Q.MXFP4: 0.125}
+BIT_EXACT = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4)       # gguf.quants.quantize implements these
 
 
 def _rows(n_rows=48, n=1024, seed=0):

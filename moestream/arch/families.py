@@ -77,7 +77,8 @@ class Family:
     # --- gpt-oss -------------------------------------------------------------------------------------------------
     hf_interleaved: bool = False     # hf_fused experts as gpt-oss keeps them: gate_up_proj (E, H, 2I) with gate and
                                      # up in alternate columns, down_proj (E, I, H), and gate_up_proj_bias (E, 2I)
-                                     # (alternate too) and down_proj_bias (E, H) beside them
+                                     # (alternate too) and down_proj_bias (E, H) beside them; OpenAI's packed MXFP4
+                                     # gate_up_proj_blocks (E, 2I, H / 32, 16) has gate and up in alternate rows
 
     @property
     def hybrid(self) -> bool:

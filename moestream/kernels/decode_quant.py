@@ -15,7 +15,7 @@ never on where they were. Block shapes follow from the types and the shape alone
 Two variants (`variant=`, default "runs"). "runs" (kernels/decode_runs.py, kernels/qruns.py) gives each lane whole
 16-byte runs of one block's quants, loaded as words (128-bit loads where the row is 16-aligned), unpacks them with
 shifts and masks and applies each sub-block's scales once, in the lane, for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, IQ4_NL and IQ4_XS (qruns.RUN_TYPES; gate and up of one type); a layout with any other type runs
+Q5_0, Q5_1, IQ4_NL, IQ4_XS and MXFP4 (qruns.RUN_TYPES; gate and up of one type); a layout with any other type runs
 "values", the fallback. Its bits differ from "values" by float rounding, still fixed by the bytes alone. "values",
 the first kernel, dequantizes every value to gguf.quants' bits (enable_fp_fusion=False) and differs from the float32
 oracle only in summation order. Measured on the H200 (bench/quant_kernels.py, 2026-12-01; T=1, k=8, I=768, H=2048),

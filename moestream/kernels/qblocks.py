@@ -7,7 +7,8 @@
 (blocks, NSUB, SUB) to dequantize, (rows, blocks, NSUB, SUB) for a GEMV. Value `j * SUB + l` of a block is the
 block's value of that index in ggml's order, computed with gguf.quants' float32 operations in their order
 (`d * sc` then `* q` then `- dm`, never fused: launch with enable_fp_fusion=False), so each value is the
-reference's bits. Bytes are loaded one by one: blocks of 34, 18, 22 or 210 bytes align to 2 bytes only.
+reference's bits. Bytes are loaded one by one: blocks of 34, 18, 22 or 210 bytes align to 2 bytes only (MXFP4's 17 to
+1).
 
 F32, F16 and BF16 matrices (raw values inside a quantized layout) are read as virtual blocks of 32 values.
 The IQ types' codebooks, sign table and grids are one float32 table on the device (`kvalues`, TABLE's layout),
@@ -29,7 +30,7 @@ except ImportError:
 SHAPES = {
     Q.F32: (32, 128, 1, 32), Q.F16: (32, 64, 1, 32), Q.BF16: (32, 64, 1, 32),
     Q.Q8_0: (32, 34, 1, 32), Q.Q4_0: (32, 18, 2, 16), Q.Q5_0: (32, 22, 2, 16), Q.IQ4_NL: (32, 18, 2, 16),
-    Q.Q4_1: (32, 20, 2, 16), Q.Q5_1: (32, 24, 2, 16),
+    Q.Q4_1: (32, 20, 2, 16), Q.Q5_1: (32, 24, 2, 16), Q.MXFP4: (32, 17, 2, 16),
     Q.Q4_K: (256, 144, 8, 32), Q.Q5_K: (256, 176, 8, 32), Q.Q6_K: (256, 210, 16, 16), Q.IQ4_XS: (256, 136, 8, 32),
     Q.Q2_K: (256, 84, 16, 16), Q.Q3_K: (256, 110, 16, 16),
     Q.IQ2_XXS: (256, 66, 8, 32), Q.IQ2_XS: (256, 74, 8, 32), Q.IQ2_S: (256, 82, 8, 32), Q.IQ3_XXS: (256, 98, 8, 32),
@@ -89,6 +90,20 @@ if triton is not None:
         return tl.where(v != v, 0x7FC0, r).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
+    def _mxfp4_scale(e):
+        """e8m0 bytes (int32) -> 2**(e - 128) float32, ggml_e8m0_to_fp32_half's bits (e < 2: subnormal)."""
+        bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e2m1(q):
+        """MXFP4 nibbles (int32) -> ggml's kvalues_mxfp4 (0 1 2 3 4 6 8 12, bit 3 the sign; 8 is +0) as float32:
+        magnitude c < 4 is c, else (2 + c % 2) << (c / 2 - 1)."""
+        c = q & 7
+        k = tl.where(c < 4, c, (2 + (c & 1)) << tl.maximum((c >> 1) - 1, 0))
+        return tl.where(q >= 8, -k, k).to(tl.float32)
+
+    @triton.jit
     def block_values(p, j, l, m, kv_ptr, QT: tl.constexpr):
         """Values j * SUB + l of the blocks at p (mask m broadcasts like p), float32, gguf.quants' bits."""
         if QT == 0:            # F32: 4 bytes a value
@@ -125,6 +140,9 @@ if triton is not None:
         elif QT == 20:         # IQ4_NL: Q4_0's nibbles through the non-linear table
             q = (_u8(p + 2 + l, m) >> (4 * j)) & 15
             v = _f16(p, m) * tl.load(kv_ptr + q)
+        elif QT == 39:         # MXFP4: e8m0 e, 16 bytes as Q4_0's; e2m1 doubled (quant/mxfp4.py) times 2**(e - 128)
+            q = (_u8(p + 1 + l, m) >> (4 * j)) & 15
+            v = _mxfp4_scale(_u8(p, m)) * _e2m1(q)
         elif QT == 12 or QT == 13:    # Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (qh,) qs
             a = _u8(p + 4 + j, m)
             b = _u8(p + 8 + j, m)

@@ -15,6 +15,7 @@ NP parts of one sub-block each, a part's values 4 w + b (word w, byte b) from it
     Q5_0         1 unit: Q4_0's run and the word qh (bit i: value i's fifth bit), the same parts
     Q4_1, Q5_1   as Q4_0 and Q5_0, each block's m added (d q + m)
     IQ4_NL       1 unit: Q4_0's run and parts, each nibble a codebook index (`_kv4`)
+    MXFP4        1 unit: the 16 bytes after the e8m0 scale byte, Q4_0's parts, each nibble an e2m1 code (`_fp4`)
     IQ4_XS       4 units: unit c is qs bytes 32c..32c+31 (2 runs: sub-blocks 2c and 2c + 1), parts k = 0..3: the
                  low and high nibbles of run k // 2, 16 values each, codebook indices
 
@@ -39,8 +40,12 @@ Then S_p = sum kvalues[q] x, beta_p = 0 and no X_p. The alternatives cost more: 
 Triton's interpreter does not run, and in the compiled SASS libdevice's __nv_byte_perm took more instructions
 than the quartic).
 
-Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS have runs (`RUN_TYPES`); a layout with any other
-type keeps the "values" kernel.
+MXFP4's codes are e2m1 values, doubled (quant/mxfp4.py): `_fp4` writes each as a float32's bits with integer
+operations alone (c = 2 e + m: c < 2 is c, else exponent e and mantissa m), exact; alpha_p is the block's power of
+two, so S_p = sum kvalues[q] x, no X_p, as for IQ4.
+
+Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS and MXFP4 have runs (`RUN_TYPES`); a layout with any
+other type keeps the "values" kernel.
 """
 from __future__ import annotations
 
@@ -51,7 +56,8 @@ from .qblocks import SHAPES, triton
 
 # type -> (units a block, whether every run is 16-aligned where the block is)
 UNITS = {Q.Q4_K: (4, True), Q.Q5_K: (4, True), Q.Q6_K: (4, False), Q.Q8_0: (1, False), Q.Q4_0: (1, False),
-         Q.Q4_1: (1, False), Q.Q5_0: (1, False), Q.Q5_1: (1, False), Q.IQ4_NL: (1, False), Q.IQ4_XS: (4, False)}
+         Q.Q4_1: (1, False), Q.Q5_0: (1, False), Q.Q5_1: (1, False), Q.IQ4_NL: (1, False), Q.IQ4_XS: (4, False),
+         Q.MXFP4: (1, False)}
 RUN_TYPES = tuple(UNITS)
 
 
@@ -191,6 +197,16 @@ if triton is not None:
         return y - 12582912.0
 
     @triton.jit
+    def _fp4(v, s):
+        """MXFP4's codes (ggml's kvalues_mxfp4: e2m1 doubled) at the nibbles at bit s of v (uint32, broadcasting),
+        as float32, exact: magnitude c = q & 7 is c where c < 2, else 2**(c >> 1) (1 + (c & 1) / 2); bit 3 the sign
+        (code 8 is -0.0, which sums as +0.0 does)."""
+        q = (v >> s) & 15
+        c = q & 7
+        bits = tl.where(c < 2, c * 0x3F800000, (((c >> 1) + 127) << 23) | ((c & 1) << 22))
+        return (bits | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _spread(u):
         """The low 4 bits of u (uint32) to bits 0, 8, 16 and 24 (bit b to 8 b): one multiply, one mask."""
         return ((u & 0xF) * 0x204081) & 0x01010101
@@ -233,6 +249,10 @@ if triton is not None:
             q0 = _run(blk + QS, m, ALIGNED)
             dm = _word(blk, m, 4)
             return q0, q0, q0, q0, dm, _word(blk + QS - 4, m, 4), dm, dm   # qh: scale word s1
+        elif QT == 39:                 # MXFP4: e8m0 | 16 bytes as Q4_0's; a block a unit
+            q0 = _run(blk + 1, m, ALIGNED)
+            e = _word(blk, m, 1)
+            return q0, q0, q0, q0, e, e, e, e
         elif QT == 23:                 # IQ4_XS: d, scales_h (u16) | scales_l (4 bytes) | qs 128; unit c is the
             q0 = _run(blk + 8 + 32 * c, m, ALIGNED)      # 32 bytes of qs holding sub-blocks 2c and 2c + 1
             q1 = _run(blk + 24 + 32 * c, m, ALIGNED)
@@ -256,6 +276,8 @@ if triton is not None:
             v = _f(_pick(r0, w)[:, None], b8 + 4 * p, one, 4)
         elif QT == 20:                 # IQ4_NL: Q4_0's nibbles through the codebook
             v = _kv4(_pick(r0, w)[:, None], b8 + 4 * p, one)
+        elif QT == 39:                 # MXFP4: Q4_0's nibbles as e2m1 codes
+            v = _fp4(_pick(r0, w)[:, None], b8 + 4 * p)
         elif QT == 23:                 # IQ4_XS: part k: nibble k % 2 of run k // 2, word w
             v = _kv4(_pick(r0 if p < 2 else r1, w)[:, None], b8 + 4 * (p % 2), one)
         elif QT == 6 or QT == 7:       # Q5_0, Q5_1: and qh's bits 16 p + 4 w .. + 3, one a byte
@@ -303,6 +325,10 @@ if triton is not None:
         elif QT == 20:                 # d kvalues[q]: S_p is sum kvalues[q] x, and no X_p (b unused: SX)
             a = _half(s0)
             b = a
+        elif QT == 39:                 # 2**(e - 128) kvalues[q] (ggml_e8m0_to_fp32_half; e < 2: subnormal)
+            e = s0 & 0xFF
+            a = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23).to(tl.float32, bitcast=True)
+            b = a
         elif QT == 23:                 # sub-block j = 2c + k // 2: d (ls - 32), ls = 4 bits of scales_l byte c
             sh = 4 * (p // 2)          # (nibble j % 2), 2 of scales_h (bits 2 j)
             ls = ((s1 >> (8 * c + sh)) & 0xF) | (((s0 >> (16 + 4 * c + p // 2 * 2)) & 0x3) << 4)
@@ -322,7 +348,7 @@ if triton is not None:
             o = 128 * (c // 2) + 16 * (c % 2) + 32 * p
         elif QT == 23:
             o = 64 * c + 16 * p
-        elif QT == 2 or QT == 3 or QT == 6 or QT == 7 or QT == 20:
+        elif QT == 2 or QT == 3 or QT == 6 or QT == 7 or QT == 20 or QT == 39:
             o = c * 0 + 16 * p
         else:
             o = c * 0
@@ -360,7 +386,7 @@ if triton is not None:
         values, and part p's word w is XS (p NW + w) further on, so the lanes of a warp read neighbouring x)."""
         NP: tl.constexpr = 1 if QT == 8 else (4 if (QT == 14 or QT == 23) else 2)   # parts of a unit
         NW: tl.constexpr = 8 if (QT == 8 or QT == 12 or QT == 13) else 4           # words of a part
-        SX: tl.constexpr = QT != 20 and QT != 23          # whether a part's alpha S + beta X needs X (beta != 0)
+        SX: tl.constexpr = QT != 20 and QT != 23 and QT != 39     # whether alpha S + beta X needs X (beta != 0)
         r0, r1, r2, r3, s0, s1, s2, s3 = ws
         t0, t1, t2, t3, u0, u1, u2, u3 = ws2
         b4 = tl.arange(0, 4)[None, :]

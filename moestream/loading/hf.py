@@ -9,6 +9,10 @@ Experts may be stored one tensor per expert and projection (qwen*_moe/olmoe `mlp
 `block_sparse_moe.experts.E.w1/w3/w2`) or fused per layer as transformers 5 holds them in memory
 (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)); a fused expert is sliced out of its
 stack without reading the rest. Each family's spellings and config.json keys are its entry in arch/families.py.
+Fused experts may also be MXFP4 in OpenAI's packed form (gpt-oss's checkpoints: `gate_up_proj_blocks` (E, 2I, H / 32,
+16) with `gate_up_proj_scales` (E, 2I, H / 32), `down_proj_blocks` / `down_proj_scales`): they are repacked to
+ggml's MXFP4 blocks (quant/mxfp4.py) and handed out as such (`expert_types`, `expert_bytes`), so they stay MXFP4
+from the file to the slot as a GGUF's do; `expert` gives their values as float32.
 
 The hybrid families (Qwen3-Next, Qwen3.5-MoE) hold other values than HF's (1 + w norms, -exp(A_log), the conv as
 (C, K)): arch/hybrid_names.py's canonical_value turns HF's into them, and hf_value back, so that they read back as
@@ -31,6 +35,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -42,8 +47,10 @@ from ..arch.names import EXPERT_STACKS, canonical_shape, check_shape, dense_name
 from ..config import ModelConfig
 from ..errors import UserError
 from ..quant import fp8
+from ..quant.mxfp4 import check_openai, from_openai
 
 INDEX = "model.safetensors.index.json"
+PACKED = ("gate_up_proj", "down_proj")      # OpenAI's packed MXFP4 experts: {module}.{p}_blocks and {p}_scales
 
 
 def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
@@ -98,7 +105,13 @@ class HFSource:
             if hf is not None:                # a missing one is named when it is read
                 self._check(name, hf, _canonical_shape_of(name, self._shape(hf)))
         fam, every = FAMILIES[cfg.family], FAMILIES.values()
-        for layer in cfg.moe_layers:
+        packed = [layer for layer in cfg.moe_layers if self._packed(layer)]
+        if packed and len(packed) < len(cfg.moe_layers):
+            raise UserError(f"MoE layers {sorted(set(cfg.moe_layers) - set(packed))} have no packed MXFP4 experts "
+                            f"where layer {packed[0]}'s are: every layer's experts must be MXFP4 or none")
+        for layer in packed:
+            self._check_packed(layer)
+        for layer in (l for l in cfg.moe_layers if l not in packed):
             p = f"{self.prefix}layers.{layer}."
             for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
                 gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
@@ -110,10 +123,6 @@ class HFSource:
                     self._check(f"blk.{layer}.ffn_down_exps.weight", down, self._shape(down),
                                 want=(E, inter, H) if inter_t else None)
                     break
-                if fam.hf_interleaved and f"{gate_up}_blocks" in self._where:
-                    raise UserError(f"{gate_up}_blocks: MXFP4 experts (*_blocks / *_scales) need moestream's MXFP4 "
-                                    "expert type, which this build lacks; give the float checkpoint (transformers "
-                                    "saves one after loading with dequantize=True) or a GGUF with float experts")
             else:
                 for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
                     first = f"{p}{mod}.0.{g}.weight"
@@ -127,6 +136,30 @@ class HFSource:
                                 self._check(f"blk.{layer}.{stack}.weight", f"{p}{mod}.{{0..{n - 1}}}.{proj}.weight",
                                             (n, *self._shape(name)))
                         break
+
+    def _packed(self, layer: int) -> str | None:
+        """The layer's experts module prefix (`model.layers.N.mlp.experts.`) where its experts are OpenAI's packed
+        MXFP4 (a `gate_up_proj_blocks` tensor), else None."""
+        fam, every = FAMILIES[self.config.family], FAMILIES.values()
+        for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
+            p = f"{self.prefix}layers.{layer}.{mod}."
+            if f"{p}gate_up_proj_blocks" in self._where:
+                return p
+        return None
+
+    def _check_packed(self, layer: int) -> None:
+        """Both pairs present, each blocks' shape its scales' + [16], and the matrices they hold the config's."""
+        p = self._packed(layer)
+        E, inter, H = canonical_shape(self.config, "ffn_gate_exps.weight")
+        for proj, stack, want in zip(PACKED, ("ffn_gate_exps", "ffn_down_exps"), ((E, 2 * inter, H), None)):
+            blocks, scales = f"{p}{proj}_blocks", f"{p}{proj}_scales"
+            for n in (blocks, scales):
+                if n not in self._where:
+                    raise UserError(f"checkpoint lacks tensor {n} (MXFP4 experts of layer {layer}): is the download "
+                                    "complete?")
+            shape = self._shape(blocks)
+            check_openai(shape, self._shape(scales), blocks)
+            self._check(f"blk.{layer}.{stack}.weight", blocks, (*shape[:-2], shape[-2] * 32), want=want)
 
     def _check(self, name: str, tensor: str, shape, want=None) -> None:
         check_shape(self.config, name, shape, tensor=tensor, want=want,
@@ -186,6 +219,9 @@ class HFSource:
         return canonical_value(self.config, _suffix(name), t)
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._packed(layer):
+            from ..quant.dequant import dequantize
+            return tuple(dequantize(m, Q.MXFP4) for m in self._packed_expert(layer, e))
         names = self._expert_names(layer, e)
         if names is not None:
             gate, up, down = (self._read(n) for n in names)
@@ -200,17 +236,22 @@ class HFSource:
                         f"{layer}): is the download complete?")
 
     def expert_types(self, layer: int) -> tuple | None:
-        """(FP8, FP8, FP8) where the layer's experts are FP8 (kept as their bytes); None for float experts, which
-        the engine converts to the model's dtype."""
+        """(MXFP4,) * 3 for OpenAI's packed experts, (FP8,) * 3 where the layer's experts are FP8 (both kept as their
+        bytes); None for float experts, which the engine converts to the model's dtype."""
+        if self._packed(layer):
+            return (Q.MXFP4,) * 3
         names = self._expert_names(layer, 0)
         return (fp8.FP8,) * 3 if names is not None and self._is_fp8(names[0]) else None
 
     def expert_bytes(self, layer: int, e: int) -> torch.Tensor:
-        """Expert e of an FP8 layer as its row (quant/layout.py): gate | up | down, each its e4m3 bytes and scales."""
+        """Expert e of a quantized layer as its row (quant/layout.py): gate | up | down, each ggml's MXFP4 blocks
+        (packed experts) or its e4m3 bytes and scales (FP8)."""
+        if self._packed(layer):
+            return torch.cat([m.reshape(-1) for m in self._packed_expert(layer, e)])
         names = self._expert_names(layer, e)
         if names is None:
-            raise UserError(f"layer {layer}'s experts are not FP8 tensors of their own; moestream keeps only those "
-                            "as they are")
+            raise UserError(f"layer {layer}'s experts are float: this checkpoint has no quantized expert blocks "
+                            "there")
         parts = []
         for n in names:
             if not self._is_fp8(n):
@@ -255,6 +296,20 @@ class HFSource:
             if names[0] in self._where:
                 return names
         return None
+
+    def _packed_expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's gate (I, H / 32 * 17), up and down (H, I / 32 * 17) as ggml's MXFP4 rows, read from its slice
+        of the packed stacks alone."""
+        p = self._packed(layer)
+        gate_up, down = (from_openai(self._slice(f"{p}{proj}_blocks", e), self._slice(f"{p}{proj}_scales", e),
+                                     f"{p}{proj}_blocks") for proj in PACKED)
+        if FAMILIES[self.config.family].hf_interleaved:
+            return gate_up[0::2], gate_up[1::2], down
+        inter = self.config.moe_intermediate_size
+        return gate_up[:inter], gate_up[inter:], down
+
+    def _slice(self, name: str, e: int) -> torch.Tensor:
+        return self._where[name].get_slice(name)[e]
 
     def _fused_expert(self, gate_up: str, down: str, e: int):
         if self._is_fp8(gate_up) or self._is_fp8(down):

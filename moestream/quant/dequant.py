@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from ..errors import UserError
 from .dequant_iq import IQ_DEQUANTIZERS
 from .fields import fields, halves, planes, u16, view
+from .mxfp4 import dequantize_mxfp4
 from .types import FLOAT, LOADABLE, names
 
 # Values dequantized at once: bounds the float32 intermediates (16 MiB each, a handful live at a time). On the CPU
@@ -44,7 +45,8 @@ def dequantize(data: torch.Tensor, qtype: Q) -> torch.Tensor:
 def random_blocks(qtype: Q, n_blocks: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n_blocks * type_size,) uint8 on the CPU: random valid blocks of qtype. Every f16 scale is finite with
     |d| in [1e-3, 1], so the values dequantize finite; the other bits (quants, sub-block scales, grid and sign
-    indices) are uniform, all of them valid. Float types are normal random values."""
+    indices) are uniform, all of them valid; MXFP4's e8m0 scale is 2**-10 to 2**1. Float types are normal random
+    values."""
     _dequantizer(qtype)                                                         # a UserError for any other type
     block, size = GGML_QUANT_SIZES[qtype]
     if qtype in FLOAT:
@@ -57,6 +59,9 @@ def random_blocks(qtype: Q, n_blocks: int, generator: torch.Generator | None = N
         s = u16(blocks[:, 48:56])                                              # (n, 4)
         s = (s & 0x0FFF) | (fields(d, 4, 4).squeeze(1) << 12)
         blocks[:, 48:56] = torch.stack([s & 0xFF, s >> 8], dim=-1).reshape(n_blocks, 8).to(torch.uint8)
+    elif qtype == Q.MXFP4:
+        # an e8m0 scale 2**(e - 128) in [2**-10, 2**1]: finite values of a weight's size
+        blocks[:, 0] = torch.randint(118, 130, (n_blocks,), dtype=torch.uint8, generator=generator)
     else:
         for offset in _SCALE_OFFSETS.get(qtype, (0,)):
             blocks[:, offset:offset + 2] = _sane_halves(n_blocks, generator)
@@ -194,4 +199,4 @@ def _q6_k(b):
 
 _DEQUANTIZERS = {Q.F32: _f32, Q.F16: _f16, Q.BF16: _bf16, Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1,
                  Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
-                 Q.Q6_K: _q6_k}
+                 Q.Q6_K: _q6_k, Q.MXFP4: dequantize_mxfp4}

@@ -118,7 +118,7 @@ def expert_layouts(source, cfg) -> dict[int, ExpertLayout]:
     if quantized and any(t is None for t in types.values()):
         from ..errors import UserError
         mixed = [l for l, t in types.items() if t is None]
-        raise UserError(f"the experts of layers {mixed} are float while other layers' are FP8; moestream reads a "
-                        "checkpoint whose experts are all FP8 or all float")
+        raise UserError(f"the experts of layers {mixed} are float while other layers' are quantized; moestream reads "
+                        "a checkpoint whose experts are all quantized or all float")
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
     return {l: ExpertLayout(I, H, types[l] if quantized else None) for l in cfg.moe_layers}

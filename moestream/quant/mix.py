@@ -24,6 +24,8 @@ The rules moestream's families meet (no Falcon, no 70B, no imatrix):
 - attn_qkv (the hybrids' DeltaNet input projection): Q4_K for Q3_K_M and Q3_K_L, Q5_K for Q4_K_M, Q6_K for Q5_K_M.
 - A row that is not whole blocks of its type falls back as llama.cpp's does: Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0,
   Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, and to F16 when not whole 32-blocks either.
+- MXFP4_MOE: expert stacks (3-D, more than one expert) MXFP4, output.weight (and tied embeddings) and every other
+  quantized tensor Q8_0; a row that is not whole 32-blocks F16.
 - Q2_K_S is not offered: llama-quantize refuses it without an importance matrix, which moestream does not compute.
 """
 from __future__ import annotations
@@ -47,6 +49,7 @@ FTYPES: dict[str, tuple[F, Q]] = {
     "Q4_K_S": (F.MOSTLY_Q4_K_S, Q.Q4_K), "Q4_K_M": (F.MOSTLY_Q4_K_M, Q.Q4_K),
     "Q5_K_S": (F.MOSTLY_Q5_K_S, Q.Q5_K), "Q5_K_M": (F.MOSTLY_Q5_K_M, Q.Q5_K), "Q6_K": (F.MOSTLY_Q6_K, Q.Q6_K),
     "IQ4_NL": (F.MOSTLY_IQ4_NL, Q.IQ4_NL), "IQ4_XS": (F.MOSTLY_IQ4_XS, Q.IQ4_XS),
+    "MXFP4_MOE": (F.MOSTLY_MXFP4_MOE, Q.MXFP4),
     "F16": (F.MOSTLY_F16, Q.F16), "BF16": (F.MOSTLY_BF16, Q.BF16), "F32": (F.ALL_F32, Q.F32),
 }
 FLOAT = (Q.F32, Q.F16, Q.BF16)
@@ -121,18 +124,20 @@ class Mix:
             return Q.F32
         t = FTYPES[self.ftype][1]
         if t not in FLOAT and not self.pure:
-            t = self._rule(name, shape[-1], t)
+            t = self._rule(name, shape, t)
         if name == "token_embd.weight" and self.token_embd_type is not None:
             t = self.token_embd_type
         if name == "output.weight" and self.output_type is not None:
             t = self.output_type
         return self._fallback(t, shape[-1])
 
-    def _rule(self, name: str, n: int, t: Q) -> Q:
-        f, L = self.ftype, self.n_layers
+    def _rule(self, name: str, shape: tuple[int, ...], t: Q) -> Q:
+        f, L, n = self.ftype, self.n_layers, shape[-1]
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         if name == "output.weight" or (self.tied and name == "token_embd.weight"):
-            return Q.Q8_0 if not _fits(t, n) or t == Q.Q8_0 else Q.Q6_K
+            return Q.Q8_0 if not _fits(t, n) or t in (Q.Q8_0, Q.MXFP4) else Q.Q6_K
+        if f == "MXFP4_MOE":            # expert stacks (E > 1 matrices) MXFP4, every other quantized tensor Q8_0
+            return Q.MXFP4 if len(shape) == 3 and shape[0] > 1 else Q.Q8_0
         if name == "token_embd.weight":
             return t
         if "attn_v.weight" in name:     # llama.cpp counts attn_v tensors in file order: one per layer

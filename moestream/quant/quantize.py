@@ -3,7 +3,8 @@
     q = quantize(w, Q.Q4_K)                    # w (..., n) float -> (..., n // 256 * 144) uint8, ggml's blocks
     q, v = quantize(w, Q.Q4_K, values=True)    # v (..., n) float32: what the blocks decode to
 
-Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 are bit-identical to gguf.quants.quantize (itself ggml's quantize_row_*_ref).
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 (quant/mxfp4.py) are bit-identical to gguf.quants.quantize (itself ggml's
+quantize_row_*_ref; MXFP4's scale is floor(log2 max |x|), where torch's and C's float32 log2 could round apart).
 Q4_K, Q5_K and Q6_K follow ggml's reference (non-imatrix) quantizers, quantize_row_q{4,5,6}_K_ref with
 make_qkx2_quants / make_qx_quants (Q2_K and Q3_K likewise, in quantize_k23.py), and IQ4_NL / IQ4_XS follow
 quantize_row_iq4_nl_impl without an imatrix: each search ggml runs one block at a time runs here for all blocks at
@@ -24,6 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from ..errors import UserError
 from .encoding import (GROUP_MAX_EPS, abs_max, as_bytes, bit_planes, f16_bytes, f16_value, inverse, make_qkx2,
                        nibbles, pack_bits, roundf, two_bits)
+from .mxfp4 import encode_mxfp4
 from .quantize_k23 import q2_k, q3_k
 
 CHUNK = 1 << 20
@@ -263,5 +265,5 @@ def _iq4_xs(x):
 ENCODERS: dict[Q, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
     Q.Q2_K: q2_k, Q.Q3_K: q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
-    Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
+    Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs, Q.MXFP4: encode_mxfp4,
 }

@@ -13,9 +13,9 @@ from gguf import GGMLQuantizationType as Q
 from ..errors import UserError
 
 FLOAT = (Q.F32, Q.F16, Q.BF16)
-# Every quantized type moestream loads (each has a plain-torch dequantizer in dequant.py).
+# Every quantized type moestream loads (each has a plain-torch dequantizer in dequant.py; MXFP4's in mxfp4.py).
 QUANTIZED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
-             Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
+             Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.MXFP4)
 LOADABLE = FLOAT + QUANTIZED
 
 
