@@ -9,10 +9,13 @@ Experts may be stored one tensor per expert and projection (qwen*_moe/olmoe `mlp
 `block_sparse_moe.experts.E.w1/w3/w2`) or fused per layer as transformers 5 holds them in memory
 (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)); a fused expert is sliced out of its
 stack without reading the rest. Each family's spellings and config.json keys are its entry in arch/families.py.
-Fused experts may also be MXFP4 in OpenAI's packed form (gpt-oss's checkpoints: `gate_up_proj_blocks` (E, 2I, H / 32,
-16) with `gate_up_proj_scales` (E, 2I, H / 32), `down_proj_blocks` / `down_proj_scales`): they are repacked to
-ggml's MXFP4 blocks (quant/mxfp4.py) and handed out as such (`expert_types`, `expert_bytes`), so they stay MXFP4
-from the file to the slot as a GGUF's do; `expert` gives their values as float32.
+gpt-oss's float stacks (Family.hf_interleaved) are transposed, gate_up_proj (E, H, 2I) with gate and up in
+alternate columns and down_proj (E, I, H), their biases beside them. Fused experts may also be MXFP4 in OpenAI's
+packed form (gpt-oss's checkpoints as published, quantization_config quant_method mxfp4: `gate_up_proj_blocks`
+(E, 2I, H / 32, 16) with `gate_up_proj_scales` (E, 2I, H / 32), gate and up in alternate rows, `down_proj_blocks`
+/ `down_proj_scales`): they are repacked to ggml's MXFP4 blocks (quant/mxfp4.py) and handed out as such
+(`expert_types`, `expert_bytes`), so they stay MXFP4 from the file to the slot as a GGUF's do; `expert` gives their
+values as float32.
 
 The hybrid families (Qwen3-Next, Qwen3.5-MoE) hold other values than HF's (1 + w norms, -exp(A_log), the conv as
 (C, K)): arch/hybrid_names.py's canonical_value turns HF's into them, and hf_value back, so that they read back as
@@ -80,7 +83,7 @@ class HFSource:
         if not self.path.is_dir():
             raise UserError(f"{str(self.path)!r} is not a directory; give a Hugging Face model directory")
         raw = _read_json(self.path / "config.json", "config.json")
-        fp8.check_quantization_config(raw.get("quantization_config"))
+        _check_quantization(raw.get("quantization_config"))
         self.config = config_from_hf(raw, _read_json(self.path / "generation_config.json", None))
         self._where: dict[str, object] = {}     # HF tensor name -> the safe_open handle of its file
         for file in self._shard_files():
@@ -321,6 +324,15 @@ class HFSource:
         if FAMILIES[self.config.family].hf_interleaved:    # (H, 2I): gate and up in alternate columns; down (I, H)
             return pair[:, ::2].t().contiguous(), pair[:, 1::2].t().contiguous(), dn[e].t().contiguous()
         return pair[:inter], pair[inter:], dn[e]                   # (2I, H): gate rows, then up rows
+
+
+def _check_quantization(qc) -> None:
+    """config.json's quantization_config: none, OpenAI's MXFP4 (quant_method mxfp4: its experts are the packed
+    *_blocks / *_scales, read as they are, and modules_to_not_convert the float rest), or FP8 blocks (quant/fp8.py
+    checks those, and names anything else in one line)."""
+    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
+        return
+    fp8.check_quantization_config(qc)
 
 
 def _fused_bias(cfg: ModelConfig, name: str) -> bool:

@@ -6,10 +6,11 @@
     src = SynthSource.from_spec("qwen3-next-80b-a3b:layers=8")   # Qwen3-Next-80B-A3B shapes, 8 layers
     src = SynthSource.from_spec("deepseek-v3:layers=4")          # DeepSeek-V3 shapes: 1 dense, 3 MoE layers
     src = SynthSource.from_spec("glm-4.5-air:layers=4")          # GLM-4.5-Air shapes; tiny-deepseek, tiny-glm
-    src = SynthSource.from_spec("gpt-oss-120b:layers=4")         # gpt-oss-120b shapes (float experts), 4 layers
+    src = SynthSource.from_spec("gpt-oss-120b:layers=4")         # gpt-oss-120b shapes (MXFP4 experts), 4 layers
     src.tensor("blk.0.attn_q.weight")                            # (nh*hd, H), made on demand
 
-Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16. The seed is 0
+Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16,
+experts=float|mxfp4 (the experts' type; float but for gpt-oss-20b and gpt-oss-120b). The seed is 0
 but for tiny-next's, 6: with seed 0 its first greedy token after the README's prompt ("Once upon a time") ends the
 text, so that the demo printed nothing; seed 6 writes 32 tokens there.
 
@@ -25,18 +26,24 @@ norms hold 1 + w already, and the DeltaNet decay rate ssm_a = -exp(A_log) is dra
 [-2, 0.5] (float32, as the engine keeps it).
 
 gpt-oss presets (tiny-gptoss, gpt-oss-20b, gpt-oss-120b) alternate sliding-window and full layers (even layers
-slide, as the checkpoints' layer_types), with sinks, biases and YaRN as their config.json. Their experts are float
-(bfloat16): the published checkpoints' MXFP4 experts need the MXFP4 expert type.
+slide, as the checkpoints' layer_types), with sinks, biases and YaRN as their config.json. gpt-oss-20b's and
+-120b's experts are MXFP4, as the published checkpoints' are (tiny-gptoss's float; experts=mxfp4 makes them MXFP4).
+
+MXFP4 experts (experts=mxfp4) are ggml's blocks drawn as bench/make_reference_gptoss_gguf.py draws them (uniform
+codes, E[w**2] = 1 / fan_in: quant/mxfp4.py's random_mxfp4), from the expert's generator; `expert_bytes` hands
+them out (the store keeps them MXFP4) and `expert` their values, float32.
 """
 from __future__ import annotations
 
 import zlib
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from ..config import ModelConfig
 from ..errors import UserError
 from ..arch.names import canonical_shape, dense_names, keeps_float32
+from ..quant.mxfp4 import random_mxfp4
 
 TINY_VOCAB = 1024          # text.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
 
@@ -134,6 +141,8 @@ SLIDING = {"tiny-gptoss", "gpt-oss-20b", "gpt-oss-120b"}        # even layers sl
 DEFAULT_SEED = {"tiny-next": 6}             # a demo preset whose greedy text after "Once upon a time" is not empty
 FULL_ATTENTION_INTERVAL = {"tiny-next": 2, "qwen3-next-80b-a3b": 4}     # hybrid presets: attention every N layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPERTS = ("float", "mxfp4")
+MXFP4_EXPERTS = {"gpt-oss-20b", "gpt-oss-120b"}         # presets whose experts are MXFP4 unless experts=float
 
 # The router's logits are x . w over H unit-scale features, so with std H**-0.5 they are ~N(0, 1) and top-k picks
 # are soft. The tiny model scales them up so its routing is decisive, as a trained model's is; the big preset
@@ -143,16 +152,20 @@ SCALED_ROUTERS = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm", "tiny-gptoss
 
 
 def _usage() -> str:
-    return (f"presets: {', '.join(PRESETS)}; options: :layers=N, :seed=N, :dtype={'|'.join(DTYPES)} "
-            "(e.g. synth:qwen3-30b-a3b:layers=4)")
+    return (f"presets: {', '.join(PRESETS)}; options: :layers=N, :seed=N, :dtype={'|'.join(DTYPES)}, "
+            f":experts={'|'.join(EXPERTS)} (e.g. synth:qwen3-30b-a3b:layers=4)")
 
 
 class SynthSource:
     """A WeightSource whose tensors are made on demand (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
-                 tokenizer: object | None = None, router_scale: float = 1.0):
+                 tokenizer: object | None = None, router_scale: float = 1.0, experts: str = "float"):
+        if experts == "mxfp4" and (config.hidden_size % 32 or config.moe_intermediate_size % 32):
+            raise UserError(f"synth experts=mxfp4 needs a hidden size and expert width that are whole blocks of 32, "
+                            f"not {config.hidden_size} and {config.moe_intermediate_size}")
         self.config = config
+        self.experts = experts
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.seed = seed
@@ -167,6 +180,7 @@ class SynthSource:
             raise UserError(f"unknown synth preset {name!r}; {_usage()}")
         kw = dict(PRESETS[name])
         dtype, seed = DEFAULT_DTYPE[name], DEFAULT_SEED.get(name, 0)
+        experts = "mxfp4" if name in MXFP4_EXPERTS else "float"
         for opt in opts:
             key, sep, value = opt.partition("=")
             try:
@@ -178,6 +192,8 @@ class SynthSource:
                     seed = int(value)
                 elif key == "dtype" and sep and value in DTYPES:
                     dtype = DTYPES[value]
+                elif key == "experts" and sep and value in EXPERTS:
+                    experts = value
                 else:
                     raise ValueError
             except ValueError:
@@ -198,7 +214,7 @@ class SynthSource:
             # The model stops where its tokenizer says a text ends (tokenizer.save_hf writes these ids too).
             kw.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_ids=tuple(tok.eos_ids))
         return cls(ModelConfig(**kw), dtype=dtype, seed=seed, tokenizer=tok,
-                   router_scale=TINY_ROUTER_SCALE if name in SCALED_ROUTERS else 1.0)
+                   router_scale=TINY_ROUTER_SCALE if name in SCALED_ROUTERS else 1.0, experts=experts)
 
     # --- WeightSource ----------------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -224,6 +240,9 @@ class SynthSource:
         c = self.config
         if layer not in c.moe_layers or not 0 <= e < c.n_experts:
             raise UserError(f"the synth model has no expert {e} in layer {layer}")
+        if self.experts == "mxfp4":
+            from ..quant.dequant import dequantize
+            return tuple(dequantize(m, Q.MXFP4) for m in self._mxfp4_expert(layer, e))
         g = self._generator(f"blk.{layer}.expert.{e}")
         H, inter = c.hidden_size, c.moe_intermediate_size
         gate = torch.randn((inter, H), generator=g) * H ** -0.5        # (I, H)
@@ -231,16 +250,30 @@ class SynthSource:
         down = torch.randn((H, inter), generator=g) * inter ** -0.5    # (H, I)
         return gate.to(self.dtype), up.to(self.dtype), down.to(self.dtype)
 
-    def expert_types(self, layer: int) -> None:
-        return None
+    def expert_types(self, layer: int) -> tuple[Q, Q, Q] | None:
+        """(MXFP4,) * 3 for experts=mxfp4; None for float experts (the engine converts them to the model's dtype)."""
+        return (Q.MXFP4,) * 3 if self.experts == "mxfp4" else None
 
     def expert_bytes(self, layer: int, e: int) -> torch.Tensor:
-        raise UserError("a synth model has no quantized expert blocks")
+        """experts=mxfp4: expert e of `layer` as ggml's MXFP4 blocks, gate | up | down, flat uint8."""
+        if self.experts != "mxfp4":
+            raise UserError("this synth model's experts are float: it has no quantized expert blocks "
+                            "(experts=mxfp4 makes MXFP4 ones)")
+        return torch.cat([m.reshape(-1) for m in self._mxfp4_expert(layer, e)])
 
     def dtype_of(self, name: str) -> torch.dtype:
         return self.dtype
 
     # --- helpers ---------------------------------------------------------------------------------------------
+    def _mxfp4_expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's gate (I, H / 32 * 17), up and down (H, I / 32 * 17) as ggml's MXFP4 rows."""
+        c = self.config
+        if layer not in c.moe_layers or not 0 <= e < c.n_experts:
+            raise UserError(f"the synth model has no expert {e} in layer {layer}")
+        g = self._generator(f"blk.{layer}.expert.{e}")
+        H, inter = c.hidden_size, c.moe_intermediate_size
+        return random_mxfp4(inter, H, g), random_mxfp4(inter, H, g), random_mxfp4(H, inter, g)
+
     def _generator(self, key: str) -> torch.Generator:
         # torch's CPU generator keeps only 32 bits of its seed, so seed and key are hashed together into 32 bits.
         return torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{key}".encode()))

@@ -122,9 +122,9 @@ def check_quantization_config(qc) -> None:
         return
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method != "fp8":
-        raise UserError(f"config.json's quantization_config is {method or qc!r}; moestream reads float and FP8 "
-                        "block-scaled (quant_method fp8, weight_block_size [128, 128]) checkpoints: use one of "
-                        "those, or a GGUF")
+        raise UserError(f"config.json's quantization_config is {method or qc!r}; moestream reads float, FP8 "
+                        "block-scaled (quant_method fp8, weight_block_size [128, 128]) and OpenAI's MXFP4 "
+                        "(quant_method mxfp4) checkpoints: use one of those, or a GGUF")
     block, fmt = qc.get("weight_block_size"), qc.get("fmt", "e4m3")
     if block is None or list(block) != [BLOCK, BLOCK] or fmt != "e4m3":
         raise UserError(f"config.json's FP8 quantization_config has weight_block_size {block} and fmt {fmt!r}; "

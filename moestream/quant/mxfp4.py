@@ -3,6 +3,7 @@
     w = dequantize_mxfp4(b)                       # (n, 17) uint8 blocks -> (n, 32) float32, gguf.quants' bits
     q, v = encode_mxfp4(x)                        # x (n, 32) float32 -> (n, 17) uint8, and the values they hold
     rows = from_openai(blocks, scales, "...")     # OpenAI's *_blocks (..., G, 16), *_scales (..., G) -> (..., G * 17)
+    rows = random_mxfp4(R, C, generator)          # random weights of a (R, C) matrix, E[w**2] = 1 / C (synth models)
 
 ggml's block (GGML type MXFP4, 17 bytes, ggml-common.h's block_mxfp4): byte 0 is the e8m0 scale e, bytes 1..16 the
 nibbles, value j < 16 in the low nibble of byte 1 + j and value 16 + j in its high nibble (Q4_0's order). A value is
@@ -18,6 +19,8 @@ them to ggml's blocks once, at load, so that one layout goes downstream; `to_ope
 The values are the same but for zero's sign: OpenAI's nibble 8 is -0.0, ggml's +0.0.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -62,6 +65,18 @@ def encode_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = mag | ((x < 0) & (mag > 0)).to(mag.dtype) << 3
     blocks = torch.cat([e, (q[:, :16] | (q[:, 16:] << 4)).to(torch.uint8)], dim=1)
     return blocks, d * _codebook(x.device)[q]
+
+
+def random_mxfp4(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """(rows, cols / 32 * 17) uint8 ggml rows of random weights with E[w**2] = 1 / cols, as the benchmark reference
+    draws gpt-oss's experts (bench/make_reference_gptoss_gguf.py): uniform codes, and each block's exponent k or
+    k + 1, k + 1 with the probability that makes the mean square exact (a uniform code has E[KVALUES**2] = 34.25)."""
+    codes = torch.randint(0, 16, (rows * cols // BLOCK, BLOCK), generator=generator, dtype=torch.uint8)
+    t = 1.0 / (cols * sum(k * k for k in KVALUES) / 16)        # the wanted E[4 ** (e - 128)]
+    lo = math.floor(math.log(t, 4))
+    hi = torch.rand(rows * cols // BLOCK, 1, generator=generator) < (t - 4.0 ** lo) / (3 * 4.0 ** lo)
+    e = hi.to(torch.uint8) + (lo + 128)
+    return torch.cat([e, codes[:, :16] | (codes[:, 16:] << 4)], dim=1).reshape(rows, -1)
 
 
 def check_openai(blocks: torch.Tensor | tuple, scales: torch.Tensor | tuple, name: str) -> None:
