@@ -107,7 +107,8 @@ def test_logits_equal_the_dequantized_twin_and_transformers(dirs):
 def test_a_gguf_with_mxfp4_experts_gives_the_same_logits(dirs, tmp_path):
     """The packed checkpoint as llama.cpp's converter writes it (experts MXFP4 in ggml's blocks, file type
     MOSTLY_MXFP4_MOE; here the rest F32): the same expert values, its experts kept MXFP4, and logits bit-identical
-    to the float twin's GGUF (both GGUFs: YaRN rounded as llama.cpp does) at every placement."""
+    to the float twin's GGUF at every placement, and to the packed checkpoint's once its config.json says
+    truncate: true (a GGUF's YaRN is rounded, as llama.cpp computes it: tests/test_gptoss.py)."""
     src = HFSource(dirs / "packed")
     path = write_gguf(src, tmp_path / "mxfp4.gguf", file_type=gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
                       types=lambda name, shape: Q.MXFP4 if name.endswith("_exps.weight") else Q.F32)
@@ -124,6 +125,12 @@ def test_a_gguf_with_mxfp4_experts_gives_the_same_logits(dirs, tmp_path):
     for kw in PLACEMENTS[:4]:
         q = LLM(str(path), **KW, **kw)
         assert q.engine.quantized and torch.equal(q.logits(ids), want), kw
+    rounded = tmp_path / "rounded"
+    shutil.copytree(dirs / "packed", rounded)
+    c = json.loads((rounded / "config.json").read_text())
+    c["rope_parameters"]["truncate"] = True
+    (rounded / "config.json").write_text(json.dumps(c))
+    assert torch.equal(LLM(str(rounded), **KW).logits(ids), want)
 
 
 def test_quantize_mxfp4_moe_of_a_tiny_gpt_oss(gptoss, tmp_path):
