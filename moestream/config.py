@@ -21,9 +21,14 @@ LAYER_TYPES = ("full_attention", "linear_attention")
 INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
               "n_experts_used", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
               "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-              "linear_value_head_dim", "linear_conv_kernel")
+              "linear_value_head_dim", "linear_conv_kernel", "hc_count", "hc_lowrank", "ple_embed_dim",
+              "ple_conv_kernel", "ngram_size", "heads_per_ngram", "ngram_vocab_base", "ngram_vocab_divisor",
+              "ngram_seed", "indexer_heads", "indexer_head_dim", "indexer_budget", "indexer_block")
 HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-           "n_experts_used": "num_experts_per_tok", "linear_conv_kernel": "linear_conv_kernel_dim"}
+           "n_experts_used": "num_experts_per_tok", "linear_conv_kernel": "linear_conv_kernel_dim",
+           "ple_conv_kernel": "ple_conv_kernel_size", "ngram_vocab_base": "ngram_vocab_size_base",
+           "ngram_vocab_divisor": "make_ngram_vocab_size_divisible_by", "ngram_seed": "seed",
+           "indexer_heads": "indexer_n_heads", "indexer_block": "indexer_compress_ratio"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,21 @@ class ModelConfig:
     attn_output_gate: bool = False             # q_proj also gives a per-head sigmoid gate on the attention output
     zero_centred_norm: bool = False            # HF's norm weights are w in x_normed * (1 + w); the canonical
                                                # tensors hold 1 + w, as GGUF does (arch/hybrid_names.py)
+    # --- qwen4_exp: hyper-connections, the PLE n-gram table, QSA attention (models/residual.py, ple.py, qsa.py) ---
+    hc_count: int = 0                          # residual streams (0: one plain stream)
+    hc_lowrank: int = 0                        # rank of each stream mixer's down/up projections
+    ple_layers: tuple[int, ...] = ()           # layers (0-based) that add the n-gram embedding (HF: 1-based ids)
+    ple_embed_dim: int = 0                     # an n-gram embedding, all heads' rows concatenated
+    ple_conv_kernel: int = 0                   # the PLE's dilated depthwise conv (dilation ngram_size)
+    ngram_size: int = 3                        # 2- .. ngram_size-grams
+    heads_per_ngram: int = 0                   # hashed heads per n-gram order, one table row each
+    ngram_vocab_base: int = 0                  # each head's row count is a prime above this
+    ngram_vocab_divisor: int = 128             # the table's rows padded to a multiple of this
+    ngram_seed: int = 1234                     # the hash multipliers' seed
+    indexer_heads: int = 0                     # QSA indexer query heads (one key head); 0: dense attention
+    indexer_head_dim: int = 0
+    indexer_budget: int = 0                    # tokens of complete blocks a query attends at most
+    indexer_block: int = 0                     # consecutive keys pooled into one indexer block
 
     def __post_init__(self):
         for name in INT_FIELDS:
@@ -95,12 +115,23 @@ class ModelConfig:
                 raise UserError(f"unsupported layer type {odd[0]!r}; supported: {', '.join(LAYER_TYPES)}")
         if self.linear_layers:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                         "linear_value_head_dim", "linear_conv_kernel"):
+                         "linear_value_head_dim", "linear_conv_kernel", "hc_count", "hc_lowrank", "ple_embed_dim",
+              "ple_conv_kernel", "ngram_size", "heads_per_ngram", "ngram_vocab_base", "ngram_vocab_divisor",
+              "ngram_seed", "indexer_heads", "indexer_head_dim", "indexer_budget", "indexer_block"):
                 if getattr(self, name) <= 0:
                     raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise UserError(f"model config: {self.linear_num_value_heads} linear value heads are not a multiple "
                                 f"of {self.linear_num_key_heads} key heads")
+        if self.indexer_heads and (self.indexer_block <= 0 or self.indexer_budget % self.indexer_block
+                                   or self.rotary_dim > self.indexer_head_dim):
+            raise UserError(f"model config: indexer budget {self.indexer_budget} is not a multiple of its block "
+                            f"{self.indexer_block}, or rotary width {self.rotary_dim} > indexer head "
+                            f"{self.indexer_head_dim}")
+        if self.ple_layers and (self.hc_count <= 1 or self.heads_per_ngram <= 0 or self.ple_embed_dim
+                                % ((self.ngram_size - 1) * self.heads_per_ngram)):
+            raise UserError(f"model config: ple_embed_dim {self.ple_embed_dim} is not a multiple of the "
+                            f"{(self.ngram_size - 1) * self.heads_per_ngram} n-gram heads (or no hyper-connections)")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise UserError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
                             f"rotary width of head_dim {self.head_dim}")
