@@ -115,9 +115,7 @@ class ModelConfig:
                 raise UserError(f"unsupported layer type {odd[0]!r}; supported: {', '.join(LAYER_TYPES)}")
         if self.linear_layers:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                         "linear_value_head_dim", "linear_conv_kernel", "hc_count", "hc_lowrank", "ple_embed_dim",
-              "ple_conv_kernel", "ngram_size", "heads_per_ngram", "ngram_vocab_base", "ngram_vocab_divisor",
-              "ngram_seed", "indexer_heads", "indexer_head_dim", "indexer_budget", "indexer_block"):
+                         "linear_value_head_dim", "linear_conv_kernel"):
                 if getattr(self, name) <= 0:
                     raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
             if self.linear_num_value_heads % self.linear_num_key_heads:
