@@ -16,6 +16,7 @@ import torch
 
 from moestream.arch.hf_config import config_from_hf
 from moestream.arch.hybrid_names import canonical_from_hf, hybrid_names
+from moestream.arch.names import canonical_shape
 from moestream.errors import UserError
 from moestream.models import qsa
 from moestream.models.ple import NGramHash, PLETable
@@ -73,6 +74,7 @@ def test_config_and_names(qwen4):
     assert (cfg.indexer_heads, cfg.indexer_head_dim, cfg.indexer_budget, cfg.indexer_block) == (2, 16, 8, 4)
     assert cfg.rotary_dim == 8 and cfg.norm_topk_prob and cfg.eos_token_ids == (EOS,)
     assert set(weights) == set(hybrid_names(cfg))
+    assert all(tuple(t.shape) == canonical_shape(cfg, n) for n, t in weights.items() if "_exps." not in n)
     assert weights["per_layer_token_embd.weight"].shape == (NGramHash.of(cfg).rows_total, 8)
     # the checkpoints' spelling of the QSA layers, and transformers' default rotary (none given: all of head_dim)
     c = dict(TEXT, architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text")

@@ -26,25 +26,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..arch.ngram import ngram_constants
 from ..config import ModelConfig
 from .residual import group_rms_norm
-
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + _GAMMA) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) & _MASK64
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2 or n % 2 == 0:
-        return n == 2
-    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
-
 
 class NGramHash:
     """The hash constants of PLE layer `index` (the first: 0), as transformers derives them from the config."""
@@ -58,17 +42,8 @@ class NGramHash:
 
     @staticmethod
     def of(cfg: ModelConfig, index: int = 0) -> "NGramHash":
-        half = max(1, ((1 << 63) - 1) // max(cfg.vocab_size, 1) // 2)
-        seed = cfg.ngram_seed + 10007 * index
-        mult = [2 * (_splitmix64((seed + _GAMMA * (j + 1)) & _MASK64) % half) + 1 for j in range(cfg.ngram_size)]
-        heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram
-        sizes, p = [], cfg.ngram_vocab_base - 1
-        while len(sizes) < heads * (index + 1):           # consecutive primes above the base, this layer's last
-            p += 1
-            while not _is_prime(p):
-                p += 1
-            sizes.append(p)
-        return NGramHash(mult, sizes[heads * index:], cfg.eos_token_ids[0], cfg.ngram_size, cfg.heads_per_ngram,
+        mult, sizes = ngram_constants(cfg, index)
+        return NGramHash(mult, sizes, cfg.eos_token_ids[0], cfg.ngram_size, cfg.heads_per_ngram,
                          cfg.ngram_vocab_divisor)
 
     @property
