@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ATTENTION_KINDS = ("gqa", "gated", "mla")    # room: "qsa" (an indexer picks the keys)
+ATTENTION_KINDS = ("gqa", "gated", "mla")    # room: "qsa" (an indexer picks the keys:
+                                             # models/qsa.py has its math, the engine's decoder not yet)
 MIXERS = ("deltanet",)                   # layer_types' linear_attention layers
-RESIDUALS = ("plain",)                   # room: "hyper" (hyper-connections: several residual streams)
+RESIDUALS = ("plain",)                   # room: "hyper" (hyper-connections: several residual streams;
+                                         # models/residual.py's Hyper has the math, the engine's decoder not yet)
 
 
 @dataclass(frozen=True)
@@ -75,3 +77,8 @@ MLA = Blocks(Attention("mla"), router=SIGMOID, shared_gate=False)
 GQA_SIGMOID = Blocks(Attention("gqa"), router=SIGMOID, shared_gate=False)
 HYBRID = Blocks(Attention("gated"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
                 residual="plain")
+# Qwen3.8-Flash-Next (qwen4_exp): the hybrid's blocks with QSA attention and hyper-connections. Their math is in
+# models/ (qsa.py, residual.py's Hyper, ple.py) and runs in models/qwen4_reference.py; the engine's decoder
+# (models/blocks.py's build) refuses both until it carries the indexer's cache and the streams.
+QWEN4 = Blocks(Attention("qsa"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
+               residual="hyper")

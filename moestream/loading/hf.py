@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from ..arch.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
 from ..arch.hf_config import config_from_hf, hf_key
-from ..arch.hybrid_names import canonical_value, hf_value
+from ..arch.hybrid_names import QWEN4_GLOBAL, QWEN4_HF, canonical_value, hf_value
 from ..arch.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
 from ..config import ModelConfig
 from ..errors import UserError
@@ -52,11 +52,17 @@ def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
     if name in HF_GLOBAL:
         hf = HF_GLOBAL[name]
         return [prefix + hf[len("model."):] if hf.startswith("model.") else hf]
+    if name in QWEN4_GLOBAL:
+        return [prefix + QWEN4_GLOBAL[name]]
+    if name == "per_layer_token_embd.weight":
+        return []                       # in row shards of its layer's n-gram embedding: HFSource._ple_table
     _, layer, suffix = name.split(".", 2)
     if suffix == "ffn_gate_inp.weight":
         spellings = first_own(FAMILIES[family].hf_router, [f.hf_router for f in FAMILIES.values()])
+    elif suffix in ("indexer.q_proj.weight", "indexer.k_proj.weight"):
+        spellings = []                  # rows of index_qk_proj: HFSource._indexer
     else:
-        spellings = [dict(FAMILIES[family].hf_renames).get(suffix, HF_LAYER[suffix])]
+        spellings = [dict(FAMILIES[family].hf_renames).get(suffix) or HF_LAYER.get(suffix) or QWEN4_HF[suffix]]
     return [f"{prefix}layers.{layer}.{s}" for s in spellings]
 
 
@@ -164,6 +170,10 @@ class HFSource:
         return any(n in self._where for n in hf_names(name, self.config.family, self.prefix))
 
     def tensor(self, name: str) -> torch.Tensor:
+        if name == "per_layer_token_embd.weight" or name.endswith(("indexer.q_proj.weight", "indexer.k_proj.weight")):
+            t = self._ple_table() if name.startswith("per_layer") else self._indexer(name)
+            self._check(name, name, tuple(t.shape))
+            return t
         t = self._read_first(hf_names(name, self.config.family, self.prefix), name)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)                 # some exports keep the shared expert's gate as (H,)
@@ -206,6 +216,25 @@ class HFSource:
 
     def dtype_of(self, name: str) -> torch.dtype:
         return self._read_first(hf_names(name, self.config.family, self.prefix), name).dtype
+
+    def _ple_table(self) -> torch.Tensor:
+        """qwen4_exp's n-gram table: its PLE layer's row shards (ngram_embedding.shard_N.weight), in order."""
+        p = f"{self.prefix}layers.{self.config.ple_layers[0]}.ple.ple_embedding.ngram_embedding."
+        if p + "weight" in self._where:
+            return self._read(p + "weight")
+        shards = sorted((int(n[len(p) + 6:-7]), n) for n in self._where if n.startswith(p + "shard_"))
+        if not shards:
+            raise UserError(f"checkpoint lacks tensor {p}shard_0.weight (the PLE n-gram table): is the download "
+                            "complete?")
+        return torch.cat([self._read(n) for _, n in shards])
+
+    def _indexer(self, name: str) -> torch.Tensor:
+        """qwen4_exp's indexer.q_proj / k_proj: the query heads' rows of index_qk_proj, then the key head's."""
+        cfg = self.config
+        layer = name.split(".")[1]
+        qk = self._read(f"{self.prefix}layers.{layer}.self_attn.indexer.index_qk_proj.weight")
+        q = cfg.indexer_heads * cfg.indexer_head_dim
+        return qk[:q] if name.endswith("q_proj.weight") else qk[q:]
 
     # --- reading ---------------------------------------------------------------------------------------------
     def _read_first(self, names: list[str], canonical: str) -> torch.Tensor:
@@ -253,7 +282,7 @@ class HFSource:
 
 def _canonical_shape_of(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape tensor() gives an HF tensor of this shape: the conv as (C, K), the shared expert's gate as (1, H)."""
-    if name.endswith("ssm_conv1d.weight") and shape:
+    if name.endswith(("ssm_conv1d.weight", "ple_conv1d.weight")) and shape:
         return (shape[0], math.prod(shape[1:]))
     if name.endswith("ffn_gate_inp_shexp.weight"):
         return (1, math.prod(shape))
