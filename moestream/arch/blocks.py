@@ -14,18 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ATTENTION_KINDS = ("gqa", "gated", "mla")    # room: "qsa" (an indexer picks the keys:
-                                             # models/qsa.py has its math, the engine's decoder not yet)
+ATTENTION_KINDS = ("gqa", "gated", "mla", "qsa")    # qsa: an indexer picks the key blocks (models/qsa.py)
 MIXERS = ("deltanet",)                   # layer_types' linear_attention layers
-RESIDUALS = ("plain",)                   # room: "hyper" (hyper-connections: several residual streams;
-                                         # models/residual.py's Hyper has the math, the engine's decoder not yet)
+RESIDUALS = ("plain", "hyper")           # hyper: hyper-connections, several residual streams (models/residual.py)
 
 
 @dataclass(frozen=True)
 class Attention:
     """The attention layers' block. gqa: grouped-query attention (with ModelConfig's biases, QK-norm, clamp and
     partial rotary); gated: GQA whose output a sigmoid of q_proj's second half gates per element, rotary on the
-    first rotary_dim dims (Qwen3-Next); mla: multi-head latent attention (DeepSeek-V3), a latent KV cache."""
+    first rotary_dim dims (Qwen3-Next); mla: multi-head latent attention (DeepSeek-V3), a latent KV cache; qsa:
+    gated attention over the key blocks a learnt indexer picks, its keys cached beside K and V (Qwen3.8-Flash-Next)."""
     kind: str = "gqa"
     window: int | None = None            # room: attention over the last `window` keys only (sliding window)
     sinks: bool = False                  # room: a learnt sink logit per head in the softmax (gpt-oss)
@@ -77,8 +76,7 @@ MLA = Blocks(Attention("mla"), router=SIGMOID, shared_gate=False)
 GQA_SIGMOID = Blocks(Attention("gqa"), router=SIGMOID, shared_gate=False)
 HYBRID = Blocks(Attention("gated"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
                 residual="plain")
-# Qwen3.8-Flash-Next (qwen4_exp): the hybrid's blocks with QSA attention and hyper-connections. Their math is in
-# models/ (qsa.py, residual.py's Hyper, ple.py) and runs in models/qwen4_reference.py; the engine's decoder
-# (models/blocks.py's build) refuses both until it carries the indexer's cache and the streams.
+# Qwen3.8-Flash-Next (qwen4_exp): the hybrid's blocks with QSA attention and hyper-connections (models/qsa.py,
+# residual.py's Hyper; its PLE layer is ModelConfig.ple_layers', models/ple.py).
 QWEN4 = Blocks(Attention("qsa"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
                residual="hyper")

@@ -43,6 +43,11 @@ EXPERT_SUFFIXES = tuple(f"{s}.weight" for s in EXPERT_STACKS)
 FLOAT32 = ("ssm_a",)
 
 
+# Tables read by row, which stay in host memory whatever the placement (models/ple.py's PLETable, the n-gram
+# embeddings): the loader never puts them on the device and they count in no device budget.
+HOST_TABLES = ("per_layer_token_embd.weight",)
+
+
 def keeps_float32(name: str) -> bool:
     """Whether the engine keeps this canonical tensor in float32 (FLOAT32) rather than the model's dtype; and the
     router's correction bias (exp_probs_b), which transformers keeps in float32 and adds to float32 scores."""
@@ -174,8 +179,8 @@ def _fields_of_dim(cfg: ModelConfig, name: str, dim: int) -> list[str]:
 
 
 def dense_numel(cfg: ModelConfig) -> int:
-    """Elements of every non-expert tensor (what stays on the device whatever --cpu-moe says)."""
-    return sum(math.prod(canonical_shape(cfg, n)) for n in dense_names(cfg))
+    """Elements of every non-expert tensor on the device (whatever --cpu-moe says): all but the host tables."""
+    return sum(math.prod(canonical_shape(cfg, n)) for n in dense_names(cfg) if n not in HOST_TABLES)
 
 
 def gguf_name(cfg: ModelConfig, name: str) -> str:

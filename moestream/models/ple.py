@@ -18,6 +18,13 @@ The layer: k = the key projection's streams normed, q = the residual streams nor
 gate_s = signed sqrt(|<k_s, q_s>| / sqrt(H)); out_s = sigmoid(gate_s) v; the streams get out + silu(conv(norm(out)))
 where conv is a depthwise conv of kernel K, dilation ngram_size over the sequence: a sequence keeps its last
 (K-1)*ngram_size normed rows (`conv_state`, zeros at its start).
+
+In the decoder (models/transformer.py) the PLE block holds the table and the hash; a sequence's n-gram context
+and conv rows are its cache's (runtime/kv_cache.py's Qwen4Cache: ngram, ple_conv):
+
+    ple = PLE(cfg, table)                         # table: (rows, d) in host memory, never on the device
+    emb = ple.embeddings(batch, kv)               # (T, ple_embed_dim) on the batch's device; contexts advanced
+    h = h + ple.add(h, emb, lw, batch, kv.ple_conv[layer])       # each segment's conv rows read and written back
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch.nn.functional as F
 from ..arch.ngram import ngram_constants
 from ..config import ModelConfig
 from .residual import group_rms_norm
+
 
 class NGramHash:
     """The hash constants of PLE layer `index` (the first: 0), as transformers derives them from the config."""
@@ -144,3 +152,37 @@ def ple_add(h: torch.Tensor, emb: torch.Tensor, lw: dict, cfg: ModelConfig,
     x = torch.cat([conv_state, normed])                                                # (span + T, C)
     y = F.conv1d(x.t()[None], w[:, None, :], groups=w.shape[0], dilation=d)[0].t()      # (T, C)
     return gated + F.silu(y), x[-span:].clone()
+
+
+class PLE:
+    """The decoder's PLE block: the n-gram table in host memory (PLETable: its rows gathered on the host, counted
+    in bytes_read) and the hash of ModelConfig's one PLE layer."""
+
+    def __init__(self, cfg: ModelConfig, table: torch.Tensor):
+        self.cfg = cfg
+        self.table = PLETable(table)
+        self.hash = NGramHash.of(cfg)
+
+    def embeddings(self, batch, kv) -> torch.Tensor:
+        """(T, ple_embed_dim) of batch's tokens on their device: each segment's rows hashed after its sequence's
+        context (kv.ngram[seq], (ngram_size-1,) int64 on the host), then gathered from the host table; each
+        context advanced past its segment. The tokens are read back to the host (a decode step's sampled ones
+        too): the rows are picked there."""
+        tokens = batch.tokens.cpu()
+        rows, r = [], 0
+        for s in batch.segments:
+            toks = tokens[r:r + s.n]
+            rows.append(self.hash.rows(kv.ngram[s.seq], toks))                 # (n, heads)
+            kv.ngram[s.seq] = torch.cat([kv.ngram[s.seq], toks])[-self.hash.context_len:]
+            r += s.n
+        return self.table.gather(torch.cat(rows), batch.tokens.device)
+
+    def add(self, h: torch.Tensor, emb: torch.Tensor, lw: dict, batch, conv: torch.Tensor) -> torch.Tensor:
+        """What the PLE layer adds to the streams h (T, hc*H): ple_add of each segment, its sequence's conv rows
+        read from conv (n_seq, (K-1)*ngram_size, hc*H) and written back."""
+        outs, r = [], 0
+        for s in batch.segments:
+            add, conv[s.seq] = ple_add(h[r:r + s.n], emb[r:r + s.n], lw, self.cfg, conv[s.seq])
+            outs.append(add)
+            r += s.n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

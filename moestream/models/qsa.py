@@ -3,7 +3,9 @@ gated attention (models/gated_attention.py's math) where each query attends only
 picks, plus the recent tail. Plain torch: the CPU path and the oracle; on CUDA the same ops for now (no kernel).
 
     iq, ik = index_qk(x, lw, cfg, cos, sin)       # indexer queries (T, ih, d), normed and turned; raw keys (T, d)
-    keep = select(iq, raw_keys[:end], positions, cfg, cos_all, sin_all)      # (T, end) bool: the keys each attends
+    keys = block_keys(raw_keys[:end], lw, cfg, cos_all, sin_all)              # (nb, d): the complete blocks' keys
+    keep = select(iq, keys, positions, cfg)       # (T, end) bool: the keys each query attends
+    attn = QSA(cfg)                               # the decoder's kind (models/attention.py's interface)
 
 The indexer: a query at position p sees tokens 0..p, in nb = (p+1) // B complete blocks of B consecutive tokens and
 a tail of the rest. A block's key is the mean of its raw index keys (float32), RMS-normed (k_norm) and turned by
@@ -26,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from .attention import GatedAttention
 from .gated_attention import gated_attention, partial_rope
-from .layers import rms_norm
+from .layers import masked_attention, rms_norm, rope_tables
 
 
 def index_qk(x: torch.Tensor, lw: dict, cfg: ModelConfig, cos: torch.Tensor,
@@ -47,7 +50,7 @@ def block_keys(raw: torch.Tensor, lw: dict, cfg: ModelConfig, cos_all: torch.Ten
     cos_all, sin_all: rotary tables by position (in raw's dtype)."""
     B = cfg.indexer_block
     nb = raw.shape[0] // B
-    pooled = raw[:nb * B].view(nb, B, -1).float().mean(dim=1).to(raw.dtype)
+    pooled = raw[:nb * B].view(nb, B, raw.shape[-1]).float().mean(dim=1).to(raw.dtype)
     pooled = rms_norm(pooled, lw["indexer.k_norm.weight"], cfg.rms_norm_eps)
     starts = torch.arange(nb, device=raw.device) * B
     return partial_rope(pooled[:, None], cos_all[starts], sin_all[starts])[:, 0]
@@ -86,3 +89,43 @@ def qsa_attention(x: torch.Tensor, lw: dict, cfg: ModelConfig, cos: torch.Tensor
     keys = block_keys(index_keys[seq, :start + T], lw, cfg, *rope_all)
     keep = select(iq, keys, torch.arange(start, start + T, device=x.device), cfg)
     return gated_attention(x, lw, cfg, cos, sin, kv, slot, seq, start, keep)
+
+
+class QSA(GatedAttention):
+    """QSA as the decoder's attention kind: GatedAttention's projections, norms, rotary, cache writes and gate, each
+    token attending the keys its indexer keeps in its own sequence's cache, which holds each token's raw index key
+    beside its K and V (kv.index_keys[slot] (n_seq, ctx, d), a prefix valid like theirs: runtime/kv_cache.py's
+    Qwen4Cache). Prompts and decode steps alike run one segment at a time, as qsa_attention does. The fused decode
+    kernels attend every key: a QSA step runs these ops (`fuses` False) and decides on the host (the picks per
+    number of blocks seen), so it is not captured."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self._tables = None             # rotary tables by position for the block keys: the decoder's (rope_tables)
+
+    def fuses(self, fused) -> bool:
+        return False
+
+    def rope_all(self, ctx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (ctx, rotary_dim) by position in like's dtype and device (made once)."""
+        t = self._tables
+        if t is None or t[0].shape[0] < ctx or t[0].dtype != like.dtype or t[0].device != like.device:
+            cos, sin = rope_tables(self.cfg, ctx, like.device)
+            self._tables = t = (cos.to(like.dtype), sin.to(like.dtype))
+        return t
+
+    def attend(self, q, x, lw, slot: int, batch, kv, cos, sin, mask=None) -> torch.Tensor:
+        cfg = self.cfg
+        iq, ik = index_qk(x, lw, cfg, cos, sin)                                # (T, ih, d), (T, d)
+        raw = kv.index_keys[slot]                                              # (n_seq, ctx, d)
+        raw[batch.seq_ids, batch.positions] = ik
+        tables = self.rope_all(kv.ctx, x)
+        outs, r = [], 0
+        for s in batch.segments:
+            end = s.start + s.n
+            keys = block_keys(raw[s.seq, :end], lw, cfg, *tables)             # (nb, d)
+            keep = select(iq[r:r + s.n], keys, batch.positions[r:r + s.n], cfg)     # (n, end)
+            outs.append(masked_attention(q[r:r + s.n], kv.k[slot][s.seq, :, :end], kv.v[slot][s.seq, :, :end],
+                                         keep))                                # (n, nh, hd)
+            r += s.n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -7,16 +7,19 @@ plain: one stream, h + delta. hyper (Qwen3.8-Flash-Next's hyper-connections, tra
 `hc` streams (T, hc*H); before each block they are mixed into its one input, and its output is added back to each
 stream by its own gate:
 
-    hy = Hyper(cfg)
+    hy = Hyper(cfg.rms_norm_eps, cfg.hc_count)
     h = hy.expand(embeddings)                              # (T, hc*H): the embedding in every stream
     h, (x, inject) = hy.add_norm(h, delta, hy.weights(lw, "hc_attn"))      # delta: (the last block's output, its gate)
-    out = hy.final(h, delta, hy.weights(w, "output_hc"))  # the output mixer, in place of the output norm
+    out = hy.final(h, delta, w)                           # the output mixer (w: output_hc_*), for the output norm
 
 A mixer (weights `{p}_norm` (hc*H,) holding 1 + w, `{p}_down` (R, hc*H), `{p}_up` (hc*H, R), `{p}_inject` (hc, hc*H)):
 n = the streams' RMSNorm, one H-wide group each; m = sigmoid(up(silu(down(n) / hc))); the input is the mean over
 the streams of m * n; each stream's gate is 2 sigmoid(inject(n) / hc), and after the block stream s += gate_s *
 output. The fused decode kernels (kernels/fused.py's add_rms_norm, norm_linear and norm_route) add and norm a plain
-stream only: a hyper family's decode steps take the unfused ops (runtime/plan.py).
+stream only (`fuses`): a hyper family's decode steps take the unfused ops.
+
+The decoder (models/transformer.py) sees both through one interface: expand, add, block_input (the residual add
+and the block's input, with what the block's output needs back: Hyper's gates), block_output and final.
 """
 from __future__ import annotations
 
@@ -27,8 +30,32 @@ from .layers import rms_norm
 
 
 class Plain:
+    fuses = True                        # the fused decode ops add and norm this stream
+
     def __init__(self, eps: float):
         self.eps = eps
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        """The embeddings (T, H) as the residual stream's start."""
+        return x
+
+    def add(self, h, delta):
+        """The stream with the last block's output added (delta None: as it is)."""
+        return h if delta is None else h + delta
+
+    def block_input(self, h, delta, lw: dict, block: str, fused=None):
+        """(the stream with delta added, block `block`'s (attn, ffn) normed input, None)."""
+        h, x = self.add_norm(h, delta, lw[f"{block}_norm.weight"], fused)
+        return h, x, None
+
+    @staticmethod
+    def block_output(out, carry):
+        """What the next add takes of a block's output (T, H)."""
+        return out
+
+    def final(self, h, delta, w: dict, rows) -> torch.Tensor:
+        """The last block's output added, the output norm of the rows wanted: (R, H)."""
+        return rms_norm(self.add(h, delta)[rows], w["output_norm.weight"], self.eps)
 
     def add_norm(self, h, delta, w, fused=None):
         """h + delta (the residual stream) and its RMSNorm: one kernel in a fused decode step. delta None: the
@@ -84,9 +111,24 @@ class Hyper:
             h = self.write(h, delta)
         return h, self.mix(h, w)
 
-    def final(self, h, delta, w: tuple) -> torch.Tensor:
-        """The last block written back and the output mixer: the final hidden state (T, H)."""
-        return self.mix(self.write(h, delta), w)[0]
+    def add(self, h, delta):
+        """The streams with the last block's output written back (delta None: as they are)."""
+        return h if delta is None else self.write(h, delta)
+
+    def block_input(self, h, delta, lw: dict, block: str, fused=None):
+        """(the streams with delta written back, block `block`'s (attn, ffn) input mixed from them, its gates)."""
+        h, (x, gate) = self.add_norm(h, delta, self.weights(lw, f"hc_{block}"))
+        return h, x, gate
+
+    @staticmethod
+    def block_output(out, gate):
+        """What the next add takes of a block's output (T, H): it and the gates taken before the block."""
+        return out, gate
+
+    def final(self, h, delta, w: dict, rows=slice(None)) -> torch.Tensor:
+        """The last block written back and the output mixer, for the rows wanted: the final hidden state (R, H).
+        w: the model's global weights (output_hc_*)."""
+        return self.mix(self.add(h, delta)[rows], self.weights(w, "output_hc"))[0]
 
 
 def group_rms_norm(h: torch.Tensor, w: torch.Tensor, groups: int, eps: float) -> torch.Tensor:

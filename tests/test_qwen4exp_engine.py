@@ -1,0 +1,161 @@
+"""Qwen3.8-Flash-Next (qwen4_exp) through the engine (LLM: models/transformer.py with QSA attention, the hyper
+residual and the PLE block; runtime/kv_cache.py's Qwen4Cache), from the checkpoint transformers writes (conftest's
+qwen4_checkpoint), float32 on the CPU.
+
+Bounds, and what was measured (these seeds; logits O(3)):
+- logits against transformers' within 1e-4 (ATOL) over a 48-token prompt (a QSA budget of 8 tokens: most blocks
+  dropped; EOS inside, so n-grams restart): measured 5.2e-6;
+- the prompt in ubatches of 7 and 1 against one ubatch within 2e-4 (SPLIT_ATOL, the hybrid families' bound: the
+  chunked delta rule from each ubatch's state): measured 5.3e-6 and 1.3e-5;
+- greedy generation: transformers' tokens (its cached indexer keys, n-gram context and PLE conv);
+- three sequences in one decode step against each alone within 5e-5 (BATCH_ATOL);
+- placements (--cpu-moe, --n-cpu-moe, cache sizes, policies, batches by layer): bit-identical (torch.equal).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import LLM, UserError
+from moestream.runtime.kv_cache import Qwen4Cache, cache_nbytes
+
+from conftest import QWEN4_EOS as EOS, VOCAB
+
+ATOL = 1e-4
+SPLIT_ATOL = 2e-4
+BATCH_ATOL = 5e-5
+KW = dict(device="cpu", ctx_size=96)
+
+
+def ids(n: int, seed: int = 1) -> list[int]:
+    out = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+    out[n // 3] = EOS                   # n-grams restart after an EOS
+    return out.tolist()
+
+
+def test_the_engine_builds_the_family_and_its_cache(qwen4_checkpoint):
+    path, _ = qwen4_checkpoint
+    eng = LLM(path, n_seq=2, **KW).engine
+    cfg = eng.cfg
+    assert [type(m).__name__ for m in eng.model.mixers] == ["DeltaNet", "QSA", "DeltaNet", "QSA"]
+    assert type(eng.model.residual).__name__ == "Hyper" and not eng.model.capturable
+    kv = eng.kv
+    assert isinstance(kv, Qwen4Cache) and kv.exact_prefix_only
+    assert [t.shape for t in kv.index_keys] == [(2, 96, 16)] * 2
+    assert kv.ngram.device.type == "cpu" and kv.ngram.tolist() == [[EOS, EOS]] * 2
+    assert list(kv.ple_conv) == [0] and kv.ple_conv[0].shape == (2, (4 - 1) * 3, 3 * 64)
+    # the n-gram table stays in host memory and counts in no device budget
+    assert eng.model.ple.table.table.device.type == "cpu"
+    assert "per_layer_token_embd.weight" not in eng.model.w
+    grows, fixed = cache_nbytes(cfg, 2, 96, torch.float32)
+    assert grows == 2 * 2 * 96 * (2 * 2 * 16 + 16) * 4                  # K, V and the index key, 2 layers
+    assert fixed == 2 * 2 * 4 * (96 * 3 + 4 * 16 * 8) + 2 * 9 * 192 * 4     # DeltaNet (conv, ssm), PLE conv
+
+
+def test_logits_match_transformers_and_ple_bytes_are_counted(qwen4_checkpoint):
+    path, model = qwen4_checkpoint
+    prompt = ids(48)
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0]
+    llm = LLM(path, **KW)
+    got = llm.logits(prompt)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < ATOL
+    table = llm.engine.model.ple.table
+    assert llm.stats()["ple_bytes"] == 48 * 4 * table.row_bytes               # tokens x heads x row bytes
+
+
+def test_a_prompt_past_the_budget_in_ubatches_equals_one_ubatch(qwen4_checkpoint):
+    path, _ = qwen4_checkpoint
+    prompt = ids(40, seed=3)
+    one = LLM(path, **KW).logits(prompt)
+    for ub in (7, 1):
+        err = (LLM(path, ubatch_size=ub, **KW).logits(prompt) - one).abs().max().item()
+        assert err < SPLIT_ATOL, (ub, err)
+
+
+def test_greedy_generation_matches_transformers(qwen4_checkpoint):
+    path, model = qwen4_checkpoint
+    prompt = ids(20, seed=2)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    for ub in (512, 6):
+        out = LLM(path, ubatch_size=ub, **KW).generate(prompt, max_tokens=10, ignore_eos=True)
+        assert out.token_ids == want, ub
+
+
+def test_several_sequences_decoded_together_equal_each_alone(qwen4_checkpoint):
+    path, _ = qwen4_checkpoint
+    prompts = [ids(9, seed=5), ids(14, seed=6), ids(30, seed=7)]
+    eng = LLM(path, n_seq=3, **KW).engine
+    alone = []                      # each sequence alone, in sequence 0: its prompt, then 4 greedy steps
+    for p in prompts:
+        tok, rows = int(eng.prefill(0, p)[-1].argmax()), []
+        for pos in range(len(p), len(p) + 4):
+            rows.append(eng.decode([(0, tok, pos)])[0].clone())
+            tok = int(rows[-1].argmax())
+        alone.append(rows)
+    toks = [int(eng.prefill(s, p)[-1].argmax()) for s, p in enumerate(prompts)]
+    order = [2, 0, 1]               # not in sequence order: each row reads its own sequence's state
+    for step in range(4):
+        out = eng.decode([(s, toks[s], len(prompts[s]) + step) for s in order])
+        for row, s in zip(out, order):
+            assert (row - alone[s][step]).abs().max() < BATCH_ATOL, (s, step)
+            toks[s] = int(row.argmax())
+
+
+def test_placements_caches_and_policies_are_bit_identical(qwen4_checkpoint):
+    path, _ = qwen4_checkpoint
+    prompt = ids(26, seed=3)
+
+    def run(**kw):
+        llm = LLM(path, ubatch_size=5, **KW, **kw)
+        logits = llm.logits(prompt)
+        eng, steps = llm.engine, []
+        tok = int(eng.prefill(0, prompt)[-1].argmax())
+        for pos in range(len(prompt), len(prompt) + 3):
+            steps.append(eng.decode([(0, tok, pos)])[0].clone())
+            tok = int(steps[-1].argmax())
+        return logits, torch.stack(steps), llm
+    base, base_steps, _ = run()
+    for kw in ({"cpu_moe": True}, {"n_cpu_moe": 1}, {"cpu_moe": True, "moe_cache_mib": 0},
+               {"cpu_moe": True, "moe_cache_mib": 1, "cache_policy": "lru"},
+               {"cpu_moe": True, "batch_size": 10}, {"cpu_moe": True, "batch_by_layer": False}):
+        logits, steps, llm = run(**kw)
+        assert torch.equal(logits, base) and torch.equal(steps, base_steps), kw
+        assert llm.stats()["uploaded_experts"] > 0
+    # zero-copy decode (its plain-torch oracle here): a cache's steps give those with every expert on the device
+    zc_logits, zc_steps, _ = run(zero_copy_decode=True)
+    logits, steps, _ = run(zero_copy_decode=True, cpu_moe=True, moe_cache_mib=1)
+    assert torch.equal(zc_logits, base) and torch.equal(logits, base) and torch.equal(steps, zc_steps)
+
+
+def test_states_start_again_continue_and_are_kept(qwen4_checkpoint):
+    """A segment continues its sequence's states (n-gram context, PLE conv, DeltaNet) or starts them again at 0;
+    forwards inside kv.kept() (graph warm-ups) leave them as they were; a prefix is reused only as an exact
+    continuation."""
+    path, _ = qwen4_checkpoint
+    eng = LLM(path, n_seq=2, **KW).engine
+    a, b = ids(20, seed=8), ids(6, seed=12)
+    first = eng.prefill(0, a[:12], all_logits=True)
+    rest = eng.prefill(0, a[12:], start=12, all_logits=True)
+    assert eng.kv.ngram[0].tolist() == a[-2:]
+    whole = LLM(path, **KW).engine.prefill(0, a, all_logits=True)
+    assert (torch.cat([first, rest]) - whole).abs().max() < SPLIT_ATOL
+    with pytest.raises(UserError, match="not at position 5"):
+        eng.prefill(0, a[:3], start=5)
+    assert torch.equal(eng.prefill(1, a[:12], all_logits=True), first)   # another sequence, from its own state
+    assert torch.equal(eng.prefill(0, a[:12], all_logits=True), first)   # position 0 starts it again
+
+    def after(interlude: bool):
+        e = LLM(path, n_seq=2, **KW).engine
+        e.prefill(0, a)
+        e.prefill(1, b)
+        if interlude:
+            with e.kv.kept():
+                e.decode([(0, 5, 40), (1, 6, 30)])
+                e.prefill(1, a[:4], start=17)         # positions neither sequence is at
+        return e.decode([(0, 7, len(a)), (1, 8, len(b))])
+    assert torch.equal(after(False), after(True))
+    assert eng.reusable_prefix(a, a + [1, 2]) == len(a) and eng.reusable_prefix(a, a[:10] + [1, 2]) == 0
