@@ -70,6 +70,7 @@ class ModelConfig:
     attn_output_gate: bool = False             # q_proj also gives a per-head sigmoid gate on the attention output
     zero_centred_norm: bool = False            # HF's norm weights are w in x_normed * (1 + w); the canonical
                                                # tensors hold 1 + w, as GGUF does (arch/hybrid_names.py)
+    deltanet_gate: str = "silu"                 # the DeltaNet output norm's gate: silu, or sigmoid (qwen4_exp's)
     # --- the router's options (models/router.py; DeepSeek-V3, GLM-4.5) --------------------------------------------
     gating: str = "softmax"                    # softmax | sigmoid: the scores of every expert
     router_bias: bool = False                  # a per-expert correction bias (exp_probs_b) added for the choice only
@@ -151,6 +152,8 @@ class ModelConfig:
             raise UserError(f"model config: latent attention needs positive qk_nope_head_dim, qk_rope_head_dim and "
                             f"v_head_dim with head_dim their q/k sum and as many KV heads as heads, got "
                             f"{self.qk_nope_head_dim}, {self.qk_rope_head_dim}, {self.v_head_dim}, {self.head_dim}")
+        if self.deltanet_gate not in ("silu", "sigmoid"):
+            raise UserError(f"model config: DeltaNet output gate {self.deltanet_gate!r} is not silu or sigmoid")
         if self.indexer_heads and (self.indexer_block <= 0 or self.indexer_budget % self.indexer_block
                                    or self.rotary_dim > self.indexer_head_dim):
             raise UserError(f"model config: indexer budget {self.indexer_budget} is not a multiple of its block "

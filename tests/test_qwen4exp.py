@@ -62,7 +62,7 @@ def test_config_and_names(qwen4):
 
 @pytest.mark.parametrize("change, named", [({"indexer_kv_heads": 2}, "indexer_kv_heads=2"),
                                            ({"indexer_mode": "dsa"}, "indexer_mode 'dsa'"),
-                                           ({"output_gate_type": "sigmoid"}, "output_gate_type 'sigmoid'"),
+                                           ({"output_gate_type": "tanh"}, "output_gate_type 'tanh'"),
                                            ({"ple_layer_ids": [1, 3]}, "2 PLE layers"),
                                            ({"indexer_budget": None}, "dense attention layers")])
 def test_an_option_not_run_is_a_one_line_error(change, named):

@@ -19,7 +19,7 @@ import torch
 from moestream import LLM, UserError
 from moestream.runtime.kv_cache import Qwen4Cache, cache_nbytes
 
-from conftest import QWEN4_EOS as EOS, VOCAB
+from conftest import QWEN4_EOS as EOS, QWEN4_TEXT, VOCAB, randomize_hybrid
 
 ATOL = 1e-4
 SPLIT_ATOL = 2e-4
@@ -159,3 +159,22 @@ def test_states_start_again_continue_and_are_kept(qwen4_checkpoint):
         return e.decode([(0, 7, len(a)), (1, 8, len(b))])
     assert torch.equal(after(False), after(True))
     assert eng.reusable_prefix(a, a + [1, 2]) == len(a) and eng.reusable_prefix(a, a[:10] + [1, 2]) == 0
+
+
+def test_a_sigmoid_output_gate_matches_transformers(tmp_path):
+    """output_gate_type sigmoid (llama.cpp's qwen4exp always gates so): the DeltaNet's output norm gated by
+    sigmoid(z), in prompts (chunked) and decode steps (recurrent, around the one-launch kernel, which gates by silu)."""
+    import transformers as tf
+    torch.manual_seed(1)
+    model = tf.Qwen4ExpForCausalLM(tf.Qwen4ExpTextConfig(**QWEN4_TEXT, output_gate_type="sigmoid")).eval()
+    randomize_hybrid(model)
+    model.save_pretrained(str(tmp_path))
+    prompt = ids(20, seed=4)
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0]
+        tokens = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(tmp_path), **KW)
+    assert llm.model_config.deltanet_gate == "sigmoid"
+    assert (llm.logits(prompt) - want).abs().max().item() < ATOL
+    assert llm.generate(prompt, max_tokens=6, ignore_eos=True).token_ids == tokens

@@ -188,18 +188,18 @@ def _qwen4_options(c: dict, arch: str) -> dict:
     qsa = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
     ple = sorted(set(c.get("ple_layer_ids") or []))
     eos = c.get("eos_token_id")
+    gate = c.get("output_gate_type") or c.get("hidden_act", "silu")        # transformers' default: hidden_act
     unsupported = [
         (any(c.get(k) is None for k in qsa), f"dense attention layers (no {', '.join(qsa)})"),
         (c.get("indexer_kv_heads", 1) != 1, f"indexer_kv_heads={c.get('indexer_kv_heads')} (only 1)"),
         (c.get("indexer_mode", "qsa") != "qsa", f"indexer_mode {c.get('indexer_mode')!r}"),
-        ((c.get("output_gate_type") or c.get("hidden_act", "silu")) != "silu",
-         f"output_gate_type {c.get('output_gate_type')!r} (only silu yet)"),
+        (gate not in ("silu", "sigmoid"), f"output_gate_type {gate!r} (silu or sigmoid)"),
         (len(ple) > 1, f"{len(ple)} PLE layers (one, as llama.cpp)"),
         (bool(ple) and eos is None, "PLE without eos_token_id")]
     for bad, what in unsupported:
         if bad:
             raise UserError(f"{arch}: {what} is not supported by moestream")
-    return dict(hc_count=c.get("hc_count", 4), hc_lowrank=c.get("hc_lowrank", 320),
+    return dict(hc_count=c.get("hc_count", 4), hc_lowrank=c.get("hc_lowrank", 320), deltanet_gate=gate,
                 ple_layers=tuple(i - 1 for i in ple), ple_embed_dim=c.get("ple_embed_dim") or c["hidden_size"],
                 ple_conv_kernel=c.get("ple_conv_kernel_size", 4), ngram_size=c.get("ngram_size", 3),
                 heads_per_ngram=c.get("heads_per_ngram", 8),
