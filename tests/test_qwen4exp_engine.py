@@ -161,20 +161,110 @@ def test_states_start_again_continue_and_are_kept(qwen4_checkpoint):
     assert eng.reusable_prefix(a, a + [1, 2]) == len(a) and eng.reusable_prefix(a, a[:10] + [1, 2]) == 0
 
 
-def test_a_sigmoid_output_gate_matches_transformers(tmp_path):
-    """output_gate_type sigmoid (llama.cpp's qwen4exp always gates so): the DeltaNet's output norm gated by
-    sigmoid(z), in prompts (chunked) and decode steps (recurrent, around the one-launch kernel, which gates by silu)."""
+@pytest.fixture(scope="module")
+def sigmoid_checkpoint(tmp_path_factory):
+    """(path, model) of a checkpoint whose DeltaNet gates by sigmoid (output_gate_type), as llama.cpp's qwen4exp."""
     import transformers as tf
     torch.manual_seed(1)
     model = tf.Qwen4ExpForCausalLM(tf.Qwen4ExpTextConfig(**QWEN4_TEXT, output_gate_type="sigmoid")).eval()
     randomize_hybrid(model)
-    model.save_pretrained(str(tmp_path))
+    path = tmp_path_factory.mktemp("qwen4_sigmoid")
+    model.save_pretrained(str(path))
+    return str(path), model
+
+
+def test_a_sigmoid_output_gate_matches_transformers(sigmoid_checkpoint):
+    """output_gate_type sigmoid (llama.cpp's qwen4exp always gates so): the DeltaNet's output norm gated by
+    sigmoid(z), in prompts (chunked) and decode steps (recurrent, around the one-launch kernel, which gates by silu)."""
+    path, model = sigmoid_checkpoint
     prompt = ids(20, seed=4)
     with torch.no_grad():
         want = model(torch.tensor([prompt])).logits[0]
         tokens = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(prompt):].tolist()
-    llm = LLM(str(tmp_path), **KW)
+    llm = LLM(path, **KW)
     assert llm.model_config.deltanet_gate == "sigmoid"
     assert (llm.logits(prompt) - want).abs().max().item() < ATOL
     assert llm.generate(prompt, max_tokens=6, ignore_eos=True).token_ids == tokens
+
+
+def test_a_gguf_of_the_checkpoint_gives_its_logits(sigmoid_checkpoint, qwen4_checkpoint, tmp_path):
+    """llama.cpp's qwen4exp as make_reference_qwen4exp_gguf.py writes it: write_gguf of the checkpoint reads back
+    as its config and, float32, its logits bit for bit; the n-gram table is read by row from the map."""
+    import dataclasses
+    import gguf
+    from moestream.loading.gguf import GGUFSource
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.hf import HFSource
+    path, _ = sigmoid_checkpoint
+    src = HFSource(path)
+    write_gguf(src, tmp_path / "m.gguf")
+    back = GGUFSource(tmp_path / "m.gguf")
+    # the file holds the hash's primes: its first head's is the row base (HF's 50 derives the same primes from 53)
+    assert dataclasses.replace(back.config, ngram_vocab_base=50) == src.config and back.arch == "qwen4exp"
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    names = {t.name for t in reader.tensors}
+    assert {"output_hc_norm.weight", "per_layer_token_embd.weight", "blk.0.hc_attn_inject.weight",
+            "blk.0.ple_conv1d.weight", "blk.0.attn_qkv.weight", "blk.1.indexer.k_proj.weight"} <= names
+    assert "output_norm.weight" not in names and "blk.0.attn_norm.weight" not in names
+    assert reader.fields["qwen4exp.ple.layers"].contents() == [0]
+    assert reader.fields["qwen4exp.attention.compress_ratios"].contents() == [0, 4, 0, 4]
+    prompt = ids(30, seed=5)
+    want = LLM(path, **KW).logits(prompt)
+    llm = LLM(str(tmp_path / "m.gguf"), **KW)
+    assert llm.engine.model.ple.table.mapped
+    assert torch.equal(llm.logits(prompt), want)
+    assert llm.stats()["ple_bytes"] == 30 * 4 * 8 * 4
+    with pytest.raises(UserError, match="sigmoid") as e:            # llama.cpp's qwen4exp has no silu gate
+        write_gguf(HFSource(qwen4_checkpoint[0]), tmp_path / "silu.gguf")
+    assert "\n" not in str(e.value)
+
+
+def _reference_writer():
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    for shared in (here.parent.parent / "shared", here.parent.parent.parent / "shared"):
+        script = shared / "bench" / "make_reference_qwen4exp_gguf.py"
+        if script.exists():
+            return script
+    pytest.skip("../shared/bench/make_reference_qwen4exp_gguf.py is not here")
+
+
+def test_the_reference_file_of_llama_cpp_layout_runs(tmp_path):
+    """make_reference_qwen4exp_gguf.py --tiny (BF16, its PLE on layer 1, (1, H) shared-expert gates, no
+    tokenizer): moestream reads its keys and tensors, and decodes with its table mapped."""
+    import subprocess
+    import sys
+    out = tmp_path / "ref.gguf"
+    subprocess.run([sys.executable, str(_reference_writer()), str(out), "4", "--tiny"], check=True,
+                   capture_output=True)
+    llm = LLM(str(out), **KW)
+    cfg = llm.model_config
+    assert (cfg.hc_count, cfg.ple_layers, cfg.indexer_block, cfg.deltanet_gate, cfg.eos_token_ids) == (
+        4, (1,), 4, "sigmoid", (2,))
+    assert cfg.attention_layers == [3] and llm.engine.model.ple.table.mapped
+    assert len(llm.generate([5, 6, 7, 2, 9, 10, 11, 12, 13, 14], max_tokens=3, ignore_eos=True).token_ids) == 3
+    assert llm.stats()["ple_bytes"] == 12 * 16 * 16 * 2         # 10 + 2 tokens, 16 heads of 16 BF16 values
+
+
+def test_quantized_experts_of_mixed_types_stay_quantized(sigmoid_checkpoint, tmp_path):
+    """A GGUF whose ffn_down_exps has another type than gate and up (llama-quantize's fallback for rows that are
+    not whole super-blocks): the experts stay quantized, and the placements give the same bits."""
+    from gguf import GGMLQuantizationType as Q, LlamaFileType
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.hf import HFSource
+
+    def types(name, shape):
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            return Q.Q8_0
+        return Q.Q4_0 if name.endswith("ffn_down_exps.weight") else Q.F32
+    write_gguf(HFSource(sigmoid_checkpoint[0]), tmp_path / "q.gguf", types=types, file_type=LlamaFileType.MOSTLY_Q8_0)
+    prompt = ids(20, seed=6)
+    dev = LLM(str(tmp_path / "q.gguf"), **KW)
+    assert dev.engine.quantized and dev.engine.experts.layout(0).quantized
+    assert "Q4_0" in dev.engine.describe_experts() and "Q8_0" in dev.engine.describe_experts()
+    want = dev.logits(prompt)
+    cached = LLM(str(tmp_path / "q.gguf"), cpu_moe=True, moe_cache_mib=1, **KW)
+    assert torch.equal(cached.logits(prompt), want)
+    assert (cached.generate(prompt, max_tokens=4, ignore_eos=True).token_ids
+            == dev.generate(prompt, max_tokens=4, ignore_eos=True).token_ids)

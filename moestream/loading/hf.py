@@ -180,6 +180,10 @@ class HFSource:
         # hybrid families: zero-centred norms as 1 + w, -exp(A_log), the conv as (C, K) (arch/hybrid_names.py)
         return canonical_value(self.config, _suffix(name), t)
 
+    def rows(self, name: str) -> torch.Tensor:
+        """A host table (arch/names.py's HOST_TABLES) read by row: the tensor itself."""
+        return self.tensor(name)
+
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         names = self._expert_names(layer, e)
         if names is not None:

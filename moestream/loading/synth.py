@@ -180,6 +180,10 @@ class SynthSource:
     def has(self, name: str) -> bool:
         return name in self._names
 
+    def rows(self, name: str) -> torch.Tensor:
+        """A host table (arch/names.py's HOST_TABLES) read by row: the tensor itself."""
+        return self.tensor(name)
+
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise UserError(f"the synth model has no tensor {name!r}")

@@ -97,27 +97,32 @@ class NGramHash:
 
 
 class PLETable:
-    """The n-gram table (rows_total, d), kept in host memory (a tensor, or the file's mapped bytes: the loader
-    says which), read by row only: a ubatch's or decode step's rows are gathered on the host into a pinned staging
-    buffer and copied to the device, `row_bytes` a row (heads of them a token). Counts in neither the device budget
-    nor the expert cache; `bytes_read` counts what crossed the link."""
+    """The n-gram table (rows_total, d), kept in host memory, read by row only: a ubatch's or decode step's rows are
+    gathered on the host and copied to the device, `row_bytes` a row (heads of them a token). The table is a host
+    tensor (gathered into a pinned staging buffer), or a file's mapped rows (an object with shape, dtype and
+    take(rows): loading/gguf.py's MappedRows, whose blocks are read and dequantized by row). Counts in neither the
+    device budget nor the expert cache; `bytes_read` counts what crossed the link."""
 
-    def __init__(self, table: torch.Tensor):
+    def __init__(self, table):
         self.table = table                          # (rows, d) on the host
+        self.mapped = not isinstance(table, torch.Tensor)
         self.bytes_read = 0
         self._staging: torch.Tensor | None = None
 
     @property
     def row_bytes(self) -> int:
-        return self.table.shape[1] * self.table.element_size()
+        """Bytes of one gathered row, as it crosses the link."""
+        return self.table.shape[1] * torch.empty((), dtype=self.table.dtype).element_size()
 
     def gather(self, rows: torch.Tensor, device) -> torch.Tensor:
         """(T, heads) rows -> (T, heads * d) embeddings on `device`, in the table's dtype: the rows gathered on the
-        host (into pinned staging where the device is a GPU) and copied."""
+        host (into pinned staging where the device is a GPU and the table a tensor) and copied."""
         idx = rows.reshape(-1).cpu()
         n = idx.numel()
         dev = torch.device(device)
-        if dev.type == "cpu":
+        if self.mapped:
+            out = self.table.take(idx).to(dev)
+        elif dev.type == "cpu":
             out = self.table.index_select(0, idx)
         else:
             if self._staging is None or self._staging.shape[0] < n:

@@ -57,9 +57,10 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     bar = tqdm(total=len(names) + len(moe), desc="loading", unit="tensor", disable=not progress, leave=False)
     weights = {}
     for n in names:
-        # a host table (the PLE's n-gram rows) stays in host memory, its rows gathered there (models/ple.py)
-        where = "cpu" if n in HOST_TABLES else dev.torch
-        weights[n] = source.tensor(n).to(device=where, dtype=torch.float32 if keeps_float32(n) else dtype)
+        if n in HOST_TABLES:        # the PLE's n-gram rows: in host memory as the source holds them (a GGUF's
+            weights[n] = source.rows(n)         # mapped), gathered there by row (models/ple.py's PLETable)
+        else:
+            weights[n] = source.tensor(n).to(device=dev.torch, dtype=torch.float32 if keeps_float32(n) else dtype)
         bar.update()
     staging = None
     host_rows, dev_rows = {}, {}
