@@ -268,3 +268,59 @@ def test_quantized_experts_of_mixed_types_stay_quantized(sigmoid_checkpoint, tmp
     assert torch.equal(cached.logits(prompt), want)
     assert (cached.generate(prompt, max_tokens=4, ignore_eos=True).token_ids
             == dev.generate(prompt, max_tokens=4, ignore_eos=True).token_ids)
+
+
+def test_synth_presets():
+    """tiny-flash-next runs on the CPU; qwen3.8-flash-next has the real shapes (make_reference_qwen4exp_gguf.py's),
+    its 320M-row n-gram table made by row when gathered, never whole."""
+    from moestream.arch.names import dense_numel
+    from moestream.loading.synth import SynthSource
+    llm = LLM("synth:tiny-flash-next", **KW)
+    cfg = llm.model_config
+    assert cfg.family == "qwen4_exp" and cfg.attention_layers == [1, 3] and cfg.ple_layers == (0,)
+    assert len(llm.generate("Once upon a time", max_tokens=6, ignore_eos=True).token_ids) == 6
+    big = SynthSource.from_spec("qwen3.8-flash-next:layers=8")
+    c = big.config
+    assert (c.hidden_size, c.vocab_size, c.n_experts, c.n_experts_used, c.moe_intermediate_size, c.hc_count,
+            c.hc_lowrank, c.indexer_budget, c.deltanet_gate) == (2560, 248320, 512, 10, 640, 4, 320, 2048, "sigmoid")
+    assert c.attention_layers == [3, 7] and c.ple_layers == (1,) and c.rotary_dim == 64
+    table = big.rows("per_layer_token_embd.weight")
+    assert table.shape == (320_001_536, 160)
+    rows = table.take(torch.tensor([320_001_535, 7, 3]))
+    assert torch.equal(rows[1:], table.take(torch.tensor([7, 3]))) and rows.dtype == torch.bfloat16
+    assert big.tensor("blk.3.indexer.q_proj.weight").shape == (4 * 128, 2560)
+    assert big.tensor("blk.0.hc_attn_down.weight").shape == (320, 4 * 2560)
+    assert dense_numel(c) < 3e9          # the table (51.2B values) counts in no device budget
+
+
+def test_make_model_writes_both_formats(tmp_path):
+    """make-model of tiny-flash-next as a Hugging Face directory (which transformers loads: its logits within ATOL)
+    and as a GGUF: both read back as the preset's config and weights, the GGUF with its logits bit for bit, the HF
+    directory within 1e-5 (on the CPU the loader keeps safetensors' mapped tensors where they lie, not 64-byte
+    aligned, and BLAS then sums in another order: aligned copies of them give the preset's bits); a Q8_0 file's
+    n-gram rows, read by row from the map, are its table's dequantized rows."""
+    import transformers as tf
+    from moestream.loading.gguf import GGUFSource
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.synth import SynthSource
+    from moestream.quant.mix import Mix
+    from moestream.tools.make_model import make_model
+    synth = LLM("synth:tiny-flash-next", **KW)
+    prompt = synth.encode("Once upon a time there was a house by the sea") * 2      # past the budget of 16
+    want = synth.logits(prompt)
+    for out, bound in ((tmp_path / "hf", 1e-5), (tmp_path / "m.gguf", 0)):
+        make_model("synth:tiny-flash-next", out, progress=False)
+        back = LLM(str(out), **KW)
+        assert back.model_config == synth.model_config
+        assert (back.logits(prompt) - want).abs().max() <= bound, out
+    model = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (model(torch.tensor([prompt])).logits[0] - want).abs().max() < ATOL
+    src = SynthSource.from_spec("tiny-flash-next")
+    mix = Mix.for_config(src.config, "Q8_0")
+    write_gguf(src, tmp_path / "q.gguf", types=mix.type, file_type=mix.file_type)
+    q = GGUFSource(tmp_path / "q.gguf")
+    rows = q.rows("per_layer_token_embd.weight")
+    assert rows.qtype.name == "Q8_0"
+    idx = torch.tensor([700, 3, 3, 64])
+    assert torch.equal(rows.take(idx), q.tensor("per_layer_token_embd.weight")[idx])

@@ -122,11 +122,12 @@ def hf_value(cfg: ModelConfig, name: str, t: torch.Tensor, dtype: torch.dtype | 
     gives a back as canonical_value computes it (torch's float32 exp, on this machine's CPU): exact for every a that
     came from a float32 A_log; an a that none gives (none seen in tests) stays log(-a), whose -exp is within a few
     ulp of a."""
-    if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name == "output_norm.weight"):
+    if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name in _ZERO_CENTRED_QWEN4
+                                  or name == "output_norm.weight"):
         return (t.float() - 1.0).to(dtype or t.dtype)
     if name == "ssm_a":
         return _a_log(t.float())
-    if name == "ssm_conv1d.weight":
+    if name in ("ssm_conv1d.weight", "ple_conv1d.weight"):
         return t.unsqueeze(1)                    # (C, 1, K): nn.Conv1d's depthwise weight
     return t
 

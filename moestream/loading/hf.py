@@ -358,6 +358,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         d[fam.shared_expert_key] = cfg.shared_expert_intermediate_size
     if fam.shared_count_key:
         d.update(_sigmoid_config(cfg, fam))
+    if cfg.hc_count:
+        d.update(_qwen4_config(cfg))
     if fam.clip_qkv_key:
         d[fam.clip_qkv_key] = cfg.clip_qkv
     if fam.hf_bias_key:      # a family without biases says so: its transformers module has none to load
@@ -389,6 +391,21 @@ def _sigmoid_config(cfg: ModelConfig, fam) -> dict:
     return d
 
 
+def _qwen4_config(cfg: ModelConfig) -> dict:
+    """Qwen3.8-Flash-Next's keys (transformers' Qwen4ExpTextConfig, and what arch/hf_config.py's _qwen4_options
+    reads): hyper-connections, the PLE layer (1-based ids) and its hash, the QSA indexer (its layers spelled
+    indexed_attention, as transformers 5 saves them), the DeltaNet's output gate."""
+    return dict(layer_types=["linear_attention" if t == "linear_attention" else "indexed_attention"
+                             for t in cfg.layer_types],
+                hc_count=cfg.hc_count, hc_lowrank=cfg.hc_lowrank, ple_layer_ids=[i + 1 for i in cfg.ple_layers],
+                ple_embed_dim=cfg.ple_embed_dim, ple_conv_kernel_size=cfg.ple_conv_kernel, ngram_size=cfg.ngram_size,
+                heads_per_ngram=cfg.heads_per_ngram, ngram_vocab_size_base=cfg.ngram_vocab_base,
+                make_ngram_vocab_size_divisible_by=cfg.ngram_vocab_divisor, seed=cfg.ngram_seed,
+                indexer_n_heads=cfg.indexer_heads, indexer_kv_heads=1, indexer_head_dim=cfg.indexer_head_dim,
+                indexer_budget=cfg.indexer_budget, indexer_compress_ratio=cfg.indexer_block, indexer_mode="qsa",
+                output_gate_type=cfg.deltanet_gate)
+
+
 def _layer_of(name: str) -> int:
     return int(name.split(".")[1]) if name.startswith("blk.") else -1
 
@@ -399,10 +416,30 @@ def _tensors(source):
     names = dense_names(cfg)
     for layer in range(-1, cfg.n_layers):
         for n in (n for n in names if _layer_of(n) == layer):
-            yield hf_names(n, cfg.family)[0], _hf_value(source, n)
+            if n == "per_layer_token_embd.weight":        # qwen4_exp: its PLE layer's n-gram embedding, whole,
+                yield from _ngram_embedding(cfg, source.tensor(n))      # and its hash's buffers
+            elif n.endswith("indexer.q_proj.weight"):      # qwen4_exp: q and k rows of index_qk_proj
+                p = n[:-len("q_proj.weight")]
+                yield (f"model.layers.{layer}.self_attn.indexer.index_qk_proj.weight",
+                       torch.cat([source.tensor(n), source.tensor(p + "k_proj.weight")]))
+            elif not n.endswith("indexer.k_proj.weight"):
+                yield hf_names(n, cfg.family)[0], _hf_value(source, n)
         if layer in cfg.moe_layers:
             for e in range(cfg.n_experts):
                 yield from zip(_expert_names(cfg.family, layer, e), source.expert(layer, e))
+
+
+def _ngram_embedding(cfg: ModelConfig, table: torch.Tensor):
+    """(HF name, tensor) of qwen4_exp's n-gram embedding: the table as one weight (transformers' nn.Embedding;
+    its own saves split it in row shards, which HFSource reads too) and the hash's constants, which transformers
+    keeps as buffers."""
+    from ..arch.ngram import ngram_constants
+    mult, sizes = ngram_constants(cfg)
+    p = f"model.layers.{cfg.ple_layers[0]}.ple.ple_embedding."
+    yield p + "ngram_embedding.weight", table
+    yield p + "layer_multipliers", torch.tensor(mult, dtype=torch.long)
+    yield p + "ngram_heads_offsets", torch.tensor([sum(sizes[:h]) for h in range(len(sizes))], dtype=torch.long)
+    yield p + "ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long)
 
 
 def _hf_value(source, name: str) -> torch.Tensor:
@@ -445,7 +482,7 @@ def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30,
 
     try:
         for hf, t in tqdm(_tensors(source), total=n_tensors, desc="writing", unit="tensor", disable=not progress):
-            t = (t if cast is None else t.to(cast)).contiguous()
+            t = (t if cast is None or not t.is_floating_point() else t.to(cast)).contiguous()    # (hash buffers)
             first_dtype = first_dtype or t.dtype
             if shard and size + t.nbytes > max_shard_bytes:
                 flush()
