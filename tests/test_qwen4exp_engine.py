@@ -324,3 +324,55 @@ def test_make_model_writes_both_formats(tmp_path):
     assert rows.qtype.name == "Q8_0"
     idx = torch.tensor([700, 3, 3, 64])
     assert torch.equal(rows.take(idx), q.tensor("per_layer_token_embd.weight")[idx])
+
+
+def test_fused_decode_ops_stay_off_the_streams_and_qsa():
+    """A decode step with the fused kernels (on CUDA; stand-ins with the eager math here) takes the eager ops
+    where they assume one plain residual stream (add + norm, norm + projection, norm + route) or dense attention
+    (QSA), and the fused GEMVs and shared expert elsewhere: the same tokens as without them."""
+    from test_decode_paths import _stand_in_fused, _stand_in_gated_attention
+
+    def run(fused: bool):
+        llm = LLM("synth:tiny-flash-next", zero_copy_decode=True, **KW)
+        calls = []
+        if fused:
+            llm.engine.fused = _stand_in_gated_attention(_stand_in_fused(calls), calls)
+        return llm.generate(ids(24, seed=10), max_tokens=5, ignore_eos=True).token_ids, set(calls)
+    (plain, _), (fused, calls) = run(False), run(True)
+    assert plain == fused
+    assert "linear" in calls and "shared_expert" in calls
+    assert not calls & {"add_rms_norm", "norm_linear", "norm_route", "gated_qk_rope_kv", "decode_attention"}
+
+
+def test_the_server_reuses_only_an_exact_continuation():
+    """The serving loop's prefix reuse on a slot of this family: a prompt that extends what the slot holds runs
+    only its new tokens, from the slot's n-gram context, PLE conv rows, index keys and DeltaNet states, and gives
+    what a fresh sequence gives; a prompt that shares only a prefix runs whole."""
+    import queue
+    from moestream import SamplingParams
+    from moestream.runtime.scheduler import Request, Scheduler
+    llm = LLM("synth:tiny-flash-next", device="cpu", ctx_size=128, n_seq=2)
+    ref = LLM("synth:tiny-flash-next", device="cpu", ctx_size=128)
+    sched = Scheduler(llm, n_slots=2, max_queue=4)
+    sched.start()
+
+    def run(prompt):
+        events = queue.Queue()
+        sched.submit([Request(prompt, SamplingParams(max_tokens=4), events.put)])
+        while (ev := events.get(timeout=60))[0] == "token":
+            pass
+        assert ev[0] == "done", ev
+        return ev[2]
+    try:
+        prompt = ref.encode("The market opens at dawn. Farmers unload baskets")
+        first = run(prompt)
+        held = prompt + first.token_ids[:-1]
+        longer = held + ref.encode(" of onions and leeks")
+        second = run(longer)
+        assert second.cached_tokens == len(held)
+        assert second.token_ids == ref.generate(longer, max_tokens=4).token_ids
+        partial = prompt + ref.encode(" of onions")
+        third = run(partial)
+        assert third.cached_tokens == 0 and third.token_ids == ref.generate(partial, max_tokens=4).token_ids
+    finally:
+        sched.stop()
