@@ -166,6 +166,8 @@ def print_stats(st: dict, per_layer: bool) -> None:
     """The expert counters of the run (its prompt and decode steps) and, with -v, per layer. Nothing about a cache
     where there is none, nor about uploads where every expert is on the device."""
     c, t = st["cache"], st["total"]
+    if st.get("ple_bytes"):
+        print(f"n-gram embeddings: {st['ple_bytes'] / 1e6:.1f} MB of rows gathered on the host", file=sys.stderr)
     if c is None and not t["copies"] and not t["host_reads"]:
         print("experts: all on the device; none crossed the link", file=sys.stderr)
         return

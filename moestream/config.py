@@ -23,9 +23,15 @@ INT_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", 
               "n_experts_used", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
               "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim", "linear_conv_kernel", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window")
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window", "hc_count", "hc_lowrank",
+              "ple_embed_dim", "ple_conv_kernel", "ngram_size", "heads_per_ngram", "ngram_vocab_base",
+              "ngram_vocab_divisor", "ngram_seed", "indexer_heads", "indexer_head_dim", "indexer_budget",
+              "indexer_block")
 HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-           "n_experts_used": "num_experts_per_tok", "linear_conv_kernel": "linear_conv_kernel_dim"}
+           "n_experts_used": "num_experts_per_tok", "linear_conv_kernel": "linear_conv_kernel_dim",
+           "ple_conv_kernel": "ple_conv_kernel_size", "ngram_vocab_base": "ngram_vocab_size_base",
+           "ngram_vocab_divisor": "make_ngram_vocab_size_divisible_by", "ngram_seed": "seed",
+           "indexer_heads": "indexer_n_heads", "indexer_block": "indexer_compress_ratio"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class ModelConfig:
     attn_output_gate: bool = False             # q_proj also gives a per-head sigmoid gate on the attention output
     zero_centred_norm: bool = False            # HF's norm weights are w in x_normed * (1 + w); the canonical
                                                # tensors hold 1 + w, as GGUF does (arch/hybrid_names.py)
+    deltanet_gate: str = "silu"                 # the DeltaNet output norm's gate: silu, or sigmoid (qwen4_exp's)
     # --- the router's options (models/router.py; DeepSeek-V3, GLM-4.5, gpt-oss) -----------------------------------
     gating: str = "softmax"                    # softmax | sigmoid: the scores of every expert; softmax_weight: a
                                                # softmax over the chosen k logits (gpt-oss)
@@ -82,6 +89,21 @@ class ModelConfig:
     rope_interleave: bool = False              # rotary on adjacent pairs (DeepSeek's, llama.cpp's NORM), not halves
     # --- sliding-window attention (gpt-oss) ---------------------------------------------------------------------
     sliding_window: int = 0                    # sliding_attention layers attend their last this many positions
+    # --- qwen4_exp: hyper-connections, the PLE n-gram table, QSA attention (models/residual.py, ple.py, qsa.py) ---
+    hc_count: int = 0                          # residual streams (0: one plain stream)
+    hc_lowrank: int = 0                        # rank of each stream mixer's down/up projections
+    ple_layers: tuple[int, ...] = ()           # layers (0-based) that add the n-gram embedding (HF: 1-based ids)
+    ple_embed_dim: int = 0                     # an n-gram embedding, all heads' rows concatenated
+    ple_conv_kernel: int = 0                   # the PLE's dilated depthwise conv (dilation ngram_size)
+    ngram_size: int = 3                        # 2- .. ngram_size-grams
+    heads_per_ngram: int = 0                   # hashed heads per n-gram order, one table row each
+    ngram_vocab_base: int = 0                  # each head's row count is a prime above this
+    ngram_vocab_divisor: int = 128             # the table's rows padded to a multiple of this
+    ngram_seed: int = 1234                     # the hash multipliers' seed
+    indexer_heads: int = 0                     # QSA indexer query heads (one key head); 0: dense attention
+    indexer_head_dim: int = 0
+    indexer_budget: int = 0                    # tokens of complete blocks a query attends at most
+    indexer_block: int = 0                     # consecutive keys pooled into one indexer block
 
     def __post_init__(self):
         for name in INT_FIELDS:
@@ -138,6 +160,17 @@ class ModelConfig:
             raise UserError(f"model config: latent attention needs positive qk_nope_head_dim, qk_rope_head_dim and "
                             f"v_head_dim with head_dim their q/k sum and as many KV heads as heads, got "
                             f"{self.qk_nope_head_dim}, {self.qk_rope_head_dim}, {self.v_head_dim}, {self.head_dim}")
+        if self.deltanet_gate not in ("silu", "sigmoid"):
+            raise UserError(f"model config: DeltaNet output gate {self.deltanet_gate!r} is not silu or sigmoid")
+        if self.indexer_heads and (self.indexer_block <= 0 or self.indexer_budget % self.indexer_block
+                                   or self.rotary_dim > self.indexer_head_dim):
+            raise UserError(f"model config: indexer budget {self.indexer_budget} is not a multiple of its block "
+                            f"{self.indexer_block}, or rotary width {self.rotary_dim} > indexer head "
+                            f"{self.indexer_head_dim}")
+        if self.ple_layers and (self.hc_count <= 1 or self.heads_per_ngram <= 0 or self.ple_embed_dim
+                                % ((self.ngram_size - 1) * self.heads_per_ngram)):
+            raise UserError(f"model config: ple_embed_dim {self.ple_embed_dim} is not a multiple of the "
+                            f"{(self.ngram_size - 1) * self.heads_per_ngram} n-gram heads (or no hyper-connections)")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise UserError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
                             f"rotary width of head_dim {self.head_dim}")

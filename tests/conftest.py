@@ -170,5 +170,32 @@ def hybrid_checkpoint(request, tmp_path_factory):
     return request.param, str(path), model
 
 
+# --- Qwen3.8-Flash-Next (qwen4_exp): DeltaNet layers 0 and 2, QSA layers 1 and 3, 3 hyper-connection streams, a PLE
+# layer (HF's 1-based id 1: layer 0); a QSA budget of 8 tokens in blocks of 4, so longer prompts drop blocks -------
+QWEN4_EOS = 3
+QWEN4_TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "full_attention"] * 2, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=40, max_position_embeddings=512,
+                  bos_token_id=None, eos_token_id=QWEN4_EOS, pad_token_id=None, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                  hc_count=3, hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=32, ngram_vocab_size_base=50,
+                  heads_per_ngram=2, split_ngram_parts=2, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                  indexer_budget=8, indexer_compress_ratio=4)
+
+
+@pytest.fixture(scope="session")
+def qwen4_checkpoint(tmp_path_factory):
+    """(path, transformers model) of a random Qwen3.8-Flash-Next text checkpoint that transformers wrote (float32)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    model = tf.Qwen4ExpForCausalLM(tf.Qwen4ExpTextConfig(**QWEN4_TEXT)).eval()
+    randomize_hybrid(model)
+    path = tmp_path_factory.mktemp("qwen4_exp")
+    model.save_pretrained(str(path))
+    return str(path), model
+
+
 def has_cuda() -> bool:
     return torch.cuda.is_available()

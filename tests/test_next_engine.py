@@ -285,7 +285,9 @@ def test_a_hybrid_model_decodes_in_graphs_where_other_families_do():
     from moestream.runtime.plan import decode_plan
     # one decoder for every family, whatever blocks its entry picks (DeltaNet layers too): capturable is its own
     ecfg = EngineConfig(kernel="grouped")
-    assert decode_plan(ecfg, cuda=True, quantized=False, host=False, capturable=MoETransformer.capturable).graphs
+    from moestream.loading.synth import SynthSource
+    cfg = SynthSource.from_spec("tiny-next").config
+    assert decode_plan(ecfg, cuda=True, quantized=False, host=False, capturable=MoETransformer.capturable_for(cfg)).graphs
 
 
 def test_forwards_kept_apart_from_every_sequence_leave_the_states_as_they_were(hybrid_checkpoint):

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ATTENTION_KINDS = ("gqa", "gated", "mla")    # room: "qsa" (an indexer picks the keys)
+ATTENTION_KINDS = ("gqa", "gated", "mla", "qsa")    # qsa: an indexer picks the key blocks (models/qsa.py)
 MIXERS = ("deltanet",)                   # layer_types' linear_attention layers
-RESIDUALS = ("plain",)                   # room: "hyper" (hyper-connections: several residual streams)
+RESIDUALS = ("plain", "hyper")           # hyper: hyper-connections, several residual streams (models/residual.py)
 
 
 @dataclass(frozen=True)
 class Attention:
     """The attention layers' block. gqa: grouped-query attention (with ModelConfig's biases, QK-norm, clamp and
     partial rotary); gated: GQA whose output a sigmoid of q_proj's second half gates per element, rotary on the
-    first rotary_dim dims (Qwen3-Next); mla: multi-head latent attention (DeepSeek-V3), a latent KV cache."""
+    first rotary_dim dims (Qwen3-Next); mla: multi-head latent attention (DeepSeek-V3), a latent KV cache; qsa:
+    gated attention over the key blocks a learnt indexer picks, its keys cached beside K and V (Qwen3.8-Flash-Next)."""
     kind: str = "gqa"
     window: bool = False                 # layer_types' sliding_attention layers attend their last
                                          # ModelConfig.sliding_window keys only (gpt-oss)
@@ -85,3 +86,7 @@ GPT_OSS = Blocks(Attention("gqa", window=True, sinks=True, out_bias=True),
                  experts=ExpertMLP("swiglu_oai", clamp=7.0, bias=True), residual="plain")
 HYBRID = Blocks(Attention("gated"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
                 residual="plain")
+# Qwen3.8-Flash-Next (qwen4_exp): the hybrid's blocks with QSA attention and hyper-connections (models/qsa.py,
+# residual.py's Hyper; its PLE layer is ModelConfig.ple_layers', models/ple.py).
+QWEN4 = Blocks(Attention("qsa"), mixer="deltanet", router=Router("softmax"), experts=ExpertMLP("swiglu"),
+               residual="hyper")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from .blocks import GPT_OSS, GQA_SIGMOID, HYBRID, MLA, MOE, Blocks
+from .blocks import GPT_OSS, GQA_SIGMOID, HYBRID, MLA, MOE, QWEN4, Blocks
 
 # (module, gate, up, down): one expert's three projections stored one tensor each, at
 # `model.layers.N.{module}.{e}.{proj}.weight`.
@@ -245,6 +245,21 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            gguf_arch="gpt-oss", gguf_norm_topk=False,
            hf_router=("mlp.router.weight",), hf_experts=(), hf_fused=("mlp.experts",), blocks=GPT_OSS,
            gguf_renames=_POST_ATTENTION_NORM, hf_interleaved=True),
+    # Qwen3.8-Flash-Next: Qwen3.5-MoE's DeltaNet and experts, QSA attention (an indexer over pooled key blocks),
+    # hyper-connections (hc residual streams, no layer norms, an output mixer for the output norm) and a PLE
+    # n-gram table. config.json says indexed_attention (transformers 5) or full_attention (the checkpoints) for
+    # its QSA layers; arch/hf_config.py's _qwen4_options reads its keys. llama.cpp's qwen4exp holds the value heads
+    # tiled, as qwen35moe does (loading/gguf.py).
+    Family("qwen4_exp", "Qwen3.8-Flash-Next", "Qwen4ExpForConditionalGeneration", "qwen4_exp",
+           ("Qwen4ExpForCausalLM", "qwen4_exp_text", "qwen4exp"),
+           experts_key="num_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=False,
+           norm_topk_prob="norm_topk_prob", attn_bias=False, hf_bias_key="attention_bias",
+           shared_expert_key="shared_expert_intermediate_size", clip_qkv_key=None, hf_extra=(),
+           qk_norm="head",
+           gguf_arch="qwen4exp", gguf_norm_topk=True, gguf_tiled_v=True,
+           hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=QWEN4,
+           hf_text_prefixes=("model.language_model.", "model."),
+           hf_text_form=("Qwen4ExpForCausalLM", "qwen4_exp_text")),
 )})
 
 # config.json's `architectures[0]` or `model_type` -> family.

@@ -41,8 +41,10 @@ def config_from_hf(c: dict, generation_config: dict | None = None) -> ModelConfi
         theta = rope.pop("rope_theta", None) or c.get("rope_theta") or 10000.0
         if c.get("rope_scaling"):
             rope.update(c["rope_scaling"])
-        hybrid = _hybrid_options(c, rope, arch) if fam.hybrid else {}
+        hybrid = _hybrid_options(c, rope, arch, fam.name) if fam.hybrid else {}
         hybrid |= _sigmoid_options(c, fam, arch, moe_inter) if fam.shared_count_key else {}
+        if fam.blocks.residual == "hyper":
+            hybrid |= _qwen4_options(c, arch)
         if fam.partial_rotary:
             hybrid["partial_rotary_factor"] = float(rope.get("partial_rotary_factor")
                                                     or c.get("partial_rotary_factor") or fam.partial_rotary)
@@ -172,11 +174,14 @@ def _window_options(c: dict, arch: str) -> dict:
     return dict(layer_types=tuple(types), sliding_window=window or 0)
 
 
-def _hybrid_options(c: dict, rope: dict, arch: str) -> dict:
+def _hybrid_options(c: dict, rope: dict, arch: str, family: str) -> dict:
     """A hybrid family's ModelConfig fields (Gated DeltaNet and gated attention) from config.json, as transformers'
-    Qwen3NextConfig reads them; an option moestream does not run is a UserError naming it."""
+    Qwen3NextConfig reads them; an option moestream does not run is a UserError naming it. Qwen3.8-Flash-Next's
+    QSA layers (indexed_attention in transformers 5) are its attention layers (full_attention)."""
     n = c["num_hidden_layers"]
     types = c.get("layer_types")
+    if types and family == "qwen4_exp":
+        types = ["full_attention" if t == "indexed_attention" else t for t in types]
     if not types:                    # what transformers derives from full_attention_interval (default 4)
         step = c.get("full_attention_interval") or 4
         types = ["linear_attention" if (i + 1) % step else "full_attention" for i in range(n)]
@@ -186,9 +191,37 @@ def _hybrid_options(c: dict, rope: dict, arch: str) -> dict:
     for bad, what in unsupported:
         if bad:
             raise UserError(f"{arch}: {what} is not supported by moestream")
-    factor = rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 0.25
+    # transformers' default when a config omits it: Qwen3NextConfig 0.25; Qwen4ExpTextConfig none, so 1.0
+    factor = rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or (
+        1.0 if family == "qwen4_exp" else 0.25)
     return dict(layer_types=tuple(types), linear_num_key_heads=c["linear_num_key_heads"],
                 linear_num_value_heads=c["linear_num_value_heads"], linear_key_head_dim=c["linear_key_head_dim"],
                 linear_value_head_dim=c["linear_value_head_dim"], linear_conv_kernel=c["linear_conv_kernel_dim"],
                 partial_rotary_factor=float(factor), attn_output_gate=True, zero_centred_norm=True)
 
+
+def _qwen4_options(c: dict, arch: str) -> dict:
+    """Qwen3.8-Flash-Next's ModelConfig fields (hyper-connections, PLE, the QSA indexer) from config.json, with
+    Qwen4ExpTextConfig's defaults; an option moestream does not run is a UserError naming it."""
+    qsa = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+    ple = sorted(set(c.get("ple_layer_ids") or []))
+    eos = c.get("eos_token_id")
+    gate = c.get("output_gate_type") or c.get("hidden_act", "silu")        # transformers' default: hidden_act
+    unsupported = [
+        (any(c.get(k) is None for k in qsa), f"dense attention layers (no {', '.join(qsa)})"),
+        (c.get("indexer_kv_heads", 1) != 1, f"indexer_kv_heads={c.get('indexer_kv_heads')} (only 1)"),
+        (c.get("indexer_mode", "qsa") != "qsa", f"indexer_mode {c.get('indexer_mode')!r}"),
+        (gate not in ("silu", "sigmoid"), f"output_gate_type {gate!r} (silu or sigmoid)"),
+        (len(ple) > 1, f"{len(ple)} PLE layers (one, as llama.cpp)"),
+        (bool(ple) and eos is None, "PLE without eos_token_id")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"{arch}: {what} is not supported by moestream")
+    return dict(hc_count=c.get("hc_count", 4), hc_lowrank=c.get("hc_lowrank", 320), deltanet_gate=gate,
+                ple_layers=tuple(i - 1 for i in ple), ple_embed_dim=c.get("ple_embed_dim") or c["hidden_size"],
+                ple_conv_kernel=c.get("ple_conv_kernel_size", 4), ngram_size=c.get("ngram_size", 3),
+                heads_per_ngram=c.get("heads_per_ngram", 8),
+                ngram_vocab_base=c.get("ngram_vocab_size_base", 20_000_000),
+                ngram_vocab_divisor=c.get("make_ngram_vocab_size_divisible_by", 128), ngram_seed=c.get("seed", 1234),
+                indexer_heads=c["indexer_n_heads"], indexer_head_dim=c["indexer_head_dim"],
+                indexer_budget=c["indexer_budget"], indexer_block=c["indexer_compress_ratio"])

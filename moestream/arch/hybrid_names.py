@@ -48,18 +48,41 @@ _ZERO_CENTRED = ("attn_norm.weight", "ffn_norm.weight", "attn_q_norm.weight", "a
 _ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
               "attn_k_norm.weight")
 _DELTANET = {"qwen3_next": ("ssm_in.weight", "ssm_ba.weight"),
-             "qwen3_5_moe": ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")}
+             "qwen3_5_moe": ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"),
+             "qwen4_exp": ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")}
+# Qwen3.8-Flash-Next (qwen4_exp), llama.cpp's qwen4exp names: a mixer of the streams before each block in place of
+# its norm, the PLE layer's tensors, the QSA indexer's; index_qk_proj split into q_proj (heads) and k_proj.
+_HYPER = tuple(f"hc_{b}_{t}.weight" for b in ("attn", "ffn") for t in ("norm", "down", "up", "inject"))
+_PLE = ("ple_key.weight", "ple_value.weight", "ple_norm_key.weight", "ple_norm_query.weight",
+        "ple_norm_conv.weight", "ple_conv1d.weight")
+_INDEXER = ("indexer.q_proj.weight", "indexer.k_proj.weight", "indexer.q_norm.weight", "indexer.k_norm.weight")
+QWEN4_HF = {**{f"hc_{b}_{t}.weight": f"{m}_hyper_connection.{h}.weight" for b, m in (("attn", "attn"), ("ffn", "mlp"))
+               for t, h in (("norm", "hc_norm"), ("down", "input_mix_weight_down"), ("up", "input_mix_weight_up"),
+                            ("inject", "block_inject_weight"))},
+            "ple_key.weight": "ple.key_proj.weight", "ple_value.weight": "ple.value_proj.weight",
+            "ple_norm_key.weight": "ple.norm_key.weight", "ple_norm_query.weight": "ple.norm_query.weight",
+            "ple_norm_conv.weight": "ple.norm_conv.weight", "ple_conv1d.weight": "ple.conv1d.weight",
+            "indexer.q_norm.weight": "self_attn.indexer.q_layernorm.weight",
+            "indexer.k_norm.weight": "self_attn.indexer.k_layernorm.weight"}
+QWEN4_GLOBAL = {"output_hc_norm.weight": "hyper_connection_mixer.hc_norm.weight",
+                "output_hc_down.weight": "hyper_connection_mixer.input_mix_weight_down.weight",
+                "output_hc_up.weight": "hyper_connection_mixer.input_mix_weight_up.weight"}
+_ZERO_CENTRED_QWEN4 = ("hc_attn_norm.weight", "hc_ffn_norm.weight", "output_hc_norm.weight", "ple_norm_key.weight",
+                       "ple_norm_query.weight", "ple_norm_conv.weight", "indexer.q_norm.weight",
+                       "indexer.k_norm.weight")
 _DELTANET_COMMON = ("ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight", "ssm_out.weight")
 _SHARED = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
 
 
 def layer_names(cfg: ModelConfig, i: int) -> list[str]:
     """Layer i's canonical tensor suffixes (after `blk.i.`)."""
-    names = ["attn_norm.weight", "ffn_norm.weight"]
+    names = list(_HYPER) if cfg.hc_count else ["attn_norm.weight", "ffn_norm.weight"]
+    if i in cfg.ple_layers:
+        names += list(_PLE)
     if i in cfg.linear_layers:
         names += [*_DELTANET[cfg.family], *_DELTANET_COMMON]
     else:
-        names += list(_ATTENTION)
+        names += list(_ATTENTION) + (list(_INDEXER) if cfg.indexer_heads else [])
     if i in cfg.dense_layers:
         names += ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
     else:
@@ -71,18 +94,21 @@ def layer_names(cfg: ModelConfig, i: int) -> list[str]:
 
 def hybrid_names(cfg: ModelConfig) -> list[str]:
     """Every canonical tensor of a hybrid model, the experts as GGUF's (E, ., .) stacks."""
-    names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tie_word_embeddings else ["output.weight"])
+    names = ["token_embd.weight"] + (list(QWEN4_GLOBAL) if cfg.hc_count else ["output_norm.weight"])
+    names += ([] if cfg.tie_word_embeddings else ["output.weight"])
+    names += ["per_layer_token_embd.weight"] if cfg.ple_layers else []
     return names + [f"blk.{i}.{n}" for i in range(cfg.n_layers) for n in layer_names(cfg, i)]
 
 
 def canonical_value(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
     """An HF tensor's value as the canonical tensor `name` (a layer's suffix, or a global name) holds it; other
     families' tensors, and the rest of these, as they are."""
-    if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name == "output_norm.weight"):
+    if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name in _ZERO_CENTRED_QWEN4
+                                  or name == "output_norm.weight"):
         return 1.0 + t.float()
     if name == "ssm_a":
         return -t.float().exp()
-    if name == "ssm_conv1d.weight":
+    if name in ("ssm_conv1d.weight", "ple_conv1d.weight"):
         return t.reshape(t.shape[0], -1)
     return t
 
@@ -96,11 +122,12 @@ def hf_value(cfg: ModelConfig, name: str, t: torch.Tensor, dtype: torch.dtype | 
     gives a back as canonical_value computes it (torch's float32 exp, on this machine's CPU): exact for every a that
     came from a float32 A_log; an a that none gives (none seen in tests) stays log(-a), whose -exp is within a few
     ulp of a."""
-    if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name == "output_norm.weight"):
+    if cfg.zero_centred_norm and (name in _ZERO_CENTRED or name in _ZERO_CENTRED_QWEN4
+                                  or name == "output_norm.weight"):
         return (t.float() - 1.0).to(dtype or t.dtype)
     if name == "ssm_a":
         return _a_log(t.float())
-    if name == "ssm_conv1d.weight":
+    if name in ("ssm_conv1d.weight", "ple_conv1d.weight"):
         return t.unsqueeze(1)                    # (C, 1, K): nn.Conv1d's depthwise weight
     return t
 
@@ -124,13 +151,22 @@ def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
     prefix = next((p for p in fam.hf_text_prefixes if p + "embed_tokens.weight" in sd), None)
     if prefix is None:
         raise KeyError(f"no embed_tokens.weight under {fam.hf_text_prefixes}")
-    out = {"token_embd.weight": sd[prefix + "embed_tokens.weight"],
-           "output_norm.weight": canonical_value(cfg, "output_norm.weight", sd[prefix + "norm.weight"])}
+    out = {"token_embd.weight": sd[prefix + "embed_tokens.weight"]}
+    if cfg.hc_count:
+        out |= {n: canonical_value(cfg, n, sd[prefix + hf]) for n, hf in QWEN4_GLOBAL.items()}
+    else:
+        out["output_norm.weight"] = canonical_value(cfg, "output_norm.weight", sd[prefix + "norm.weight"])
     if not cfg.tie_word_embeddings:
         out["output.weight"] = sd["lm_head.weight"]
-    hf_of = dict(HF_LAYER, **{"ffn_gate_inp.weight": fam.hf_router[0]})
+    hf_of = dict(HF_LAYER, **QWEN4_HF, **{"ffn_gate_inp.weight": fam.hf_router[0]})
     for i in range(cfg.n_layers):
         p = f"{prefix}layers.{i}."
+        if i in cfg.ple_layers:
+            out["per_layer_token_embd.weight"] = _ple_table(sd, p + "ple.ple_embedding.ngram_embedding.")
+        if cfg.indexer_heads and i not in cfg.linear_layers:
+            q, k = sd[p + "self_attn.indexer.index_qk_proj.weight"].split(
+                [cfg.indexer_heads * cfg.indexer_head_dim, cfg.indexer_head_dim])
+            out[f"blk.{i}.indexer.q_proj.weight"], out[f"blk.{i}.indexer.k_proj.weight"] = q, k
         for name in layer_names(cfg, i):
             if name in hf_of:
                 out[f"blk.{i}.{name}"] = canonical_value(cfg, name, sd[p + hf_of[name]])
@@ -148,6 +184,15 @@ def canonical_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
         out[f"blk.{i}.ffn_up_exps.weight"] = up.contiguous()
         out[f"blk.{i}.ffn_down_exps.weight"] = down
     return out
+
+
+def _ple_table(sd: dict, prefix: str) -> torch.Tensor:
+    """The PLE n-gram table: `{prefix}weight`, or its row shards `{prefix}shard_0.weight` .. in order, concatenated
+    (transformers saves it split_ngram_parts ways)."""
+    if prefix + "weight" in sd:
+        return sd[prefix + "weight"]
+    shards = sorted((int(k[len(prefix) + 6:-7]), k) for k in sd if k.startswith(prefix + "shard_"))
+    return torch.cat([sd[k] for _, k in shards])
 
 
 # --- llama.cpp's qwen3next form of ssm_in: its converter writes in_proj_qkvz as attn_qkv (q of every key head, then

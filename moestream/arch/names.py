@@ -21,6 +21,9 @@ Names (prefix `blk.{i}.` for layer i), shapes in torch order (out_features, in_f
     dense layers: ffn_gate.weight / ffn_up.weight (I, H), ffn_down.weight (H, I)
     hybrid families (qwen3_next, qwen3_5_moe): the names and values of arch/hybrid_names.py; attention layers'
                   attn_q.weight is (nh*2hd, H) (q and its output gate), and DeltaNet layers have ssm_* instead
+    qwen4_exp:    no attn_norm / ffn_norm / output_norm; hc_{attn,ffn}_{norm,down,up,inject} and output_hc_* (the
+                  stream mixers), ple_* on its PLE layer and per_layer_token_embd (the n-gram table), indexer.* on
+                  its attention layers
 
 The names are family-independent: a family's options (moestream.arch.families) say which of them it has.
 `gguf_tensors(cfg)` lists a GGUF file's tensors in the order moestream writes them, with the shapes the file holds.
@@ -34,6 +37,7 @@ from typing import Callable
 from ..config import INT_FIELDS, ModelConfig
 from ..errors import UserError
 from .families import FAMILIES
+from .ngram import table_rows
 
 # A MoE layer's experts stacked (E, ., .): gate, up, down, in the order an expert's buffer holds them.
 EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -41,6 +45,11 @@ EXPERT_SUFFIXES = tuple(f"{s}.weight" for s in EXPERT_STACKS)
 # Tensors kept in float32 whatever the model's dtype: the DeltaNet's decay rate -exp(A_log), which transformers
 # computes in float32 from A_log at every forward (a bfloat16 copy would move every decay).
 FLOAT32 = ("ssm_a",)
+
+
+# Tables read by row, which stay in host memory whatever the placement (models/ple.py's PLETable, the n-gram
+# embeddings): the loader never puts them on the device and they count in no device budget.
+HOST_TABLES = ("per_layer_token_embd.weight",)
 
 
 def keeps_float32(name: str) -> bool:
@@ -139,6 +148,20 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "attn_kv_b.weight": (cfg.n_heads * (dn + dv), r),
         "attn_k_b.weight": (cfg.n_heads, r, dn), "attn_v_b.weight": (cfg.n_heads, dv, r),
     }
+    if cfg.hc_count:                    # qwen4_exp (arch/hybrid_names.py): hyper-connections, PLE, the indexer
+        hc, r, ple = cfg.hc_count * H, cfg.hc_lowrank, cfg.ple_embed_dim
+        ihd = cfg.indexer_head_dim
+        heads = max(1, (cfg.ngram_size - 1) * cfg.heads_per_ngram)
+        for p in ("hc_attn", "hc_ffn", "output_hc"):
+            shapes |= {f"{p}_norm.weight": (hc,), f"{p}_down.weight": (r, hc), f"{p}_up.weight": (hc, r),
+                       f"{p}_inject.weight": (cfg.hc_count, hc)}
+        shapes |= {"ple_key.weight": (hc, ple), "ple_value.weight": (H, ple), "ple_norm_key.weight": (hc,),
+                   "ple_norm_query.weight": (hc,), "ple_norm_conv.weight": (hc,),
+                   "ple_conv1d.weight": (hc, cfg.ple_conv_kernel),
+                   "indexer.q_proj.weight": (cfg.indexer_heads * ihd, H), "indexer.k_proj.weight": (ihd, H),
+                   "indexer.q_norm.weight": (ihd,), "indexer.k_norm.weight": (ihd,)}
+        if cfg.ple_layers:              # rows: the hash's (models/ple.py NGramHash), padded
+            shapes["per_layer_token_embd.weight"] = (table_rows(cfg), ple // heads)
     return shapes[base]
 
 
@@ -173,8 +196,8 @@ def _fields_of_dim(cfg: ModelConfig, name: str, dim: int) -> list[str]:
 
 
 def dense_numel(cfg: ModelConfig) -> int:
-    """Elements of every non-expert tensor (what stays on the device whatever --cpu-moe says)."""
-    return sum(math.prod(canonical_shape(cfg, n)) for n in dense_names(cfg))
+    """Elements of every non-expert tensor on the device (whatever --cpu-moe says): all but the host tables."""
+    return sum(math.prod(canonical_shape(cfg, n)) for n in dense_names(cfg) if n not in HOST_TABLES)
 
 
 def gguf_name(cfg: ModelConfig, name: str) -> str:

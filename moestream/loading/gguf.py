@@ -19,6 +19,13 @@ a block, as llama.cpp's converter writes config.json's layer_types) or else full
 layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count; qwen35moe's
 rope.dimension_sections (multimodal RoPE) do not matter to text. Blocks past block_count - nextn_predict_layers
 (Qwen3.5's multi-token prediction layers) are not read.
+qwen4exp (Qwen3.8-Flash-Next, llama.cpp b11549's loader): qwen35moe's DeltaNet (tiled value heads, a sigmoid output
+gate always) and gated attention, plus hyper_connection.{count,low_rank}, the QSA indexer's attention.indexer.*
+and attention.compress_ratios (its block, 0 on DeltaNet layers), and the PLE's ple.* keys: one layer, the n-gram
+size, heads, conv kernel, EOS and the hash constants, which must be those transformers derives from the config
+(seed 1234, consecutive primes from the first head's row count). Its n-gram table, per_layer_token_embd, is read
+by row from the map (`rows`): it is never read whole, and stays in the page cache or on disk (a row gathered from
+disk costs a page read; the first ubatches of a cold file pay them).
 """
 from __future__ import annotations
 
@@ -142,6 +149,8 @@ class GGUFSource:
         for t in self._reader.tensors:
             self._check_tensor(t)
         self.config = self._config()
+        if self.config.ple_layers:
+            self._check_ngram_hash(self.config)
         self._check_shapes()
 
     def _check_tensor(self, t) -> None:
@@ -170,8 +179,8 @@ class GGUFSource:
                 if file_name not in self._tensors:
                     continue                  # tensor() says which one is missing, when it is read
                 shape = self._shape(file_name)
-                if name.endswith("ffn_gate_inp_shexp.weight"):
-                    shape = (1, *shape)       # llama.cpp stores the shared expert's gate as (H,)
+                if name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
+                    shape = (1, *shape)       # llama.cpp stores the shared expert's gate as (H,) (or (1, H))
                 check_shape(self.config, part, shape, tensor=file_name, key=self._key_name,
                             hint="the file is damaged or its keys are wrong")
 
@@ -240,6 +249,11 @@ class GGUFSource:
         hidden, n_heads = self._key("embedding_length"), self._key("attention.head_count")
         head_dim = self._key("attention.key_length", hidden // max(n_heads, 1))   # (0 heads: ModelConfig says so)
         hybrid = self._hybrid_options(n_layers, head_dim) if fam.hybrid else {}
+        if fam.blocks.residual == "hyper":      # qwen4exp
+            hybrid |= self._qwen4_options(n_layers, hidden)
+            ple_eos = hybrid.pop("ple_eos", None)
+            if ple_eos is not None:     # the n-gram hash's EOS first: ModelConfig's first EOS is the hash's
+                eos = [ple_eos] + [i for i in eos if i != ple_eos]
         if fam.shared_count_key:        # deepseek2, glm4moe
             hybrid |= self._sigmoid_options(fam, moe, head_dim, rope)
         if fam.blocks.attention.window:
@@ -328,6 +342,45 @@ class GGUFSource:
             self._no_model(f"attention.sliding_window_pattern {pattern!r}")
         return dict(layer_types=tuple("sliding_attention" if f else "full_attention" for f in sliding),
                     sliding_window=window)
+
+    def _qwen4_options(self, n_layers: int, hidden: int) -> dict:
+        """qwen4exp's ModelConfig fields, as llama.cpp b11549's loader reads them: hyper-connections, the QSA
+        indexer (its block from attention.compress_ratios, one for every attention layer), the PLE layer and its
+        n-gram hash (the file's constants checked against those the config derives), the sigmoid DeltaNet gate."""
+        ratios = self._fields.get(f"{self.arch}.attention.compress_ratios", 0)
+        ratios = ratios if isinstance(ratios, list) else [ratios] * n_layers
+        blocks = {r for r in ratios[:n_layers] if r}
+        if len(blocks) != 1 or not all(isinstance(r, int) for r in blocks):
+            self._no_model(f"attention.compress_ratios {ratios!r} (one QSA block size)")
+        out = dict(hc_count=self._key("hyper_connection.count"), hc_lowrank=self._key("hyper_connection.low_rank"),
+                   indexer_heads=self._key("attention.indexer.head_count"),
+                   indexer_head_dim=self._key("attention.indexer.key_length"),
+                   indexer_budget=self._key("attention.indexer.top_k"), indexer_block=blocks.pop(),
+                   deltanet_gate="sigmoid")
+        layers = self._fields.get(f"{self.arch}.ple.layers") or []
+        if not layers:
+            return out
+        if len(layers) != 1 or not isinstance(layers[0], int) or not 0 <= layers[0] < n_layers:
+            self._no_model(f"ple.layers {layers!r} (one layer, as llama.cpp)")
+        n, per = self._key("ple.ngram_size"), self._key("ple.heads_per_ngram")
+        sizes = self._fields.get(f"{self.arch}.ple.head_vocab_sizes") or [0]
+        out |= dict(ple_layers=(layers[0],), ngram_size=n, heads_per_ngram=per,
+                    ple_embed_dim=self._key("embedding_length_per_layer_input") * (n - 1) * per,
+                    ple_conv_kernel=self._key("ple.conv_kernel"), ngram_vocab_base=sizes[0],
+                    ple_eos=self._key("ple.eos_token_id"))
+        return out
+
+    def _check_ngram_hash(self, cfg: ModelConfig) -> None:
+        """The file's n-gram hash constants are those transformers derives from cfg (moestream hashes by them)."""
+        from ..arch.ngram import ngram_constants
+        mult, sizes = ngram_constants(cfg)
+        offsets = [sum(sizes[:h]) for h in range(len(sizes))]
+        for key, want in (("layer_multipliers", mult), ("head_vocab_sizes", sizes), ("head_offsets", offsets)):
+            got = self._fields.get(f"{self.arch}.ple.{key}")
+            if got != want:
+                raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.ple.{key} {got!r}, not the n-gram hash "
+                                f"of seed {cfg.ngram_seed} from {cfg.ngram_vocab_base} rows a head that moestream "
+                                "computes: convert it again with llama.cpp b11549's converter")
 
     def _values(self, wanted) -> dict:
         """The metadata fields whose keys `wanted` takes, as plain values."""
@@ -421,6 +474,13 @@ class GGUFSource:
             out = reorder_v_heads(self.config, name, out, tiled=False)
         return out
 
+    def rows(self, name: str) -> "MappedRows":
+        """A host table (arch/names.py's HOST_TABLES: the PLE's n-gram rows) read by row from the map."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise UserError(f"GGUF {str(self.path)!r} lacks tensor {name}: is the file complete?")
+        return MappedRows(t.data, t.tensor_type, self._shape(name))
+
     def _stack(self, layer: int, stack: str):
         t = self._tensors.get(f"blk.{layer}.{stack}.weight")
         if t is None:
@@ -450,3 +510,16 @@ class GGUFSource:
         """The torch dtype of a float tensor; None for a quantized one."""
         t = self._tensors[(self._split(name) or [self._file_name(name)])[0]].tensor_type
         return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(t)
+
+
+class MappedRows:
+    """A GGUF table read by row (models/ple.py's PLETable takes it as a table): take(rows) copies the mapped blocks
+    of those rows only and dequantizes them (float types as they are; quantized ones to float32)."""
+
+    def __init__(self, data: np.ndarray, qtype: Q, shape: tuple[int, int]):
+        self.data, self.qtype, self.shape = data, qtype, shape
+        self.dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(qtype, torch.float32)
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n,) int64 row ids -> (n, d) rows, on the host."""
+        return _to_torch(self.data[rows.numpy()], self.qtype).reshape(len(rows), self.shape[1])

@@ -78,6 +78,8 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFil
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if FAMILIES[cfg.family].hybrid:
         _add_hybrid_metadata(w, cfg)
+    if cfg.hc_count:
+        _add_qwen4_metadata(w, cfg)
     if FAMILIES[cfg.family].shared_count_key:
         _add_sigmoid_metadata(w, cfg)
     if FAMILIES[cfg.family].blocks.attention.window:      # gpt-oss: the window, and the sliding layers where
@@ -132,6 +134,40 @@ def _add_hybrid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_rope_dimension_count(cfg.rotary_dim)
     if FAMILIES[cfg.family].gguf_rope_sections:
         w.add_rope_dimension_sections(list(FAMILIES[cfg.family].gguf_rope_sections))
+
+
+def _add_qwen4_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """qwen4exp's keys, as make_reference_qwen4exp_gguf.py writes them (llama.cpp b11549's loader reads them):
+    hyper-connections, the QSA indexer (attention.compress_ratios: its block on attention layers, 0 elsewhere),
+    multimodal RoPE sections of the rotary half (11/11/10 at 64 dims), the PLE layer and its hash constants."""
+    if cfg.deltanet_gate != "sigmoid":
+        raise UserError("llama.cpp's qwen4exp gates the DeltaNet's output by sigmoid; this model's "
+                        "output_gate_type is silu: export it as a Hugging Face directory")
+    a = w.arch
+    w.add_uint32(f"{a}.hyper_connection.count", cfg.hc_count)
+    w.add_uint32(f"{a}.hyper_connection.low_rank", cfg.hc_lowrank)
+    w.add_uint32(f"{a}.attention.indexer.head_count", cfg.indexer_heads)
+    w.add_uint32(f"{a}.attention.indexer.key_length", cfg.indexer_head_dim)
+    w.add_uint32(f"{a}.attention.indexer.top_k", cfg.indexer_budget)
+    w.add_array(f"{a}.attention.compress_ratios", [0 if t == "linear_attention" else cfg.indexer_block
+                                                   for t in cfg.layer_types])
+    half = cfg.rotary_dim // 2
+    third = -(-half // 3)
+    w.add_rope_dimension_sections([third, third, half - 2 * third, 0])
+    if not cfg.ple_layers:
+        return
+    from ..arch.ngram import ngram_constants
+    mult, sizes = ngram_constants(cfg)
+    heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram
+    w.add_array(f"{a}.ple.layers", list(cfg.ple_layers))
+    w.add_uint32(f"{a}.ple.ngram_size", cfg.ngram_size)
+    w.add_uint32(f"{a}.ple.heads_per_ngram", cfg.heads_per_ngram)
+    w.add_uint32(f"{a}.ple.conv_kernel", cfg.ple_conv_kernel)
+    w.add_uint32(f"{a}.ple.eos_token_id", cfg.eos_token_ids[0])
+    w.add_uint32(f"{a}.embedding_length_per_layer_input", cfg.ple_embed_dim // heads)
+    for key, v in (("layer_multipliers", mult), ("head_offsets", [sum(sizes[:h]) for h in range(heads)]),
+                   ("head_vocab_sizes", sizes)):
+        w.add_key_value(f"{a}.ple.{key}", v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT64)
 
 
 def _add_sigmoid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from ..arch.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
 from ..arch.hf_config import config_from_hf, hf_key
-from ..arch.hybrid_names import canonical_value, hf_value
+from ..arch.hybrid_names import QWEN4_GLOBAL, QWEN4_HF, canonical_value, hf_value
 from ..arch.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
 from ..config import ModelConfig
 from ..errors import UserError
@@ -62,11 +62,17 @@ def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
     if name in HF_GLOBAL:
         hf = HF_GLOBAL[name]
         return [prefix + hf[len("model."):] if hf.startswith("model.") else hf]
+    if name in QWEN4_GLOBAL:
+        return [prefix + QWEN4_GLOBAL[name]]
+    if name == "per_layer_token_embd.weight":
+        return []                       # in row shards of its layer's n-gram embedding: HFSource._ple_table
     _, layer, suffix = name.split(".", 2)
     if suffix == "ffn_gate_inp.weight":
         spellings = first_own(FAMILIES[family].hf_router, [f.hf_router for f in FAMILIES.values()])
+    elif suffix in ("indexer.q_proj.weight", "indexer.k_proj.weight"):
+        spellings = []                  # rows of index_qk_proj: HFSource._indexer
     else:
-        spellings = [dict(FAMILIES[family].hf_renames).get(suffix, HF_LAYER[suffix])]
+        spellings = [dict(FAMILIES[family].hf_renames).get(suffix) or HF_LAYER.get(suffix) or QWEN4_HF[suffix]]
     return [f"{prefix}layers.{layer}.{s}" for s in spellings]
 
 
@@ -215,11 +221,19 @@ class HFSource:
                 return self._read(p + "down_proj_bias")
             both = self._read(p + "gate_up_proj_bias")
             return both[:, suffix == "ffn_up_exps.bias"::2].contiguous()
+        if name == "per_layer_token_embd.weight" or name.endswith(("indexer.q_proj.weight", "indexer.k_proj.weight")):
+            t = self._ple_table() if name.startswith("per_layer") else self._indexer(name)
+            self._check(name, name, tuple(t.shape))
+            return t
         t = self._read_first(hf_names(name, self.config.family, self.prefix), name)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)                 # some exports keep the shared expert's gate as (H,)
         # hybrid families: zero-centred norms as 1 + w, -exp(A_log), the conv as (C, K) (arch/hybrid_names.py)
         return canonical_value(self.config, _suffix(name), t)
+
+    def rows(self, name: str) -> torch.Tensor:
+        """A host table (arch/names.py's HOST_TABLES) read by row: the tensor itself."""
+        return self.tensor(name)
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._packed(layer):
@@ -265,6 +279,25 @@ class HFSource:
 
     def dtype_of(self, name: str) -> torch.dtype:
         return self._read_first(hf_names(name, self.config.family, self.prefix), name).dtype
+
+    def _ple_table(self) -> torch.Tensor:
+        """qwen4_exp's n-gram table: its PLE layer's row shards (ngram_embedding.shard_N.weight), in order."""
+        p = f"{self.prefix}layers.{self.config.ple_layers[0]}.ple.ple_embedding.ngram_embedding."
+        if p + "weight" in self._where:
+            return self._read(p + "weight")
+        shards = sorted((int(n[len(p) + 6:-7]), n) for n in self._where if n.startswith(p + "shard_"))
+        if not shards:
+            raise UserError(f"checkpoint lacks tensor {p}shard_0.weight (the PLE n-gram table): is the download "
+                            "complete?")
+        return torch.cat([self._read(n) for _, n in shards])
+
+    def _indexer(self, name: str) -> torch.Tensor:
+        """qwen4_exp's indexer.q_proj / k_proj: the query heads' rows of index_qk_proj, then the key head's."""
+        cfg = self.config
+        layer = name.split(".")[1]
+        qk = self._read(f"{self.prefix}layers.{layer}.self_attn.indexer.index_qk_proj.weight")
+        q = cfg.indexer_heads * cfg.indexer_head_dim
+        return qk[:q] if name.endswith("q_proj.weight") else qk[q:]
 
     # --- reading ---------------------------------------------------------------------------------------------
     def _read_first(self, names: list[str], canonical: str) -> torch.Tensor:
@@ -343,7 +376,7 @@ def _fused_bias(cfg: ModelConfig, name: str) -> bool:
 
 def _canonical_shape_of(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape tensor() gives an HF tensor of this shape: the conv as (C, K), the shared expert's gate as (1, H)."""
-    if name.endswith("ssm_conv1d.weight") and shape:
+    if name.endswith(("ssm_conv1d.weight", "ple_conv1d.weight")) and shape:
         return (shape[0], math.prod(shape[1:]))
     if name.endswith("ffn_gate_inp_shexp.weight"):
         return (1, math.prod(shape))
@@ -417,6 +450,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         d[fam.shared_expert_key] = cfg.shared_expert_intermediate_size
     if fam.shared_count_key:
         d.update(_sigmoid_config(cfg, fam))
+    if cfg.hc_count:
+        d.update(_qwen4_config(cfg))
     if fam.clip_qkv_key:
         d[fam.clip_qkv_key] = cfg.clip_qkv
     if fam.hf_bias_key:      # a family without biases says so: its transformers module has none to load
@@ -448,6 +483,21 @@ def _sigmoid_config(cfg: ModelConfig, fam) -> dict:
     return d
 
 
+def _qwen4_config(cfg: ModelConfig) -> dict:
+    """Qwen3.8-Flash-Next's keys (transformers' Qwen4ExpTextConfig, and what arch/hf_config.py's _qwen4_options
+    reads): hyper-connections, the PLE layer (1-based ids) and its hash, the QSA indexer (its layers spelled
+    indexed_attention, as transformers 5 saves them), the DeltaNet's output gate."""
+    return dict(layer_types=["linear_attention" if t == "linear_attention" else "indexed_attention"
+                             for t in cfg.layer_types],
+                hc_count=cfg.hc_count, hc_lowrank=cfg.hc_lowrank, ple_layer_ids=[i + 1 for i in cfg.ple_layers],
+                ple_embed_dim=cfg.ple_embed_dim, ple_conv_kernel_size=cfg.ple_conv_kernel, ngram_size=cfg.ngram_size,
+                heads_per_ngram=cfg.heads_per_ngram, ngram_vocab_size_base=cfg.ngram_vocab_base,
+                make_ngram_vocab_size_divisible_by=cfg.ngram_vocab_divisor, seed=cfg.ngram_seed,
+                indexer_n_heads=cfg.indexer_heads, indexer_kv_heads=1, indexer_head_dim=cfg.indexer_head_dim,
+                indexer_budget=cfg.indexer_budget, indexer_compress_ratio=cfg.indexer_block, indexer_mode="qsa",
+                output_gate_type=cfg.deltanet_gate)
+
+
 def _layer_of(name: str) -> int:
     return int(name.split(".")[1]) if name.startswith("blk.") else -1
 
@@ -458,7 +508,14 @@ def _tensors(source):
     names = [n for n in dense_names(cfg) if not _fused_bias(cfg, n)]
     for layer in range(-1, cfg.n_layers):
         for n in (n for n in names if _layer_of(n) == layer):
-            yield hf_names(n, cfg.family)[0], _hf_value(source, n)
+            if n == "per_layer_token_embd.weight":        # qwen4_exp: its PLE layer's n-gram embedding, whole,
+                yield from _ngram_embedding(cfg, source.tensor(n))      # and its hash's buffers
+            elif n.endswith("indexer.q_proj.weight"):      # qwen4_exp: q and k rows of index_qk_proj
+                p = n[:-len("q_proj.weight")]
+                yield (f"model.layers.{layer}.self_attn.indexer.index_qk_proj.weight",
+                       torch.cat([source.tensor(n), source.tensor(p + "k_proj.weight")]))
+            elif not n.endswith("indexer.k_proj.weight"):
+                yield hf_names(n, cfg.family)[0], _hf_value(source, n)
         if layer in cfg.moe_layers and FAMILIES[cfg.family].hf_interleaved:
             yield from _interleaved_experts(source, layer)
         elif layer in cfg.moe_layers:
@@ -480,6 +537,19 @@ def _interleaved_experts(source, layer: int):
                                                 source.tensor(b + "ffn_up_exps.bias")], dim=-1).flatten(1)
     yield p + "down_proj", torch.stack([d for _, _, d in experts]).transpose(1, 2).contiguous()   # (E, I, H)
     yield p + "down_proj_bias", source.tensor(b + "ffn_down_exps.bias")
+
+
+def _ngram_embedding(cfg: ModelConfig, table: torch.Tensor):
+    """(HF name, tensor) of qwen4_exp's n-gram embedding: the table as one weight (transformers' nn.Embedding;
+    its own saves split it in row shards, which HFSource reads too) and the hash's constants, which transformers
+    keeps as buffers."""
+    from ..arch.ngram import ngram_constants
+    mult, sizes = ngram_constants(cfg)
+    p = f"model.layers.{cfg.ple_layers[0]}.ple.ple_embedding."
+    yield p + "ngram_embedding.weight", table
+    yield p + "layer_multipliers", torch.tensor(mult, dtype=torch.long)
+    yield p + "ngram_heads_offsets", torch.tensor([sum(sizes[:h]) for h in range(len(sizes))], dtype=torch.long)
+    yield p + "ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long)
 
 
 def _hf_value(source, name: str) -> torch.Tensor:
@@ -522,7 +592,7 @@ def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30,
 
     try:
         for hf, t in tqdm(_tensors(source), total=n_tensors, desc="writing", unit="tensor", disable=not progress):
-            t = (t if cast is None else t.to(cast)).contiguous()
+            t = (t if cast is None or not t.is_floating_point() else t.to(cast)).contiguous()    # (hash buffers)
             first_dtype = first_dtype or t.dtype
             if shard and size + t.nbytes > max_shard_bytes:
                 flush()

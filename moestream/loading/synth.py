@@ -7,6 +7,7 @@
     src = SynthSource.from_spec("deepseek-v3:layers=4")          # DeepSeek-V3 shapes: 1 dense, 3 MoE layers
     src = SynthSource.from_spec("glm-4.5-air:layers=4")          # GLM-4.5-Air shapes; tiny-deepseek, tiny-glm
     src = SynthSource.from_spec("gpt-oss-120b:layers=4")         # gpt-oss-120b shapes (MXFP4 experts), 4 layers
+    src = SynthSource.from_spec("qwen3.8-flash-next:layers=8")   # Qwen3.8-Flash-Next shapes; tiny-flash-next
     src.tensor("blk.0.attn_q.weight")                            # (nh*hd, H), made on demand
 
 Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16,
@@ -32,6 +33,10 @@ slide, as the checkpoints' layer_types), with sinks, biases and YaRN as their co
 MXFP4 experts (experts=mxfp4) are ggml's blocks drawn as bench/make_reference_gptoss_gguf.py draws them (uniform
 codes, E[w**2] = 1 / fan_in: quant/mxfp4.py's random_mxfp4), from the expert's generator; `expert_bytes` hands
 them out (the store keeps them MXFP4) and `expert` their values, float32.
+
+Qwen3.8-Flash-Next's n-gram table (per_layer_token_embd: 320M rows of 160 at its real shapes, 102 GB in BF16) is
+never made whole to be read: `rows` hands out a table whose rows are made when gathered, each value a hash of
+(seed, row, column) turned into a uniform of the same scale as the other weights (SynthRows).
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..arch.names import canonical_shape, dense_names, keeps_float32
+from ..arch.names import HOST_TABLES, canonical_shape, dense_names, keeps_float32
 from ..quant.mxfp4 import random_mxfp4
 
 TINY_VOCAB = 1024          # text.tokenizer.synth_tokenizer()'s size (from_spec takes the tokenizer's own)
@@ -113,6 +118,33 @@ PRESETS: dict[str, dict] = {
         partial_rotary_factor=0.5, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=4096,
         gating="sigmoid", router_bias=True,
     ),
+    # Qwen3.8-Flash-Next's shapes (make_reference_qwen4exp_gguf.py's, its config.json's): Qwen3.5's DeltaNet with a
+    # sigmoid output gate and QSA attention every fourth layer, 512 experts, 4 hyper-connection streams, the n-gram
+    # table on layer 1 (320M rows of 160: 16 heads of consecutive primes from 20M, the first 20,000,003: a GGUF's
+    # head sizes give that base back); no tokenizer, EOS Qwen3.5's.
+    "qwen3.8-flash-next": dict(
+        family="qwen4_exp", vocab_size=248320, hidden_size=2560, n_layers=48, n_heads=24, n_kv_heads=2,
+        head_dim=256, n_experts=512, n_experts_used=10, moe_intermediate_size=640,
+        shared_expert_intermediate_size=640, norm_topk_prob=True, qk_norm="head", rms_norm_eps=1e-6,
+        rope_theta=1e7, max_position_embeddings=262144, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4, partial_rotary_factor=0.25,
+        attn_output_gate=True, zero_centred_norm=True, deltanet_gate="sigmoid", eos_token_ids=(248046,),
+        hc_count=4, hc_lowrank=320, ple_layers=(1,), ple_embed_dim=2560, ple_conv_kernel=4, ngram_size=3,
+        heads_per_ngram=8, ngram_vocab_base=20_000_003, indexer_heads=4, indexer_head_dim=128, indexer_budget=2048,
+        indexer_block=4,
+    ),
+    # A CPU-sized one: attention every second layer, a QSA budget of 16 tokens in blocks of 4 (longer prompts drop
+    # blocks), the n-gram table on layer 0 with rows of 32 (8 heads; quantizable by row).
+    "tiny-flash-next": dict(
+        family="qwen4_exp", vocab_size=TINY_VOCAB, hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=2,
+        head_dim=32, n_experts=16, n_experts_used=4, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, norm_topk_prob=True, qk_norm="head", rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=4096, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel=4, partial_rotary_factor=0.25,
+        attn_output_gate=True, zero_centred_norm=True, deltanet_gate="sigmoid", hc_count=4, hc_lowrank=32,
+        ple_layers=(0,), ple_embed_dim=256, ple_conv_kernel=4, ngram_size=3, heads_per_ngram=4,
+        ngram_vocab_base=67, indexer_heads=2, indexer_head_dim=32, indexer_budget=16, indexer_block=4,
+    ),
 }
 # gpt-oss's config.json (both sizes): YaRN with its correction range not rounded, a window of 128, q/k/v/o biases.
 _GPT_OSS = dict(family="gpt_oss", vocab_size=201088, hidden_size=2880, n_heads=64, n_kv_heads=8, head_dim=64,
@@ -132,23 +164,26 @@ PRESETS.update({
 DEFAULT_DTYPE = {"tiny": torch.float32, "qwen3-30b-a3b": torch.bfloat16, "tiny-next": torch.float32,
                  "qwen3-next-80b-a3b": torch.bfloat16, "deepseek-v3": torch.bfloat16, "glm-4.5-air": torch.bfloat16,
                  "tiny-deepseek": torch.float32, "tiny-glm": torch.float32, "tiny-gptoss": torch.float32,
-                 "gpt-oss-20b": torch.bfloat16, "gpt-oss-120b": torch.bfloat16}
-HAS_TOKENIZER = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm", "tiny-gptoss"}
+                 "gpt-oss-20b": torch.bfloat16, "gpt-oss-120b": torch.bfloat16,
+                 "qwen3.8-flash-next": torch.bfloat16, "tiny-flash-next": torch.float32}
+HAS_TOKENIZER = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm", "tiny-gptoss", "tiny-flash-next"}
 # Presets with dense first layers (first_k_dense_replace): that many, or one where layers=N leaves fewer than
 # twice as many (bench/make_reference_deepseek_gguf.py's 4 layers: 1 dense, 3 MoE).
 DENSE_FIRST = {"deepseek-v3": 3, "glm-4.5-air": 1, "tiny-deepseek": 1, "tiny-glm": 1}
 SLIDING = {"tiny-gptoss", "gpt-oss-20b", "gpt-oss-120b"}        # even layers slide, odd ones attend everything
 DEFAULT_SEED = {"tiny-next": 6}             # a demo preset whose greedy text after "Once upon a time" is not empty
-FULL_ATTENTION_INTERVAL = {"tiny-next": 2, "qwen3-next-80b-a3b": 4}     # hybrid presets: attention every N layers
+FULL_ATTENTION_INTERVAL = {"tiny-next": 2, "qwen3-next-80b-a3b": 4,     # hybrid presets: attention every N layers
+                           "qwen3.8-flash-next": 4, "tiny-flash-next": 2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERTS = ("float", "mxfp4")
 MXFP4_EXPERTS = {"gpt-oss-20b", "gpt-oss-120b"}         # presets whose experts are MXFP4 unless experts=float
+NORMS = ("norm.weight", "norm_key.weight", "norm_query.weight", "norm_conv.weight")     # (the PLE's norms too)
 
 # The router's logits are x . w over H unit-scale features, so with std H**-0.5 they are ~N(0, 1) and top-k picks
 # are soft. The tiny model scales them up so its routing is decisive, as a trained model's is; the big preset
 # keeps the reference file's plain init.
 TINY_ROUTER_SCALE = 3.0
-SCALED_ROUTERS = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm", "tiny-gptoss"}
+SCALED_ROUTERS = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm", "tiny-gptoss", "tiny-flash-next"}
 
 
 def _usage() -> str:
@@ -220,14 +255,22 @@ class SynthSource:
     def has(self, name: str) -> bool:
         return name in self._names
 
+    def rows(self, name: str) -> "SynthRows":
+        """A host table (arch/names.py's HOST_TABLES) read by row: its rows made when gathered."""
+        if name not in self._names:
+            raise UserError(f"the synth model has no tensor {name!r}")
+        return SynthRows(canonical_shape(self.config, name), self.dtype, zlib.crc32(f"{self.seed}/{name}".encode()))
+
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise UserError(f"the synth model has no tensor {name!r}")
-        g = self._generator(name)
         shape = canonical_shape(self.config, name)
+        if name in HOST_TABLES:             # the rows rows() makes, all of them
+            return self.rows(name).take(torch.arange(shape[0]))
+        g = self._generator(name)
         if keeps_float32(name):             # ssm_a, the DeltaNet's decay rate: -exp(A_log), negative
             return -torch.empty(shape).uniform_(-2.0, 0.5, generator=g).exp()
-        if name.endswith("norm.weight"):
+        if name.endswith(NORMS):
             return (1.0 + 0.1 * torch.randn(shape, generator=g)).to(self.dtype)
         if name.endswith(".bias"):
             return (0.02 * torch.randn(shape, generator=g)).to(self.dtype)
@@ -278,3 +321,21 @@ class SynthSource:
         # torch's CPU generator keeps only 32 bits of its seed, so seed and key are hashed together into 32 bits.
         return torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{key}".encode()))
 
+
+class SynthRows:
+    """A synth host table (rows, d) whose rows are made when taken: value (r, c) is a 64-bit mix of (key, r, c)
+    (splitmix64's constants, in wrapping int64 arithmetic) turned into a uniform of std d**-0.5, the same whichever
+    rows are taken together."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, key: int):
+        self.shape, self.dtype, self.key = shape, dtype, key
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n,) int64 row ids -> (n, d) rows."""
+        d = self.shape[1]
+        x = rows.long()[:, None] * d + torch.arange(d) + self.key * 0x9E3779B9     # (n, d) int64, wrapping
+        for mul, shift in ((-4658895280553007687, 30), (-7723592293110705685, 27)):    # splitmix64's, signed
+            x = (x ^ (x >> shift)) * mul
+        x = x ^ (x >> 31)
+        u = (x & 0xFFFFFF).double() / (1 << 24) - 0.5                                # uniform in [-0.5, 0.5)
+        return (u * (12 / d) ** 0.5).to(self.dtype)

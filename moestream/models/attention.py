@@ -1,7 +1,7 @@
 """Attention kinds, the token mixer of a decoder's attention layers: a family's entry picks one
 (arch/blocks.py's Attention.kind) and models/blocks.py builds it.
 
-    attn = GQA(cfg)                    # or GatedAttention(cfg)
+    attn = GQA(cfg)                    # or GatedAttention(cfg), MLA(cfg), models/qsa.py's QSA(cfg)
     y = attn(x, lw, slot, batch, kv, cos, sin, mask, fused, proj)     # x (T, H) normed -> (T, H)
 
 A kind reads one layer's weights `lw` (canonical names; q, k and v as one attn_qkv since the decoder's load),
@@ -110,9 +110,13 @@ class GatedAttention(GQA):
         k = rms_norm(k.view(T, nkv, hd), lw["attn_k_norm.weight"], cfg.rms_norm_eps)
         q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         kv.write(slot, batch.seq_ids, batch.positions, k, v.view(T, nkv, hd))
-        o = attend(q, slot, batch, kv, mask)                                 # (T, nh, hd)
+        o = self.attend(q, x, lw, slot, batch, kv, cos, sin, mask)          # (T, nh, hd)
         o = o.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
         return F.linear(o, lw["attn_output.weight"])
+
+    def attend(self, q, x, lw, slot: int, batch, kv, cos, sin, mask=None) -> torch.Tensor:
+        """q (T, nh, hd), normed and turned, against the keys each token attends (QSA's kind picks them from x)."""
+        return attend(q, slot, batch, kv, mask)
 
 
 def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> torch.Tensor:
@@ -145,4 +149,5 @@ def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> t
 from .mla import MLA  # noqa: E402  (it builds on GQA)
 
 KINDS = {"gqa": GQA, "gated": GatedAttention, "mla": MLA}     # each made as KINDS[kind](cfg); gqa's and gated's
-                                                                # take window= and sinks= too
+                                                                # take window= and sinks= too; models/qsa.py's QSA
+                                                                # joins them in models/blocks.py

@@ -16,19 +16,21 @@ from ..config import GATINGS, ModelConfig
 from ..kernels.delta_reference import TORCH, DeltaKernels
 from . import attention
 from .deltanet import DeltaNet
-from .residual import Plain
+from .qsa import QSA
+from .residual import Hyper, Plain
 from .router import router_of
 
 
+ATTENTION_KINDS = {**attention.KINDS, "qsa": QSA}     # (QSA builds on GatedAttention: its own module)
 MIXER_KINDS = {"deltanet": DeltaNet}
 
 
 @dataclass
 class Built:
-    attention: attention.GQA             # the attention layers' kind (GQA or GatedAttention)
+    attention: attention.GQA             # the attention layers' kind (GQA, GatedAttention, MLA or QSA)
     mixers: list                         # per layer: the attention kind or the mixer
     router: Router                       # the checkpoint's options (models/router.py's router_of)
-    residual: Plain
+    residual: Plain | Hyper
 
 
 def build(cfg: ModelConfig, blocks: Blocks, delta: DeltaKernels | None = None) -> Built:
@@ -37,13 +39,14 @@ def build(cfg: ModelConfig, blocks: Blocks, delta: DeltaKernels | None = None) -
     check(blocks)
     a = blocks.attention
     opts = dict(window=a.window, sinks=a.sinks) if a.kind == "gqa" else {}     # check: gqa's options only
-    attn = attention.KINDS[a.kind](cfg, **opts)
+    attn = ATTENTION_KINDS[a.kind](cfg, **opts)
     linear = set(cfg.linear_layers)
     mixer = MIXER_KINDS[blocks.mixer](cfg, delta or TORCH) if blocks.mixer else None
     if linear and mixer is None:
         raise ValueError(f"{cfg.family}: linear_attention layers, but its blocks name no mixer")
     mixers = [mixer if i in linear else attn for i in range(cfg.n_layers)]
-    return Built(attn, mixers, router_of(cfg), Plain(cfg.rms_norm_eps))
+    residual = Hyper(cfg.rms_norm_eps, cfg.hc_count) if blocks.residual == "hyper" else Plain(cfg.rms_norm_eps)
+    return Built(attn, mixers, router_of(cfg), residual)
 
 
 def check(blocks: Blocks) -> None:

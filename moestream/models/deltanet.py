@@ -57,12 +57,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x over its last dim, times w, gated by silu(z): the DeltaNet's output norm, per value head.
+GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}      # the output gate's activation (ModelConfig.deltanet_gate)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, gate: str = "silu") -> torch.Tensor:
+    """RMSNorm of x over its last dim, times w, gated by silu(z) (Qwen3-Next, Qwen3.5-MoE) or sigmoid(z)
+    (Qwen3.8-Flash-Next's output_gate_type, llama.cpp's qwen4exp): the DeltaNet's output norm, per value head.
     Statistics and gate in float32, as transformers' Qwen3NextRMSNormGated computes them."""
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (w * normed * F.silu(z.float())).to(x.dtype)
+    return (w * normed * GATES[gate](z.float())).to(x.dtype)
 
 
 def fuse_projections(lw: dict, cfg: ModelConfig) -> None:
@@ -108,7 +112,7 @@ def _projections(x: torch.Tensor, lw: dict, cfg: ModelConfig, proj: torch.Tensor
 
 
 def _mixer(q, k, v, z, b, a, lw: dict, eps: float, state: DeltaState | None, recurrent: bool,
-           kernels: "DeltaKernels", chunk_size: int = 64) -> tuple[torch.Tensor, DeltaState]:
+           kernels: "DeltaKernels", chunk_size: int = 64, gate: str = "silu") -> tuple[torch.Tensor, DeltaState]:
     """The layer after its input projections (_projections' views, (B, T, ..) each) from `state` (None: empty):
     the conv, the gates, the q/k norms, the delta rule (recurrent or chunked) and the gated output norm -> (B, T,
     nv, dv), the state after."""
@@ -126,7 +130,7 @@ def _mixer(q, k, v, z, b, a, lw: dict, eps: float, state: DeltaState | None, rec
         o, ssm = kernels.recurrent(q, k, v, g, beta, ssm0)
     else:
         o, ssm = kernels.chunk(q, k, v, g, beta, ssm0, chunk_size)
-    return gated_rms_norm(o, z.reshape(B, T, nv, dv), lw["ssm_norm.weight"], eps), DeltaState(conv, ssm)
+    return gated_rms_norm(o, z.reshape(B, T, nv, dv), lw["ssm_norm.weight"], eps, gate), DeltaState(conv, ssm)
 
 
 def _gates(a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor):
@@ -134,15 +138,16 @@ def _gates(a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch
     return torch.sigmoid(b), ssm_a.float() * F.softplus(a.float() + dt_bias)
 
 
-def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float, kernels=None) -> torch.Tensor:
+def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float, kernels=None,
+                  gate: str = "silu") -> torch.Tensor:
     """A decode step of B sequences from their projections (_projections' views of one token each: q, k (B, nk,
     dk), v, z (B, nk, r, dv), b, a (B, nk, r)), whose states are rows `rows` (B,) of one layer's cache tensors, conv
     (n_seq, C, K-1) and ssm (n_seq, nv, dk, dv) float32, both updated in place -> the gated, normed output (B, nv
     dv), ready for ssm_out. The conv, gates, norms, recurrence and output norm of gated_deltanet at T = 1: the
     oracle of a DeltaKernels' `in_place` (kernels/delta.py's one-launch step). kernels: the conv and recurrence
-    between the gather and the write-back (None: the references)."""
+    between the gather and the write-back (None: the references); gate: the output gate's activation."""
     o, st = _mixer(*(t[:, None] for t in (q, k, v, z, b, a)), lw, eps, DeltaState(conv[rows], ssm[rows]),
-                   recurrent=True, kernels=kernels or TORCH)
+                   recurrent=True, kernels=kernels or TORCH, gate=gate)
     conv[rows], ssm[rows] = st.conv, st.ssm
     return o.reshape(q.shape[0], -1)
 
@@ -157,7 +162,8 @@ def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaStat
     kernels: the conv and delta-rule implementations (plain torch by default)."""
     B, T, _ = x.shape
     recurrent = mode == "recurrent" or (mode == "auto" and T == 1)
-    o, st = _mixer(*_projections(x, lw, cfg), lw, cfg.rms_norm_eps, state, recurrent, kernels, chunk_size)
+    o, st = _mixer(*_projections(x, lw, cfg), lw, cfg.rms_norm_eps, state, recurrent, kernels, chunk_size,
+                   cfg.deltanet_gate)
     return F.linear(o.reshape(B, T, -1), lw["ssm_out.weight"]), st
 
 
@@ -184,7 +190,9 @@ class DeltaNet:
 
     def __init__(self, cfg: ModelConfig, kernels: DeltaKernels = TORCH):
         self.cfg, self.kernels = cfg, kernels
-        self.in_place = kernels.in_place or functools.partial(step_in_place, kernels=kernels)
+        # the one-launch decode kernel gates by silu: a sigmoid gate takes the step around the kernels' parts
+        fast = kernels.in_place if cfg.deltanet_gate == "silu" else None
+        self.in_place = fast or functools.partial(step_in_place, kernels=kernels, gate=cfg.deltanet_gate)
 
     def prepare(self, lw: dict) -> None:
         """At load: the split layout's four input projections as one (fuse_projections)."""

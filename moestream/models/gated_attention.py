@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .layers import apply_rope, attention, rms_norm
+from .layers import apply_rope, attention, masked_attention, rms_norm
 
 
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -26,10 +26,10 @@ def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def gated_attention(x: torch.Tensor, lw: dict, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor, kv,
-                    slot: int, seq: int, start: int) -> torch.Tensor:
+                    slot: int, seq: int, start: int, keep: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, H): the normed residual stream of tokens start..start+T-1 of sequence `seq`; cos, sin (T, rotary_dim)
     at their positions, in x's dtype. Writes their k, v into `kv` and attends the sequence's keys up to each token
-    -> (T, H)."""
+    -> (T, H). keep (T, start+T) bool: the keys each token attends (QSA's, models/qsa.py; None: causal)."""
     T = x.shape[0]
     nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, gate = F.linear(x, lw["attn_q.weight"]).view(T, nh, 2 * hd).chunk(2, dim=-1)    # (T, nh, hd) each
@@ -42,6 +42,9 @@ def gated_attention(x: torch.Tensor, lw: dict, cfg: ModelConfig, cos: torch.Tens
     kv.write(slot, torch.full_like(pos, seq), pos, k, v)
     end = start + T
     keys, values = kv.k[slot][seq:seq + 1, :, :end], kv.v[slot][seq:seq + 1, :, :end]    # (1, nkv, end, hd)
-    o = attention(q.transpose(0, 1).unsqueeze(0), keys, values)[0].transpose(0, 1)      # (T, nh, hd)
+    if keep is None:
+        o = attention(q.transpose(0, 1).unsqueeze(0), keys, values)[0].transpose(0, 1)  # (T, nh, hd)
+    else:
+        o = masked_attention(q, keys[0], values[0], keep)
     o = o.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
     return F.linear(o, lw["attn_output.weight"])

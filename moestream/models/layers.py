@@ -149,6 +149,13 @@ def _softmax_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Te
     return torch.softmax(both, dim=-1)[..., :-1]
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """q (T, nh, hd) against k, v (nkv, n, hd) where keep (T, n) says -> (T, nh, hd)."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=keep[None, None],
+                                       enable_gqa=q.shape[1] != k.shape[0])
+    return o[0].transpose(0, 1)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence against its whole cache: q (B, nh, hd); k, v (B, nkv, n, hd); mask (B, n) bool

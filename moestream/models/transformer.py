@@ -12,7 +12,11 @@ Qwen3-MoE: GQA with per-head QK-norm. Qwen2-MoE: q/k/v biases and a sigmoid-gate
 over the whole projection and optional clipping. Mixtral: none of these. Qwen3-Next and Qwen3.5-MoE: gated
 attention between DeltaNet layers, whose states the cache (runtime/kv_cache.py's HybridCache) holds per sequence:
 row s of conv[i] and ssm[i] is sequence s's, read at each segment's sequence and written back, the cache checking
-positions and resetting restarted sequences before the forward (HybridCache.begin).
+positions and resetting restarted sequences before the forward (HybridCache.begin). Qwen3.8-Flash-Next: QSA
+attention (models/qsa.py), hyper-connections for the residual (models/residual.py's Hyper: the streams, each
+block's input mixed from them, its output written back by gates) and, on its PLE layer, n-gram embeddings gathered
+from a table in host memory (models/ple.py's PLE); its cache (Qwen4Cache) holds the indexer's keys, each
+sequence's n-gram context and PLE conv rows.
 """
 from __future__ import annotations
 
@@ -27,8 +31,9 @@ from ..config import ModelConfig
 from ..kernels.delta_reference import DeltaKernels
 from ..kernels.host_arrays import upload
 from .blocks import build
-from .layers import rms_norm, swiglu
+from .layers import swiglu
 from .moe import moe_experts, moe_route
+from .ple import PLE
 from .router import fuses as router_fuses
 
 MAX_AHEAD = 4                   # lookahead guesses reach at most this many MoE layers ahead
@@ -83,21 +88,29 @@ class Batch:
 
 
 class MoETransformer:
-    # A decode step may be captured in a CUDA graph (runtime/decode.py). A DeltaNet's states are gathered and
-    # written back by the step's device tensor of sequences (no host sync); the engine checks and advances each
-    # sequence's position around every replay (GraphDecode), and a graph's warm-up leaves the states as they were
-    # (HybridCache.kept).
-    capturable = True
+    @staticmethod
+    def capturable_for(cfg: ModelConfig) -> bool:
+        """Whether a decode step may be captured in a CUDA graph (runtime/decode.py). A DeltaNet's states are
+        gathered and written back by the step's device tensor of sequences (no host sync); the engine checks and
+        advances each sequence's position around every replay (GraphDecode), and a graph's warm-up leaves the states
+        as they were (HybridCache.kept). Not where a step reads the host: the PLE table's rows are picked and
+        gathered there, and QSA picks its blocks per number seen."""
+        return not (cfg.ple_layers or cfg.indexer_heads)
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                  blocks: Blocks = Blocks(), delta: DeltaKernels | None = None):
         """blocks: the family's (arch/families.py); delta: a DeltaNet mixer's kernels (kernels/delta.py picks;
-        None: the plain-torch references)."""
+        None: the plain-torch references). weights: on the device but the PLE table (per_layer_token_embd), which
+        the loader leaves in host memory."""
         self.cfg = cfg
+        self.capturable = self.capturable_for(cfg)
         built = build(cfg, blocks, delta)
         self.attention, self.mixers, self.router, self.residual = (built.attention, built.mixers, built.router,
                                                                    built.residual)
         self.mlp = blocks.experts
+        weights = dict(weights)
+        table = weights.pop("per_layer_token_embd.weight", None)
+        self.ple = PLE(cfg, table) if cfg.ple_layers else None
         self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
         # the layers' tensors live in self.layers only: what __init__ concatenates there does not keep its parts
         self.w = {n: t for n, t in weights.items() if not n.startswith("blk.")}
@@ -144,7 +157,10 @@ class MoETransformer:
         generator's alone, so their ops and bits are those of forward_parts."""
         cfg = self.cfg
         by_address, fused, observer = parts[0].by_address, parts[0].fused, parts[0].observer
-        hs = [self.w["token_embd.weight"][p.tokens] for p in parts]          # (T, H) each
+        res = self.residual
+        hs = [res.expand(self.w["token_embd.weight"][p.tokens]) for p in parts]     # (T, H) each (hyper: hc*H)
+        # the PLE layer's n-gram embeddings, gathered on the host from each sequence's context (advanced now)
+        embs = [self.ple.embeddings(p, kv) for p in parts] if self.ple is not None else None
         rope = [(self.cos[p.positions].to(h.dtype), self.sin[p.positions].to(h.dtype)) for p, h in zip(parts, hs)]
         masks = [None] * len(parts)
         for j, p in enumerate(parts):
@@ -152,49 +168,57 @@ class MoETransformer:
                 n = p.kv_len or kv.ctx
                 masks[j] = torch.arange(n, device=hs[j].device)[None, :] <= p.positions[:, None]     # (B, n)
         deltas = [None] * len(parts)    # each part's last block output, not yet added to its residual stream
+        gates = [None] * len(parts)     # what each part's block output needs back (hyper: the streams' gates)
         for i, lw in enumerate(self.layers):
             for j, p in enumerate(parts):
-                hs[j], a, proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
-                deltas[j] = self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj)
+                if i in cfg.ple_layers:     # the n-gram embeddings added into the streams before the layer's mixer
+                    hs[j], deltas[j] = res.add(hs[j], deltas[j]), None
+                    hs[j] = hs[j] + self.ple.add(hs[j], embs[j], lw, p, kv.ple_conv[i])
+                hs[j], a, gates[j], proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
+                deltas[j] = res.block_output(self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj), gates[j])
             if i in cfg.dense_layers:
                 for j in range(len(parts)):
-                    hs[j], m = self.residual.add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
-                    deltas[j] = swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"], lw["ffn_down.weight"])
+                    hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
+                    deltas[j] = res.block_output(swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"],
+                                                        lw["ffn_down.weight"]), gates[j])
                 yield i
                 continue
             routed = addrs = None
             ms = []
             for j in range(len(parts)):
-                if fused is not None and router_fuses(self.router):   # a decode step: the add, norm, router,
-                    # top-k and addresses in one launch (softmax routers; the others route in moe_route)
+                if fused is not None and res.fuses and router_fuses(self.router):   # a decode step: the add,
+                    # norm, router, top-k and addresses in one launch (softmax routers; the others route in moe_route)
                     table = experts.address_table(i) if by_address is not None else None
                     hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
                                                                 cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
                                                                 cfg.n_experts_used, cfg.norm_topk_prob, hs[j].dtype,
                                                                 table)
                 else:
-                    hs[j], m = self.residual.add_norm(hs[j], deltas[j], lw["ffn_norm.weight"], fused)
+                    hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
                 ms.append(m)
             weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
                                             self.router)
-            deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs,
-                                 self.mlp)
+            outs = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs,
+                               self.mlp)
+            deltas = [res.block_output(o, g) for o, g in zip(outs, gates)]
             yield i
         outs = []
         for p, h, delta in zip(parts, hs, deltas):
             if len(p.out_rows):         # (a shape, known on the host)
-                h = rms_norm((h + delta)[p.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
+                h = res.final(h, delta, self.w, p.out_rows)
                 outs.append(F.linear(h, self.lm_head).float())               # (R, V)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _norm_project(self, h, delta, lw, layer, fused):
-        """The residual add and the mixer's norm: (h, the normed x, None); in a one-token fused step, with the
-        mixer's input projection (`in_proj`) in the same launch: (h, x, the projection of x)."""
+        """The residual add and the mixer's input: (h, x, what its output needs back, None); in a one-token fused
+        step of a plain residual, with the mixer's input projection (`in_proj`) in the same launch: (h, x, None,
+        the projection of x)."""
         w = self.mixers[layer].in_proj(lw)
-        if fused is None or delta is None or h.shape[0] != 1 or w is None:
-            return (*self.residual.add_norm(h, delta, lw["attn_norm.weight"], fused), None)
-        return fused.norm_linear(h, delta, lw["attn_norm.weight"], self.cfg.rms_norm_eps, lw[f"{w}.weight"],
-                                 lw.get(f"{w}.bias"))
+        if fused is None or not self.residual.fuses or delta is None or h.shape[0] != 1 or w is None:
+            return (*self.residual.block_input(h, delta, lw, "attn", fused), None)
+        h, x, proj = fused.norm_linear(h, delta, lw["attn_norm.weight"], self.cfg.rms_norm_eps, lw[f"{w}.weight"],
+                                       lw.get(f"{w}.bias"))
+        return h, x, None, proj
 
     def mix(self, x, lw, layer, batch: Batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
         """Layer `layer`'s token mixer on the normed residual stream x (T, H) -> (T, H): the attention kind on KV

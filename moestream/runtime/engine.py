@@ -270,14 +270,16 @@ class Engine:
         return describe(layouts, sizes, file_types)
 
     def stats(self) -> dict:
-        """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative)."""
+        """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative); and the
+        bytes of PLE n-gram rows gathered on the host and copied to the device since load (ple_bytes)."""
         from ..experts.stats import CacheStats
         st = self.host.counters() if self.host is not None else CacheStats()
         total = CacheStats.summary(st.total)
         cache = self.host.cache_info() if self.host is not None else None
         return {"cache": cache, "total": total, "prompt": CacheStats.summary(st.prompt),
                 "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
-                "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"]}
+                "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"],
+                "ple_bytes": self.model.ple.table.bytes_read if self.model.ple is not None else 0}
 
     def pinned_slots(self) -> int | None:
         """The expert cache's slots that the next forward could not evict (None: no cache), for /metrics. Call it

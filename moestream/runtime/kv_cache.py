@@ -175,6 +175,59 @@ class HybridCache(KVCache):
         return n if n == len(cached) else 0
 
 
+class Qwen4Cache(HybridCache):
+    """HybridCache plus what QSA and the PLE keep (Qwen3.8-Flash-Next): per attention layer j each token's raw index
+    key, index_keys[j] (n_seq, ctx, d) in the model's dtype, by position like K and V; per sequence its n-gram
+    context, ngram (n_seq, ngram_size-1) int64 in host memory (its last tokens: the rows of its next ones are
+    picked on the host; EOS at its start), and per PLE layer its conv rows, ple_conv[i] (n_seq, (K-1)*ngram_size,
+    hc*H) (zeros at its start). The contexts and conv rows are states: reset with the DeltaNet's, kept by kept()."""
+
+    def __init__(self, cfg, n_seq: int, ctx: int, dtype, device):
+        super().__init__(cfg, n_seq, ctx, dtype, device)
+        self.index_keys = [torch.zeros(n_seq, ctx, cfg.indexer_head_dim, dtype=dtype, device=device)
+                           for _ in cfg.attention_layers] if cfg.indexer_heads else []
+        self.eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+        self.ngram = torch.full((n_seq, cfg.ngram_size - 1), self.eos, dtype=torch.long)
+        self.ple_conv = {i: torch.zeros(self.ple_shape(cfg, n_seq), dtype=dtype, device=device)
+                         for i in cfg.ple_layers}
+
+    @staticmethod
+    def ple_shape(cfg, n_seq: int) -> tuple[int, int, int]:
+        return n_seq, (cfg.ple_conv_kernel - 1) * cfg.ngram_size, cfg.hc_count * cfg.hidden_size
+
+    @staticmethod
+    def extra_nbytes(cfg, n_seq: int, ctx: int, dtype) -> tuple[int, int]:
+        """(the index keys' bytes, which grow with the context; the PLE conv rows', which do not)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        keys = len(cfg.attention_layers) * n_seq * ctx * cfg.indexer_head_dim * size if cfg.indexer_heads else 0
+        a, b, c = Qwen4Cache.ple_shape(cfg, n_seq)
+        return keys, len(cfg.ple_layers) * a * b * c * size
+
+    def begin(self, segments) -> None:
+        super().begin(segments)
+        if self._kept:
+            return
+        for s in segments:
+            if s.start == 0:
+                self.ngram[s.seq] = self.eos
+                for t in self.ple_conv.values():
+                    t[s.seq].zero_()
+
+    @contextmanager
+    def kept(self):
+        if self._kept:
+            yield
+            return
+        ngram, conv = self.ngram.clone(), {i: t.clone() for i, t in self.ple_conv.items()}
+        with super().kept():
+            try:
+                yield
+            finally:
+                self.ngram.copy_(ngram)
+                for i, t in self.ple_conv.items():
+                    t.copy_(conv[i])
+
+
 def kv_layout(cfg) -> tuple[int, int, int]:
     """(heads, key head size, value head size) a token keeps per attention layer: GQA's KV heads, or latent
     attention's one latent of kv_lora_rank and one rotary key of qk_rope_head_dim (576 values at DeepSeek-V3's)."""
@@ -184,7 +237,10 @@ def kv_layout(cfg) -> tuple[int, int, int]:
 
 
 def make_cache(cfg, n_seq: int, ctx: int, dtype, device) -> KVCache:
-    """The cache of a model of `cfg`: a HybridCache where it has DeltaNet layers, else a KVCache of every layer."""
+    """The cache of a model of `cfg`: a HybridCache where it has DeltaNet layers (a Qwen4Cache with QSA's keys or a
+    PLE layer's states), else a KVCache of every layer."""
+    if cfg.indexer_heads or cfg.ple_layers:
+        return Qwen4Cache(cfg, n_seq, ctx, dtype, device)
     if cfg.linear_layers:
         return HybridCache(cfg, n_seq, ctx, dtype, device)
     n_kv, hd, hd_v = kv_layout(cfg)
@@ -192,7 +248,9 @@ def make_cache(cfg, n_seq: int, ctx: int, dtype, device) -> KVCache:
 
 
 def cache_nbytes(cfg, n_seq: int, ctx: int, dtype) -> tuple[int, int]:
-    """(bytes that grow with the context: the attention layers' K and V; bytes that do not: DeltaNet states)."""
+    """(bytes that grow with the context: the attention layers' K and V, and QSA's index keys; bytes that do not:
+    DeltaNet states, PLE conv rows)."""
     n_kv, hd, hd_v = kv_layout(cfg)
     kv = KVCache.nbytes_for(len(cfg.attention_layers), n_seq, ctx, n_kv, hd, dtype, hd_v)
-    return kv, HybridCache.state_nbytes_for(cfg, n_seq, dtype) if cfg.linear_layers else 0
+    keys, ple = Qwen4Cache.extra_nbytes(cfg, n_seq, ctx, dtype)
+    return kv + keys, (HybridCache.state_nbytes_for(cfg, n_seq, dtype) if cfg.linear_layers else 0) + ple

@@ -23,7 +23,7 @@ from ..kernels import AddressBook, by_address_kernels, pick_kernel
 from ..kernels.delta import pick_delta_kernels
 from ..arch.families import FAMILIES
 from ..models.layers import rope_tables
-from ..arch.names import dense_names, keeps_float32
+from ..arch.names import HOST_TABLES, dense_names, keeps_float32
 from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
@@ -50,8 +50,8 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
     width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
     blocks = FAMILIES[cfg.family].blocks         # the family table says which blocks the decoder is built from
-    plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), MoETransformer.capturable,  # how decode steps run
-                       by_address_kernels(blocks))
+    plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), MoETransformer.capturable_for(cfg),
+                       by_address_kernels(blocks))                   # how decode steps run
     ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)       # (--moe-cache-mib auto: in MiB)
 
     names = dense_names(cfg)
@@ -59,7 +59,10 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     bar = tqdm(total=len(names) + len(moe), desc="loading", unit="tensor", disable=not progress, leave=False)
     weights = {}
     for n in names:
-        weights[n] = source.tensor(n).to(device=dev.torch, dtype=torch.float32 if keeps_float32(n) else dtype)
+        if n in HOST_TABLES:        # the PLE's n-gram rows: in host memory as the source holds them (a GGUF's
+            weights[n] = source.rows(n)         # mapped), gathered there by row (models/ple.py's PLETable)
+        else:
+            weights[n] = source.tensor(n).to(device=dev.torch, dtype=torch.float32 if keeps_float32(n) else dtype)
         bar.update()
     staging = None
     host_rows, dev_rows = {}, {}

@@ -152,6 +152,7 @@ def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float 
             "seconds_mean": seconds,
             "uploaded_gb": None if tot["uploaded_bytes"] is None else tot["uploaded_bytes"] / 1e9,
             "copies": tot["copies"], "hit_rate": tot["hit_rate"],
+            "ple_gb": None if tot["ple_bytes"] is None else tot["ple_bytes"] / 1e9,
             "wait_ms_per_layer": None if wait is None else wait * 1e3 / max(len(layers) or n_layers, 1),
             "host_ms_per_layer": None if host is None else host * 1e3 / max(len(layers) or n_layers, 1),
             "link_gbps": None if link_bps is None else link_bps / 1e9,

@@ -15,7 +15,8 @@ import sys
 from .. import flags
 from ..errors import UserError
 
-COUNTERS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "wait_s", "host_s")
+COUNTERS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "wait_s", "host_s",
+            "ple_bytes")                # PLE n-gram rows gathered on the host (Qwen3.8-Flash-Next), whole-run only
 SWEPT = ("batch_size", "ubatch_size", "n_cpu_moe", "moe_cache_mib")      # engine flags that take comma lists here
 
 
@@ -38,7 +39,7 @@ def read_stats(llm) -> tuple[dict, dict[int, dict]]:
         return {k: (float(d[k]) if d.get(k) is not None else None) for k in COUNTERS}
 
     if "total" in st:
-        total = norm(st["total"])
+        total = norm({**st["total"], "ple_bytes": st.get("ple_bytes", 0)})
     else:                                                  # the engine before the cache: uploads only
         total = norm({"uploaded_bytes": st.get("uploaded_bytes", 0), "copies": st.get("uploaded_experts", 0)})
     if "per_layer" in st:

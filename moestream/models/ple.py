@@ -1,0 +1,193 @@
+"""Per-layer n-gram embeddings (PLE), Qwen3.8-Flash-Next's (transformers' Qwen4ExpTextNGramEmbedding and
+Qwen4ExpTextPLELayer): each token's 2- .. ngram_size-grams are hashed into rows of one huge table (tens of billions
+of parameters), which a layer adds into every residual stream.
+
+    consts = NGramHash.of(cfg)                    # the hash: multipliers, per-head prime row counts, offsets
+    ids = consts.rows(context, tokens)            # (T, heads) table rows of tokens, after the sequence's context
+    table = PLETable(weights)                     # the table, kept in host memory; gathers rows into staging
+    emb = table.gather(ids, device)               # (T, ple_embed_dim): a few KB a token cross the link
+    add, conv_state = ple_add(h, emb, lw, cfg, conv_state)      # h (T, hc*H) + add: the layer's streams
+
+The hash of token t's n-gram: tokens t, t-1, .. t-n+1 times their multipliers, xor-ed (int64, no overflow: each
+multiplier is below 2**63 / vocab), modulo each head's prime, plus the head's offset. A token before a sequence's
+start, or before the last EOS that precedes t, reads as EOS (the n-grams do not cross documents). So token t's rows
+depend on t-2, t-1 and t only (trigrams): a sequence keeps its last ngram_size-1 tokens (`context`) for its next
+ubatch or decode step, EOS-filled at its start.
+
+The layer: k = the key projection's streams normed, q = the residual streams normed, v = the value projection;
+gate_s = signed sqrt(|<k_s, q_s>| / sqrt(H)); out_s = sigmoid(gate_s) v; the streams get out + silu(conv(norm(out)))
+where conv is a depthwise conv of kernel K, dilation ngram_size over the sequence: a sequence keeps its last
+(K-1)*ngram_size normed rows (`conv_state`, zeros at its start).
+
+In the decoder (models/transformer.py) the PLE block holds the table and the hash; a sequence's n-gram context
+and conv rows are its cache's (runtime/kv_cache.py's Qwen4Cache: ngram, ple_conv):
+
+    ple = PLE(cfg, table)                         # table: (rows, d) in host memory, never on the device
+    emb = ple.embeddings(batch, kv)               # (T, ple_embed_dim) on the batch's device; contexts advanced
+    h = h + ple.add(h, emb, lw, batch, kv.ple_conv[layer])       # each segment's conv rows read and written back
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..arch.ngram import ngram_constants
+from ..config import ModelConfig
+from .residual import group_rms_norm
+
+
+class NGramHash:
+    """The hash constants of PLE layer `index` (the first: 0), as transformers derives them from the config."""
+
+    def __init__(self, multipliers: list[int], sizes: list[int], eos: int, ngram_size: int, per_ngram: int,
+                 divisor: int):
+        self.multipliers, self.sizes, self.eos = multipliers, sizes, eos
+        self.ngram_size, self.per_ngram = ngram_size, per_ngram
+        self.offsets = [sum(sizes[:h]) for h in range(len(sizes))]
+        self.rows_total = -(-sum(sizes) // divisor) * divisor         # the table's rows, padded
+
+    @staticmethod
+    def of(cfg: ModelConfig, index: int = 0) -> "NGramHash":
+        mult, sizes = ngram_constants(cfg, index)
+        return NGramHash(mult, sizes, cfg.eos_token_ids[0], cfg.ngram_size, cfg.heads_per_ngram,
+                         cfg.ngram_vocab_divisor)
+
+    @property
+    def context_len(self) -> int:
+        return self.ngram_size - 1
+
+    def start_context(self) -> list[int]:
+        """A sequence's context at its start: EOS, as transformers fills it."""
+        return [self.eos] * self.context_len
+
+    def rows(self, context: list[int] | torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(T, heads) int64 table rows of `tokens` (T,), which follow `context` (the sequence's last
+        ngram_size-1 tokens before them) -> on tokens' device."""
+        ctx = torch.as_tensor(context, dtype=torch.long, device=tokens.device)
+        hist = torch.cat([ctx, tokens.long()])                       # (L,)
+        L = hist.shape[0]
+        pos = torch.arange(L, device=hist.device)
+        eos_at = torch.where(hist == self.eos, pos, -1)
+        prev_eos = torch.cat([eos_at.new_full((1,), -1), torch.cummax(eos_at, 0).values[:-1]])
+        in_segment = pos - (prev_eos + 1)
+        mult = self.multipliers
+        blocks = []
+        shifted = [hist]
+        for s in range(1, self.ngram_size):
+            src = pos - s
+            valid = (in_segment >= s) & (src >= 0)
+            shifted.append(torch.where(valid, hist[src.clamp_min(0)], hist.new_full((), self.eos)))
+        sizes = torch.tensor(self.sizes, dtype=torch.long, device=hist.device)
+        offsets = torch.tensor(self.offsets, dtype=torch.long, device=hist.device)
+        for n in range(2, self.ngram_size + 1):
+            h0 = (n - 2) * self.per_ngram
+            mixed = shifted[0] * mult[0]
+            for j in range(1, n):
+                mixed = torch.bitwise_xor(mixed, shifted[j] * mult[j])
+            ids = torch.remainder(mixed[:, None], sizes[h0:h0 + self.per_ngram])
+            blocks.append(ids + offsets[h0:h0 + self.per_ngram])
+        return torch.cat(blocks, dim=-1)[-tokens.shape[0]:]
+
+    @staticmethod
+    def next_context(context: list[int], tokens: list[int], n: int) -> list[int]:
+        """The last n tokens of context + tokens: a sequence's context after them."""
+        return (list(context) + list(tokens))[-n:]
+
+
+class PLETable:
+    """The n-gram table (rows_total, d), kept in host memory, read by row only: a ubatch's or decode step's rows are
+    gathered on the host and copied to the device, `row_bytes` a row (heads of them a token). The table is a host
+    tensor (gathered into a pinned staging buffer), or a file's mapped rows (an object with shape, dtype and
+    take(rows): loading/gguf.py's MappedRows, whose blocks are read and dequantized by row). Counts in neither the
+    device budget nor the expert cache; `bytes_read` counts what crossed the link."""
+
+    def __init__(self, table):
+        self.table = table                          # (rows, d) on the host
+        self.mapped = not isinstance(table, torch.Tensor)
+        self.bytes_read = 0
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one gathered row, as it crosses the link."""
+        return self.table.shape[1] * torch.empty((), dtype=self.table.dtype).element_size()
+
+    def gather(self, rows: torch.Tensor, device) -> torch.Tensor:
+        """(T, heads) rows -> (T, heads * d) embeddings on `device`, in the table's dtype: the rows gathered on the
+        host (into pinned staging where the device is a GPU and the table a tensor) and copied."""
+        idx = rows.reshape(-1).cpu()
+        n = idx.numel()
+        dev = torch.device(device)
+        if self.mapped:
+            out = self.table.take(idx).to(dev)
+        elif dev.type == "cpu":
+            out = self.table.index_select(0, idx)
+        else:
+            if self._staging is None or self._staging.shape[0] < n:
+                self._staging = torch.empty(max(n, 1024), self.table.shape[1], dtype=self.table.dtype,
+                                            pin_memory=True)
+            torch.index_select(self.table, 0, idx, out=self._staging[:n])
+            out = self._staging[:n].to(dev, non_blocking=True)
+            torch.cuda.current_stream(dev).synchronize()     # the staging is reused by the next gather
+        self.bytes_read += n * self.row_bytes
+        return out.view(rows.shape[0], -1)
+
+
+def ple_add(h: torch.Tensor, emb: torch.Tensor, lw: dict, cfg: ModelConfig,
+            conv_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the PLE layer adds to the streams h (T, hc*H) of one sequence's consecutive tokens, from their
+    embeddings emb (T, ple_embed_dim), and the conv state after them; conv_state ((K-1)*ngram_size, hc*H): the
+    normed rows of the sequence's last tokens (None: its start, zeros)."""
+    T, hc, H = h.shape[0], cfg.hc_count, cfg.hidden_size
+    emb = emb.to(h.dtype)
+    key = group_rms_norm(F.linear(emb, lw["ple_key.weight"]), lw["ple_norm_key.weight"], hc, cfg.rms_norm_eps)
+    value = F.linear(emb, lw["ple_value.weight"])                                     # (T, H)
+    query = group_rms_norm(h, lw["ple_norm_query.weight"], hc, cfg.rms_norm_eps)
+    gate = (key.view(T, hc, H) * query.view(T, hc, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)                       # (T, hc*H)
+    normed = group_rms_norm(gated, lw["ple_norm_conv.weight"], hc, cfg.rms_norm_eps)
+    w = lw["ple_conv1d.weight"]                                                        # (hc*H, K)
+    K, d = w.shape[1], cfg.ngram_size
+    span = (K - 1) * d
+    if conv_state is None:
+        conv_state = normed.new_zeros(span, normed.shape[1])
+    x = torch.cat([conv_state, normed])                                                # (span + T, C)
+    y = F.conv1d(x.t()[None], w[:, None, :], groups=w.shape[0], dilation=d)[0].t()      # (T, C)
+    return gated + F.silu(y), x[-span:].clone()
+
+
+class PLE:
+    """The decoder's PLE block: the n-gram table in host memory (PLETable: its rows gathered on the host, counted
+    in bytes_read) and the hash of ModelConfig's one PLE layer."""
+
+    def __init__(self, cfg: ModelConfig, table: torch.Tensor):
+        self.cfg = cfg
+        self.table = PLETable(table)
+        self.hash = NGramHash.of(cfg)
+
+    def embeddings(self, batch, kv) -> torch.Tensor:
+        """(T, ple_embed_dim) of batch's tokens on their device: each segment's rows hashed after its sequence's
+        context (kv.ngram[seq], (ngram_size-1,) int64 on the host), then gathered from the host table; each
+        context advanced past its segment. The tokens are read back to the host (a decode step's sampled ones
+        too): the rows are picked there."""
+        tokens = batch.tokens.cpu()
+        rows, r = [], 0
+        for s in batch.segments:
+            toks = tokens[r:r + s.n]
+            rows.append(self.hash.rows(kv.ngram[s.seq], toks))                 # (n, heads)
+            kv.ngram[s.seq] = torch.cat([kv.ngram[s.seq], toks])[-self.hash.context_len:]
+            r += s.n
+        return self.table.gather(torch.cat(rows), batch.tokens.device)
+
+    def add(self, h: torch.Tensor, emb: torch.Tensor, lw: dict, batch, conv: torch.Tensor) -> torch.Tensor:
+        """What the PLE layer adds to the streams h (T, hc*H): ple_add of each segment, its sequence's conv rows
+        read from conv (n_seq, (K-1)*ngram_size, hc*H) and written back."""
+        outs, r = [], 0
+        for s in batch.segments:
+            add, conv[s.seq] = ple_add(h[r:r + s.n], emb[r:r + s.n], lw, self.cfg, conv[s.seq])
+            outs.append(add)
+            r += s.n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
