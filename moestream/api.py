@@ -21,7 +21,7 @@ from .errors import UserError
 from .loading.source import open_source
 from .quant.layout import expert_layouts
 from .runtime.generate import Completion, Generation
-from .runtime.load import load_engine
+from .runtime.load import load_engine, model_config
 from .runtime.memory import check_host_fits
 from .runtime.plan import resolve
 from .runtime.prompt_batch import next_batch
@@ -76,7 +76,7 @@ class LLM:
         # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (load_engine takes
         # it resolved)
         self.config = resolve(config, self.source.dtype_of("token_embd.weight"))
-        cfg = self.source.config
+        cfg = model_config(self.source.config, self.config)
         layouts = expert_layouts(self.source, cfg)       # a quantized file's experts are its blocks' bytes
         size = max(lay.row_bytes_for(getattr(torch, self.config.placement.dtype)) for lay in layouts.values())
         check_host_fits(cfg, self.config, expert_bytes=size)   # before any large allocation (the device's: load)

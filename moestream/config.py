@@ -78,6 +78,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0                  # its rotary dims, the key's shared by every head
     v_head_dim: int = 0                        # a value head's dims
     rope_interleave: bool = False              # rotary on adjacent pairs (DeepSeek's, llama.cpp's NORM), not halves
+    # --- multi-token prediction (models/mtp.py): heads the checkpoint ships, loaded as blocks after the trunk ------
+    nextn_layers: int = 0                      # MTP heads: layer n_layers + k is head k (GGUF nextn_predict_layers)
 
     def __post_init__(self):
         for name in INT_FIELDS:
@@ -132,6 +134,8 @@ class ModelConfig:
             raise UserError(f"model config: latent attention needs positive qk_nope_head_dim, qk_rope_head_dim and "
                             f"v_head_dim with head_dim their q/k sum and as many KV heads as heads, got "
                             f"{self.qk_nope_head_dim}, {self.qk_rope_head_dim}, {self.v_head_dim}, {self.head_dim}")
+        if not isinstance(self.nextn_layers, int) or self.nextn_layers < 0:
+            raise UserError(f"model config: nextn_layers must be a whole number >= 0, got {self.nextn_layers!r}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise UserError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
                             f"rotary width of head_dim {self.head_dim}")
@@ -169,6 +173,22 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         """Indices of the layers that have routed experts."""
         return [i for i in range(self.n_layers) if i not in self.dense_layers]
+
+    @property
+    def head_layers(self) -> list[int]:
+        """Indices of the MTP heads' blocks, after the trunk's: a head is layer n_layers + k of the expert store
+        and the KV cache (a full attention layer with routed experts), never run by the trunk's forward."""
+        return list(range(self.n_layers, self.n_layers + self.nextn_layers))
+
+    @property
+    def expert_layers(self) -> list[int]:
+        """Every layer with routed experts in the store: the trunk's MoE layers, then the heads'."""
+        return self.moe_layers + self.head_layers
+
+    @property
+    def n_stored_layers(self) -> int:
+        """Layers of the per-layer tables (expert store, residency, routing counts): the trunk's and the heads'."""
+        return self.n_layers + self.nextn_layers
 
     @property
     def expert_numel(self) -> int:

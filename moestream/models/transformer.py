@@ -29,6 +29,7 @@ from ..kernels.host_arrays import upload
 from .blocks import build
 from .layers import rms_norm, swiglu
 from .moe import moe_experts, moe_route
+from .mtp import mtp_input
 from .router import fuses as router_fuses
 
 MAX_AHEAD = 4                   # lookahead guesses reach at most this many MoE layers ahead
@@ -55,10 +56,18 @@ class Batch:
     by_address: object = None      # zero-copy decode step: fn(x, addrs, weights, inter, landing) -> (T, H)
     fused: object = None           # kernels.fused for a decode step on CUDA: norms, rotary, cache writes, top-k
     observer: object = None        # a RouteObserver (experts/routing.py) told each MoE layer's routing, or None
+    # Multi-token prediction (models/mtp.py): a head step reads `head`, the hidden states (T, H) beside its tokens,
+    # through the MTP head's block instead of the trunk; keep_hidden: the forward leaves every token's post-norm
+    # hidden state (T, H) in `hidden` (what the next head step reads).
+    head: torch.Tensor | None = None
+    keep_hidden: bool = False
+    keep_states: bool = False      # a verify step: recurrent layers keep each token's state (models/deltanet.py)
+    hidden: torch.Tensor | None = None
 
     @staticmethod
     def make(segments: list[Segment], tokens: list[int] | torch.Tensor, device, all_logits: bool = False,
-             kv_len: int | None = None, by_address=None, fused=None, observer=None, logits: bool = True) -> "Batch":
+             kv_len: int | None = None, by_address=None, fused=None, observer=None, logits: bool = True,
+             head: torch.Tensor | None = None, keep_hidden: bool = False, keep_states: bool = False) -> "Batch":
         """all_logits: every token's logits, else each segment's last token's; logits=False: none (a part of a
         prompt's batch before its last, models/transformer.py's forward_parts). tokens: ids, or a (T,) tensor of
         them on the device (a decode step's sampled tokens, not read back)."""
@@ -74,7 +83,7 @@ class Batch:
         flat = upload(np.array(tokens + seq_ids + pos + rows, dtype=np.int64), torch.device(device))  # no wait
         T = len(tokens)
         return Batch(flat[:T] if on_device is None else on_device, segments, flat[T:2 * T], flat[2 * T:3 * T],
-                     flat[3 * T:], kv_len, by_address, fused, observer)
+                     flat[3 * T:], kv_len, by_address, fused, observer, head, keep_hidden, keep_states)
 
     @property
     def is_decode(self) -> bool:
@@ -97,11 +106,12 @@ class MoETransformer:
         built = build(cfg, blocks, delta)
         self.attention, self.mixers, self.router, self.residual = (built.attention, built.mixers, built.router,
                                                                    built.residual)
-        self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
+        # layer -> its KV cache layer; an MTP head's after the trunk's
+        self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers + cfg.head_layers)}
         # the layers' tensors live in self.layers only: what __init__ concatenates there does not keep its parts
         self.w = {n: t for n, t in weights.items() if not n.startswith("blk.")}
         self.layers = [{k[len(f"blk.{i}."):]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
-                       for i in range(cfg.n_layers)]
+                       for i in range(cfg.n_stored_layers)]       # the trunk's, then the MTP heads'
         for lw in self.layers:          # q, k and v in one GEMM: one launch and one pass over x instead of three
             for kind in ("weight", "bias"):       # (latent attention has attn_q alone: left as it is)
                 if all(f"attn_{n}.{kind}" in lw for n in "qkv"):
@@ -114,7 +124,7 @@ class MoETransformer:
                     lw["attn_qk_norm.weight"] = torch.cat([lw["attn_q_norm.weight"], lw["attn_k_norm.weight"]])
         moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead
         self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD])
-                             for i, a in enumerate(moe)}
+                             for i, a in enumerate(moe)} | {h: () for h in cfg.head_layers}
         for mixer, lw in zip(self.mixers, self.layers):
             mixer.prepare(lw)
 
@@ -141,6 +151,11 @@ class MoETransformer:
         cfg = self.cfg
         by_address, fused, observer = parts[0].by_address, parts[0].fused, parts[0].observer
         hs = [self.w["token_embd.weight"][p.tokens] for p in parts]          # (T, H) each
+        head = parts[0].head is not None        # an MTP head step: its block, from the embeddings and hidden states
+        layers = range(cfg.n_layers)
+        if head:
+            layers = cfg.head_layers[:1]
+            hs = [mtp_input(h, p.head, self.layers[layers[0]], cfg.rms_norm_eps) for p, h in zip(parts, hs)]
         rope = [(self.cos[p.positions].to(h.dtype), self.sin[p.positions].to(h.dtype)) for p, h in zip(parts, hs)]
         masks = [None] * len(parts)
         for j, p in enumerate(parts):
@@ -148,7 +163,8 @@ class MoETransformer:
                 n = p.kv_len or kv.ctx
                 masks[j] = torch.arange(n, device=hs[j].device)[None, :] <= p.positions[:, None]     # (B, n)
         deltas = [None] * len(parts)    # each part's last block output, not yet added to its residual stream
-        for i, lw in enumerate(self.layers):
+        for i in layers:
+            lw = self.layers[i]
             for j, p in enumerate(parts):
                 hs[j], a, proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
                 deltas[j] = self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj)
@@ -176,9 +192,13 @@ class MoETransformer:
             deltas = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs)
             yield i
         outs = []
+        norm = self.layers[layers[0]]["nextn.shared_head_norm.weight"] if head else self.w["output_norm.weight"]
         for p, h, delta in zip(parts, hs, deltas):
+            if p.keep_hidden:           # every token's post-norm hidden state (T, H): what a head step reads
+                p.hidden = rms_norm(h + delta, norm, cfg.rms_norm_eps)
             if len(p.out_rows):         # (a shape, known on the host)
-                h = rms_norm((h + delta)[p.out_rows], self.w["output_norm.weight"], cfg.rms_norm_eps)
+                h = p.hidden[p.out_rows] if p.keep_hidden else rms_norm((h + delta)[p.out_rows], norm,
+                                                                        cfg.rms_norm_eps)
                 outs.append(F.linear(h, self.lm_head).float())               # (R, V)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
