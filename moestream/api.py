@@ -90,7 +90,8 @@ class LLM:
             auto = f"moe cache: auto = {self.engine.ecfg.cache.mib} MiB; " if self.config.cache.mib == "auto" else ""
             print(f"loaded {model}: {cfg.family}, "
                   f"{cfg.n_layers} layers, {cfg.n_experts} experts (top {cfg.n_experts_used}), {p.dtype} on "
-                  f"{p.device}; experts of {host} of {len(cfg.moe_layers)} MoE layers in host memory; {auto}"
+                  f"{p.device}; experts of {host} of {len(cfg.expert_layers)} MoE layers in host memory"
+                  f"{' (one an MTP head)' if cfg.nextn_layers else ''}; {auto}"
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config

@@ -122,18 +122,25 @@ SPEC_TYPES = ("none", "draft-mtp")
 class SpecConfig:
     """Speculative decoding (runtime/speculate.py): llama.cpp's --spec-type and --spec-draft-n-max."""
     type: str = "none"               # none | draft-mtp (the checkpoint's MTP head drafts, models/mtp.py)
-    draft_n_max: int = 2             # tokens the head drafts a step; the target verifies them and one more
+    draft_n_max: int = 2             # tokens the head drafts a step; the target verifies them and one more (0: the
+                                     # head is loaded, no step drafts: bench's baseline in the same process)
 
     def __post_init__(self):
         if self.type not in SPEC_TYPES:
             raise UserError(f"--spec-type {self.type!r} is not run by moestream; use --spec-type draft-mtp (the "
                             "model's own MTP head) or none")
-        if not isinstance(self.draft_n_max, int) or not 1 <= self.draft_n_max <= 16:
-            raise UserError(f"--spec-draft-n-max must be a whole number from 1 to 16, got {self.draft_n_max!r}")
+        if not isinstance(self.draft_n_max, int) or not 0 <= self.draft_n_max <= 16:
+            raise UserError(f"--spec-draft-n-max must be a whole number from 0 to 16, got {self.draft_n_max!r}")
 
     @property
     def mtp(self) -> bool:
+        """The MTP head is loaded (--spec-type draft-mtp)."""
         return self.type == "draft-mtp"
+
+    @property
+    def drafts(self) -> bool:
+        """Decode steps draft and verify."""
+        return self.mtp and self.draft_n_max > 0
 
 
 @dataclass(frozen=True)

@@ -178,3 +178,56 @@ def test_the_deltanet_state_after_a_rollback_is_the_accepted_positions(mtp_check
 def test_other_spec_types_are_refused_in_one_line(mtp_checkpoint):
     with pytest.raises(UserError, match="--spec-type 'eagle3' is not run"):
         LLM(mtp_checkpoint[0], spec_type="eagle3", **KW)
+
+
+def test_a_gguf_holds_the_head_as_llama_cpp_writes_it(mtp_checkpoint, tmp_path):
+    """The head as blk.{n_layers} with nextn.* tensors, block_count n_layers + 1 and nextn_predict_layers 1 (llama.cpp's
+    converter's layout); read back, the same head as from HF: bit for bit (float32) from qwen3next, within 1e-5 from
+    qwen35moe (its DeltaNet value heads are tiled in the file: the trunk's sums run in another order)."""
+    from moestream.loading.gguf import read_gguf
+    from moestream.loading.gguf_write import write_gguf
+    from moestream.loading.source import open_source
+    path, _, _ = mtp_checkpoint
+    src = open_source(path)
+    write_gguf(src, tmp_path / "m.gguf")
+    reader = read_gguf(tmp_path / "m.gguf")
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    n = src.config.n_layers
+    assert reader.fields[f"{arch}.block_count"].contents() == n + 1
+    assert reader.fields[f"{arch}.nextn_predict_layers"].contents() == 1
+    names = {t.name for t in reader.tensors}
+    assert {f"blk.{n}.nextn.{t}.weight" for t in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} <= names
+    assert {f"blk.{n}.ffn_gate_exps.weight", f"blk.{n}.post_attention_norm.weight"} <= names
+    tokens = ids(10, seed=4)
+    outs = []
+    for model in (path, str(tmp_path / "m.gguf")):
+        eng = LLM(model, spec_type="draft-mtp", **KW).engine
+        assert eng.cfg.nextn_layers == 1
+        eng.prefill(0, tokens, hidden=(hidden := []))
+        outs.append(eng.head_step(0, 0, tokens[1:] + [5], torch.cat(hidden)))
+    for a, b in zip(*outs):
+        if "qwen3_next" in path:
+            assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_sampling_with_drafts_runs_and_a_seed_replays(mtp_checkpoint):
+    llm = LLM(mtp_checkpoint[0], spec_type="draft-mtp", **KW)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=3)
+    a, b = llm.generate(ids(5), params), llm.generate(ids(5), params)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12 and all(0 <= t < VOCAB for t in a.token_ids)
+    assert a.timings["spec"]["drafted"] > 0
+
+
+def test_a_verify_step_is_bit_identical_whatever_the_placement_and_cache(mtp_checkpoint):
+    path, _, _ = mtp_checkpoint
+    prompt, verify = ids(8, seed=6), ids(3, seed=7)
+    outs = []
+    for kw in ({}, dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=0), dict(n_cpu_moe=1)):
+        eng = LLM(path, spec_type="draft-mtp", **kw, **KW).engine
+        eng.prefill(0, prompt, hidden=(hidden := []))
+        logits = eng.forward([Segment(0, len(prompt), 3)], verify, all_logits=True, is_prompt=True,
+                             keep_states=True)
+        outs.append((logits, eng.head_step(0, 0, prompt[1:] + verify[:1], torch.cat(hidden))[1]))
+    for logits, head in outs[1:]:
+        assert torch.equal(logits, outs[0][0]) and torch.equal(head, outs[0][1])

@@ -49,7 +49,9 @@ class SpecCounts:
         return sum(self.accepted) / max(1, sum(self.drafted))
 
     def summary(self) -> dict:
-        steps = max(1, len(self.drafted))
+        if not self.drafted:
+            return {"steps": 0}
+        steps = len(self.drafted)
         out = {"steps": len(self.drafted), "drafted": sum(self.drafted), "accepted": sum(self.accepted),
                "acceptance": round(self.acceptance, 4), "tokens_per_step": round(
                    (sum(self.accepted) + len(self.drafted)) / steps, 4)}
@@ -147,6 +149,11 @@ def greedy_tokens(engine, prompt: list[int], n_tokens: int, n_max: int, oracle=N
     engine.check_context(len(prompt) + n_tokens)
     spec = MTPDecode(engine, seq, n_max, oracle, measure)
     engine.begin_prompt(seq)
+    if n_max == 0:                      # no drafts: the plain decode path, a token a step
+        out = [int(engine.prefill(seq, prompt)[-1].argmax())]
+        for pos in range(len(prompt), len(prompt) + n_tokens - 1):
+            out.append(int(engine.decode([(seq, out[-1], pos)])[0].argmax()))
+        return out, spec.counts
     out = [int(spec.prefill(prompt)[-1].argmax())]
     while len(out) < n_tokens:
         out += spec.step(out[-1], GREEDY)

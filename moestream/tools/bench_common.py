@@ -16,7 +16,7 @@ from .. import flags
 from ..errors import UserError
 
 COUNTERS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "wait_s", "host_s")
-SWEPT = ("batch_size", "ubatch_size", "n_cpu_moe", "moe_cache_mib")      # engine flags that take comma lists here
+SWEPT = ("batch_size", "ubatch_size", "n_cpu_moe", "moe_cache_mib", "spec_draft_n_max")      # engine flags that take comma lists here
 
 
 def ints(s: str) -> list[int]:
@@ -72,6 +72,7 @@ class BenchTest:
     def __init__(self, n_prompt: int, n_gen: int, seed: int):
         self.n_prompt, self.n_gen, self.seed = n_prompt, n_gen, seed
         self.name = "+".join(f"{k}{n}" for k, n in (("pp", n_prompt), ("tg", n_gen)) if n)
+        self.spec = None                # (drafts a step, --spec-oracle P or None): bench_spec.py runs the decode
 
     @property
     def n_tokens(self) -> int:
@@ -89,6 +90,10 @@ class BenchTest:
         ids = self.prompt(llm.model_config.vocab_size, i)
 
         generated = []
+
+        if self.spec is not None and self.n_gen:
+            from .bench_spec import spec_run
+            return spec_run(self, llm, ids, i)
 
         def once():
             # Greedy, each step queued on the last one's argmax on the device, as generate does (its tokens are read
