@@ -231,3 +231,30 @@ def test_a_verify_step_is_bit_identical_whatever_the_placement_and_cache(mtp_che
         outs.append((logits, eng.head_step(0, 0, prompt[1:] + verify[:1], torch.cat(hidden))[1]))
     for logits, head in outs[1:]:
         assert torch.equal(logits, outs[0][0]) and torch.equal(head, outs[0][1])
+
+
+def test_the_serving_loop_verifies_speculating_and_plain_requests_in_one_step(mtp_checkpoint):
+    """Two streams, one speculating and one not ("speculative": false), the first step's prompt read in the same
+    batch: each stream's greedy tokens are those it gets alone without drafts; steps with drafts run one forward
+    for both (the plain stream's token is a segment of one beside the other's drafts)."""
+    from moestream.runtime.requests import Request
+    from moestream.runtime.serving import ServingLoop
+    path, _, _ = mtp_checkpoint
+    prompts, params = [ids(7, seed=11), ids(9, seed=12)], SamplingParams(max_tokens=12)
+    plain = [LLM(path, **KW).generate(p, params).token_ids for p in prompts]
+    eng = LLM(path, spec_type="draft-mtp", spec_draft_n_max=2, n_seq=2, **KW).engine
+    loop = ServingLoop(eng, None, n_slots=2, warm_up=False)
+    done = {}
+    reqs = [Request(p, params, lambda e: done.__setitem__(e[1], e[2]) if e[0] == "done" else None, index=i,
+                    speculative=i == 0) for i, p in enumerate(prompts)]
+    forwards = []
+    eng_forward = eng.forward
+    eng.forward = lambda segs, *a, **k: (forwards.append([s.n for s in segs]), eng_forward(segs, *a, **k))[1]
+    loop.submit(reqs)
+    while loop.busy:
+        loop.step()
+    assert [done[i].token_ids for i in range(2)] == plain
+    assert any(len(f) == 2 and f[0] == 3 and f[1] == 1 for f in forwards)      # drafts beside a plain token
+    assert loop.slots[0].run is None and reqs[1].speculative is False
+    from moestream.server.schemas import CompletionRequest         # the server's request field for it
+    assert CompletionRequest.model_validate({"prompt": "x", "speculative": False}).speculative is False

@@ -229,7 +229,7 @@ class DeltaNet:
         outs, r = [], 0
         for s in batch.segments:        # a prompt chunk: the chunked rule, from where the sequence's state is
             rows = slice(s.seq, s.seq + 1)
-            keep = [] if batch.keep_states else None
+            keep = [] if batch.keep_states and s.n > 1 else None   # (a one-token segment: nothing to undo)
             y, st = gated_deltanet(x[None, r:r + s.n], lw, self.cfg, DeltaState(conv[rows], ssm[rows]),
                                    kernels=self.kernels, keep=keep)          # (1, n, H)
             conv[rows], ssm[rows] = st.conv, st.ssm

@@ -61,7 +61,8 @@ class Batch:
     # hidden state (T, H) in `hidden` (what the next head step reads).
     head: torch.Tensor | None = None
     keep_hidden: bool = False
-    keep_states: bool = False      # a verify step: recurrent layers keep each token's state (models/deltanet.py)
+    keep_states: bool = False      # a verify step: recurrent layers keep each token's state of each segment of
+                                   # several tokens (models/deltanet.py), for kv.rollback
     hidden: torch.Tensor | None = None
 
     @staticmethod

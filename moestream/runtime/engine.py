@@ -160,19 +160,21 @@ class Engine:
                 outs.append(out)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def prefill_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+    def prefill_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,
+                      hidden: list | None = None) -> list[torch.Tensor]:
         """Prompt ubatches of one or several sequences as one batch (the server's: the next ubatch of each prompt
         being read; perplexity's chunks): parts (seq, start, tokens), each at most -ub tokens, a sequence's parts
         consecutive and in order. Each part's ops are those of a forward of its own (the same bits as
         engine.prefill of the part); with host experts the parts run layer by layer, so a host layer's experts
         cross the link once for all of them. Each part's last token's logits (1, V), or every token's (n, V)
-        with all_logits, in order."""
+        with all_logits, in order. hidden: a list that gets each part's post-norm hidden states (an MTP head's)."""
         whole = self._segments(parts)
         if self.host is not None and self.ecfg.batching.by_layer:
-            out = self.forward_parts(parts, all_logits, every_part=True, whole=whole)
+            out = self.forward_parts(parts, all_logits, every_part=True, whole=whole, hidden=hidden)
             return list(out.split([len(t) for _, _, t in parts] if all_logits else 1))
         # all on the device nothing crosses the link: the parts run one after the other
-        return [self.forward([Segment(q, s, len(t))], t, all_logits, is_prompt=True) for q, s, t in parts]
+        return [self.forward([Segment(q, s, len(t))], t, all_logits, is_prompt=True, hidden=hidden)
+                for q, s, t in parts]
 
     def _segments(self, parts: list[tuple[int, int, list[int]]]) -> list[Segment]:
         """segments_of(parts), each within the context (one-line UserErrors otherwise)."""
@@ -209,14 +211,14 @@ class Engine:
         return (self.host is None or self.host.pauses) and len(self.observers.observers) == 1
 
     @torch.inference_mode()
-    def prompt_steps(self, parts: list[tuple[int, int, list[int]]], every: int):
+    def prompt_steps(self, parts: list[tuple[int, int, list[int]]], every: int, hidden: list | None = None):
         """prefill_parts as steps (a generator): it pauses (yields) after every `every` layers and returns what
         prefill_parts returns. While it is paused the caller may run decode steps of other sequences (the server,
         so that reading a prompt batch does not stall the requests generating): the host provider's prompt state
         is set aside meanwhile (ExpertProvider.suspend / resume). The parts run layer by layer as in
         forward_parts, with its ops: the same bits as prefill_parts. Only where pauses_prompts."""
         whole = self._segments(parts)
-        batches = self._part_batches(parts, False, True)
+        batches = self._part_batches(parts, False, True, hidden is not None)
         self._begin(whole, True, self.observers)
         layers = self.model.layer_steps(batches, self.kv, self.experts, self.kernel)
         while True:
@@ -231,6 +233,8 @@ class Engine:
                 if self.host is not None:
                     self.host.resume(state)
         self.kv.end(whole)
+        if hidden is not None:
+            hidden += [b.hidden for b in batches]
         return list(logits.split(1))
 
     def decode(self, steps: list[tuple[int, int, int]], tokens: torch.Tensor | None = None) -> torch.Tensor:

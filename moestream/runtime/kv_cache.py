@@ -107,7 +107,8 @@ class HybridCache(KVCache):
         self.conv = {i: torch.zeros(conv, dtype=dtype, device=device) for i in cfg.linear_layers}
         self.ssm = {i: torch.zeros(ssm, dtype=torch.float32, device=device) for i in cfg.linear_layers}
         self.length: list[int | None] = [0] * n_seq
-        self.steps: dict[int, tuple] = {}   # layer -> (segment, DeltaState per token) of the last verify step
+        self.steps: dict[tuple[int, int], tuple] = {}   # (layer, seq) -> (segment, DeltaState per token) of the
+                                                        # sequence's last verify step
         self._kept = False          # inside kept(): forwards of no sequence, positions neither checked nor advanced
 
     @staticmethod
@@ -160,17 +161,17 @@ class HybridCache(KVCache):
             self.length[s.seq] = s.start + s.n
 
     def keep_steps(self, layer: int, segment, states) -> None:
-        self.steps[layer] = (segment, states)
+        self.steps[layer, segment.seq] = (segment, states)
 
     def rollback(self, seq: int, length: int) -> None:
         """Each DeltaNet layer's state as it was after position length - 1, taken from the per-token states the
         last verify step of `seq` kept (none run again); the position then is `length`."""
-        for i, (s, st) in self.steps.items():
-            if s.seq != seq or not s.start < length <= s.start + s.n:
+        for i in self.conv:
+            s, st = self.steps.pop((i, seq), (None, None))
+            if s is None or not s.start < length <= s.start + s.n or self.length[seq] != s.start + s.n:
                 raise ValueError(f"no kept state of sequence {seq} at position {length - 1}")
             self.conv[i][seq] = st.conv[0, length - s.start - 1]
             self.ssm[i][seq] = st.ssm[0, length - s.start - 1]
-        self.steps.clear()
         self.length[seq] = length
 
     @contextmanager

@@ -34,6 +34,8 @@ from ..models.transformer import Segment
 from .sampling import SamplingParams
 from .spec_sampling import accept_drafts, distribution
 
+GREEDY = SamplingParams(temperature=0.0)
+
 
 @dataclass
 class SpecCounts:
@@ -78,28 +80,47 @@ class MTPDecode:
         """The trunk over the prompt (engine.prefill); its last token's logits (1, V)."""
         hidden: list[torch.Tensor] = []
         logits = self.eng.prefill(self.seq, prompt, 0, hidden=hidden)
-        self.hidden = torch.cat(hidden)                                     # (P, H)
-        self.pending, self.head_pos, self.pos = list(prompt[1:]), 0, len(prompt)
+        self.start(prompt, torch.cat(hidden))
         return logits
+
+    def start(self, prompt: list[int], hidden: torch.Tensor) -> None:
+        """The trunk has read `prompt` from position 0, its post-norm hidden states `hidden` (P, H): the head reads
+        them at the first draft."""
+        self.pending, self.head_pos, self.pos, self.hidden = list(prompt[1:]), 0, len(prompt), hidden
 
     def step(self, token: int, params: SamplingParams, gen: torch.Generator | None = None) -> list[int]:
         """`token` (at position pos) committed: draft, verify, accept; the tokens committed after it (1 to N + 1,
         the last one the target's own). Every later position of the cache is the accepted ones' only."""
-        m, eng = self.pos, self.eng
-        n = min(self.n_max, eng.kv.ctx - 1 - m)        # the verify's last position stays within the context
+        eng = self.eng
         before = eng.stats()["uploaded_bytes"] if self.measure else 0
-        drafts, q = self._draft(token, n, params, gen)
+        drafts, q = self.draft(token, params, gen)
         seen: dict[int, set] = {}
         watch = RouteCallback(lambda layer, ids: seen.setdefault(layer, set()).update(ids.flatten().tolist()))
         if self.measure:
             eng.observe(watch)
         hidden: list[torch.Tensor] = []
         try:
-            logits = eng.forward([Segment(self.seq, m, n + 1)], [token, *drafts], all_logits=True, is_prompt=True,
-                                 hidden=hidden, keep_states=n > 0)           # (n + 1, V)
+            logits = eng.forward([self.segment(drafts)], [token, *drafts], all_logits=True, is_prompt=True,
+                                 hidden=hidden, keep_states=bool(drafts))    # (n + 1, V)
         finally:
             if self.measure:
                 eng.unobserve(watch)
+        new = self.commit(logits, hidden[0], drafts, q, params, gen)
+        if self.measure:
+            moe = [l for l in seen if l < eng.cfg.n_layers]
+            self.counts.experts.append(float(np.mean([len(seen[l]) for l in moe])) if moe else 0.0)
+            self.counts.bytes.append(eng.stats()["uploaded_bytes"] - before)
+        return new
+
+    def segment(self, drafts: list[int]) -> Segment:
+        """The verify step's segment: the committed token and the drafts, from position pos."""
+        return Segment(self.seq, self.pos, len(drafts) + 1)
+
+    def commit(self, logits: torch.Tensor, hidden: torch.Tensor, drafts: list[int], q, params: SamplingParams,
+               gen) -> list[int]:
+        """The verify step's rows (n + 1, V) and post-norm hidden states (n + 1, H): accept drafts, roll the cache
+        back to the accepted position; the tokens committed (the accepted drafts and the target's own)."""
+        m, n = self.pos, len(drafts)
         if params.greedy:
             target = logits.argmax(dim=-1).tolist()
             a = next((j for j in range(n) if drafts[j] != target[j]), n)
@@ -108,17 +129,18 @@ class MTPDecode:
             a, last = accept_drafts(distribution(logits, params), q, drafts, gen)
             new = drafts[:a] + [last]
         if n:
-            eng.kv.rollback(self.seq, m + a + 1)
+            self.eng.kv.rollback(self.seq, m + a + 1)
         # the head's next read: the accepted tokens beside the trunk's hidden states at m .. m + a
-        self.pending, self.head_pos, self.hidden = new[:-1], m, hidden[0][:a + 1]
+        self.pending, self.head_pos, self.hidden = new[:-1], m, hidden[:a + 1]
         self.pos = m + a + 1
         self.counts.drafted.append(n)
         self.counts.accepted.append(a)
-        if self.measure:
-            moe = [l for l in seen if l < eng.cfg.n_layers]
-            self.counts.experts.append(float(np.mean([len(seen[l]) for l in moe])) if moe else 0.0)
-            self.counts.bytes.append(eng.stats()["uploaded_bytes"] - before)
         return new
+
+    def draft(self, token: int, params: SamplingParams, gen) -> tuple[list[int], torch.Tensor | None]:
+        """Drafts after `token` (at position pos; as many as n_max and the context allow) and, when sampling, their
+        distributions q (n, V)."""
+        return self._draft(token, min(self.n_max, self.eng.kv.ctx - 1 - self.pos), params, gen)
 
     def _draft(self, token: int, n: int, params: SamplingParams, gen) -> tuple[list[int], torch.Tensor | None]:
         """n drafts after `token` and, when sampling, their distributions q (n, V)."""
@@ -159,5 +181,3 @@ def greedy_tokens(engine, prompt: list[int], n_tokens: int, n_max: int, oracle=N
         out += spec.step(out[-1], GREEDY)
     return out[:n_tokens], spec.counts
 
-
-GREEDY = SamplingParams(temperature=0.0)

@@ -36,6 +36,7 @@ torch and the engine are imported where they are used, so that `moestream bench 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import sys
@@ -47,6 +48,7 @@ from . import bench_parallel, report
 from .bench_common import (SWEPT, BenchTest, diff_counters, ints, load, mean_counters, placement, release_memory,
                            scalar, tests_of)
 from .bench_compare import compare
+from .bench_spec import spec_run
 from .report import Col, na
 
 
@@ -260,7 +262,7 @@ def main(a: argparse.Namespace) -> int:
                 torch.set_num_threads(threads)                  # llama-bench's -t sweep
             llm.engine.set_batching(b, ub)
             for t in tests:
-                t.spec = None if n_max is None else (n_max, a.spec_oracle)
+                t.spec = None if n_max is None else functools.partial(spec_run, n_max, a.spec_oracle)
                 if not a.no_warmup:
                     t.run(llm, -1)                              # warm-up: allocations, kernels, caches
                 runs = [t.run(llm, i) for i in range(a.repetitions)]

@@ -72,7 +72,7 @@ class BenchTest:
     def __init__(self, n_prompt: int, n_gen: int, seed: int):
         self.n_prompt, self.n_gen, self.seed = n_prompt, n_gen, seed
         self.name = "+".join(f"{k}{n}" for k, n in (("pp", n_prompt), ("tg", n_gen)) if n)
-        self.spec = None                # (drafts a step, --spec-oracle P or None): bench_spec.py runs the decode
+        self.spec = None                # with drafts: fn(test, llm, ids, i), the run (bench_spec.py's spec_run)
 
     @property
     def n_tokens(self) -> int:
@@ -92,8 +92,7 @@ class BenchTest:
         generated = []
 
         if self.spec is not None and self.n_gen:
-            from .bench_spec import spec_run
-            return spec_run(self, llm, ids, i)
+            return self.spec(self, llm, ids, i)
 
         def once():
             # Greedy, each step queued on the last one's argmax on the device, as generate does (its tokens are read

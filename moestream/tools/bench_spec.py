@@ -10,12 +10,13 @@ from __future__ import annotations
 from .spec_oracle import Oracle
 
 
-def spec_run(test, llm, ids: list[int], i: int) -> dict:
-    """BenchTest.run with drafts: the same tokens as its plain decode (the row's hash), timed and counted alike."""
+def spec_run(n_max: int, p: float | None, test, llm, ids: list[int], i: int) -> dict:
+    """BenchTest.run with n_max drafts a step (the oracle's, right with probability p, or the head's: p None): the
+    same tokens as its plain decode (the row's hash), timed and counted alike."""
     from ..runtime.generate import token_hash
     from ..runtime.speculate import greedy_tokens
     from .bench_common import diff_counters, read_stats
-    eng, (n_max, p) = llm.engine, test.spec
+    eng = llm.engine
     prompt = ids if test.n_prompt else ids[:1]
     # pp + tg: the tokens after the prompt's argmax, as the plain run's decode steps give them; tg: from its first
     n = test.n_gen + (1 if test.n_prompt else 0)
