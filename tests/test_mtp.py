@@ -22,7 +22,7 @@ from moestream.models.transformer import Segment
 from moestream.runtime.speculate import greedy_tokens
 from moestream.tools.spec_oracle import Oracle
 
-from conftest import VOCAB, hybrid_model, randomize_hybrid
+from conftest import CUDA, VOCAB, hybrid_model, randomize_hybrid
 
 ATOL = 1e-4
 KW = dict(device="cpu", ctx_size=96)
@@ -231,6 +231,25 @@ def test_a_verify_step_is_bit_identical_whatever_the_placement_and_cache(mtp_che
         outs.append((logits, eng.head_step(0, 0, prompt[1:] + verify[:1], torch.cat(hidden))[1]))
     for logits, head in outs[1:]:
         assert torch.equal(logits, outs[0][0]) and torch.equal(head, outs[0][1])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_greedy_with_drafts_is_the_same_on_every_placement(mtp_checkpoint, device):
+    """The head's drafts and the oracle's (P = 0.6), on every placement, the same tokens and acceptances; and the
+    tokens of plain decoding (on CUDA: bfloat16, decode steps in graphs with the zero-copy kernel, verify steps on
+    the prompt path: their bits differ, the tokens must not)."""
+    path, _, _ = mtp_checkpoint
+    kw = dict(device=device, ctx_size=96, **({"dtype": "bfloat16"} if device == "cuda" else {}))
+    prompt, n = ids(7, seed=8), 20
+    plain = LLM(path, **kw).generate(prompt, SamplingParams(max_tokens=n)).token_ids
+    seen = set()
+    for place in ({}, dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=0), dict(n_cpu_moe=2)):
+        eng = LLM(path, spec_type="draft-mtp", **place, **kw).engine
+        for oracle in (None, Oracle(len(prompt), plain, 0.6, VOCAB, seed=1)):
+            tokens, counts = greedy_tokens(eng, prompt, n, 2, oracle)
+            assert tokens == plain
+            seen.add((oracle is None, tuple(counts.accepted)))
+    assert len(seen) == 2                   # one acceptance record for the head's, one for the oracle's
 
 
 def test_the_serving_loop_verifies_speculating_and_plain_requests_in_one_step(mtp_checkpoint):
