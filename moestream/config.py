@@ -112,8 +112,7 @@ class ModelConfig:
                 raise UserError(f"unsupported layer type {odd[0]!r}; supported: {', '.join(LAYER_TYPES)}")
         if self.linear_layers:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                         "linear_value_head_dim", "linear_conv_kernel", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                         "linear_value_head_dim", "linear_conv_kernel"):
                 if getattr(self, name) <= 0:
                     raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
             if self.linear_num_value_heads % self.linear_num_key_heads:
