@@ -48,9 +48,9 @@ import time
 import torch
 
 from ..errors import UserError
+from ..models.transformer import Segment
 from . import threads
 from .prompt_batch import next_batch
-from ..models.transformer import Segment
 from .requests import (PromptJob, QueueFull, Request, Result, Run, SchedulerConfig, Slot, at_once, history,
                        speculates)
 from .sampling import Sampler, token_logprobs
