@@ -21,7 +21,7 @@ from .errors import UserError
 from .loading.source import open_source
 from .quant.layout import expert_layouts
 from .runtime.generate import Completion, Generation
-from .runtime.load import load_engine
+from .runtime.load import load_engine, model_config
 from .runtime.memory import check_host_fits
 from .runtime.plan import resolve
 from .runtime.prompt_batch import next_batch
@@ -76,7 +76,7 @@ class LLM:
         # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (load_engine takes
         # it resolved)
         self.config = resolve(config, self.source.dtype_of("token_embd.weight"))
-        cfg = self.source.config
+        cfg = model_config(self.source.config, self.config)
         layouts = expert_layouts(self.source, cfg)       # a quantized file's experts are its blocks' bytes
         size = max(lay.row_bytes_for(getattr(torch, self.config.placement.dtype)) for lay in layouts.values())
         check_host_fits(cfg, self.config, expert_bytes=size)   # before any large allocation (the device's: load)
@@ -90,7 +90,8 @@ class LLM:
             auto = f"moe cache: auto = {self.engine.ecfg.cache.mib} MiB; " if self.config.cache.mib == "auto" else ""
             print(f"loaded {model}: {cfg.family}, "
                   f"{cfg.n_layers} layers, {cfg.n_experts} experts (top {cfg.n_experts_used}), {p.dtype} on "
-                  f"{p.device}; experts of {host} of {len(cfg.moe_layers)} MoE layers in host memory; {auto}"
+                  f"{p.device}; experts of {host} of {len(cfg.expert_layers)} MoE layers in host memory"
+                  f"{' (one an MTP head)' if cfg.nextn_layers else ''}; {auto}"
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.config

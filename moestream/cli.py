@@ -158,6 +158,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
               f"({res.prompt_tokens / max(res.prompt_s, 1e-9):.1f} tok/s); generated: {n} tokens, {steps} decode "
               f"steps in {res.decode_s * 1e3:.1f} ms ({steps / max(res.decode_s, 1e-9):.1f} tok/s); "
               f"finish: {res.finish_reason}", file=sys.stderr)
+        spec = res.timings.get("spec")
+        if spec and spec["steps"]:
+            print(f"draft-mtp: {spec['steps']} verify steps, {spec['accepted']} of {spec['drafted']} drafts accepted "
+                  f"({100 * spec['acceptance']:.1f}%), {spec['tokens_per_step']:.2f} tokens a step", file=sys.stderr)
         print_stats(llm.stats(), per_layer=a.verbose)
     return 0
 

@@ -104,6 +104,8 @@ class ModelConfig:
     indexer_head_dim: int = 0
     indexer_budget: int = 0                    # tokens of complete blocks a query attends at most
     indexer_block: int = 0                     # consecutive keys pooled into one indexer block
+    # --- multi-token prediction (models/mtp.py): heads the checkpoint ships, loaded as blocks after the trunk ------
+    nextn_layers: int = 0                      # MTP heads: layer n_layers + k is head k (GGUF nextn_predict_layers)
 
     def __post_init__(self):
         for name in INT_FIELDS:
@@ -171,6 +173,8 @@ class ModelConfig:
                                 % ((self.ngram_size - 1) * self.heads_per_ngram)):
             raise UserError(f"model config: ple_embed_dim {self.ple_embed_dim} is not a multiple of the "
                             f"{(self.ngram_size - 1) * self.heads_per_ngram} n-gram heads (or no hyper-connections)")
+        if not isinstance(self.nextn_layers, int) or self.nextn_layers < 0:
+            raise UserError(f"model config: nextn_layers must be a whole number >= 0, got {self.nextn_layers!r}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise UserError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
                             f"rotary width of head_dim {self.head_dim}")
@@ -213,6 +217,22 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         """Indices of the layers that have routed experts."""
         return [i for i in range(self.n_layers) if i not in self.dense_layers]
+
+    @property
+    def head_layers(self) -> list[int]:
+        """Indices of the MTP heads' blocks, after the trunk's: a head is layer n_layers + k of the expert store
+        and the KV cache (a full attention layer with routed experts), never run by the trunk's forward."""
+        return list(range(self.n_layers, self.n_layers + self.nextn_layers))
+
+    @property
+    def expert_layers(self) -> list[int]:
+        """Every layer with routed experts in the store: the trunk's MoE layers, then the heads'."""
+        return self.moe_layers + self.head_layers
+
+    @property
+    def n_stored_layers(self) -> int:
+        """Layers of the per-layer tables (expert store, residency, routing counts): the trunk's and the heads'."""
+        return self.n_layers + self.nextn_layers
 
     @property
     def expert_numel(self) -> int:

@@ -43,14 +43,15 @@ class Placement:
             raise UserError(f"--n-cpu-moe must be >= 0, got {self.n_cpu_moe}")
 
     def host_layers(self, cfg: ModelConfig) -> set[int]:
-        """Layers whose experts live in pinned host memory."""
+        """Layers whose experts live in pinned host memory. An MTP head's (cfg.head_layers) go where the trunk's
+        last MoE layer's do: with --cpu-moe on the host, with --n-cpu-moe N below every layer on the device."""
         moe = cfg.moe_layers
         if self.cpu_moe:
-            return set(moe)
+            return set(cfg.expert_layers)
         if self.n_cpu_moe > len(moe):
             raise UserError(f"--n-cpu-moe {self.n_cpu_moe} is more than the model's {len(moe)} MoE layers; "
                             f"use --n-cpu-moe {len(moe)} or --cpu-moe")
-        return set(moe[: self.n_cpu_moe])
+        return set(moe[: self.n_cpu_moe]) | (set(cfg.head_layers) if self.n_cpu_moe == len(moe) else set())
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,34 @@ class DecodeConfig:
     cuda_graphs: bool = True         # decode steps replay CUDA graphs (on CUDA, with a kernel other than reference)
 
 
+SPEC_TYPES = ("none", "draft-mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (runtime/speculate.py): llama.cpp's --spec-type and --spec-draft-n-max."""
+    type: str = "none"               # none | draft-mtp (the checkpoint's MTP head drafts, models/mtp.py)
+    draft_n_max: int = 2             # tokens the head drafts a step; the target verifies them and one more (0: the
+                                     # head is loaded, no step drafts: bench's baseline in the same process)
+
+    def __post_init__(self):
+        if self.type not in SPEC_TYPES:
+            raise UserError(f"--spec-type {self.type!r} is not run by moestream; use --spec-type draft-mtp (the "
+                            "model's own MTP head) or none")
+        if not isinstance(self.draft_n_max, int) or not 0 <= self.draft_n_max <= 16:
+            raise UserError(f"--spec-draft-n-max must be a whole number from 0 to 16, got {self.draft_n_max!r}")
+
+    @property
+    def mtp(self) -> bool:
+        """The MTP head is loaded (--spec-type draft-mtp)."""
+        return self.type == "draft-mtp"
+
+    @property
+    def drafts(self) -> bool:
+        """Decode steps draft and verify."""
+        return self.mtp and self.draft_n_max > 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is told: built from flags (flags.py) or LLM(..., **overrides), resolved, then loaded.
@@ -125,6 +154,7 @@ class EngineConfig:
     batching: Batching = field(default_factory=Batching)
     cache: CacheConfig = field(default_factory=CacheConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     kernel: str = "auto"             # the expert GEMM of every forward: auto (grouped where it runs) | reference
                                      # | grouped
 

@@ -100,6 +100,11 @@ OPTIONS = (
            "zero-copy decode copies the experts a step reads from host memory into device memory first, in one "
            "launch, and computes from there (default: on for quantized experts)", "both"),
     Option("cuda_graphs", "decode.cuda_graphs", ("--no-cuda-graphs",), "decode eagerly, without CUDA graphs", "off"),
+    Option("spec_type", "spec.type", ("--spec-type",),
+           "speculative decoding: none (default) or draft-mtp (the model's multi-token prediction head drafts, the "
+           "model verifies the drafts in one step; greedy output unchanged)"),
+    Option("spec_draft_n_max", "spec.draft_n_max", ("--spec-draft-n-max",),
+           "tokens the MTP head drafts a step (default 2)", type=int, metavar="N"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 # The prefetch rules' own flags, which `moestream replay` takes too (it switches prefetch on with --prefetch).

@@ -79,6 +79,9 @@ class Family:
                                      # up in alternate columns, down_proj (E, I, H), and gate_up_proj_bias (E, 2I)
                                      # (alternate too) and down_proj_bias (E, H) beside them; OpenAI's packed MXFP4
                                      # gate_up_proj_blocks (E, 2I, H / 32, 16) has gate and up in alternate rows
+    # --- multi-token prediction heads (models/mtp.py) ---------------------------------------------------------
+    hf_mtp: tuple[str, str] = ()     # (config.json key of the head count, HF prefix of the heads' tensors: head k's
+                                     # block at `{prefix}layers.{k}.`, its own tensors HF_NEXTN); (): none read
 
     @property
     def hybrid(self) -> bool:
@@ -123,6 +126,11 @@ HF_LAYER = {
     "attn_q_b.weight": "self_attn.q_b_proj.weight", "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
 }
+
+# A multi-token prediction head's own tensors (canonical, GGUF's `blk.{n_layers}.nextn.*`) -> HF's after the
+# family's hf_mtp prefix (Qwen3-Next's and Qwen3.5-MoE's `mtp.`, as vLLM and llama.cpp's converter read them).
+HF_NEXTN = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
+            "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
 
 _QWEN_EXPERTS: tuple[ExpertSpelling, ...] = (("mlp.experts", "gate_proj", "up_proj", "down_proj"),)
 # DeepSeek's and GLM-4.5's shared experts (one MLP n_shared_experts x moe_intermediate_size wide) and the router's
@@ -189,7 +197,7 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            qk_norm="head",
            gguf_arch="qwen3next", gguf_norm_topk=True,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=HYBRID,
-           gguf_renames=_POST_ATTENTION_NORM, gguf_split_qkvz=True),
+           gguf_renames=_POST_ATTENTION_NORM, gguf_split_qkvz=True, hf_mtp=("mtp_num_hidden_layers", "mtp.")),
     # Qwen3-Next's math with split DeltaNet projections, top-k always renormalised, every layer MoE; config.json
     # nests the text model's keys under text_config (the text-only form transformers saves is qwen3_5_moe_text).
     # llama.cpp's architecture qwen35moe has qwen3next's keys and names, the split projections as they are, the
@@ -206,7 +214,7 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            hf_text_prefixes=("model.language_model.", "model."),
            hf_text_form=("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
            gguf_renames=_POST_ATTENTION_NORM, gguf_tiled_v=True,
-           gguf_rope_sections=(11, 11, 10, 0)),
+           gguf_rope_sections=(11, 11, 10, 0), hf_mtp=("mtp_num_hidden_layers", "mtp.")),
     # GQA with q/k/v biases (attention_bias), optional per-head QK-norm (use_qk_norm), rotary on the first half of
     # each head (NEOX), the sigmoid router with a correction bias (one group), shared experts always on, dense
     # first layers (first_k_dense_replace). llama.cpp's glm4moe spells ffn_norm post_attention_norm; checkpoints'

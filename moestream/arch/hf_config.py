@@ -76,6 +76,7 @@ def config_from_hf(c: dict, generation_config: dict | None = None) -> ModelConfi
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, gating=fam.blocks.router.gating,
+            nextn_layers=_nextn(c, fam),
         )
         return ModelConfig(**(kw | hybrid))
     except KeyError as e:
@@ -147,6 +148,19 @@ def _check_types(c: dict, family: str) -> None:
     layers = c.get("mlp_only_layers")
     if layers is not None and not (isinstance(layers, list) and all(type(i) is int for i in layers)):
         raise UserError(f"config.json: mlp_only_layers must be a list of layer numbers, got {layers!r}")
+
+
+def _nextn(c: dict, fam) -> int:
+    """The MTP heads config.json announces (loading/hf.py keeps them only where their tensors are in the files)."""
+    if not fam.hf_mtp:
+        return 0
+    n = c.get(fam.hf_mtp[0]) or 0
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise UserError(f"config.json: {fam.hf_mtp[0]} must be a whole number, got {n!r}")
+    if n > 1:
+        raise UserError(f"config.json: {fam.hf_mtp[0]} = {n}: moestream reads one MTP head of a {fam.title} model "
+                        f"(as llama.cpp does); set it to 1 to use the first")
+    return n
 
 
 def _text_config(c: dict) -> dict:

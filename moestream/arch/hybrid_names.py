@@ -34,8 +34,10 @@ from this in two places: llama.cpp's qwen3next converter writes ssm_in as attn_q
 ungrouped (split_qkvz / fuse_qkvz below: loading/gguf.py fuses them back, gguf_write.py splits), and its qwen35moe
 converter reorders the value heads from grouped by key head (v head h*r + j is key head h's j-th of r) to tiled
 (j*nk + h), in attn_qkv's v rows, attn_gate, ssm_beta, ssm_alpha, ssm_a, ssm_dt, the conv's v channels and
-ssm_out's columns (reorder_v_heads below: loading/gguf.py groups them back, gguf_write.py tiles). MTP layers
-(mtp.*; in a GGUF the blocks past block_count - nextn_predict_layers) and the vision tower are not read.
+ssm_out's columns (reorder_v_heads below: loading/gguf.py groups them back, gguf_write.py tiles). An MTP head
+(HF's mtp.*: mtp.fc, mtp.pre_fc_norm_embedding / _hidden, mtp.layers.0.*, mtp.norm; in a GGUF the block past
+block_count - nextn_predict_layers, blk.{n_layers}.nextn.eh_proj / enorm / hnorm / shared_head_norm beside the
+block's own) is layer n_layers (models/mtp.py), its norms 1 + w too. The vision tower is not read.
 """
 from __future__ import annotations
 
@@ -44,7 +46,10 @@ import torch
 from ..config import ModelConfig
 from .families import FAMILIES, HF_LAYER
 
-_ZERO_CENTRED = ("attn_norm.weight", "ffn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+_ZERO_CENTRED = ("attn_norm.weight", "ffn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+                 "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
+# An MTP head's own tensors, besides its block's (a full attention layer with routed and shared experts).
+NEXTN = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
 _ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
               "attn_k_norm.weight")
 _DELTANET = {"qwen3_next": ("ssm_in.weight", "ssm_ba.weight"),
@@ -75,8 +80,9 @@ _SHARED = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weigh
 
 
 def layer_names(cfg: ModelConfig, i: int) -> list[str]:
-    """Layer i's canonical tensor suffixes (after `blk.i.`)."""
+    """Layer i's canonical tensor suffixes (after `blk.i.`); i >= n_layers: an MTP head's (cfg.head_layers)."""
     names = list(_HYPER) if cfg.hc_count else ["attn_norm.weight", "ffn_norm.weight"]
+    names += list(NEXTN) if i >= cfg.n_layers else []
     if i in cfg.ple_layers:
         names += list(_PLE)
     if i in cfg.linear_layers:
@@ -97,7 +103,7 @@ def hybrid_names(cfg: ModelConfig) -> list[str]:
     names = ["token_embd.weight"] + (list(QWEN4_GLOBAL) if cfg.hc_count else ["output_norm.weight"])
     names += ([] if cfg.tie_word_embeddings else ["output.weight"])
     names += ["per_layer_token_embd.weight"] if cfg.ple_layers else []
-    return names + [f"blk.{i}.{n}" for i in range(cfg.n_layers) for n in layer_names(cfg, i)]
+    return names + [f"blk.{i}.{n}" for i in range(cfg.n_stored_layers) for n in layer_names(cfg, i)]
 
 
 def canonical_value(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,9 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "attn_kv_a_mqa.weight": (r + dr, H), "attn_kv_a_norm.weight": (r,),
         "attn_kv_b.weight": (cfg.n_heads * (dn + dv), r),
         "attn_k_b.weight": (cfg.n_heads, r, dn), "attn_v_b.weight": (cfg.n_heads, dv, r),
+        # an MTP head (models/mtp.py): [enorm(embedding) | hnorm(hidden)] -> H, and its norms
+        "nextn.eh_proj.weight": (H, 2 * H), "nextn.enorm.weight": (H,), "nextn.hnorm.weight": (H,),
+        "nextn.shared_head_norm.weight": (H,),
     }
     if cfg.hc_count:                    # qwen4_exp (arch/hybrid_names.py): hyper-connections, PLE, the indexer
         hc, r, ple = cfg.hc_count * H, cfg.hc_lowrank, cfg.ple_embed_dim
@@ -229,9 +232,9 @@ def gguf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         return s[1:] if name.endswith("ffn_gate_inp_shexp.weight") else s
 
     plan = [(n, shape(n)) for n in names if not n.startswith("blk.")]
-    for i in range(cfg.n_layers):
+    for i in range(cfg.n_stored_layers):
         plan += [(n, shape(n)) for n in names if n.startswith(f"blk.{i}.")]
-        if i in cfg.moe_layers:
+        if i in cfg.expert_layers:
             plan += [(f"blk.{i}.ffn_gate_exps.weight", (E, inter, H)), (f"blk.{i}.ffn_up_exps.weight", (E, inter, H)),
                      (f"blk.{i}.ffn_down_exps.weight", (E, H, inter))]
     return plan

@@ -102,9 +102,9 @@ class TraceRecorder(RouteObserver):
 
 def record(llm) -> TraceRecorder:
     """A recorder of every forward of `llm` (api.LLM) from now on, its expert size the host store's slot."""
-    cfg = llm.model_config
+    cfg = llm.engine.cfg                                   # (an MTP head, where loaded, is layer n_layers)
     store = getattr(llm.engine.host, "store", None)       # a slot's bytes where experts are on the host
-    recorder = TraceRecorder(cfg.n_layers, cfg.n_experts, store.expert_bytes if store is not None else
+    recorder = TraceRecorder(cfg.n_stored_layers, cfg.n_experts, store.expert_bytes if store is not None else
                              cfg.expert_numel * llm.engine.dtype.itemsize, llm.engine.quantized)
     llm.engine.observe(recorder)
     return recorder

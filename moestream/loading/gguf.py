@@ -17,8 +17,8 @@ A hybrid file's DeltaNet shape is in its ssm.* keys (conv_kernel, state_size: dk
 time_step_rank: value heads, inner_size: value heads x dv), its layer types in attention.recurrent_layers (a flag
 a block, as llama.cpp's converter writes config.json's layer_types) or else full_attention_interval (every N-th
 layer is attention, llama.cpp's default 4) and its rotary width in rope.dimension_count; qwen35moe's
-rope.dimension_sections (multimodal RoPE) do not matter to text. Blocks past block_count - nextn_predict_layers
-(Qwen3.5's multi-token prediction layers) are not read.
+rope.dimension_sections (multimodal RoPE) do not matter to text. The first block past block_count -
+nextn_predict_layers (a multi-token prediction head, blk.{n}.nextn.*) is the config's head layer (nextn_layers).
 qwen4exp (Qwen3.8-Flash-Next, llama.cpp b11549's loader): qwen35moe's DeltaNet (tiled value heads, a sigmoid output
 gate always) and gated attention, plus hyper_connection.{count,low_rank}, the QSA indexer's attention.indexer.*
 and attention.compress_ratios (its block, 0 on DeltaNet layers), and the PLE's ple.* keys: one layer, the n-gram
@@ -171,7 +171,7 @@ class GGUFSource:
 
     def _check_shapes(self) -> None:
         """Every tensor's shape against the one the metadata make, from the tensor table alone (no data read)."""
-        names = [*dense_names(self.config), *(f"blk.{i}.{s}.weight" for i in self.config.moe_layers
+        names = [*dense_names(self.config), *(f"blk.{i}.{s}.weight" for i in self.config.expert_layers
                                               for s in EXPERT_STACKS)]
         for name in names:
             for part in self._split(name) or (name,):
@@ -214,7 +214,8 @@ class GGUFSource:
 
     def _config(self) -> ModelConfig:
         fam = BY_GGUF_ARCH[self.arch]
-        n_layers = self._key("block_count") - self._key("nextn_predict_layers", 0)     # less the MTP blocks
+        nextn = self._key("nextn_predict_layers", 0)
+        n_layers = self._key("block_count") - nextn                 # less the MTP blocks
         if n_layers > len(self._tensors):           # every layer has tensors: a damaged count, not a model
             raise UserError(f"GGUF {str(self.path)!r} has {self.arch}.block_count {n_layers} for "
                             f"{len(self._tensors)} tensors: the file is damaged; download or convert it again")
@@ -274,6 +275,7 @@ class GGUFSource:
             max_position_embeddings=self._key("context_length", 4096),
             tie_word_embeddings="output.weight" not in self._tensors,
             bos_token_id=bos, eos_token_ids=tuple(eos), gating=fam.blocks.router.gating,
+            nextn_layers=self._heads(fam, n_layers, nextn),
         )
         return ModelConfig(**(kw | hybrid))
 
@@ -313,6 +315,11 @@ class GGUFSource:
                           kv_lora_rank=self._key("attention.kv_lora_rank"),
                           qk_nope_head_dim=k_len - rot, qk_rope_head_dim=rot, v_head_dim=v_len, head_dim=k_len,
                           n_kv_heads=n_heads, rope_interleave=True, rope_scaling=tuple(sorted(rope.items())))
+
+    def _heads(self, fam, n_layers: int, nextn: int) -> int:
+        """The MTP heads read (models/mtp.py): the first of the file's nextn blocks, where the family runs one and
+        its tensors are there (llama.cpp reads one too)."""
+        return int(bool(fam.hf_mtp and nextn and f"blk.{n_layers}.nextn.eh_proj.weight" in self._tensors))
 
     def _hybrid_options(self, n_layers: int, head_dim: int) -> dict:
         """A hybrid file's (qwen3next, qwen35moe) ModelConfig fields of the DeltaNet and gated attention layers."""

@@ -55,7 +55,9 @@ def _add_kv(w: gguf.GGUFWriter, key: str, v) -> None:
 
 def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, file_type: gguf.LlamaFileType, quantized: bool,
                   tokenizer) -> None:
-    w.add_block_count(cfg.n_layers)
+    w.add_block_count(cfg.n_stored_layers)          # the MTP heads' blocks after the trunk's, as llama.cpp's
+    if cfg.nextn_layers:
+        w.add_uint32(f"{w.arch}.nextn_predict_layers", cfg.nextn_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size or cfg.moe_intermediate_size)
@@ -121,7 +123,8 @@ def _add_hybrid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     llama.cpp's converter writes them (and its loader reads them first), and full_attention_interval as well where
     attention is every N-th layer, for readers that know only that. (llama.cpp's loaders take a value head's dv as
     dk, ssm.state_size: a model whose dv differs is read back by moestream only.)"""
-    w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
+    w.add_array(f"{w.arch}.attention.recurrent_layers",
+                [t == "linear_attention" for t in cfg.layer_types] + [False] * cfg.nextn_layers)
     step = cfg.attention_layers[0] + 1 if cfg.attention_layers else cfg.n_layers + 1
     if cfg.layer_types == tuple("linear_attention" if (i + 1) % step else "full_attention"
                                 for i in range(cfg.n_layers)):

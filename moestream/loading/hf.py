@@ -43,7 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..arch.families import FAMILIES, HF_GLOBAL, HF_LAYER, first_own
+from ..arch.families import FAMILIES, HF_GLOBAL, HF_LAYER, HF_NEXTN, first_own
 from ..arch.hf_config import config_from_hf, hf_key
 from ..arch.hybrid_names import QWEN4_GLOBAL, QWEN4_HF, canonical_value, hf_value
 from ..arch.names import EXPERT_STACKS, canonical_shape, check_shape, dense_names
@@ -56,9 +56,10 @@ INDEX = "model.safetensors.index.json"
 PACKED = ("gate_up_proj", "down_proj")      # OpenAI's packed MXFP4 experts: {module}.{p}_blocks and {p}_scales
 
 
-def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
+def hf_names(name: str, family: str, prefix: str = "model.", n_layers: int | None = None) -> list[str]:
     """HF spellings of a canonical name, the one transformers 5.24's save_pretrained writes first. `prefix`: where
-    the language model's tensors are (`model.`; Qwen3.5-MoE's multimodal checkpoints: `model.language_model.`)."""
+    the language model's tensors are (`model.`; Qwen3.5-MoE's multimodal checkpoints: `model.language_model.`).
+    n_layers: the trunk's layers; a layer past them is an MTP head, under the family's hf_mtp prefix."""
     if name in HF_GLOBAL:
         hf = HF_GLOBAL[name]
         return [prefix + hf[len("model."):] if hf.startswith("model.") else hf]
@@ -67,6 +68,13 @@ def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
     if name == "per_layer_token_embd.weight":
         return []                       # in row shards of its layer's n-gram embedding: HFSource._ple_table
     _, layer, suffix = name.split(".", 2)
+    if n_layers is not None and int(layer) >= n_layers:        # head k: `mtp.fc.weight`, `mtp.layers.k.*`
+        mtp = FAMILIES[family].hf_mtp[1]
+        if suffix in HF_NEXTN:
+            return [mtp + HF_NEXTN[suffix]]
+        block = f"{prefix}layers.0."
+        return [f"{mtp}layers.{int(layer) - n_layers}.{n[len(block):]}"
+                for n in hf_names(f"blk.0.{suffix}", family, prefix)]
     if suffix == "ffn_gate_inp.weight":
         spellings = first_own(FAMILIES[family].hf_router, [f.hf_router for f in FAMILIES.values()])
     elif suffix in ("indexer.q_proj.weight", "indexer.k_proj.weight"):
@@ -76,9 +84,16 @@ def hf_names(name: str, family: str, prefix: str = "model.") -> list[str]:
     return [f"{prefix}layers.{layer}.{s}" for s in spellings]
 
 
-def _expert_names(family: str, layer: int, e: int) -> list[str]:
-    mod, g, u, d = FAMILIES[family].hf_experts[0]
-    return [f"model.layers.{layer}.{mod}.{e}.{p}.weight" for p in (g, u, d)]
+def _layers_prefix(cfg: ModelConfig, layer: int, prefix: str = "model.") -> str:
+    """Where layer `layer`'s tensors are: `{prefix}layers.N.`, an MTP head's under the family's hf_mtp prefix."""
+    if layer >= cfg.n_layers:
+        return f"{FAMILIES[cfg.family].hf_mtp[1]}layers.{layer - cfg.n_layers}."
+    return f"{prefix}layers.{layer}."
+
+
+def _expert_names(cfg: ModelConfig, layer: int, e: int) -> list[str]:
+    mod, g, u, d = FAMILIES[cfg.family].hf_experts[0]
+    return [f"{_layers_prefix(cfg, layer)}{mod}.{e}.{p}.weight" for p in (g, u, d)]
 
 
 class HFSource:
@@ -99,8 +114,11 @@ class HFSource:
                 raise UserError(f"cannot read {file.name}: {e}; the file is truncated or not safetensors: "
                                 "download it again") from None
             self._where.update(dict.fromkeys(handle.keys(), handle))
-        prefixes = FAMILIES[self.config.family].hf_text_prefixes
-        self.prefix = next((p for p in prefixes if p + "embed_tokens.weight" in self._where), prefixes[0])
+        fam = FAMILIES[self.config.family]
+        self.prefix = next((p for p in fam.hf_text_prefixes if p + "embed_tokens.weight" in self._where),
+                           fam.hf_text_prefixes[0])
+        if self.config.nextn_layers and fam.hf_mtp[1] + HF_NEXTN["nextn.eh_proj.weight"] not in self._where:
+            self.config = self.config.replace(nextn_layers=0)   # announced, not shipped (transformers drops mtp.*)
         self._check_shapes()
 
     def _check_shapes(self) -> None:
@@ -110,7 +128,7 @@ class HFSource:
         for name in dense_names(cfg):
             if _fused_bias(cfg, name):
                 continue                      # checked with its stack below
-            hf = next((n for n in hf_names(name, cfg.family, self.prefix) if n in self._where), None)
+            hf = next((n for n in hf_names(name, cfg.family, self.prefix, cfg.n_layers) if n in self._where), None)
             if hf is not None:                # a missing one is named when it is read
                 self._check(name, hf, _canonical_shape_of(name, self._shape(hf)))
         fam, every = FAMILIES[cfg.family], FAMILIES.values()
@@ -120,8 +138,8 @@ class HFSource:
                             f"where layer {packed[0]}'s are: every layer's experts must be MXFP4 or none")
         for layer in packed:
             self._check_packed(layer)
-        for layer in (l for l in cfg.moe_layers if l not in packed):
-            p = f"{self.prefix}layers.{layer}."
+        for layer in (l for l in cfg.expert_layers if l not in packed):
+            p = _layers_prefix(cfg, layer, self.prefix)
             for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
                 gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
                 if gate_up in self._where and down in self._where:
@@ -211,7 +229,7 @@ class HFSource:
 
     # --- WeightSource ----------------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
-        return any(n in self._where for n in hf_names(name, self.config.family, self.prefix))
+        return any(n in self._where for n in hf_names(name, self.config.family, self.prefix, self.config.n_layers))
 
     def tensor(self, name: str) -> torch.Tensor:
         if _fused_bias(self.config, name):      # gpt-oss: gate_up_proj_bias (E, 2I) alternates gate and up
@@ -225,7 +243,7 @@ class HFSource:
             t = self._ple_table() if name.startswith("per_layer") else self._indexer(name)
             self._check(name, name, tuple(t.shape))
             return t
-        t = self._read_first(hf_names(name, self.config.family, self.prefix), name)
+        t = self._read_first(hf_names(name, self.config.family, self.prefix, self.config.n_layers), name)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)                 # some exports keep the shared expert's gate as (H,)
         # hybrid families: zero-centred norms as 1 + w, -exp(A_log), the conv as (C, K) (arch/hybrid_names.py)
@@ -243,7 +261,7 @@ class HFSource:
         if names is not None:
             gate, up, down = (self._read(n) for n in names)
             return gate, up, down
-        p = f"{self.prefix}layers.{layer}."
+        p = _layers_prefix(self.config, layer, self.prefix)
         fam, every = FAMILIES[self.config.family], FAMILIES.values()
         for mod in first_own(fam.hf_fused, [f.hf_fused for f in every]):
             gate_up, down = f"{p}{mod}.gate_up_proj", f"{p}{mod}.down_proj"
@@ -278,7 +296,7 @@ class HFSource:
         return torch.cat(parts)
 
     def dtype_of(self, name: str) -> torch.dtype:
-        return self._read_first(hf_names(name, self.config.family, self.prefix), name).dtype
+        return self._read_first(hf_names(name, self.config.family, self.prefix, self.config.n_layers), name).dtype
 
     def _ple_table(self) -> torch.Tensor:
         """qwen4_exp's n-gram table: its PLE layer's row shards (ngram_embedding.shard_N.weight), in order."""
@@ -325,7 +343,7 @@ class HFSource:
     def _expert_names(self, layer: int, e: int) -> list[str] | None:
         """Expert e's gate, up and down tensor names where the layer's experts are tensors of their own; None for
         fused stacks."""
-        p = f"{self.prefix}layers.{layer}."
+        p = _layers_prefix(self.config, layer, self.prefix)
         fam, every = FAMILIES[self.config.family], FAMILIES.values()
         for mod, g, u, d in first_own(fam.hf_experts, [f.hf_experts for f in every]):
             names = [f"{p}{mod}.{e}.{proj}.weight" for proj in (g, u, d)]
@@ -452,6 +470,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         d.update(_sigmoid_config(cfg, fam))
     if cfg.hc_count:
         d.update(_qwen4_config(cfg))
+    if fam.hf_mtp:
+        d[fam.hf_mtp[0]] = cfg.nextn_layers
     if fam.clip_qkv_key:
         d[fam.clip_qkv_key] = cfg.clip_qkv
     if fam.hf_bias_key:      # a family without biases says so: its transformers module has none to load
@@ -506,7 +526,7 @@ def _tensors(source):
     """(HF name, tensor) for every tensor, made one at a time, layer by layer so that a shard holds whole layers."""
     cfg = source.config
     names = [n for n in dense_names(cfg) if not _fused_bias(cfg, n)]
-    for layer in range(-1, cfg.n_layers):
+    for layer in range(-1, cfg.n_stored_layers):
         for n in (n for n in names if _layer_of(n) == layer):
             if n == "per_layer_token_embd.weight":        # qwen4_exp: its PLE layer's n-gram embedding, whole,
                 yield from _ngram_embedding(cfg, source.tensor(n))      # and its hash's buffers
@@ -515,12 +535,12 @@ def _tensors(source):
                 yield (f"model.layers.{layer}.self_attn.indexer.index_qk_proj.weight",
                        torch.cat([source.tensor(n), source.tensor(p + "k_proj.weight")]))
             elif not n.endswith("indexer.k_proj.weight"):
-                yield hf_names(n, cfg.family)[0], _hf_value(source, n)
+                yield hf_names(n, cfg.family, n_layers=cfg.n_layers)[0], _hf_value(source, n)
         if layer in cfg.moe_layers and FAMILIES[cfg.family].hf_interleaved:
             yield from _interleaved_experts(source, layer)
-        elif layer in cfg.moe_layers:
+        elif layer in cfg.expert_layers:
             for e in range(cfg.n_experts):
-                yield from zip(_expert_names(cfg.family, layer, e), source.expert(layer, e))
+                yield from zip(_expert_names(cfg, layer, e), source.expert(layer, e))
 
 
 def _interleaved_experts(source, layer: int):
@@ -578,7 +598,7 @@ def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30,
         stale.unlink(missing_ok=True)
     cfg = source.config
     cast = None if dtype == "auto" else getattr(torch, dtype)
-    n_tensors = len(dense_names(cfg)) + 3 * cfg.n_experts * len(cfg.moe_layers)   # (a bar's total)
+    n_tensors = len(dense_names(cfg)) + 3 * cfg.n_experts * len(cfg.expert_layers)   # (a bar's total)
     shards: list[Path] = []                 # written so far, under temporary names
     weight_map: dict[str, int] = {}         # HF name -> shard number
     shard: dict[str, torch.Tensor] = {}

@@ -44,7 +44,7 @@ def build(cfg: ModelConfig, blocks: Blocks, delta: DeltaKernels | None = None) -
     mixer = MIXER_KINDS[blocks.mixer](cfg, delta or TORCH) if blocks.mixer else None
     if linear and mixer is None:
         raise ValueError(f"{cfg.family}: linear_attention layers, but its blocks name no mixer")
-    mixers = [mixer if i in linear else attn for i in range(cfg.n_layers)]
+    mixers = [mixer if i in linear else attn for i in range(cfg.n_stored_layers)]    # an MTP head: attention
     residual = Hyper(cfg.rms_norm_eps, cfg.hc_count) if blocks.residual == "hyper" else Plain(cfg.rms_norm_eps)
     return Built(attn, mixers, router_of(cfg), residual)
 

@@ -112,25 +112,48 @@ def _projections(x: torch.Tensor, lw: dict, cfg: ModelConfig, proj: torch.Tensor
 
 
 def _mixer(q, k, v, z, b, a, lw: dict, eps: float, state: DeltaState | None, recurrent: bool,
-           kernels: "DeltaKernels", chunk_size: int = 64, gate: str = "silu") -> tuple[torch.Tensor, DeltaState]:
+           kernels: "DeltaKernels", chunk_size: int = 64, gate: str = "silu",
+           keep: list | None = None) -> tuple[torch.Tensor, DeltaState]:
     """The layer after its input projections (_projections' views, (B, T, ..) each) from `state` (None: empty):
     the conv, the gates, the q/k norms, the delta rule (recurrent or chunked) and the gated output norm -> (B, T,
-    nv, dv), the state after."""
+    nv, dv), the state after. keep: a list that gets the state after each token, a DeltaState of conv (B, T, C,
+    K-1) and ssm (B, T, nv, dk, dv) (a speculative verify step's, to take the accepted one: the recurrent rule a
+    token at a time, as decode steps run it)."""
     B, T, nk, dk = q.shape
     r, dv = v.shape[-2:]
     nv = nk * r
     mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)   # (B, T, C)
+    if keep is not None:                # each token's window: the last K-1 inputs up to it
+        K1 = lw["ssm_conv1d.weight"].shape[-1] - 1
+        before = mixed.new_zeros(B, mixed.shape[-1], K1) if state is None else state.conv.to(mixed.dtype)
+        inputs = torch.cat([before, mixed.transpose(1, 2)], dim=-1)                  # (B, C, K-1+T)
+        windows = inputs.unfold(-1, K1, 1)[:, :, 1:].transpose(1, 2)                 # (B, T, C, K-1)
     mixed, conv = kernels.conv(mixed, lw["ssm_conv1d.weight"], None if state is None else state.conv)
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
     ssm0 = None if state is None else state.ssm
     beta, g = _gates(a.reshape(B, T, nv), b.reshape(B, T, nv), lw["ssm_a"], lw["ssm_dt.bias"])   # g <= 0
     q, k = l2norm(q.float()), l2norm(k.float())
-    if recurrent:
+    if keep is not None:
+        o, states = _token_by_token(q, k, v, g, beta, ssm0, kernels)
+        ssm = states[:, -1]
+        keep.append(DeltaState(windows.contiguous(), states))
+    elif recurrent:
         o, ssm = kernels.recurrent(q, k, v, g, beta, ssm0)
     else:
         o, ssm = kernels.chunk(q, k, v, g, beta, ssm0, chunk_size)
     return gated_rms_norm(o, z.reshape(B, T, nv, dv), lw["ssm_norm.weight"], eps, gate), DeltaState(conv, ssm)
+
+
+def _token_by_token(q, k, v, g, beta, ssm0, kernels):
+    """The recurrent rule one token at a time, as T decode steps run it: o (B, T, nv, dv) and the state after
+    each token (B, T, nv, dk, dv) float32."""
+    outs, states, S = [], [], ssm0
+    for t in range(q.shape[1]):
+        o, S = kernels.recurrent(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], S)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, dim=1), torch.stack(states, dim=1)
 
 
 def _gates(a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor):
@@ -153,17 +176,18 @@ def step_in_place(q, k, v, z, b, a, conv, ssm, rows, lw: dict, eps: float, kerne
 
 
 def gated_deltanet(x: torch.Tensor, lw: dict, cfg: ModelConfig, state: DeltaState | None = None,
-                   mode: str = "auto", chunk_size: int = 64,
-                   kernels: DeltaKernels = TORCH) -> tuple[torch.Tensor, DeltaState]:
+                   mode: str = "auto", chunk_size: int = 64, kernels: DeltaKernels = TORCH,
+                   keep: list | None = None) -> tuple[torch.Tensor, DeltaState]:
     """One Gated DeltaNet layer over B sequences of T tokens each: x (B, T, H) (the normed residual stream),
     `state` each sequence's state before x (None: empty) -> y (B, T, H), the state after x.
 
     mode: auto (recurrent for T = 1, chunked otherwise, as transformers chooses), chunk or recurrent.
-    kernels: the conv and delta-rule implementations (plain torch by default)."""
+    kernels: the conv and delta-rule implementations (plain torch by default). keep: a list that gets each token's
+    state (_mixer's; then the recurrent rule, a token at a time)."""
     B, T, _ = x.shape
     recurrent = mode == "recurrent" or (mode == "auto" and T == 1)
     o, st = _mixer(*_projections(x, lw, cfg), lw, cfg.rms_norm_eps, state, recurrent, kernels, chunk_size,
-                   cfg.deltanet_gate)
+                   cfg.deltanet_gate, keep)
     return F.linear(o.reshape(B, T, -1), lw["ssm_out.weight"]), st
 
 
@@ -186,7 +210,9 @@ class DeltaNet:
     conv[layer] (n_seq, C, kernel-1) and ssm[layer] (n_seq, nv, dk, dv) and written back. A prompt runs the
     chunked rule one segment at a time; a decode step (every segment one token) the recurrent one over all its
     sequences at once, on the cache's states in place (`kernels.in_place`, or step_in_place around the kernels'
-    conv and recurrence)."""
+    conv and recurrence). A speculative verify step (batch.keep_states) runs the recurrent rule a token at a time
+    and leaves each token's state with the cache (HybridCache.keep_steps), which keeps the accepted one
+    (HybridCache.rollback): rejected drafts are undone without running the prefix again."""
 
     def __init__(self, cfg: ModelConfig, kernels: DeltaKernels = TORCH):
         self.cfg, self.kernels = cfg, kernels
@@ -211,9 +237,12 @@ class DeltaNet:
         outs, r = [], 0
         for s in batch.segments:        # a prompt chunk: the chunked rule, from where the sequence's state is
             rows = slice(s.seq, s.seq + 1)
+            keep = [] if batch.keep_states and s.n > 1 else None   # (a one-token segment: nothing to undo)
             y, st = gated_deltanet(x[None, r:r + s.n], lw, self.cfg, DeltaState(conv[rows], ssm[rows]),
-                                   kernels=self.kernels)                     # (1, n, H)
+                                   kernels=self.kernels, keep=keep)          # (1, n, H)
             conv[rows], ssm[rows] = st.conv, st.ssm
+            if keep:
+                kv.keep_steps(layer, s, keep[0])
             outs.append(y[0])
             r += s.n
         return torch.cat(outs) if len(outs) > 1 else outs[0]

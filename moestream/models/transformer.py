@@ -33,6 +33,7 @@ from ..kernels.host_arrays import upload
 from .blocks import build
 from .layers import swiglu
 from .moe import moe_experts, moe_route
+from .mtp import mtp_input
 from .ple import PLE
 from .router import fuses as router_fuses
 
@@ -60,10 +61,19 @@ class Batch:
     by_address: object = None      # zero-copy decode step: fn(x, addrs, weights, inter, landing) -> (T, H)
     fused: object = None           # kernels.fused for a decode step on CUDA: norms, rotary, cache writes, top-k
     observer: object = None        # a RouteObserver (experts/routing.py) told each MoE layer's routing, or None
+    # Multi-token prediction (models/mtp.py): a head step reads `head`, the hidden states (T, H) beside its tokens,
+    # through the MTP head's block instead of the trunk; keep_hidden: the forward leaves every token's post-norm
+    # hidden state (T, H) in `hidden` (what the next head step reads).
+    head: torch.Tensor | None = None
+    keep_hidden: bool = False
+    keep_states: bool = False      # a verify step: recurrent layers keep each token's state of each segment of
+                                   # several tokens (models/deltanet.py), for kv.rollback
+    hidden: torch.Tensor | None = None
 
     @staticmethod
     def make(segments: list[Segment], tokens: list[int] | torch.Tensor, device, all_logits: bool = False,
-             kv_len: int | None = None, by_address=None, fused=None, observer=None, logits: bool = True) -> "Batch":
+             kv_len: int | None = None, by_address=None, fused=None, observer=None, logits: bool = True,
+             head: torch.Tensor | None = None, keep_hidden: bool = False, keep_states: bool = False) -> "Batch":
         """all_logits: every token's logits, else each segment's last token's; logits=False: none (a part of a
         prompt's batch before its last, models/transformer.py's forward_parts). tokens: ids, or a (T,) tensor of
         them on the device (a decode step's sampled tokens, not read back)."""
@@ -79,7 +89,7 @@ class Batch:
         flat = upload(np.array(tokens + seq_ids + pos + rows, dtype=np.int64), torch.device(device))  # no wait
         T = len(tokens)
         return Batch(flat[:T] if on_device is None else on_device, segments, flat[T:2 * T], flat[2 * T:3 * T],
-                     flat[3 * T:], kv_len, by_address, fused, observer)
+                     flat[3 * T:], kv_len, by_address, fused, observer, head, keep_hidden, keep_states)
 
     @property
     def is_decode(self) -> bool:
@@ -111,11 +121,12 @@ class MoETransformer:
         weights = dict(weights)
         table = weights.pop("per_layer_token_embd.weight", None)
         self.ple = PLE(cfg, table) if cfg.ple_layers else None
-        self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers)}     # layer -> its KV cache layer
+        # layer -> its KV cache layer; an MTP head's after the trunk's
+        self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers + cfg.head_layers)}
         # the layers' tensors live in self.layers only: what __init__ concatenates there does not keep its parts
         self.w = {n: t for n, t in weights.items() if not n.startswith("blk.")}
         self.layers = [{k[len(f"blk.{i}."):]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
-                       for i in range(cfg.n_layers)]
+                       for i in range(cfg.n_stored_layers)]       # the trunk's, then the MTP heads'
         for lw in self.layers:          # q, k and v in one GEMM: one launch and one pass over x instead of three
             for kind in ("weight", "bias"):       # (latent attention has attn_q alone: left as it is)
                 if all(f"attn_{n}.{kind}" in lw for n in "qkv"):
@@ -131,7 +142,7 @@ class MoETransformer:
                 lw["ffn_gate_up_exps.bias"] = torch.cat([lw.pop("ffn_gate_exps.bias"), lw.pop("ffn_up_exps.bias")], 1)
         moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead
         self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD])
-                             for i, a in enumerate(moe)}
+                             for i, a in enumerate(moe)} | {h: () for h in cfg.head_layers}
         for mixer, lw in zip(self.mixers, self.layers):
             mixer.prepare(lw)
 
@@ -158,9 +169,15 @@ class MoETransformer:
         cfg = self.cfg
         by_address, fused, observer = parts[0].by_address, parts[0].fused, parts[0].observer
         res = self.residual
-        hs = [res.expand(self.w["token_embd.weight"][p.tokens]) for p in parts]     # (T, H) each (hyper: hc*H)
+        xs = [self.w["token_embd.weight"][p.tokens] for p in parts]          # (T, H) each
+        head = parts[0].head is not None        # an MTP head step: its block, from the embeddings and hidden states
+        layers = range(cfg.n_layers)
+        if head:
+            layers = cfg.head_layers[:1]
+            xs = [mtp_input(x, p.head, self.layers[layers[0]], cfg.rms_norm_eps) for p, x in zip(parts, xs)]
+        hs = [res.expand(x) for x in xs]                                     # (T, H) each (hyper: hc*H)
         # the PLE layer's n-gram embeddings, gathered on the host from each sequence's context (advanced now)
-        embs = [self.ple.embeddings(p, kv) for p in parts] if self.ple is not None else None
+        embs = [self.ple.embeddings(p, kv) for p in parts] if self.ple is not None and not head else None
         rope = [(self.cos[p.positions].to(h.dtype), self.sin[p.positions].to(h.dtype)) for p, h in zip(parts, hs)]
         masks = [None] * len(parts)
         for j, p in enumerate(parts):
@@ -169,7 +186,8 @@ class MoETransformer:
                 masks[j] = torch.arange(n, device=hs[j].device)[None, :] <= p.positions[:, None]     # (B, n)
         deltas = [None] * len(parts)    # each part's last block output, not yet added to its residual stream
         gates = [None] * len(parts)     # what each part's block output needs back (hyper: the streams' gates)
-        for i, lw in enumerate(self.layers):
+        for i in layers:
+            lw = self.layers[i]
             for j, p in enumerate(parts):
                 if i in cfg.ple_layers:     # the n-gram embeddings added into the streams before the layer's mixer
                     hs[j], deltas[j] = res.add(hs[j], deltas[j]), None
@@ -203,9 +221,13 @@ class MoETransformer:
             deltas = [res.block_output(o, g) for o, g in zip(outs, gates)]
             yield i
         outs = []
+        # the final norm: the model's (output_norm; hyper: the output mixer), or an MTP head's shared_head_norm
+        final_w = {"output_norm.weight": self.layers[layers[0]]["nextn.shared_head_norm.weight"]} if head else self.w
         for p, h, delta in zip(parts, hs, deltas):
+            if p.keep_hidden:           # every token's post-norm hidden state (T, H): what a head step reads
+                p.hidden = res.final(h, delta, final_w, slice(None))
             if len(p.out_rows):         # (a shape, known on the host)
-                h = res.final(h, delta, self.w, p.out_rows)
+                h = p.hidden[p.out_rows] if p.keep_hidden else res.final(h, delta, final_w, p.out_rows)
                 outs.append(F.linear(h, self.lm_head).float())               # (R, V)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -113,7 +113,7 @@ def expert_layouts(source, cfg) -> dict[int, ExpertLayout]:
     """Each MoE layer's expert row (an ExpertLayout): float rows of the model's dtype, or, where any layer of a GGUF
     has quantized expert stacks, every layer's GGUF blocks as they are in the file (an FP8 checkpoint: every
     layer's FP8 matrices)."""
-    types = {l: source.expert_types(l) for l in cfg.moe_layers}
+    types = {l: source.expert_types(l) for l in cfg.expert_layers}
     quantized = any(t is not None and any(q not in FLOAT for q in t) for t in types.values())
     if quantized and any(t is None for t in types.values()):
         from ..errors import UserError
@@ -121,4 +121,4 @@ def expert_layouts(source, cfg) -> dict[int, ExpertLayout]:
         raise UserError(f"the experts of layers {mixed} are float while other layers' are quantized; moestream reads "
                         "a checkpoint whose experts are all quantized or all float")
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
-    return {l: ExpertLayout(I, H, types[l] if quantized else None) for l in cfg.moe_layers}
+    return {l: ExpertLayout(I, H, types[l] if quantized else None) for l in cfg.expert_layers}

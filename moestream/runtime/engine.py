@@ -72,12 +72,39 @@ class Engine:
     @torch.inference_mode()
     def forward(self, segments: list[Segment], tokens: list[int] | torch.Tensor, all_logits: bool = False,
                 is_prompt: bool = False, kv_len: int | None = None, by_address=None, fused=None,
-                observed: bool = True) -> torch.Tensor:
+                observed: bool = True, hidden: list | None = None, keep_states: bool = False) -> torch.Tensor:
         """One eager forward. by_address, fused: a decode step's kernels (runtime/decode.py). observed: the route
-        observers see its routing (in a zero-copy step with host experts the provider reports it instead)."""
+        observers see its routing (in a zero-copy step with host experts the provider reports it instead).
+        hidden: a list that gets every token's post-norm hidden state (T, H) (what an MTP head reads);
+        keep_states: recurrent layers keep each token's state, for kv.rollback (a speculative verify step)."""
         observer = self.observers if observed else None
-        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer)
-        return self._run(segments, [batch], is_prompt, observer)
+        batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer,
+                           keep_hidden=hidden is not None, keep_states=keep_states)
+        logits = self._run(segments, [batch], is_prompt, observer)
+        if hidden is not None:
+            hidden.append(batch.hidden)
+        return logits
+
+    @torch.inference_mode()
+    def head_step(self, seq: int, start: int, tokens: list[int], hidden: torch.Tensor, head: int = 0):
+        """MTP head `head` (models/mtp.py) over `tokens` of sequence seq at positions start.., beside the post-norm
+        hidden states (T, H) of the positions before them (the trunk's, or the head's own for a chained draft), in
+        ubatches of -ub: (the last token's logits (1, V), every token's post-norm output (T, H)). It writes the
+        head's KV layer only (no recurrent state); its experts are layer n_layers + head of the providers."""
+        n_heads = self.cfg.nextn_layers
+        if not 0 <= head < n_heads:
+            raise UserError(f"this engine has {n_heads} MTP heads loaded; load it with --spec-type draft-mtp")
+        self.check_context(start + len(tokens))
+        ub, outs = self.ecfg.batching.ubatch, []
+        for i in range(0, len(tokens), ub):
+            part = tokens[i:i + ub]
+            seg = Segment(seq, start + i, len(part))
+            batch = Batch.make([seg], part, self.device.torch, observer=self.observers,
+                               head=hidden[i:i + len(part)], keep_hidden=True)
+            self._begin([seg], True, self.observers, states=False)
+            logits = self.model.forward(batch, self.kv, self.experts, self.kernel)
+            outs.append(batch.hidden)
+        return logits, torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _run(self, segments: list[Segment], batches: list[Batch], is_prompt: bool, observer) -> torch.Tensor:
         """The model's forward of `batches` (their segments: `segments`), with the cache and the providers and
@@ -87,11 +114,13 @@ class Engine:
         self.kv.end(segments)
         return logits
 
-    def _begin(self, segments: list[Segment], is_prompt: bool, observer) -> None:
+    def _begin(self, segments: list[Segment], is_prompt: bool, observer, states: bool = True) -> None:
+        """states=False: a forward that touches no recurrent state (an MTP head step's)."""
         seq, n = segments[0].seq, sum(s.n for s in segments)
         # A recurrent state: each segment continues its sequence, or starts it again at 0 (checked before any
         # provider or observer starts a ubatch; a failed check changes nothing).
-        self.kv.begin(segments)
+        if states:
+            self.kv.begin(segments)
         # each token's sequence: a decode step's, and a prompt batch's of several sequences (their prompts' tails)
         several = not is_prompt or any(s.seq != seq for s in segments)
         seqs = [s.seq for s in segments for _ in range(s.n)] if several else None
@@ -105,11 +134,12 @@ class Engine:
             raise UserError(f"the prompt and its continuation need {n_tokens} positions but the context is "
                             f"{self.kv.ctx}; raise -c/--ctx-size or shorten the prompt")
 
-    def prefill(self, seq: int, tokens: list[int], start: int = 0, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, seq: int, tokens: list[int], start: int = 0, all_logits: bool = False,
+                hidden: list | None = None) -> torch.Tensor:
         """Run `tokens` of sequence `seq` from position `start`, in batches of -b tokens cut into ubatches of -ub;
         logits of the last (or every) token. With host experts a batch runs layer by layer (forward_parts: each
         host layer's experts cross the link once a batch, not once a ubatch; the same bits), unless
-        --no-batch-by-layer."""
+        --no-batch-by-layer. hidden: a list that gets each ubatch's post-norm hidden states (an MTP head's input)."""
         self.check_context(start + len(tokens))
         if not tokens:
             raise UserError("empty prompt: give at least one token")
@@ -122,27 +152,30 @@ class Engine:
             batch = tokens[i:i + b]         # ubatches cut within the batch, as llama.cpp's (the last may be short)
             parts = [(start + i + j, batch[j:j + ub]) for j in range(0, len(batch), ub)]
             if by_layer and len(parts) > 1:
-                out = self.forward_parts([(seq, s, t) for s, t in parts], all_logits)
+                out = self.forward_parts([(seq, s, t) for s, t in parts], all_logits, hidden=hidden)
             else:
-                each = [self.forward([Segment(seq, s, len(t))], t, all_logits, is_prompt=True) for s, t in parts]
+                each = [self.forward([Segment(seq, s, len(t))], t, all_logits, is_prompt=True, hidden=hidden)
+                        for s, t in parts]
                 out = torch.cat(each) if all_logits and len(each) > 1 else each[-1]
             if all_logits or last:
                 outs.append(out)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def prefill_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+    def prefill_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,
+                      hidden: list | None = None) -> list[torch.Tensor]:
         """Prompt ubatches of one or several sequences as one batch (the server's: the next ubatch of each prompt
         being read; perplexity's chunks): parts (seq, start, tokens), each at most -ub tokens, a sequence's parts
         consecutive and in order. Each part's ops are those of a forward of its own (the same bits as
         engine.prefill of the part); with host experts the parts run layer by layer, so a host layer's experts
         cross the link once for all of them. Each part's last token's logits (1, V), or every token's (n, V)
-        with all_logits, in order."""
+        with all_logits, in order. hidden: a list that gets each part's post-norm hidden states (an MTP head's)."""
         whole = self._segments(parts)
         if self.host is not None and self.ecfg.batching.by_layer:
-            out = self.forward_parts(parts, all_logits, every_part=True, whole=whole)
+            out = self.forward_parts(parts, all_logits, every_part=True, whole=whole, hidden=hidden)
             return list(out.split([len(t) for _, _, t in parts] if all_logits else 1))
         # all on the device nothing crosses the link: the parts run one after the other
-        return [self.forward([Segment(q, s, len(t))], t, all_logits, is_prompt=True) for q, s, t in parts]
+        return [self.forward([Segment(q, s, len(t))], t, all_logits, is_prompt=True, hidden=hidden)
+                for q, s, t in parts]
 
     def _segments(self, parts: list[tuple[int, int, list[int]]]) -> list[Segment]:
         """segments_of(parts), each within the context (one-line UserErrors otherwise)."""
@@ -153,17 +186,22 @@ class Engine:
 
     @torch.inference_mode()
     def forward_parts(self, parts: list[tuple[int, int, list[int]]], all_logits: bool = False,
-                      every_part: bool = False, whole: list[Segment] | None = None) -> torch.Tensor:
+                      every_part: bool = False, whole: list[Segment] | None = None,
+                      hidden: list | None = None) -> torch.Tensor:
         """Prompt ubatches (seq, start, tokens) as one forward, layer by layer (models/transformer.py's
         forward_parts): the providers and observers see one ubatch of all their tokens. The logits of every token
         (all_logits), of each part's last token (every_part), or of the last part's last token. whole:
-        segments_of(parts), where the caller has it."""
+        segments_of(parts), where the caller has it. hidden: as forward's, a part after another."""
         whole = whole or segments_of(parts, self.ecfg.batching.ubatch)
-        return self._run(whole, self._part_batches(parts, all_logits, every_part), True, self.observers)
+        batches = self._part_batches(parts, all_logits, every_part, hidden is not None)
+        logits = self._run(whole, batches, True, self.observers)
+        if hidden is not None:
+            hidden += [b.hidden for b in batches]
+        return logits
 
-    def _part_batches(self, parts, all_logits: bool, every_part: bool) -> list[Batch]:
+    def _part_batches(self, parts, all_logits: bool, every_part: bool, keep_hidden: bool = False) -> list[Batch]:
         return [Batch.make([Segment(q, s, len(t))], t, self.device.torch, all_logits, observer=self.observers,
-                           logits=all_logits or every_part or k == len(parts) - 1)
+                           logits=all_logits or every_part or k == len(parts) - 1, keep_hidden=keep_hidden)
                 for k, (q, s, t) in enumerate(parts)]
 
     @property
@@ -174,14 +212,14 @@ class Engine:
         return (self.host is None or self.host.pauses) and len(self.observers.observers) == 1
 
     @torch.inference_mode()
-    def prompt_steps(self, parts: list[tuple[int, int, list[int]]], every: int):
+    def prompt_steps(self, parts: list[tuple[int, int, list[int]]], every: int, hidden: list | None = None):
         """prefill_parts as steps (a generator): it pauses (yields) after every `every` layers and returns what
         prefill_parts returns. While it is paused the caller may run decode steps of other sequences (the server,
         so that reading a prompt batch does not stall the requests generating): the host provider's prompt state
         is set aside meanwhile (ExpertProvider.suspend / resume). The parts run layer by layer as in
         forward_parts, with its ops: the same bits as prefill_parts. Only where pauses_prompts."""
         whole = self._segments(parts)
-        batches = self._part_batches(parts, False, True)
+        batches = self._part_batches(parts, False, True, hidden is not None)
         self._begin(whole, True, self.observers)
         layers = self.model.layer_steps(batches, self.kv, self.experts, self.kernel)
         while True:
@@ -196,6 +234,8 @@ class Engine:
                 if self.host is not None:
                     self.host.resume(state)
         self.kv.end(whole)
+        if hidden is not None:
+            hidden += [b.hidden for b in batches]
         return list(logits.split(1))
 
     def decode(self, steps: list[tuple[int, int, int]], tokens: torch.Tensor | None = None) -> torch.Tensor:

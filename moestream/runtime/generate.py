@@ -20,6 +20,7 @@ import torch
 from . import threads
 from .sampling import Sampler, SamplingParams
 from .sequence import SequenceState
+from .speculate import MTPDecode
 
 
 def token_hash(ids) -> str:
@@ -58,14 +59,21 @@ class Generation:
         seq = SequenceState(p, tok, eng.cfg.eos_token_ids, len(self.prompt), eng.kv.ctx)
         sampler = Sampler()
 
+        # --spec-type draft-mtp: the MTP head drafts, the trunk verifies (runtime/speculate.py); not under penalties,
+        # which read each token's history on the host
+        spec = eng.ecfg.spec
+        self.spec = MTPDecode(eng, self.seq, spec.draft_n_max) if spec.drafts and not p.penalized else None
         eng.begin_prompt(self.seq)
         threads.use("prompt")
         t0 = time.perf_counter()
-        logits = eng.prefill(self.seq, self.prompt, 0)
+        logits = self.spec.prefill(self.prompt) if self.spec else eng.prefill(self.seq, self.prompt, 0)
         eng.synchronize()
         t1 = time.perf_counter()
         threads.use("decode")
         done = p.max_tokens == 0
+        if self.spec is not None and not done:
+            yield from self._speculate(seq, logits, sampler, gen)
+            done = True
         while not done:
             history = [self.prompt + seq.ids] if p.penalized else None
             sampled = sampler.sample(logits[-1:], [p], [gen], history)               # (1,) on the device
@@ -90,7 +98,22 @@ class Generation:
         eng.synchronize()
         t2 = time.perf_counter()
         self.result = Completion(seq.ids, seq.text if tok is not None else None, reason, len(self.prompt),
-                                 prompt_s=t1 - t0, decode_s=t2 - t1)
+                                 prompt_s=t1 - t0, decode_s=t2 - t1,
+                                 timings={"spec": self.spec.counts.summary()} if self.spec else {})
+
+    def _speculate(self, seq: SequenceState, logits, sampler: Sampler, gen):
+        """The decode loop with drafts: each step commits the tokens the target accepted and one of its own."""
+        token = int(sampler.sample(logits[-1:], [self.params], [gen])[0])
+        new = [token]
+        while True:
+            for t in new:
+                piece, done = seq.push(t)
+                if piece or isinstance(seq.stop_reason, str):
+                    yield piece
+                if done:
+                    return
+            new = self.spec.step(token, self.params, gen)
+            token = new[-1]
 
     def run(self) -> Completion:
         for _ in self:

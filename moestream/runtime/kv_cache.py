@@ -74,6 +74,14 @@ class KVCache:
     def end(self, segments) -> None:
         """After that forward completed."""
 
+    def keep_steps(self, layer: int, segment, states) -> None:
+        """A verify step's recurrent layer leaves each token's state (HybridCache's); a KV cache has none."""
+
+    def rollback(self, seq: int, length: int) -> None:
+        """Sequence seq holds its first `length` positions again, after a verify step wrote more (rejected drafts):
+        a KV cache masks the later keys and overwrites them; HybridCache takes the states kept after position
+        length - 1."""
+
     @contextmanager
     def kept(self):
         """Within it, forwards that belong to no sequence (a CUDA graph's warm-up) leave every sequence's cache as it
@@ -93,11 +101,14 @@ class HybridCache(KVCache):
     exact_prefix_only = True        # a recurrent state cannot be cut back: reuse an exact continuation or nothing
 
     def __init__(self, cfg, n_seq: int, ctx: int, dtype, device):
-        super().__init__(len(cfg.attention_layers), n_seq, ctx, cfg.n_kv_heads, cfg.head_dim, dtype, device)
+        super().__init__(len(cfg.attention_layers) + cfg.nextn_layers, n_seq, ctx, cfg.n_kv_heads, cfg.head_dim,
+                         dtype, device)       # an MTP head's KV after the attention layers'
         conv, ssm = self.state_shapes(cfg, n_seq)
         self.conv = {i: torch.zeros(conv, dtype=dtype, device=device) for i in cfg.linear_layers}
         self.ssm = {i: torch.zeros(ssm, dtype=torch.float32, device=device) for i in cfg.linear_layers}
         self.length: list[int | None] = [0] * n_seq
+        self.steps: dict[tuple[int, int], tuple] = {}   # (layer, seq) -> (segment, DeltaState per token) of the
+                                                        # sequence's last verify step
         self._kept = False          # inside kept(): forwards of no sequence, positions neither checked nor advanced
 
     @staticmethod
@@ -148,6 +159,20 @@ class HybridCache(KVCache):
             return
         for s in segments:
             self.length[s.seq] = s.start + s.n
+
+    def keep_steps(self, layer: int, segment, states) -> None:
+        self.steps[layer, segment.seq] = (segment, states)
+
+    def rollback(self, seq: int, length: int) -> None:
+        """Each DeltaNet layer's state as it was after position length - 1, taken from the per-token states the
+        last verify step of `seq` kept (none run again); the position then is `length`."""
+        for i in self.conv:
+            s, st = self.steps.pop((i, seq), (None, None))
+            if s is None or not s.start < length <= s.start + s.n or self.length[seq] != s.start + s.n:
+                raise ValueError(f"no kept state of sequence {seq} at position {length - 1}")
+            self.conv[i][seq] = st.conv[0, length - s.start - 1]
+            self.ssm[i][seq] = st.ssm[0, length - s.start - 1]
+        self.length[seq] = length
 
     @contextmanager
     def kept(self):
@@ -244,13 +269,13 @@ def make_cache(cfg, n_seq: int, ctx: int, dtype, device) -> KVCache:
     if cfg.linear_layers:
         return HybridCache(cfg, n_seq, ctx, dtype, device)
     n_kv, hd, hd_v = kv_layout(cfg)
-    return KVCache(cfg.n_layers, n_seq, ctx, n_kv, hd, dtype, device, hd_v)
+    return KVCache(cfg.n_stored_layers, n_seq, ctx, n_kv, hd, dtype, device, hd_v)
 
 
 def cache_nbytes(cfg, n_seq: int, ctx: int, dtype) -> tuple[int, int]:
     """(bytes that grow with the context: the attention layers' K and V, and QSA's index keys; bytes that do not:
     DeltaNet states, PLE conv rows)."""
     n_kv, hd, hd_v = kv_layout(cfg)
-    kv = KVCache.nbytes_for(len(cfg.attention_layers), n_seq, ctx, n_kv, hd, dtype, hd_v)
+    kv = KVCache.nbytes_for(len(cfg.attention_layers) + cfg.nextn_layers, n_seq, ctx, n_kv, hd, dtype, hd_v)
     keys, ple = Qwen4Cache.extra_nbytes(cfg, n_seq, ctx, dtype)
     return kv + keys, (HybridCache.state_nbytes_for(cfg, n_seq, dtype) if cfg.linear_layers else 0) + ple

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..device import Device
 from ..engine_config import EngineConfig
+from ..errors import UserError
 from ..experts.provider import LayerRouter, ResidentExperts
 from ..experts.routing import RoutingStore
 from ..experts.store import ExpertStore, fill_layer
@@ -34,11 +35,22 @@ from .plan import decode_plan
 log = logging.getLogger("moestream")
 
 
+def model_config(cfg: ModelConfig, ecfg: EngineConfig) -> ModelConfig:
+    """The config the engine runs: the checkpoint's, with its MTP head (cfg.head_layers) only where speculation
+    asks for it (--spec-type draft-mtp), so that a head costs no memory otherwise."""
+    if not ecfg.spec.mtp:
+        return cfg.replace(nextn_layers=0)
+    if not cfg.nextn_layers:
+        raise UserError(f"--spec-type draft-mtp: this {cfg.family} checkpoint ships no MTP head (HF: mtp.*; GGUF: "
+                        "nextn_predict_layers and blk.N.nextn.*); drop --spec-type")
+    return cfg
+
+
 def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says."""
     if not ecfg.resolved:
         raise ValueError("load_engine takes a resolved EngineConfig: runtime.plan.resolve(ecfg, file_dtype) first")
-    cfg: ModelConfig = source.config
+    cfg = model_config(source.config, ecfg)
     dev = Device.resolve(ecfg.placement.device)
     dtype = DTYPES[ecfg.placement.dtype]
     host = ecfg.placement.host_layers(cfg)
@@ -55,7 +67,7 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)       # (--moe-cache-mib auto: in MiB)
 
     names = dense_names(cfg)
-    moe = cfg.moe_layers
+    moe = cfg.expert_layers
     bar = tqdm(total=len(names) + len(moe), desc="loading", unit="tensor", disable=not progress, leave=False)
     weights = {}
     for n in names:
@@ -88,7 +100,7 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     if dev_rows:
         resident = ResidentExperts(dev_rows, layouts)
         providers.update({l: resident for l in dev_rows})
-    routing = RoutingStore(cfg.n_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, ours
+    routing = RoutingStore(cfg.n_stored_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, ours
     if host_rows:
         store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
         hosted = host_provider(cfg, ecfg, plan, store, dev, n_slots, routing)

@@ -48,7 +48,7 @@ def host_bytes(cfg, ecfg, expert_bytes: int | None = None) -> tuple[int, int]:
     b = ecfg.batching
     if ecfg.placement.device != "cpu":
         return len(ecfg.placement.host_layers(cfg)) * cfg.n_experts * expert, 0
-    experts = len(cfg.moe_layers) * cfg.n_experts * expert
+    experts = len(cfg.expert_layers) * cfg.n_experts * expert
     # A hybrid model's DeltaNet states do not grow with -c: counted with the weights, the KV with the context.
     kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, _torch_dtype(ecfg.placement.dtype))
     return dense_numel(cfg) * size + experts + states, kv

@@ -39,8 +39,8 @@ def host_provider(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, store:
                   n_slots: int | None, routing: RoutingStore):
     """No cache: uploads per ubatch, into rows that zero-copy decode keeps as the smallest cache (buffered.py) where
     the plan has it and it gains (buffer_decodes); or the expert cache with its copy stream and prefetcher."""
-    args = (cfg.n_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch, sorted(store.rows),
-            ecfg.batching.n_seq, cfg.n_experts_used, cfg.moe_layers, routing)
+    args = (cfg.n_stored_layers, cfg.n_experts, dev, ecfg.cache.policy, ecfg.cache.prefetch, sorted(store.rows),
+            ecfg.batching.n_seq, cfg.n_experts_used, cfg.expert_layers, routing)
     if n_slots is None:
         second = second_rows(cfg, ecfg, store, dev)
         if plan.zero_copy and buffer_decodes(cfg.n_experts, len(store.rows), cfg.n_experts_used, plan.lands):
@@ -111,7 +111,7 @@ def device_bytes(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, host:
     """The bytes a placement puts on the device besides the host layers' pool (check_device_fits' sums): dense
     weights, the KV cache of -c and recurrent states, the device layers' experts."""
     size = torch.empty((), dtype=dtype).element_size()
-    experts = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in cfg.moe_layers if l not in host)
+    experts = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in cfg.expert_layers if l not in host)
     kv, states = cache_nbytes(cfg, ecfg.batching.n_seq, ecfg.batching.ctx_size, dtype)
     return dense_numel(cfg) * size + kv + states + experts
 
@@ -127,7 +127,7 @@ def check_device_fits(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, de
     if not dev.is_cuda:
         return
     size = torch.empty((), dtype=dtype).element_size()
-    dev_layers = [l for l in cfg.moe_layers if l not in host]
+    dev_layers = [l for l in cfg.expert_layers if l not in host]
     rest = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in dev_layers)     # the device layers' experts
     b = ecfg.batching
     kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, dtype)   # states: DeltaNet layers', the same for any -c

@@ -15,6 +15,7 @@ from ..errors import UserError
 from .prompt_batch import reached
 from .sampling import SamplingParams, make_generator
 from .sequence import SequenceState
+from .speculate import MTPDecode
 
 _ids = itertools.count(1)
 
@@ -58,6 +59,7 @@ class Request:
     logprobs: int | None = None               # None: none; n: the chosen token's and the top n
     cache_prompt: bool = True
     stream: bool = False                      # False: only the final event (with every logprob) is emitted
+    speculative: bool = True                  # draft with the MTP head where the engine has one (--spec-type)
     first: int | None = None                  # no prompt: the first token, fed by a decode step at position 0
                                               # (bench --parallel -npp 0), and the first of the result's tokens
     id: int = field(default_factory=lambda: next(_ids))
@@ -82,12 +84,18 @@ class Run:
     """A request in a slot: its prompt progress, its random stream and its sequence state (sequence.py: the stop
     and detokenize rules of generate.Generation)."""
 
-    def __init__(self, req: Request, engine, tokenizer, n_cached: int):
+    def __init__(self, req: Request, engine, tokenizer, n_cached: int, seq: int = 0):
         self.req, self.n_cached, self.done = req, n_cached, n_cached     # done: prompt tokens in the KV cache
         self.gen = make_generator(req.params, engine.device.torch)
         self.seq = SequenceState(req.params, tokenizer, engine.cfg.eos_token_ids, len(req.prompt), engine.kv.ctx)
         if req.first is not None:
             self.seq.push(req.first)
+        # speculative decoding (runtime/speculate.py), where the engine drafts and the request lets it: not under
+        # penalties (they read each token's history on the host), not without a prompt (the head reads its states)
+        self.spec = None
+        if speculates(engine, req):
+            self.spec = MTPDecode(engine, seq, engine.ecfg.spec.draft_n_max)
+        self.spec_hidden: list = []           # the prompt's post-norm hidden states so far, part by part
         self.lps: list = []                   # logprob entries not yet sent with a piece
         self.all_lps: list = []
         self.t_first = self.t_last = 0.0
@@ -114,9 +122,11 @@ class PromptJob:
     began (a slot whose request is cancelled meanwhile is not given another until the batch ends: its sequence is
     still being written), and the engine's steps through it (Engine.prompt_steps, or the whole batch at once)."""
 
-    def __init__(self, steps, filling: list[Slot], parts: list[tuple[int, int, list[int]]]):
-        """steps: through the batch of `parts` (seq, start, tokens); filling: the slots of prompts being read."""
-        self.steps = steps
+    def __init__(self, steps, filling: list[Slot], parts: list[tuple[int, int, list[int]]],
+                 hidden: list | None = None):
+        """steps: through the batch of `parts` (seq, start, tokens); filling: the slots of prompts being read;
+        hidden: the list the steps fill with each part's post-norm hidden states (speculating requests'), or None."""
+        self.steps, self.parts, self.hidden = steps, parts, hidden
         self.ends = reached(parts)            # each sequence's (how far its prompt gets, its last part's index)
         self.slots = slots = [s for s in filling if s.id in self.ends]
         self.runs = {s.id: s.run for s in slots}
@@ -135,9 +145,16 @@ class PromptJob:
                 return None
 
 
-def at_once(fn, *args):
-    """fn(*args) as steps that do not pause (a PromptJob's steps where its batch runs whole)."""
-    return fn(*args)
+def speculates(engine, req: Request) -> bool:
+    """Whether a request's decode drafts: the engine's --spec-type draft-mtp (with drafts), the request's
+    `speculative`, no penalties and a prompt."""
+    return (engine.ecfg.spec.drafts and req.speculative and not req.params.penalized and req.first is None
+            and len(req.prompt) > 0)
+
+
+def at_once(fn, *args, **kw):
+    """fn(*args, **kw) as steps that do not pause (a PromptJob's steps where its batch runs whole)."""
+    return fn(*args, **kw)
     yield                                     # (a generator that returns fn's result)
 
 

@@ -116,29 +116,8 @@ class Sampler:
         sel = [params[i] for i in rows]
         n = len(rows)
 
-        def column(values, dtype):                                                    # (n, 1) per-row setting
-            return torch.tensor(values, dtype=dtype).to(dev).unsqueeze(1)
-
         idx = torch.tensor(rows, dtype=torch.long).to(dev)                            # (n,)
-        temp = column([max(p.temperature, _MIN_TEMPERATURE) for p in sel], torch.float32)
-        x = logits.index_select(0, idx).float() / temp                                # (n, V)
-        # Stable sort: among equal logits the lowest id comes first, so top_k=1 agrees with argmax.
-        vals, order = x.sort(dim=-1, descending=True, stable=True)                    # (n, V) each
-        probs = vals.softmax(dim=-1)                                                  # (n, V), sorted descending
-        pos = torch.arange(V, device=dev)                                             # (V,)
-
-        # Every filter keeps a prefix of the sorted tokens, so "kept" is a prefix too, never empty.
-        top_k = column([min(p.top_k, V) if p.top_k > 0 else V for p in sel], torch.long)
-        keep = pos < top_k                                                            # (n, V)
-        probs = probs * keep
-        probs = probs / probs.sum(dim=-1, keepdim=True)                               # renormalized top-k
-        # top-p: the smallest prefix whose mass reaches top_p = the tokens whose preceding mass is below it.
-        mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))                     # (n, V), exclusive cumsum
-        top_p = column([p.top_p if p.top_p < 1 else 2.0 for p in sel], torch.float32)  # 2.0: keep all (rounding)
-        keep &= mass_before < top_p
-        min_p = column([p.min_p for p in sel], torch.float32)
-        keep &= probs >= min_p * probs[:, :1]
-        keep[:, 0] = True
+        probs, keep, order = filtered(logits.index_select(0, idx), sel)
         n_kept = keep.sum(dim=-1, keepdim=True)                                       # (n, 1)
 
         # Inverse-CDF draw on the kept mass (float64: a 150k-token cumsum in float32 loses the tail).
@@ -148,6 +127,36 @@ class Sampler:
         choice = torch.minimum(choice, n_kept - 1)                                    # u * total rounding to total
         out[idx] = order.gather(1, choice).squeeze(1)
         return out
+
+
+def filtered(logits: torch.Tensor, params: list[SamplingParams]):
+    """The sampler's filters on logits (n, V), one row a params: temperature, top-k, top-p, min-p -> (probs (n, V)
+    sorted descending, keep (n, V) the kept prefix, order (n, V) the token of each sorted column)."""
+    dev, V = logits.device, logits.shape[-1]
+
+    def column(values, dtype):                                                        # (n, 1) per-row setting
+        return torch.tensor(values, dtype=dtype).to(dev).unsqueeze(1)
+
+    temp = column([max(p.temperature, _MIN_TEMPERATURE) for p in params], torch.float32)
+    x = logits.float() / temp                                                         # (n, V)
+    # Stable sort: among equal logits the lowest id comes first, so top_k=1 agrees with argmax.
+    vals, order = x.sort(dim=-1, descending=True, stable=True)                        # (n, V) each
+    probs = vals.softmax(dim=-1)                                                      # (n, V), sorted descending
+    pos = torch.arange(V, device=dev)                                                 # (V,)
+
+    # Every filter keeps a prefix of the sorted tokens, so "kept" is a prefix too, never empty.
+    top_k = column([min(p.top_k, V) if p.top_k > 0 else V for p in params], torch.long)
+    keep = pos < top_k                                                                # (n, V)
+    probs = probs * keep
+    probs = probs / probs.sum(dim=-1, keepdim=True)                                   # renormalized top-k
+    # top-p: the smallest prefix whose mass reaches top_p = the tokens whose preceding mass is below it.
+    mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))                         # (n, V), exclusive cumsum
+    top_p = column([p.top_p if p.top_p < 1 else 2.0 for p in params], torch.float32)  # 2.0: keep all (rounding)
+    keep &= mass_before < top_p
+    min_p = column([p.min_p for p in params], torch.float32)
+    keep &= probs >= min_p * probs[:, :1]
+    keep[:, 0] = True
+    return probs, keep, order
 
 
 def _penalize(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]]) -> torch.Tensor:

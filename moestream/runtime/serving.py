@@ -27,6 +27,9 @@ its slots take no other request until it ends. Prompt and decode forwards stay s
 a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as it
 would alone, so greedy outputs equal `Generation`'s (with -b a multiple of -ub, the cuts are the same).
 
+With --spec-type draft-mtp a speculating slot's decode step carries its drafts (runtime/speculate.py): a step
+where any slot drafted is one forward of every generating slot's tokens, [last, drafts] or [last] (_verify).
+
 Each request's stop and detokenize rules are sequence.py's, as `Generation`'s are. Each slot is a context
 of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
 previous one, which /slots shows; the expert cache keeps its prompts' counts there to seed their prefetch), and
@@ -45,9 +48,11 @@ import time
 import torch
 
 from ..errors import UserError
+from ..models.transformer import Segment
 from . import threads
 from .prompt_batch import next_batch
-from .requests import PromptJob, QueueFull, Request, Result, Run, SchedulerConfig, Slot, at_once, history
+from .requests import (PromptJob, QueueFull, Request, Result, Run, SchedulerConfig, Slot, at_once, history,
+                       speculates)
 from .sampling import Sampler, token_logprobs
 from .slot_routing import slot_routing
 
@@ -212,13 +217,14 @@ class ServingLoop:
                     if self.metrics is not None:
                         self.metrics.on_finish("cancelled")
                     continue
-                use = req.cache_prompt and self.cache_prompt
+                # a speculating request reads its prompt from 0: the head reads every prompt position's state
+                use = req.cache_prompt and self.cache_prompt and not speculates(self.engine, req)
 
                 def reused(s: Slot) -> int:     # at least one prompt token still runs: logits to sample from
                     return self.engine.reusable_prefix(s.cached, req.prompt) if use else 0
                 slot = max(idle, key=lambda s: (reused(s), -s.last_used))
                 n = reused(slot)
-                slot.run = Run(req, self.engine, self.tokenizer, n)
+                slot.run = Run(req, self.engine, self.tokenizer, n, slot.id)
             self.engine.begin_prompt(slot.id)   # the slot's routing: this request's counts start, the last one's
             slot.cached = slot.cached[:n]
             slot.prompt_tokens, slot.generated, slot.n_cached, slot.task = len(req.prompt), 0, n, req.id
@@ -232,8 +238,12 @@ class ServingLoop:
         parts = next_batch([(s.id, s.run.req.prompt, s.run.done) for s in filling], self.engine.ecfg.batching.ubatch,
                            self._budget())
         every = self.prefill_layers if paced and self.engine.pauses_prompts else 0
-        steps = self.engine.prompt_steps(parts, every) if every else at_once(self.engine.prefill_parts, parts)
-        self._job = PromptJob(steps, filling, parts)
+        # with drafts, each part's hidden states: a speculating request's head reads them
+        hidden = [] if any(s.run.spec is not None for s in filling) else None
+        kw = {} if hidden is None else {"hidden": hidden}
+        steps = (self.engine.prompt_steps(parts, every, **kw) if every
+                 else at_once(self.engine.prefill_parts, parts, **kw))
+        self._job = PromptJob(steps, filling, parts, hidden)
 
     def _read_prompts(self, slots: list[Slot], whole: bool) -> None:
         """The prompt batch being read: to its next pause, or to its end (whole: nobody generates). At its end each
@@ -252,9 +262,15 @@ class ServingLoop:
         self._steps_since_prompt, self._last_prompt_s = 0, job.busy_s
         if self.metrics is not None:
             self.metrics.on_prompt_batch(len(slots))
+        for (q, _, _), h in zip(job.parts, job.hidden or ()):
+            if job.runs[q].spec is not None:
+                job.runs[q].spec_hidden.append(h)
         for slot in slots:
             run, (at, last) = job.runs[slot.id], job.ends[slot.id]
             run.done = at
+            if run.spec is not None and at == len(run.req.prompt):
+                run.spec.start(run.req.prompt, torch.cat(run.spec_hidden))
+                run.spec_hidden = []
             slot.cached = run.req.prompt[:at]    # (what its sequence holds, even where the request was cancelled)
             if slot.run is not run:
                 continue                         # cancelled while its batch was read
@@ -265,6 +281,10 @@ class ServingLoop:
                 self._accept(slot, token, logits[last][0])
 
     def _decode(self, slots: list[Slot]) -> None:
+        drafts = {s.id: s.run.spec.draft(s.run.seq.ids[-1], s.run.req.params, s.run.gen) for s in slots
+                  if s.run.spec is not None}
+        if any(d for d, _ in drafts.values()):  # (none: the contexts' last positions, whose tokens end them)
+            return self._verify(slots, drafts)
         steps = [(s.id, s.run.seq.ids[-1], s.run.seq.pos) for s in slots]
         # decode routing is counted where the engine reports it (host experts, what prefetch serves)
         owner = [s.id for s in slots] if self.engine.reports_decode_routing and self.cfg.count_routing else None
@@ -279,6 +299,39 @@ class ServingLoop:
             self.metrics.on_decode_batch(len(slots))
         for i, (s, token) in enumerate(zip(slots, tokens)):
             self._accept(s, token, logits[i])
+
+    def _verify(self, slots: list[Slot], drafts: dict) -> None:
+        """One step of the generating slots where some drafted (runtime/speculate.py): each speculating slot's
+        last token and drafts, each other slot's last token, in one forward (a prompt-like step, each host layer's
+        experts once for the union of every token's); each speculating slot accepts its drafts and rolls back,
+        the others sample their one token."""
+        segments, tokens, owner = [], [], []
+        for s in slots:
+            d = drafts[s.id][0] if s.id in drafts else []
+            segments.append(s.run.spec.segment(d) if s.id in drafts else Segment(s.id, s.run.seq.pos, 1))
+            tokens += [s.run.seq.ids[-1], *d]
+            owner += [s.id] * (len(d) + 1)
+        threads.use("decode")
+        hidden: list[torch.Tensor] = []
+        with self.routing.counting(owner if self.cfg.count_routing else None):
+            logits = self.engine.forward(segments, tokens, all_logits=True, is_prompt=True, hidden=hidden,
+                                         keep_states=True)                            # (sum n, V)
+        if self.metrics is not None:
+            self.metrics.on_decode_batch(len(slots))
+        rows = logits.split([g.n for g in segments])
+        states = hidden[0].split([g.n for g in segments])
+        for s, row, h in zip(slots, rows, states):
+            run, last = s.run, s.run.seq.ids[-1]
+            if s.id in drafts:
+                d, q = drafts[s.id]
+                new = run.spec.commit(row, h, d, q, run.req.params, run.gen)
+            else:
+                new = self._sampler.sample(row, [run.req.params], [run.gen], history([s])).tolist()
+            s.cached += [last, *new[:-1]]           # what its sequence holds: the verified positions
+            for j, token in enumerate(new):
+                self._accept(s, token, row[j])
+                if s.run is not run:                # it ended: the rest is dropped
+                    break
 
     def _accept(self, slot: Slot, token: int, row: torch.Tensor) -> None:
         """One sampled token of a slot's request: its logprobs, its text, and the request's end if it ends it."""

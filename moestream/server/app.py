@@ -217,7 +217,8 @@ async def _serve(st: State, http: HttpRequest, body, prompts: list[list[int]], k
         for _ in range(body.n):
             i = len(reqs)
             reqs.append(Request(ids, params(llm, body, len(ids), default_max, i), emit, index=i,
-                                logprobs=n_logprobs, cache_prompt=body.cache_prompt, stream=body.stream))
+                                logprobs=n_logprobs, cache_prompt=body.cache_prompt, stream=body.stream,
+                                speculative=body.speculative))
     if len(reqs) > st.max_queue + st.n_slots:     # could never be queued whole: the request's fault, not load
         raise ApiError(400, f"{len(reqs)} choices (prompts x n) in one request, but this server takes at most "
                             f"{st.max_queue + st.n_slots} at once (-np + --max-queue)", param="n")

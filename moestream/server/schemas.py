@@ -10,7 +10,7 @@ implement must keep their neutral value (no logit_bias, response_format text, no
 so that a client never silently gets something other than what it asked for. Penalties follow llama-server's rule
 (runtime/sampling.py): presence_penalty, frequency_penalty and repeat_penalty count the last repeat_last_n tokens
 (64) of prompt and completion. Extensions, as vLLM and llama-server spell them: top_k, min_p, repeat_penalty,
-repeat_last_n, ignore_eos, stop_token_ids, cache_prompt, return_token_ids, chat_template_kwargs.
+repeat_last_n, ignore_eos, stop_token_ids, cache_prompt, speculative, return_token_ids, chat_template_kwargs.
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     ignore_eos: bool = False
     cache_prompt: bool = True
+    speculative: bool = True            # false: no drafts for this request where the server speculates (--spec-type)
     return_token_ids: bool = False
 
     @model_validator(mode="after")

@@ -36,6 +36,7 @@ torch and the engine are imported where they are used, so that `moestream bench 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import sys
@@ -47,6 +48,7 @@ from . import bench_parallel, report
 from .bench_common import (SWEPT, BenchTest, diff_counters, ints, load, mean_counters, placement, release_memory,
                            scalar, tests_of)
 from .bench_compare import compare
+from .bench_spec import spec_run
 from .report import Col, na
 
 
@@ -104,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-mib", type=int, default=1024, help="MiB copied to measure the link at start (0: skip)")
     p.add_argument("--compute-s-per-token", type=float, default=None,
                    help="compute time per token for the roofline (default: the link bound alone)")
+    p.add_argument("--spec-oracle", type=float, default=None, metavar="P",
+                   help="with --spec-type draft-mtp: draft the model's own greedy continuation (a first pass over the "
+                        "same prompt), each token wrong with probability 1 - P, instead of the head's drafts (a "
+                        "benchmark of speculation at a known acceptance; bench_spec.py)")
     p.add_argument("--plot", metavar="FILE.png", help="plot tok/s against ubatch and per-layer uploads/hit rate")
     bench_parallel.add_arguments(p)
     compat.add_arguments(p, "bench")
@@ -157,7 +163,7 @@ def summarise(test: BenchTest, runs: list[dict], n_layers: int, link_bps: float 
             "host_ms_per_layer": None if host is None else host * 1e3 / max(len(layers) or n_layers, 1),
             "link_gbps": None if link_bps is None else link_bps / 1e9,
             "bound_s": bound, "roofline_frac": None if bound is None else bound / seconds,
-            "hash": runs[0].get("hash"),
+            "hash": runs[0].get("hash"), "spec": runs[0].get("spec"),
             "per_layer": per_layer}
 
 
@@ -186,6 +192,16 @@ BENCH_COLS = [
     Col("roofline", "roofline_frac", lambda r: na(r["roofline_frac"], "{:.2f}")),
     Col("hash", "hash", lambda r: r.get("hash") or "-", right=False),
 ]
+# --spec-type draft-mtp: drafts a step (and the oracle's P), then per verify step: tokens committed, distinct
+# experts a MoE layer read (against top-k for a one-token step) and bytes from host (bench_spec.py)
+SPEC_COLS = [
+    Col("spec", "spec_n", lambda r: f"n{r['spec_n']}" + ("" if r["spec_oracle"] is None else f" P{r['spec_oracle']}")),
+    Col("tok/step", "spec", lambda r: na((r["spec"] or {}).get("tokens_per_step"), "{:.2f}")),
+    Col("exp/layer", "spec", lambda r: na((r["spec"] or {}).get("experts_per_layer"), "{:.1f}")
+        + (f" (k {r['spec']['top_k']})" if r["spec"] else "")),
+    Col("MB/step", "spec", lambda r: na(None if (r["spec"] or {}).get("bytes_per_step") is None
+                                        else r["spec"]["bytes_per_step"] / 1e6, "{:.2f}")),
+]
 
 
 def main(a: argparse.Namespace) -> int:
@@ -212,6 +228,11 @@ def main(a: argparse.Namespace) -> int:
         return compare(a)
     tests = tests_of(a)
     cols = BENCH_COLS if a.threads else [c for c in BENCH_COLS if c.key != "threads"]
+    spec = a.spec_type == "draft-mtp"
+    if a.spec_oracle is not None and not (spec and 0.0 <= a.spec_oracle <= 1.0):
+        raise UserError(f"--spec-oracle takes a probability in [0, 1] with --spec-type draft-mtp, got "
+                        f"{a.spec_oracle}{'' if spec else ' without it'}")
+    cols = cols + SPEC_COLS if spec else cols
     ctx = max(t.n_tokens for t in tests)
     from ..device import Device
     link = measure_link(Device.resolve(a.device), a.link_mib)           # before loading: the memory is free
@@ -236,17 +257,20 @@ def main(a: argparse.Namespace) -> int:
                 if a.trace:                                     # the first configuration's tests, every run
                     from ..experts.trace import record
                     recorder = record(llm)
-        for threads, b, ub in itertools.product(a.threads or [None], a.batch_size, a.ubatch_size):
+        n_maxes = a.spec_draft_n_max if spec else [None]
+        for threads, b, ub, n_max in itertools.product(a.threads or [None], a.batch_size, a.ubatch_size, n_maxes):
             if threads is not None:
                 torch.set_num_threads(threads)                  # llama-bench's -t sweep
             llm.engine.set_batching(b, ub)
             for t in tests:
+                t.spec = None if n_max is None else functools.partial(spec_run, n_max, a.spec_oracle)
                 if not a.no_warmup:
                     t.run(llm, -1)                              # warm-up: allocations, kernels, caches
                 runs = [t.run(llm, i) for i in range(a.repetitions)]
                 row = {"model": a.model, "device": llm.engine.device.name, "experts": placement(ns),
                        "moe_cache_mib": llm.engine.ecfg.cache.mib, "cache_policy": getattr(ns, "cache_policy", None),
                        "threads": torch.get_num_threads(), "n_batch": b, "n_ubatch": ub,
+                       "spec_n": n_max, "spec_oracle": a.spec_oracle,
                        **summarise(t, runs, len(llm.model_config.moe_layers), link, a.compute_s_per_token)}
                 if stream_md and not rows:             # after the load's lines on stderr
                     print(report.md_header(cols), flush=True)

@@ -17,7 +17,8 @@ from ..errors import UserError
 
 COUNTERS = ("hits", "misses", "evictions", "uploaded_bytes", "copies", "wait_s", "host_s",
             "ple_bytes")                # PLE n-gram rows gathered on the host (Qwen3.8-Flash-Next), whole-run only
-SWEPT = ("batch_size", "ubatch_size", "n_cpu_moe", "moe_cache_mib")      # engine flags that take comma lists here
+SWEPT = ("batch_size", "ubatch_size", "n_cpu_moe", "moe_cache_mib",      # engine flags that take comma lists here
+         "spec_draft_n_max")
 
 
 def ints(s: str) -> list[int]:
@@ -73,6 +74,7 @@ class BenchTest:
     def __init__(self, n_prompt: int, n_gen: int, seed: int):
         self.n_prompt, self.n_gen, self.seed = n_prompt, n_gen, seed
         self.name = "+".join(f"{k}{n}" for k, n in (("pp", n_prompt), ("tg", n_gen)) if n)
+        self.spec = None                # with drafts: fn(test, llm, ids, i), the run (bench_spec.py's spec_run)
 
     @property
     def n_tokens(self) -> int:
@@ -90,6 +92,9 @@ class BenchTest:
         ids = self.prompt(llm.model_config.vocab_size, i)
 
         generated = []
+
+        if self.spec is not None and self.n_gen:
+            return self.spec(self, llm, ids, i)
 
         def once():
             # Greedy, each step queued on the last one's argmax on the device, as generate does (its tokens are read

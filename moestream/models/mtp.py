@@ -1,0 +1,34 @@
+"""A multi-token prediction (MTP, NextN) head: the draft model Qwen3-Next and Qwen3.5-MoE ship beside their trunk,
+as vLLM's qwen3_next_mtp and llama.cpp's qwen35moe graph_mtp compute it. transformers does not model it (it drops
+`mtp.*` at load).
+
+    x = mtp_input(embed(token), hidden, lw, eps)       # (T, H): the head block's input
+    # then the head's block, a full gated-attention layer with routed and shared experts (models/transformer.py,
+    # layer cfg.n_layers: Batch.head), the norm nextn.shared_head_norm, and the trunk's lm_head
+
+At position i the head reads the token at i + 1 (its embedding) and the trunk's hidden state at i (post-norm: what
+the trunk's lm_head reads), each RMS-normed, concatenated [embedding | hidden] and projected (eh_proj, (H, 2H)); its
+logits guess the token at i + 2. A second draft reads the head's own post-norm output instead of the trunk's hidden
+state (the chain). The head's block has its own KV cache layer (after the trunk's attention layers) and its experts
+are layer n_layers of the expert store: the same host store, cache and counters as the trunk's.
+
+Its tensors (canonical; GGUF's `blk.{n_layers}.`, HF's `mtp.`): nextn.eh_proj.weight (H, 2H) `mtp.fc`,
+nextn.enorm.weight `mtp.pre_fc_norm_embedding`, nextn.hnorm.weight `mtp.pre_fc_norm_hidden`,
+nextn.shared_head_norm.weight `mtp.norm` (1 + w, as every norm of these families), and the block's own under
+`mtp.layers.0.` as a trunk layer's. DeepSeek-V3 and GLM-4.5 ship the same kind of head (`model.layers.{n}` in HF,
+`nextn.*` in GGUF, with its own embed_tokens and shared_head_head where a file has them): the same block.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .layers import rms_norm
+
+
+def mtp_input(emb: torch.Tensor, hidden: torch.Tensor, lw: dict, eps: float) -> torch.Tensor:
+    """The head block's input (T, H): eh_proj([enorm(emb) | hnorm(hidden)]); emb (T, H) the embeddings of the
+    tokens after the hidden states' positions, hidden (T, H) post-norm hidden states (the trunk's or the head's)."""
+    e = rms_norm(emb, lw["nextn.enorm.weight"], eps)
+    h = rms_norm(hidden.to(emb.dtype), lw["nextn.hnorm.weight"], eps)
+    return F.linear(torch.cat([e, h], dim=-1), lw["nextn.eh_proj.weight"])      # (T, 2H) -> (T, H)
