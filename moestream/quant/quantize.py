@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType as Q
 from ..errors import UserError
 from .encoding import (GROUP_MAX_EPS, abs_max, as_bytes, bit_planes, f16_bytes, f16_value, inverse, make_qkx2,
                        nibbles, pack_bits, roundf, two_bits)
+from .quantize_iq import NEED_IMPORTANCE, TYPES as IQ_TYPES, encode as iq_encode
 from .quantize_k23 import q2_k, q3_k
 
 CHUNK = 1 << 20
@@ -33,23 +34,41 @@ CUDA_CHUNK = 1 << 24
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-def quantize(x: torch.Tensor, qtype: Q, values: bool = False):
+def quantize(x: torch.Tensor, qtype: Q, values: bool = False, importance: torch.Tensor | None = None):
     """x (..., n) float -> (..., n / block * type_size) uint8 blocks of qtype on x's device (and, with values,
-    the float32 (..., n) they decode to)."""
+    the float32 (..., n) they decode to).
+
+    importance: llama-quantize's per-column imatrix, (n,) for every row or x.shape[:-2] + (n,) (one per expert of a
+    stack); the types whose ggml quantizers take quant_weights use it (IQ_ENCODERS), the others ignore it.
+    """
     encode = ENCODERS.get(qtype)
-    if encode is None:
-        raise UserError(f"moestream cannot quantize to {qtype.name}; it can to {', '.join(t.name for t in ENCODERS)}")
+    if encode is None and qtype not in IQ_ENCODERS:
+        raise UserError(f"moestream cannot quantize to {qtype.name}; it can to "
+                        f"{', '.join(t.name for t in (*ENCODERS, *IQ_ENCODERS))}")
+    if importance is None and qtype in NEED_IMPORTANCE:
+        raise UserError(f"{qtype.name} needs an importance matrix (llama.cpp's quantizer asserts one): make one with "
+                        "`moestream imatrix` and pass --imatrix FILE")
     block, size = GGML_QUANT_SIZES[qtype]
     n = x.shape[-1]
     if n % block:
         raise UserError(f"a row of {n} values is not whole {qtype.name} blocks of {block}")
     rows = x.reshape(-1, n)
+    imp = None
+    if qtype in IQ_ENCODERS and importance is not None:
+        lead = x.shape[:-2] if importance.dim() > 1 else ()
+        imp = importance.to(x.device, torch.float32).reshape(*lead, *([1] * (x.dim() - 1 - len(lead))), n)
+        imp = imp.expand(x.shape).reshape(-1, n)
     out = torch.empty((rows.shape[0], n // block * size), dtype=torch.uint8, device=x.device)
     vals = torch.empty(rows.shape, dtype=torch.float32, device=x.device) if values else None
     step = max(1, (CUDA_CHUNK if x.is_cuda else CHUNK) // n)
     for i in range(0, rows.shape[0], step):
         chunk = rows[i:i + step]
-        q, v = encode(chunk.reshape(-1, block).float())         # (B, type_size), (B, block)
+        blocks = chunk.reshape(-1, block).float()
+        if qtype in IQ_ENCODERS:
+            qw = None if imp is None else imp[i:i + step].reshape(-1, block)
+            q, v = IQ_ENCODERS[qtype](blocks, qw, qtype)
+        else:
+            q, v = encode(blocks)                                   # (B, type_size), (B, block)
         out[i:i + step] = q.reshape(chunk.shape[0], -1)
         if values:
             vals[i:i + step] = v.reshape(chunk.shape)
@@ -265,3 +284,5 @@ ENCODERS: dict[Q, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] =
     Q.Q2_K: q2_k, Q.Q3_K: q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
     Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
 }
+# the types whose quantizers take the imatrix: (blocks, importance or None, type) -> (bytes, values)
+IQ_ENCODERS = {t: iq_encode for t in IQ_TYPES}
