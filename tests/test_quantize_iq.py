@@ -55,8 +55,8 @@ def _weighted_rms(x, v, imp):
 
 def test_layout_error_and_order():
     """gguf.quants decodes our bytes as dequant_iq does; the weighted error falls with the bits (IQ1_S > IQ1_M >
-    IQ2_XXS > IQ2_XS) and an imatrix lowers the error it weights. On N(0, 1) rows the relative weighted RMS
-    measured 0.50, 0.44, 0.35, 0.27 (llama.cpp's own quantizers give the same to 3 digits): bounds 10% above."""
+    IQ2_XXS > IQ2_XS) and an imatrix lowers the error it weights. Here the relative weighted RMS measured 0.431,
+    0.366, 0.344, 0.232, llama.cpp's quantizers 0.431, 0.366, 0.344, 0.231 on the same rows: bounds 10% above."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 512, generator=g)
     x[0, :256], x[1, :40] = 0, 0.5                   # a zero block, a flat stretch: valid blocks all the same
@@ -67,7 +67,7 @@ def test_layout_error_and_order():
         np.testing.assert_array_equal(gguf.quants.dequantize(q.numpy(), qtype), v.numpy())
         np.testing.assert_array_equal(dequantize(q, qtype).numpy(), v.numpy())
         errs[qtype] = _weighted_rms(x, v, imp) / _weighted_rms(x, torch.zeros_like(x), imp)
-    bound = {Q.IQ1_S: 0.55, Q.IQ1_M: 0.49, Q.IQ2_XXS: 0.39, Q.IQ2_XS: 0.30}
+    bound = {Q.IQ1_S: 0.48, Q.IQ1_M: 0.41, Q.IQ2_XXS: 0.38, Q.IQ2_XS: 0.26}
     assert all(errs[t] < bound[t] for t in IQ), errs
     assert errs[Q.IQ1_S] > errs[Q.IQ1_M] > errs[Q.IQ2_XXS] > errs[Q.IQ2_XS], errs
     flat = quantize(x, Q.IQ1_M, values=True, importance=torch.ones(512))[1]
