@@ -31,6 +31,7 @@ class Lattice:
     start: torch.Tensor         # (MAP_SIZE,) int64: where an off-grid point's candidates begin in flat
     count: torch.Tensor         # (MAP_SIZE,) int64: how many (0 on the grid)
     flat: torch.Tensor          # (K,) int64: the candidates of every off-grid point, one after the other
+    onehot: torch.Tensor        # (24, N) float32: row 3 i + l is 1 where a grid point's value i is at level l
 
 
 def pack(levels: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,9 @@ def lattice(qtype: Q, device: torch.device) -> Lattice:
     count[pack(points)] = counts
     start[pack(points)] = counts.cumsum(0) - counts
     flat = order[keep]                                                  # row-major: each point's list in order
-    return Lattice(levels.to(device), index.to(device), start.to(device), count.to(device), flat.to(device))
+    onehot = torch.nn.functional.one_hot(levels, 3).permute(1, 2, 0).reshape(24, n).float()
+    return Lattice(levels.to(device), index.to(device), start.to(device), count.to(device), flat.to(device),
+                   onehot.to(device))
 
 
 def nearest_neighbour(lat: Lattice, u: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
@@ -76,18 +79,12 @@ def nearest_neighbour(lat: Lattice, u: torch.Tensor, x: torch.Tensor, w: torch.T
     first = count.cumsum(0) - count
     pos = torch.arange(group.shape[0], device=u.device) - first[group]                 # its rank in the group's list
     cand = lat.flat[lat.start[u][group] + pos]                                          # (K,)
-    # each value's term for each level, (G, 8, 3), summed in ggml's order: the first four's 81 sums per group, then
-    # the other four one at a time, all gathered by the candidates' levels
+    # each value's term for each level, (G, 8, 3); a grid point's distance is the sum of its 8 levels' terms: one
+    # product with the grid's one-hot levels (24, N) gives every grid point's, summed in ggml's order (value 0 first)
     diff = scale.unsqueeze(-1) * values.unsqueeze(1) - x.unsqueeze(-1)
     e = w.unsqueeze(-1) * diff * diff
-    head = e[:, 0, :, None] + e[:, 1, None, :]                                          # (G, 3, 3)
-    head = (head[..., None] + e[:, 2, None, None, :])[..., None] + e[:, 3, None, None, None, :]
-    levels = lat.levels[cand]                                                           # (K, 8)
-    code = ((levels[:, :4] * torch.tensor([27, 9, 3, 1], device=u.device)).sum(-1))
-    d2 = head.reshape(G * 81)[group * 81 + code]
-    e = e.reshape(G * 24)
-    for i in range(4, 8):
-        d2 = d2 + e[group * 24 + 3 * i + levels[:, i]]
+    every = e.reshape(G, 24) @ lat.onehot                                               # (G, N)
+    d2 = every.reshape(-1)[group * every.shape[1] + cand]
     best = torch.full((G,), float("inf"), device=u.device).scatter_reduce(0, group, d2, "amin")
     # the first candidate reaching the minimum, as ggml's strict `<` keeps it
     rank = torch.where(d2 == best[group], pos, torch.full_like(pos, 1 << 30))
