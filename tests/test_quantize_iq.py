@@ -16,8 +16,8 @@ from moestream.quant.dequant import dequantize
 from moestream.quant.quantize import quantize
 
 IQ = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ1_S, Q.IQ1_M)
-# tests/data/iq_llamacpp.json: what llama.cpp b11549's quantize_iq2_xxs, _iq2_xs, _iq1_s and _iq1_m (ggml-quants.c
-# compiled alone, called through ctypes) wrote for _rows() with _importance(); IQ1_M also with no imatrix.
+# tests/data/iq_llamacpp.json: what llama.cpp b11549's quantize_iq2_xxs, _iq2_xs, _iq1_s, _iq1_m, _iq4_nl and _iq4_xs
+# (ggml-quants.c compiled alone, called through ctypes) wrote for _rows() with _importance(); IQ1_M also with none.
 REFERENCE = json.loads((Path(__file__).parent / "data" / "iq_llamacpp.json").read_text())
 
 
@@ -38,7 +38,7 @@ def _importance() -> torch.Tensor:
     return (1.5 + torch.sin(i * 0.05)).pow(3).float()
 
 
-@pytest.mark.parametrize("qtype", IQ, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (*IQ, Q.IQ4_NL, Q.IQ4_XS), ids=lambda t: t.name)
 def test_bytes_equal_llamacpp(qtype):
     q = quantize(_rows(), qtype, importance=_importance())
     assert [row.numpy().tobytes().hex() for row in q] == REFERENCE[qtype.name]

@@ -342,7 +342,7 @@ def _iq1(x: torch.Tensor, qw: torch.Tensor | None, qtype: Q):
     return torch.cat([qs, as_bytes(qh), _u16_bytes(sc)], -1)
 
 
-def encode(x: torch.Tensor, qw: torch.Tensor | None, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(x: torch.Tensor, qw: torch.Tensor | None, *, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
     """Super-blocks x (B, 256) with importance qw (B, 256) -> qtype's blocks and the float32 values they decode to."""
     q = _iq1(x, qw, qtype) if qtype in (Q.IQ1_S, Q.IQ1_M) else _iq2(x, qw, qtype)
     return q, IQ_DEQUANTIZERS[qtype](q)

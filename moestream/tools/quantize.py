@@ -12,9 +12,9 @@ The tensor types follow llama-quantize's mixes (moestream/quant/mix.py); the blo
 file as its own. Metadata is written from the model's config and tokenizer, not copied from IN's keys.
 
 --imatrix FILE (llama-imatrix's GGUF or legacy .dat, or `moestream imatrix`'s) gives the quantizers that take one
-(IQ2_XXS, IQ2_XS, IQ1_S, IQ1_M) each column's importance, per expert for expert stacks, as llama-quantize does; the
-other types' quantizers are moestream's reference ones and do not read it (llama.cpp's Q2_K..Q6_K and IQ4_NL/IQ4_XS
-would). The file's imatrix is named in quantize.imatrix.* keys, as llama-quantize writes them.
+(IQ2_XXS, IQ2_XS, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS) each column's importance, per expert for expert stacks, as
+llama-quantize does; the k-quants' are ggml's reference ones and do not read it (llama.cpp's Q2_K..Q6_K would, and
+Q4_0..Q5_1's). The file's imatrix is named in the quantize.imatrix.* keys llama-quantize writes.
 """
 from __future__ import annotations
 
