@@ -90,6 +90,21 @@ def test_collection_counts_and_sums():
     assert llm.generate([1, 2, 3], max_tokens=2).token_ids       # the engine is as it was
 
 
+def test_collection_covers_a_hybrid():
+    """tiny-next (DeltaNet layers: ssm_in held as attn_qkv + attn_gate in the file, a shared expert): an entry for
+    every tensor an IQ2_XS file quantizes with an imatrix."""
+    from moestream import LLM
+    from moestream.arch.names import gguf_name, gguf_tensors
+    from moestream.quant.mix import REQUIRES_IMATRIX, Mix
+    from moestream.tools.imatrix import compute_imatrix
+    llm = LLM("synth:tiny-next:layers=2", ctx_size=64, device="cpu", cpu_moe=True)
+    im = compute_imatrix(llm, [list(range(5, 37))], "ids")
+    cfg = llm.model_config
+    mix = Mix.for_config(cfg, "IQ2_XS", has_imatrix=True)
+    need = [gguf_name(cfg, n) for n, s in gguf_tensors(cfg) if mix.type(n, s) in REQUIRES_IMATRIX]
+    assert "blk.0.attn_gate.weight" in need and [n for n in need if n not in im.sums] == []
+
+
 def test_iq_types_without_imatrix_refused():
     from moestream.tools.quantize import quantize_model
     with pytest.raises(UserError, match="IQ1_M needs an importance matrix.*moestream imatrix -m IN -f TEXT.*--imatrix"):

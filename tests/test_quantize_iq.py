@@ -90,3 +90,18 @@ def test_expert_importance_and_chunks(monkeypatch):
 def test_needs_importance():
     with pytest.raises(UserError, match="IQ2_XXS needs an importance matrix.*--imatrix"):
         quantize(torch.randn(2, 256), Q.IQ2_XXS)
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu():
+    """On a GPU the same searches run (its sums may round otherwise): nearly every block the CPU's, the same error."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 512, generator=g)
+    imp = torch.rand(512, generator=g) + 0.1
+    for qtype in (*IQ, Q.IQ4_NL):
+        cpu = quantize(x, qtype, importance=imp, values=True)
+        gpu = quantize(x.cuda(), qtype, importance=imp.cuda(), values=True)
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        same = (gpu[0].cpu().reshape(-1, size) == cpu[0].reshape(-1, size)).all(-1).float().mean()
+        assert same > 0.95, (qtype, same)
+        assert abs(_weighted_rms(x, gpu[1].cpu(), imp) / _weighted_rms(x, cpu[1], imp) - 1) < 0.01
