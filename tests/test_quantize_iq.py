@@ -83,7 +83,7 @@ def test_expert_importance_and_chunks(monkeypatch):
     whole = quantize(x, Q.IQ2_XS, importance=imp)
     for e in range(3):
         assert torch.equal(whole[e], quantize(x[e], Q.IQ2_XS, importance=imp[e]))
-    monkeypatch.setattr(qz, "CHUNK", 512)
+    monkeypatch.setattr(qz, "IQ_CHUNK", 512)
     assert torch.equal(quantize(x, Q.IQ2_XS, importance=imp), whole)
 
 

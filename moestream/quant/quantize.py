@@ -11,8 +11,9 @@ each search ggml runs one block at a time runs here for all blocks at once, one 
 results may differ from ggml's in the last bits (the order of sums), never the layout: gguf.quants.dequantize of the
 bytes gives `values`.
 
-Rows are encoded a chunk at a time (`CHUNK` values on the CPU, `CUDA_CHUNK` on a GPU), so the temporaries of the
-searches stay bounded whatever the tensor: a layer's whole expert stack can be passed at once.
+Rows are encoded a chunk at a time (`CHUNK` values on the CPU, IQ_CHUNK for the IQ1/IQ2 types, `CUDA_CHUNK` on a
+GPU), so the temporaries of the searches stay bounded whatever the tensor: a layer's whole expert stack can be
+passed at once.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .quantize_iq import NEED_IMPORTANCE, TYPES as IQ_TYPES, encode as iq_encode
 from .quantize_k23 import q2_k, q3_k
 
 CHUNK = 1 << 20
+IQ_CHUNK = 1 << 16      # the IQ1/IQ2 searches' temporaries are wider: smaller chunks stay in cache (3x faster)
 CUDA_CHUNK = 1 << 24
 # IQ4_NL's 16 non-uniform levels (ggml's kvalues_iq4nl), and the midpoints between them: a value's nearest level is
 # the number of midpoints at or below it (a tie goes to the upper level, as ggml's best_index_int8 picks it).
@@ -63,7 +65,7 @@ def quantize(x: torch.Tensor, qtype: Q, values: bool = False, importance: torch.
         imp = imp.expand(x.shape).reshape(-1, n)
     out = torch.empty((rows.shape[0], n // block * size), dtype=torch.uint8, device=x.device)
     vals = torch.empty(rows.shape, dtype=torch.float32, device=x.device) if values else None
-    step = max(1, (CUDA_CHUNK if x.is_cuda else CHUNK) // n)
+    step = max(1, (CUDA_CHUNK if x.is_cuda else IQ_CHUNK if qtype in IQ_TYPES else CHUNK) // n)
     for i in range(0, rows.shape[0], step):
         chunk = rows[i:i + step]
         blocks = chunk.reshape(-1, block).float()
