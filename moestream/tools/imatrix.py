@@ -97,7 +97,7 @@ class Collector(RouteObserver):
         self.offset += T
         if ids.shape != slots.shape:
             raise UserError("imatrix: the experts of a layer ran in waves (an expert cache smaller than one ubatch's "
-                            "routed set); run it with every expert on the host (--cpu-moe)")
+                            "routed set); run it on the CPU (--device cpu) or with a larger --moe-cache-mib")
         from ..arch.names import EXPERT_STACKS
         prefix = f"blk.{self.layer}."
         flat_ids, flat_slots = ids.reshape(-1), slots.reshape(-1).cpu()
