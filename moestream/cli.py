@@ -31,6 +31,7 @@ SUBCOMMANDS = {
     "replay": ("moestream.tools.replay", "replay a routing trace against cache sizes and policies (offline)"),
     "perplexity": ("moestream.tools.perplexity", "perplexity and KL divergence over a text, like llama-perplexity"),
     "quantize": ("moestream.tools.quantize", "write a model as a quantized GGUF (Q4_K_M, ...), like llama-quantize"),
+    "imatrix": ("moestream.tools.imatrix", "an importance matrix over a text (for IQ1/IQ2 files), like llama-imatrix"),
     "serve": ("moestream.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
 }
 

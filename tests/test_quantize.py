@@ -67,8 +67,8 @@ def test_bad_rows():
     from moestream.errors import UserError
     with pytest.raises(UserError, match="not whole Q4_K blocks"):
         quantize(torch.randn(2, 96), Q.Q4_K)
-    with pytest.raises(UserError, match="cannot quantize to IQ2_XXS"):
-        quantize(torch.randn(2, 256), Q.IQ2_XXS)
+    with pytest.raises(UserError, match="cannot quantize to IQ3_XXS"):
+        quantize(torch.randn(2, 256), Q.IQ3_XXS)
 
 
 @pytest.mark.cuda

@@ -221,24 +221,27 @@ def _add_tensor_info(w: gguf.GGUFWriter, name: str, shape: tuple[int, ...], qtyp
     w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
 
 
-def _encode(t: torch.Tensor, qtype: Q, device: str) -> np.ndarray:
-    """A tensor as the bytes (or numpy floats) the file stores for qtype; quantized ones encoded on `device`."""
+def _encode(t: torch.Tensor, qtype: Q, device: str, importance: torch.Tensor | None = None) -> np.ndarray:
+    """A tensor as the bytes (or numpy floats) the file stores for qtype; quantized ones encoded on `device`, with
+    the tensor's imatrix importance where the type's quantizer takes it."""
     if qtype in FLOAT_TORCH:
         t = t.to(FLOAT_TORCH[qtype]).contiguous()
         return t.view(torch.int16).numpy().view(np.uint8) if qtype == Q.BF16 else t.numpy()
     from ..quant.quantize import quantize
-    return quantize(t.to(device), qtype).cpu().numpy()
+    return quantize(t.to(device), qtype, importance=importance).cpu().numpy()
 
 
 def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: bool = False, *,
                types: TypeOf | None = None, file_type: gguf.LlamaFileType | None = None,
-               device: str = "cpu", new: bool = False) -> Path:
+               device: str = "cpu", new: bool = False, importance: Callable | None = None,
+               extra_kv: dict | None = None) -> Path:
     """Write `source` as one GGUF file, streaming tensor by tensor (a layer's expert stacks at a time).
 
     dtype: auto (the source's), float32, float16, bfloat16 or q8_0. 1-D tensors (norms, biases) are always F32, as
     llama.cpp's converters write them. types: the GGML type of each tensor instead (moestream.quant.mix.Mix.type),
     with file_type its general.file_type. device: where quantized tensors are encoded ("cpu", "cuda"). new: refuse
-    to replace a file at `path` (outputs.atomic_path).
+    to replace a file at `path` (outputs.atomic_path). importance: GGUF tensor name -> its imatrix importance
+    ((n,) or (E, n)) or None (moestream.quant.imatrix); extra_kv: more metadata (llama-quantize's quantize.imatrix.*).
     """
     cfg = source.config
     arch = FAMILIES[cfg.family].gguf_arch
@@ -262,14 +265,18 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
     with atomic_path(path, new=new) as tmp:              # renamed when complete: no half-written model at `path`
         w = gguf.GGUFWriter(tmp, arch)
         try:
-            _write(w, source, cfg, plan, file_type, device, progress)
+            _write(w, source, cfg, plan, file_type, device, progress, importance or (lambda name: None),
+                   extra_kv or {})
         finally:
             w.close()
     return path
 
 
-def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device: str, progress: bool):
+def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device: str, progress: bool, importance,
+           extra_kv: dict):
     _add_metadata(w, cfg, file_type, any(t not in FLOAT_TORCH for _, _, t in plan), source.tokenizer)
+    for key, v in extra_kv.items():
+        _add_kv(w, key, v)
     for name, shape, qtype in plan:
         _add_tensor_info(w, gguf_name(cfg, name), shape, qtype)
     w.write_header_to_file()
@@ -304,7 +311,7 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
                                 "the checkpoint does not match its config")
             if FAMILIES[cfg.family].gguf_tiled_v:       # llama.cpp's qwen35moe: the value heads tiled
                 t = reorder_v_heads(cfg, name, t, tiled=True)
-        w.write_tensor_data(_encode(t, qtype, device))
+        w.write_tensor_data(_encode(t, qtype, device, importance(gguf_name(cfg, name))))
 
 
 def _expert_stacks(source, layer: int, gate_shape, dtypes) -> dict[str, torch.Tensor]:

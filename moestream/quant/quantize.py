@@ -7,15 +7,18 @@ Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 (quant/mxfp4.py) are bit-identical to ggu
 quantize_row_*_ref; MXFP4's scale is floor(log2 max |x|), where torch's and C's float32 log2 could round apart).
 Q4_K, Q5_K and Q6_K follow ggml's reference (non-imatrix) quantizers, quantize_row_q{4,5,6}_K_ref with
 make_qkx2_quants / make_qx_quants (Q2_K and Q3_K likewise, in quantize_k23.py), and IQ4_NL / IQ4_XS follow
-quantize_row_iq4_nl_impl without an imatrix: each search ggml runs one block at a time runs here for all blocks at
-once, one candidate scale per step. The float results may differ from ggml's in the last bits (the order of sums),
-never the layout: gguf.quants.dequantize of the bytes gives `values`.
+quantize_row_iq4_nl_impl, with an imatrix's weights when one is given (as the IQ1/IQ2 types of quantize_iq.py):
+each search ggml runs one block at a time runs here for all blocks at once, one candidate scale per step. The float
+results may differ from ggml's in the last bits (the order of sums), never the layout: gguf.quants.dequantize of the
+bytes gives `values`.
 
-Rows are encoded a chunk at a time (`CHUNK` values on the CPU, `CUDA_CHUNK` on a GPU), so the temporaries of the
-searches stay bounded whatever the tensor: a layer's whole expert stack can be passed at once.
+Rows are encoded a chunk at a time (`CHUNK` values on the CPU, IQ_CHUNK for the IQ1/IQ2 types, `CUDA_CHUNK` on a
+GPU), so the temporaries of the searches stay bounded whatever the tensor: a layer's whole expert stack can be
+passed at once.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -26,32 +29,53 @@ from ..errors import UserError
 from .encoding import (GROUP_MAX_EPS, abs_max, as_bytes, bit_planes, f16_bytes, f16_value, inverse, make_qkx2,
                        nibbles, pack_bits, roundf, two_bits)
 from .mxfp4 import encode_mxfp4
+from .quantize_iq import NEED_IMPORTANCE, TYPES as IQ_TYPES, encode as iq_encode
 from .quantize_k23 import q2_k, q3_k
 
 CHUNK = 1 << 20
+IQ_CHUNK = 1 << 16      # the IQ1/IQ2 searches' temporaries are wider: smaller chunks stay in cache (3x faster)
 CUDA_CHUNK = 1 << 24
 # IQ4_NL's 16 non-uniform levels (ggml's kvalues_iq4nl), and the midpoints between them: a value's nearest level is
 # the number of midpoints at or below it (a tie goes to the upper level, as ggml's best_index_int8 picks it).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-def quantize(x: torch.Tensor, qtype: Q, values: bool = False):
+def quantize(x: torch.Tensor, qtype: Q, values: bool = False, importance: torch.Tensor | None = None):
     """x (..., n) float -> (..., n / block * type_size) uint8 blocks of qtype on x's device (and, with values,
-    the float32 (..., n) they decode to)."""
+    the float32 (..., n) they decode to).
+
+    importance: llama-quantize's per-column imatrix, (n,) for every row or x.shape[:-2] + (n,) (one per expert of a
+    stack); the types whose ggml quantizers moestream follows with quant_weights use it (WEIGHTED: the IQ types),
+    the others ignore it.
+    """
     encode = ENCODERS.get(qtype)
-    if encode is None:
-        raise UserError(f"moestream cannot quantize to {qtype.name}; it can to {', '.join(t.name for t in ENCODERS)}")
+    if encode is None and qtype not in WEIGHTED:
+        raise UserError(f"moestream cannot quantize to {qtype.name}; it can to "
+                        f"{', '.join(t.name for t in (*ENCODERS, *IQ_TYPES))}")
+    if importance is None and qtype in NEED_IMPORTANCE:
+        raise UserError(f"{qtype.name} needs an importance matrix (llama.cpp's quantizer asserts one): make one with "
+                        "`moestream imatrix` and pass --imatrix FILE")
     block, size = GGML_QUANT_SIZES[qtype]
     n = x.shape[-1]
     if n % block:
         raise UserError(f"a row of {n} values is not whole {qtype.name} blocks of {block}")
     rows = x.reshape(-1, n)
+    imp = None
+    if qtype in WEIGHTED and importance is not None:
+        lead = x.shape[:-2] if importance.dim() > 1 else ()
+        imp = importance.to(x.device, torch.float32).reshape(*lead, *([1] * (x.dim() - 1 - len(lead))), n)
+        imp = imp.expand(x.shape).reshape(-1, n)
     out = torch.empty((rows.shape[0], n // block * size), dtype=torch.uint8, device=x.device)
     vals = torch.empty(rows.shape, dtype=torch.float32, device=x.device) if values else None
-    step = max(1, (CUDA_CHUNK if x.is_cuda else CHUNK) // n)
+    step = max(1, (CUDA_CHUNK if x.is_cuda else IQ_CHUNK if qtype in IQ_TYPES else CHUNK) // n)
     for i in range(0, rows.shape[0], step):
         chunk = rows[i:i + step]
-        q, v = encode(chunk.reshape(-1, block).float())         # (B, type_size), (B, block)
+        blocks = chunk.reshape(-1, block).float()
+        if imp is not None or encode is None:
+            qw = None if imp is None else imp[i:i + step].reshape(-1, block)
+            q, v = WEIGHTED[qtype](blocks, qw)
+        else:
+            q, v = encode(blocks)                                   # (B, type_size), (B, block)
         out[i:i + step] = q.reshape(chunk.shape[0], -1)
         if values:
             vals[i:i + step] = v.reshape(chunk.shape)
@@ -207,13 +231,22 @@ def _levels(device) -> tuple[torch.Tensor, torch.Tensor]:
     return levels, (levels[:-1] + levels[1:]) / 2
 
 
-def _iq4_scales(x, levels, mids, ntry: int = 7):
-    """quantize_row_iq4_nl_impl's per-32 search without an imatrix (weights x^2): the scale d (G, 1) for which
+def _iq4_weights(x, qw):
+    """quantize_row_iq4_nl_impl's weights: x^2 without an imatrix, else qw sqrt(sigma2 + x^2), sigma2 twice the
+    mean square of the super-block x (B, n)."""
+    if qw is None:
+        return x * x
+    sigma2 = (x * x).sum(-1, keepdim=True) * (2 / x.shape[-1])
+    return qw * (sigma2 + x * x).sqrt()
+
+
+def _iq4_scales(x, levels, mids, ntry: int = 7, w=None):
+    """quantize_row_iq4_nl_impl's per-32 search, weights w (x^2 without an imatrix): the scale d (G, 1) for which
     d * level[nearest] fits x (G, 32) best, trying the 2 ntry + 1 steps around (level 0 + t) / signed max."""
     amax, mx = abs_max(x)
     zero = amax < GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)
-    w = x * x
+    w = x * x if w is None else w
 
     def fit(id_):
         q = levels[torch.bucketize(id_ * x, mids, right=True)]
@@ -236,18 +269,18 @@ def _iq4_nibbles(L):
     return nibbles(L[:, :, 0], L[:, :, 1]).reshape(L.shape[0], -1)
 
 
-def _iq4_nl(x):
+def _iq4_nl(x, qw=None):
     levels, mids = _levels(x.device)
-    d = _iq4_scales(x, levels, mids)
+    d = _iq4_scales(x, levels, mids, w=_iq4_weights(x, qw))
     L = torch.bucketize(inverse(d) * x, mids, right=True)
     dh = d.to(torch.float16)
     return torch.cat([dh.view(torch.uint8), _iq4_nibbles(L)], -1), dh.float() * levels[L]
 
 
-def _iq4_xs(x):
+def _iq4_xs(x, qw=None):
     B = x.shape[0]
     levels, mids = _levels(x.device)
-    scales = _iq4_scales(x.reshape(B * 8, 32), levels, mids).reshape(B, 8)
+    scales = _iq4_scales(x.reshape(B * 8, 32), levels, mids, w=_iq4_weights(x, qw).reshape(B * 8, 32)).reshape(B, 8)
     _, max_scale = abs_max(scales)
     d = -max_scale / 32                            # (B, 1); the sub-blocks' 6-bit scales in [-32, 32) times d
     l = (inverse(d) * scales).round().clamp(-32, 31)
@@ -267,3 +300,5 @@ ENCODERS: dict[Q, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] =
     Q.Q2_K: q2_k, Q.Q3_K: q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
     Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs, Q.MXFP4: encode_mxfp4,
 }
+# the types whose quantizers take the imatrix: (blocks, importance or None) -> (bytes, values)
+WEIGHTED = {**{t: functools.partial(iq_encode, qtype=t) for t in IQ_TYPES}, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs}

@@ -4,11 +4,17 @@
     moestream quantize ref-bf16.gguf ref-q8_0.gguf Q8_0 --device cuda     # a GGUF
     moestream quantize q8_0.gguf q4_k_m.gguf Q4_K_M --allow-requantize   # an already quantized GGUF
     moestream quantize synth:tiny tiny.gguf Q4_K_M --output-tensor-type q8_0
+    moestream quantize model.gguf iq1_m.gguf IQ1_M --imatrix imatrix.gguf     # IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS need one
 
     quantize_model("synth:tiny", "tiny-q4_k_m.gguf", "Q4_K_M", device="cpu")
 
 The tensor types follow llama-quantize's mixes (moestream/quant/mix.py); the blocks are ggml's, so llama.cpp reads the
 file as its own. Metadata is written from the model's config and tokenizer, not copied from IN's keys.
+
+--imatrix FILE (llama-imatrix's GGUF or legacy .dat, or `moestream imatrix`'s) gives the quantizers that take one
+(IQ2_XXS, IQ2_XS, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS) each column's importance, per expert for expert stacks, as
+llama-quantize does; the k-quants' are ggml's reference ones and do not read it (llama.cpp's Q2_K..Q6_K would, and
+Q4_0..Q5_1's). The file's imatrix is named in the quantize.imatrix.* keys llama-quantize writes.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..outputs import check_writable
-from ..quant.mix import FLOAT, FTYPES, Mix, parse_ftype, tensor_bytes
+from ..quant.mix import FLOAT, FTYPES, IQ_FTYPES, REQUIRES_IMATRIX, Mix, parse_ftype, tensor_bytes
 from ..quant.types import parse_type
 
 # torch (quant.quantize, loading) is imported where it is used, so that `moestream quantize --help` answers at once.
@@ -49,7 +55,7 @@ def resolve_device(device: str) -> str:
 
 def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requantize: bool = False,
                    output_type: str | None = None, token_embd_type: str | None = None, pure: bool = False,
-                   device: str = "auto", progress: bool = True) -> tuple[Path, Mix, dict]:
+                   device: str = "auto", progress: bool = True, imatrix: str | None = None) -> tuple[Path, Mix, dict]:
     """Write `model` (an HF directory, a GGUF or synth:SPEC) to `out` as a GGUF of file type `ftype`.
 
     Refuses an existing `out`, and a quantized GGUF without allow_requantize (requantizing compounds the
@@ -58,6 +64,13 @@ def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requ
     from ..loading.source import open_source
     from ..quant.quantize import ENCODERS
     ftype = parse_ftype(ftype)
+    if ftype in IQ_FTYPES and imatrix is None:
+        raise UserError(f"{ftype} needs an importance matrix (llama-quantize refuses it without one): make one with "
+                        "`moestream imatrix -m IN -f TEXT` and pass --imatrix FILE")
+    im = None
+    if imatrix is not None:
+        from ..quant.imatrix import read_imatrix
+        im = read_imatrix(imatrix)
     out = Path(out)
     check_writable(out, "OUT", new=True, parents=True)       # write_gguf makes the folders OUT needs
     override_types = tuple(ENCODERS) + FLOAT      # what --output-tensor-type / --token-embedding-type may name
@@ -70,16 +83,41 @@ def quantize_model(model: str, out: str | os.PathLike, ftype: str, *, allow_requ
                         "BF16 model, or pass --allow-requantize")
     device = resolve_device(device)
     source = open_source(model)
-    mix = Mix.for_config(source.config, ftype, pure=pure, **overrides)
+    mix = Mix.for_config(source.config, ftype, pure=pure, has_imatrix=im is not None, **overrides)
     from ..loading.gguf_write import write_gguf
-    from ..arch.names import gguf_tensors
-    path = write_gguf(source, out, types=mix.type, file_type=mix.file_type, device=device, progress=progress, new=True)
+    from ..arch.names import gguf_name, gguf_tensors
+    extra = {}
+    if im is not None:
+        check_imatrix(im, imatrix, [(gguf_name(source.config, n), s, mix.type(n, s))
+                                    for n, s in gguf_tensors(source.config)], ftype)
+        extra = {"quantize.imatrix.file": str(imatrix), "quantize.imatrix.entries_count": len(im.sums),
+                 "quantize.imatrix.chunks_count": im.chunk_count}
+        if im.datasets:
+            extra["quantize.imatrix.dataset"] = im.datasets[0]
+    path = write_gguf(source, out, types=mix.type, file_type=mix.file_type, device=device, progress=progress, new=True,
+                      importance=im.importance if im is not None else None, extra_kv=extra)
     summary: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for name, shape in gguf_tensors(source.config):
         t = mix.type(name, shape)
         summary[t.name][0] += 1
         summary[t.name][1] += tensor_bytes(t, shape)
     return path, mix, dict(summary)
+
+
+def check_imatrix(im, path, tensors: list[tuple[str, tuple[int, ...], object]], ftype: str) -> None:
+    """Refuse, before any work, an imatrix that lacks a tensor whose type needs one, or whose entry is not that
+    tensor's shape (llama-quantize's checks: its columns, times the experts for a stack)."""
+    for name, shape, qtype in tensors:
+        if name not in im.sums:
+            if qtype in REQUIRES_IMATRIX and name not in ("token_embd.weight", "output.weight"):
+                raise UserError(f"importance matrix {str(path)!r} has no entry for {name}, which {ftype} quantizes to "
+                                f"{qtype.name}: it was made for another model; make one for IN with "
+                                "`moestream imatrix -m IN -f TEXT`")
+            continue
+        want = (shape[0] if len(shape) == 3 else 1, shape[-1])
+        if im.sums[name].shape != want and not (im.legacy and im.sums[name].size == want[0] * want[1]):
+            raise UserError(f"importance matrix {str(path)!r} has {im.sums[name].size} values for {name}, which "
+                            f"takes {want[0] * want[1]} ({want[0]} x {want[1]}): it was made for another model")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,6 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tensor-type", metavar="T", help="type of output.weight (e.g. q8_0, q6_k, f16)")
     p.add_argument("--token-embedding-type", metavar="T", help="type of token_embd.weight")
     p.add_argument("--pure", action="store_true", help="every quantized tensor of TYPE's type, no mix")
+    p.add_argument("--imatrix", metavar="FILE",
+                   help="importance matrix (llama-imatrix's GGUF or .dat; `moestream imatrix` writes one): needed "
+                        f"for {', '.join(IQ_FTYPES)}")
     p.add_argument("--device", default="auto", help="where to quantize: auto (CUDA when there is one), cpu, cuda")
     p.set_defaults(func=main)
 
@@ -108,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
     path, mix, summary = quantize_model(args.model, args.out, args.ftype, allow_requantize=args.allow_requantize,
                                         output_type=args.output_tensor_type,
                                         token_embd_type=args.token_embedding_type, pure=args.pure,
-                                        device=args.device)
+                                        device=args.device, imatrix=args.imatrix)
     total = sum(b for _, b in summary.values())
     mix_text = ", ".join(f"{n} x {t}" for t, (n, _) in sorted(summary.items(), key=lambda kv: -kv[1][1]))
     print(f"wrote {path}: {mix.ftype}, {total / 2**30:.2f} GiB of tensors ({mix_text}); "
