@@ -105,6 +105,25 @@ def test_collection_covers_a_hybrid():
     assert "blk.0.attn_gate.weight" in need and [n for n in need if n not in im.sums] == []
 
 
+@pytest.mark.parametrize("spec", ["synth:tiny-gptoss:layers=2", "synth:tiny-flash-next:layers=2"])
+def test_collection_covers_other_families(spec):
+    """gpt-oss (the expert kernel takes its clamped SwiGLU's biases too) and Qwen3.8-Flash-Next (the split DeltaNet
+    projections, fused at load as ssm_proj): an entry for every layer tensor an IQ2_XS file quantizes with an
+    imatrix, and every routed choice counted by the down stack."""
+    from moestream import LLM
+    from moestream.arch.names import gguf_name, gguf_tensors
+    from moestream.quant.mix import REQUIRES_IMATRIX, Mix
+    from moestream.tools.imatrix import compute_imatrix
+    llm = LLM(spec, ctx_size=64, device="cpu", cpu_moe=True)
+    im = compute_imatrix(llm, [list(range(5, 37))], "ids")
+    cfg = llm.model_config
+    mix = Mix.for_config(cfg, "IQ2_XS", has_imatrix=True)
+    need = [gguf_name(cfg, n) for n, s in gguf_tensors(cfg)
+            if n.startswith("blk.") and mix.type(n, s) in REQUIRES_IMATRIX]
+    assert need and [n for n in need if n not in im.sums] == []
+    assert im.counts["blk.1.ffn_down_exps.weight"].sum() == 32 * cfg.n_experts_used
+
+
 def test_iq_types_without_imatrix_refused():
     from moestream.tools.quantize import quantize_model
     with pytest.raises(UserError, match="IQ1_M needs an importance matrix.*moestream imatrix -m IN -f TEXT.*--imatrix"):

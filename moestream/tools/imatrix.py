@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from .. import flags
 from ..errors import UserError
 from ..experts.routing import RouteObserver
+from ..kernels.reference import OaiSwiglu, glu
 from ..outputs import check_writable
 
 MIN_ROWS = 16       # llama-imatrix ignores the dense products of smaller batches
@@ -50,6 +51,8 @@ def weight_names(model, cfg) -> dict[int, list[str]]:
                 names = [f"blk.{i}.attn_{p}.weight" for p in "qkv"]
             elif key == "ssm_in.weight":            # llama.cpp's qwen3next holds it as attn_qkv and attn_gate
                 names = [f"blk.{i}.attn_qkv.weight", f"blk.{i}.attn_gate.weight"]
+            elif key == "ssm_proj.weight":          # the split layout's input projections, fused at load
+                names = [f"blk.{i}.{n}.weight" for n in ("attn_qkv", "attn_gate", "ssm_ba", "ssm_beta", "ssm_alpha")]
             else:
                 continue
             out[id(t)] = [gguf_name(cfg, n) for n in names if n in file_names]
@@ -89,9 +92,11 @@ class Collector(RouteObserver):
     def on_route(self, layer: int, ids, guess=None) -> None:
         self.layer, self.ids, self.offset = layer, ids.detach().cpu(), 0
 
-    def experts(self, x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def experts(self, x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                act: OaiSwiglu | None = None) -> None:
         """One part's call of the expert kernel (moe.moe_experts): its rows of the layer's routing follow the
-        previous part's. Gate and up see x; down sees each choice's silu(gate) * up, as the kernel computes it."""
+        previous part's. Gate and up see x; down sees each choice's activation as the kernel computes it
+        (silu(gate) * up, or with `act` gpt-oss's clamped SwiGLU with biases)."""
         T, k = slots.shape
         ids = self.ids[self.offset:self.offset + T]
         self.offset += T
@@ -107,7 +112,7 @@ class Collector(RouteObserver):
         for s in flat_slots.unique().tolist():
             rows = (flat_slots == s).nonzero().squeeze(1)
             gu = F.linear(x.detach()[rows // k], w13[s])                               # the kernel's own product
-            h[rows] = (F.silu(gu[:, :inter]) * gu[:, inter:]).cpu().double()
+            h[rows] = glu(gu, inter, act, None if act is None else act.ids.reshape(-1)[rows]).cpu().double()
         for stack, inp in zip(EXPERT_STACKS, (xs, xs, h)):
             s2, s1, c = self._entry(prefix + stack + ".weight", self.n_experts, inp.shape[1])
             s2.index_add_(0, flat_ids, inp * inp)
@@ -141,9 +146,9 @@ class _ExpertTap:
     def __init__(self, kernel, collector: Collector):
         self.kernel, self.collector = kernel, collector
 
-    def __call__(self, x, slots, w13, w2):
-        self.collector.experts(x, slots, w13, w2)
-        return self.kernel(x, slots, w13, w2)
+    def __call__(self, x, slots, w13, w2, *act):
+        self.collector.experts(x, slots, w13, w2, *act)
+        return self.kernel(x, slots, w13, w2, *act)
 
     def __getattr__(self, name):
         return getattr(self.kernel, name)
