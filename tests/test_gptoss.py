@@ -124,6 +124,35 @@ def test_ubatches_placements_and_caches_are_bit_identical(gptoss):
     assert gen[0] == gen[1] == gen[2]
 
 
+def decode_steps(path, **kw) -> tuple[object, torch.Tensor]:
+    """(the engine, the logits of its decode steps): two prompts prefilled, then steps of given tokens (so that every
+    engine decodes the same tokens), three of one sequence and three of both together, (9, V)."""
+    eng = LLM(path, ctx_size=64, device="cpu", n_seq=2, **kw).engine
+    a, b, toks = prompt(9, seed=7), prompt(5, seed=8), prompt(6, seed=9)
+    eng.prefill(0, a)
+    eng.prefill(1, b)
+    out = [eng.decode([(0, toks[i], len(a) + i)]) for i in range(3)]
+    out += [eng.decode([(0, toks[3 + i], len(a) + 3 + i), (1, toks[i], len(b) + i)]) for i in range(3)]
+    return eng, torch.cat(out)
+
+
+def test_zero_copy_decode_steps_are_the_fetched_ones_and_bit_identical_over_the_cache(gptoss):
+    """Zero-copy decode (on the CPU the by-address kernels' plain-torch oracle, with the OaiSwiglu: biases by expert
+    id) is what the decode plan gives gpt-oss: its steps, of one token and of two, within 1e-5 of the steps that
+    fetch their experts (float32 sums in another order; logits O(5)), and bit for bit the same all on the device,
+    with --cpu-moe and no cache, and with caches and policies."""
+    path, _ = gptoss
+    eng, fetched = decode_steps(path)
+    assert not eng.plan.zero_copy and eng.decode_kernel is None
+    eng, want = decode_steps(path, zero_copy_decode=True)
+    assert eng.plan.zero_copy and eng.decode_kernel is not None
+    assert (want - fetched).abs().max() < 1e-5 and not torch.equal(want, fetched)
+    for kw in ({"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 0}, {"cpu_moe": True, "moe_cache_mib": 1},
+               {"n_cpu_moe": 2, "moe_cache_mib": 1, "cache_policy": "lru"}):
+        eng, got = decode_steps(path, zero_copy_decode=True, **kw)
+        assert eng.plan.zero_copy and torch.equal(got, want), kw
+
+
 def test_several_sequences_decoded_together_equal_each_alone(gptoss):
     path, _ = gptoss
     a, b = prompt(9, seed=5), prompt(14, seed=6)
@@ -226,12 +255,15 @@ def test_the_clamped_swiglu_with_biases_per_expert_id():
     assert torch.equal(moved, out)
 
 
-def test_decode_plan_gives_gpt_oss_no_zero_copy_kernel():
-    """The zero-copy decode kernels compute plain SwiGLU only: gpt-oss's decode steps fetch their experts (the
-    grouped kernel on CUDA), never a kernel without the clamp and biases."""
-    assert by_address_kernels(Blocks()) and not by_address_kernels(FAMILIES["gpt_oss"].blocks)
+def test_decode_plan_gives_gpt_oss_the_zero_copy_kernels():
+    """The zero-copy decode kernels compute gpt-oss's clamped SwiGLU with biases (an OaiSwiglu, tests/
+    test_oai_decode.py): its decode steps read experts by address, float or quantized, over the cache in graphs. An
+    expert MLP they do not compute would fetch (eager with host experts, graphs where all are on the GPU)."""
+    assert by_address_kernels(Blocks()) and by_address_kernels(FAMILIES["gpt_oss"].blocks)
     ecfg = resolve(EngineConfig(), torch.float32).updated({"decode.zero_copy": True, "kernel": "grouped"})
-    assert decode_plan(ecfg, True, False, True, True).zero_copy
+    for quantized in (False, True):
+        plan = decode_plan(ecfg, True, quantized, True, True, by_address_kernels(FAMILIES["gpt_oss"].blocks))
+        assert plan.zero_copy and plan.graphs and plan.lands and plan.staged == quantized
     plan = decode_plan(ecfg, True, False, True, True, by_address=False)
     assert not plan.zero_copy and not plan.lands and not plan.graphs        # host experts: eager, fetched
     assert decode_plan(ecfg, True, False, False, True, by_address=False).graphs    # all on the GPU: graphs

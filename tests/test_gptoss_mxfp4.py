@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
-from test_gptoss import ATOL, gptoss, prompt  # noqa: F401  (gptoss: the float checkpoint fixture)
+from test_gptoss import ATOL, decode_steps, gptoss, prompt  # noqa: F401  (gptoss: the float checkpoint fixture)
 
 from moestream import LLM
 from moestream.errors import UserError
@@ -104,6 +104,21 @@ def test_logits_equal_the_dequantized_twin_and_transformers(dirs):
     assert (base - want).abs().max().item() < ATOL
 
 
+def test_zero_copy_decode_reads_mxfp4_rows_by_address(dirs):
+    """Zero-copy decode steps of the packed checkpoint (on the CPU the by-address kernels' oracle dequantizes each
+    MXFP4 row where it lies, with the OaiSwiglu): within 1e-5 of the fetched steps (float32 sums in another order),
+    and the same bits at every placement and cache size, its host reads staged (the default for quantized rows) or
+    read in place."""
+    eng, fetched = decode_steps(str(dirs / "packed"))
+    assert eng.quantized and not eng.plan.zero_copy
+    eng, want = decode_steps(str(dirs / "packed"), zero_copy_decode=True)
+    assert eng.plan.zero_copy and eng.decode_kernel is not None
+    assert (want - fetched).abs().max() < 1e-5
+    for kw in PLACEMENTS[1:] + (dict(cpu_moe=True, moe_cache_mib=1, stage_host_reads=False),):
+        eng, got = decode_steps(str(dirs / "packed"), zero_copy_decode=True, **kw)
+        assert eng.plan.staged == kw.get("stage_host_reads", True) and torch.equal(got, want), kw
+
+
 def test_a_gguf_with_mxfp4_experts_gives_the_same_logits(dirs, tmp_path):
     """The packed checkpoint as llama.cpp's converter writes it (experts MXFP4 in ggml's blocks, file type
     MOSTLY_MXFP4_MOE; here the rest F32): the same expert values, its experts kept MXFP4, and logits bit-identical
@@ -175,10 +190,11 @@ def test_synth_presets_make_mxfp4_experts():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_numerics_contract_of_mxfp4_gpt_oss_on_cuda(dirs):
-    """bf16 on the GPU: gpt-oss's decode plan fetches experts (no zero-copy kernel computes its clamped SwiGLU),
-    the prompt's and the steps' kernels dequantize MXFP4 by Triton into scratch, then the grouped GEMM with the
-    biases: bit-identical logits and greedy tokens all on the GPU and over the cache at every size; near the
-    dequantized twin's (the same bf16 weights, summed in another order where the kernels differ)."""
+    """bf16 on the GPU: the prompt's kernels dequantize MXFP4 by Triton into scratch, then the grouped GEMM with the
+    biases; the decode steps read the MXFP4 rows by address (kernels/decode_quant.py's "runs", the OaiSwiglu's
+    biases by expert id), in CUDA graphs and eagerly: bit-identical logits and greedy tokens all on the GPU and over
+    the cache at every size; near the dequantized twin's (the same bf16 weights, summed in another order where the
+    kernels differ)."""
     kw = dict(ubatch_size=16, ctx_size=64, device="cuda", dtype="bfloat16")
     ids = prompt(40, seed=10)
     base = LLM(str(dirs / "packed"), **kw)
@@ -186,7 +202,10 @@ def test_numerics_contract_of_mxfp4_gpt_oss_on_cuda(dirs):
     want, greedy = base.logits(ids), base.generate(ids[:6], max_tokens=12, ignore_eos=True).token_ids
     ref = LLM(str(dirs / "deq"), **kw).logits(ids).float()
     assert ((want.float() - ref).norm() / ref.norm()).item() < 2e-2
-    for extra in PLACEMENTS[1:]:
+    assert base.engine.plan.zero_copy and base.engine.plan.graphs
+    for extra in PLACEMENTS[1:] + (dict(cpu_moe=True, moe_cache_mib=1, cuda_graphs=False),
+                                   dict(cpu_moe=True, stage_host_reads=False)):
         llm = LLM(str(dirs / "packed"), **kw, **extra)
+        assert llm.engine.plan.zero_copy and llm.engine.decode_kernel is not None, extra
         assert torch.equal(llm.logits(ids), want), extra
         assert llm.generate(ids[:6], max_tokens=12, ignore_eos=True).token_ids == greedy, extra

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .decode_act import act_args
 from .decode_grouped import experts_by_address_grouped
 from .decode_tiles import DOWN, GATE_UP, fit
 
@@ -37,6 +38,8 @@ def decode_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 if triton is not None:
+    from .decode_act import down_bias, glu
+
     @triton.jit
     def _landing(addr_ptr, ids_ptr, host_ptr, land_ptr, t, R, K: tl.constexpr, KP: tl.constexpr):
         """(KP,) int64: where token t's choices land (read-through), 0 for none. A choice read from host memory
@@ -53,9 +56,10 @@ if triton is not None:
     @triton.jit
     def _gate_up(x_ptr, addr_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                  BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LAND: tl.constexpr, ids_ptr, host_ptr, land_ptr, R,
-                 KP: tl.constexpr):
-        """Program (t k + j, block of I): rows of choice j's gate and up against x[t], then silu(g) * u.
-        LAND: a choice read from host memory also writes the rows it read to its landing slot."""
+                 KP: tl.constexpr, eid_ptr, b13_ptr, OAI: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+        """Program (t k + j, block of I): rows of choice j's gate and up against x[t], then silu(g) * u (OAI:
+        gpt-oss's, kernels/decode_act.py, with the biases of expert eid[t, j]). LAND: a choice read from host
+        memory also writes the rows it read to its landing slot."""
         pair = tl.program_id(0)
         t = pair // K
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -84,15 +88,19 @@ if triton is not None:
             wu = wu_raw.to(tl.float32)
             g += tl.sum(wg * xv[None, :], axis=1)
             u += tl.sum(wu * xv[None, :], axis=1)
-        h = g * tl.sigmoid(g) * u
+        e = 0
+        if OAI:
+            e = tl.load(eid_ptr + pair)
+        h = glu(g, u, b13_ptr + e * (2 * I) + rows, rmask, I, OAI, LIMIT, ALPHA)
         tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
     def _down(h_ptr, addr_ptr, w_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
               KP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, LAND: tl.constexpr, ids_ptr, host_ptr,
-              land_ptr, R):
-        """Program (t, block of H): rows of every choice's down projection at once, weighted, summed over j.
-        LAND: choices read from host memory also write the rows they read to their landing slots."""
+              land_ptr, R, eid_ptr, b2_ptr, OAI: tl.constexpr):
+        """Program (t, block of H): rows of every choice's down projection at once (OAI: plus the down biases of
+        each choice's expert eid[t, j]), weighted, summed over j. LAND: choices read from host memory also write
+        the rows they read to their landing slots."""
         t = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         cols = tl.arange(0, BLOCK_I)
@@ -117,13 +125,18 @@ if triton is not None:
                 if tl.max(dests, axis=0) != 0:            # only a token with a landing choice stores
                     tl.store(to[:, None, None] + off, wd_raw, mask=m & (dests != 0)[:, None, None])
             acc += tl.sum(wd_raw.to(tl.float32) * hv[:, None, :], axis=2)
+        if OAI:
+            e = tl.load(eid_ptr + t * K + js, mask=jmask, other=0)
+            acc = down_bias(acc, b2_ptr + e[:, None] * H + rows[None, :], jmask[:, None] & rmask[None, :], OAI)
         out = tl.sum(acc * wj[:, None], axis=0)
         tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
-                       landing=None, config: tuple = (GATE_UP, DOWN), grouped: bool = True) -> torch.Tensor:
+                       landing=None, config: tuple = (GATE_UP, DOWN), grouped: bool = True,
+                       act=None) -> torch.Tensor:
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
+    `act`: gpt-oss's activation and biases (kernels/reference.py's OaiSwiglu, its ids the choices' experts).
 
     One token: each choice reads its expert. Several tokens (T >= 2, and `grouped`): kernels/decode_grouped.py,
     which reads each routed expert once for every token that chose it, so a miss crosses the link once a step.
@@ -136,7 +149,7 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     T, H = x.shape
     k = addrs.shape[1]
     if T > 1 and grouped:
-        return experts_by_address_grouped(x, addrs, weights, inter, landing)
+        return experts_by_address_grouped(x, addrs, weights, inter, landing, act=act)
     (bi, bh, wa), (bo, bi2, wb) = config
     x = x.contiguous()
     addrs = addrs.contiguous()
@@ -145,14 +158,15 @@ def experts_by_address(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tens
     land = landing is not None and T == 1
     ids, host, slots = (landing.ids, landing.host, landing.land) if land else (addrs, addrs, addrs)
     R = slots.numel() if land else 0
+    eid, b13, b2, oai, limit, alpha = act_args(act, x)
     h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     bi, bh = fit(inter, bi), fit(H, bh)
     _gate_up[(T * k, triton.cdiv(inter, bi))](x, addrs, h, H, inter, k, bi, bh, land, ids, host, slots, R, kp,
-                                              num_warps=wa)
+                                              eid, b13, oai, limit, alpha, num_warps=wa)
     out = torch.empty_like(x)
     bo, bi2 = fit(H, bo), fit(inter, bi2)
     _down[(T, triton.cdiv(H, bo))](h, addrs, weights, out, H, inter, k, kp, bo, bi2, land, ids, host, slots, R,
-                                   num_warps=wb)
+                                   eid, b2, oai, num_warps=wb)
     return out
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .decode_act import act_args
 from .decode_tiles import DOWN, GATE_UP, fit
 
 try:
@@ -36,6 +37,8 @@ except ImportError:          # the CPU build of torch has no Triton: kernels/ref
 
 
 if triton is not None:
+    from .decode_act import down_bias, glu
+
     @triton.jit
     def _leads(saddr_ptr, p):
         """Sorted choice p's address, and whether p leads its run of equal addresses (its expert's choices)."""
@@ -52,10 +55,12 @@ if triton is not None:
     @triton.jit
     def _gate_up(x_ptr, saddr_ptr, order_ptr, dest_ptr, h_ptr, N, H: tl.constexpr, I: tl.constexpr,
                  K: tl.constexpr, MP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                 LAND: tl.constexpr):
+                 LAND: tl.constexpr, eid_ptr, b13_ptr, OAI: tl.constexpr, LIMIT: tl.constexpr,
+                 ALPHA: tl.constexpr):
         """Program (sorted position p, block of I): a leader's rows of its expert's gate and up, read once,
-        against each member's x, then silu(g) * u into the members' rows of h. LAND: a leader whose dest is not 0
-        also writes the rows it read there."""
+        against each member's x, then silu(g) * u (OAI: gpt-oss's, with the biases of each member's expert,
+        eid at its choice) into the members' rows of h. LAND: a leader whose dest is not 0 also writes the rows it
+        read there."""
         p = tl.program_id(0)
         a, lead = _leads(saddr_ptr, p)
         if lead:
@@ -87,8 +92,12 @@ if triton is not None:
                     sel = (ms == i)[:, None]
                     g = tl.where(sel, g + tl.sum(wg * xv[None, :], axis=1)[None, :], g)
                     u = tl.where(sel, u + tl.sum(wu * xv[None, :], axis=1)[None, :], u)
-            h = g * tl.sigmoid(g) * u
             pair = tl.load(order_ptr + p + ms, mask=mine, other=0)                            # (MP,)
+            e = pair
+            if OAI:
+                e = tl.load(eid_ptr + pair, mask=mine, other=0)
+            h = glu(g, u, b13_ptr + e[:, None] * (2 * I) + rows[None, :], mine[:, None] & rmask[None, :], I, OAI,
+                    LIMIT, ALPHA)
             tl.store(h_ptr + pair[:, None] * I + rows[None, :], h.to(h_ptr.dtype.element_ty),
                      mask=mine[:, None] & rmask[None, :])
 
@@ -126,15 +135,20 @@ if triton is not None:
             tl.store(y_ptr + pair[:, None] * H + rows[None, :], acc, mask=mine[:, None] & rmask[None, :])
 
     @triton.jit
-    def _combine(y_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (t, block of H): sum over j = 0 .. K-1, in that order, of weights[t, j] y[t K + j], float32."""
+    def _combine(y_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, eid_ptr, b2_ptr,
+                 OAI: tl.constexpr):
+        """Program (t, block of H): sum over j = 0 .. K-1, in that order, of weights[t, j] y[t K + j], float32
+        (OAI: y plus the down biases of its expert eid[t, j])."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         cmask = cols < H
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
             w = tl.load(w_ptr + t * K + j).to(tl.float32)
-            acc += w * tl.load(y_ptr + (t * K + j) * H + cols, mask=cmask, other=0.0)
+            y = tl.load(y_ptr + (t * K + j) * H + cols, mask=cmask, other=0.0)
+            if OAI:
+                y = down_bias(y, b2_ptr + tl.load(eid_ptr + t * K + j) * H + cols, cmask, OAI)
+            acc += w * y
         tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -160,10 +174,10 @@ def landing_dests(saddr: torch.Tensor, order: torch.Tensor, landing) -> torch.Te
 
 
 def experts_by_address_grouped(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, inter: int,
-                               landing=None, config: tuple = (GATE_UP, DOWN, COMBINE)) -> torch.Tensor:
+                               landing=None, config: tuple = (GATE_UP, DOWN, COMBINE), act=None) -> torch.Tensor:
     """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]), each routed
     expert read once for all the tokens that chose it. `landing`: (ids (T, k), host (E,), land (R,)), see
-    `landing_dests`."""
+    `landing_dests`. `act`: gpt-oss's activation and biases (kernels/reference.py's OaiSwiglu)."""
     T, H = x.shape
     k = addrs.shape[1]
     N = T * k
@@ -174,13 +188,15 @@ def experts_by_address_grouped(x: torch.Tensor, addrs: torch.Tensor, weights: to
     land = landing is not None and landing[2].numel() > 0
     dest = landing_dests(saddr, order, landing) if land else saddr       # (T k,) (unread when not landing)
     mp = triton.next_power_of_2(T)                                      # a run has at most T members
+    eid, b13, b2, oai, limit, alpha = act_args(act, x)
     h = torch.empty(N, inter, dtype=x.dtype, device=x.device)
     bi, bh = fit(inter, bi), fit(H, bh)
-    _gate_up[(N, triton.cdiv(inter, bi))](x, saddr, order, dest, h, N, H, inter, k, mp, bi, bh, land, num_warps=wa)
+    _gate_up[(N, triton.cdiv(inter, bi))](x, saddr, order, dest, h, N, H, inter, k, mp, bi, bh, land, eid, b13, oai,
+                                          limit, alpha, num_warps=wa)
     y = torch.empty(N, H, dtype=torch.float32, device=x.device)
     bo, bi2 = fit(H, bo), fit(inter, bi2)
     _down[(N, triton.cdiv(H, bo))](h, saddr, order, dest, y, N, H, inter, mp, bo, bi2, land, num_warps=wb)
     out = torch.empty_like(x)
     bc = fit(H, bc)
-    _combine[(T, triton.cdiv(H, bc))](y, weights, out, H, k, bc, num_warps=wc)
+    _combine[(T, triton.cdiv(H, bc))](y, weights, out, H, k, bc, eid, b2, oai, num_warps=wc)
     return out

@@ -34,6 +34,7 @@ import torch
 
 from ..quant.layout import ExpertLayout
 from ..quant.types import row_bytes
+from .decode_act import act_args
 from .qblocks import SHAPES, has_path, kvalues, triton
 
 TILE = 4096              # values a program decodes per step (rows x blocks x block); fixed, so are the bits
@@ -58,6 +59,7 @@ def decode_quant_available(layout: ExpertLayout) -> bool:
 if triton is not None:
     import triton.language as tl
 
+    from .decode_act import down_bias, glu
     from .qdots import value_dots
 
     @triton.jit
@@ -66,8 +68,10 @@ if triton is not None:
                  QG: tl.constexpr, RBG: tl.constexpr, NBG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr,
                  NSG: tl.constexpr, SBG: tl.constexpr, BBG: tl.constexpr,
                  QU: tl.constexpr, RBU: tl.constexpr, NBU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr,
-                 NSU: tl.constexpr, SBU: tl.constexpr, BBU: tl.constexpr):
-        """Program (t k + j, block of R rows of I): choice j's gate and up rows against x[t], then silu(g) * u."""
+                 NSU: tl.constexpr, SBU: tl.constexpr, BBU: tl.constexpr,
+                 eid_ptr, b13_ptr, OAI: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+        """Program (t k + j, block of R rows of I): choice j's gate and up rows against x[t], then silu(g) * u
+        (OAI: gpt-oss's, kernels/decode_act.py, with the biases of expert eid[t, j])."""
         pair = tl.program_id(0)
         t = pair // K
         rows = tl.program_id(1) * R + tl.arange(0, R)
@@ -75,16 +79,19 @@ if triton is not None:
         base = tl.load(addr_ptr + pair).to(tl.pointer_type(tl.uint8))
         g = value_dots(base + OG + rows * RBG, rmask, x_ptr + t * H, kv_ptr, QG, NBG, BSG, TSG, NSG, SBG, BBG)
         u = value_dots(base + OU + rows * RBU, rmask, x_ptr + t * H, kv_ptr, QU, NBU, BSU, TSU, NSU, SBU, BBU)
-        h = g * tl.sigmoid(g) * u
+        e = 0
+        if OAI:
+            e = tl.load(eid_ptr + pair)
+        h = glu(g, u, b13_ptr + e * (2 * I) + rows, rmask, I, OAI, LIMIT, ALPHA)
         tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
     def _down(h_ptr, addr_ptr, w_ptr, out_ptr, kv_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
               R: tl.constexpr, OD: tl.constexpr,
               QD: tl.constexpr, RBD: tl.constexpr, NBD: tl.constexpr, BSD: tl.constexpr, TSD: tl.constexpr,
-              NSD: tl.constexpr, SBD: tl.constexpr, BBD: tl.constexpr):
-        """Program (t, block of R rows of H): every choice's down rows against its activation, weighted, summed
-        over the k choices in choice order."""
+              NSD: tl.constexpr, SBD: tl.constexpr, BBD: tl.constexpr, eid_ptr, b2_ptr, OAI: tl.constexpr):
+        """Program (t, block of R rows of H): every choice's down rows against its activation (OAI: plus the
+        down biases of its expert eid[t, j]), weighted, summed over the k choices in choice order."""
         t = tl.program_id(0)
         rows = tl.program_id(1) * R + tl.arange(0, R)
         rmask = rows < H
@@ -94,6 +101,8 @@ if triton is not None:
             wc = tl.load(w_ptr + t * K + c).to(tl.float32)
             d = value_dots(base + OD + rows * RBD, rmask, h_ptr + (t * K + c) * I, kv_ptr,
                            QD, NBD, BSD, TSD, NSD, SBD, BBD)
+            if OAI:
+                d = down_bias(d, b2_ptr + tl.load(eid_ptr + t * K + c) * H + rows, rmask, OAI)
             acc += wc * d
         tl.store(out_ptr + t * H + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -108,8 +117,9 @@ def _matrix(qtype, n_rows: int, n_cols: int) -> tuple[int, tuple]:
 
 
 def experts_by_address_quant(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor, layout: ExpertLayout,
-                             landing=None, variant: str = "runs") -> torch.Tensor:
-    """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]).
+                             landing=None, variant: str = "runs", act=None) -> torch.Tensor:
+    """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]). `act`:
+    gpt-oss's activation and biases (kernels/reference.py's OaiSwiglu, its ids the choices' experts).
 
     variant: "runs" (kernels/decode_runs.py: a 16-byte run of quants a lane, for the layouts it covers, "values"
     for the others) or "values" (the first kernel: every value dequantized, gguf.quants' bits, then multiplied)."""
@@ -118,12 +128,12 @@ def experts_by_address_quant(x: torch.Tensor, addrs: torch.Tensor, weights: torc
     assert decode_quant_available(layout), layout
     if layout.fp8:                  # FP8 block-scaled rows: one kernel, whatever the variant
         from .fp8 import experts_by_address_fp8
-        return experts_by_address_fp8(x, addrs, weights, layout)
+        return experts_by_address_fp8(x, addrs, weights, layout, act)
     assert variant in VARIANTS, variant
     if variant == "runs":
         from .decode_runs import experts_by_address_runs, runs_layout
         if runs_layout(layout):
-            return experts_by_address_runs(x, addrs, weights, layout)
+            return experts_by_address_runs(x, addrs, weights, layout, act)
     T, H = x.shape
     I, k = layout.inter, addrs.shape[1]
     og, ou, od = layout.offsets
@@ -132,11 +142,12 @@ def experts_by_address_quant(x: torch.Tensor, addrs: torch.Tensor, weights: torc
     rg, g = _matrix(layout.types[0], I, H)
     ru, u = _matrix(layout.types[1], I, H)
     rd, d = _matrix(layout.types[2], H, I)
+    eid, b13, b2, oai, limit, alpha = act_args(act, x)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)                                  # (T k, I)
     out = torch.empty_like(x)                                                                   # (T, H)
     r = min(rg, ru)
-    _gate_up[(T * k, triton.cdiv(I, r))](x, addrs, h, kv, H, I, k, r, og, ou, *g, *u, num_warps=WARPS,
-                                         enable_fp_fusion=False)
-    _down[(T, triton.cdiv(H, rd))](h, addrs, weights, out, kv, H, I, k, rd, od, *d, num_warps=WARPS,
+    _gate_up[(T * k, triton.cdiv(I, r))](x, addrs, h, kv, H, I, k, r, og, ou, *g, *u, eid, b13, oai, limit, alpha,
+                                         num_warps=WARPS, enable_fp_fusion=False)
+    _down[(T, triton.cdiv(H, rd))](h, addrs, weights, out, kv, H, I, k, rd, od, *d, eid, b2, oai, num_warps=WARPS,
                                    enable_fp_fusion=False)
     return out

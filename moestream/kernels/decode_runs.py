@@ -34,6 +34,7 @@ import torch
 
 from ..quant.layout import ExpertLayout
 from ..quant.types import row_bytes
+from .decode_act import act_args
 from .qblocks import SHAPES, triton
 from .qruns import UNITS, aligned16, lane_order, runs_available
 
@@ -70,6 +71,7 @@ def _tile(qtype, n_cols: int, per_row: int) -> tuple[int, int, tuple]:
 if triton is not None:
     import triton.language as tl
 
+    from .decode_act import down_bias, glu
     from .qruns import _scalar, unit_dots, unit_words
 
     @triton.jit
@@ -83,8 +85,10 @@ if triton is not None:
     def _gate_up_runs(x_ptr, addr_ptr, h_ptr, pos_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                       R: tl.constexpr, OG: tl.constexpr, OU: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
                       NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
-                      A16: tl.constexpr, UNR: tl.constexpr, XS: tl.constexpr, HJ: tl.constexpr):
-        """Program (t k + j, R rows of I): choice j's gate and up rows against x[t], then silu(g) * u, rounded
+                      A16: tl.constexpr, UNR: tl.constexpr, XS: tl.constexpr, HJ: tl.constexpr, eid_ptr, b13_ptr,
+                      OAI: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+        """Program (t k + j, R rows of I): choice j's gate and up rows against x[t], then silu(g) * u (OAI:
+        gpt-oss's, kernels/decode_act.py, with the biases of expert eid[t, j]), rounded
         to x's dtype (stored as float32, which the down launch then reads without converting). XS > 0: x[t] is
         in the lanes' order (qruns.lane_order), and h[t] too, for the down launch: the value of row r at
         pos[r] + j HJ of token t's k I."""
@@ -120,8 +124,12 @@ if triton is not None:
                 ua += u1
         g = tl.sum(tl.reshape(ga, (R, BB * NU)), axis=1)                             # (R,)
         up = tl.sum(tl.reshape(ua, (R, BB * NU)), axis=1)
-        h = (g * tl.sigmoid(g) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         rows = tl.program_id(1) * R + tl.arange(0, R)
+        e = 0
+        if OAI:
+            e = tl.load(eid_ptr + pair)
+        h = glu(g, up, b13_ptr + e * (2 * I) + rows, rows < I, I, OAI, LIMIT, ALPHA)
+        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
         if XS == 0:
             tl.store(h_ptr + pair * I + rows, h, mask=rows < I)
         else:
@@ -132,8 +140,10 @@ if triton is not None:
     def _down_runs(h_ptr, addr_ptr, w_ptr, out_ptr, one, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                    KP: tl.constexpr, R: tl.constexpr, OD: tl.constexpr, QT: tl.constexpr, RB: tl.constexpr,
                    NB: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NU: tl.constexpr, BB: tl.constexpr,
-                   A16: tl.constexpr, UNR: tl.constexpr, XS: tl.constexpr, RL: tl.constexpr):
-        """Program (t, RL R rows of H): every choice's down rows against its activation, weighted, summed. A lane
+                   A16: tl.constexpr, UNR: tl.constexpr, XS: tl.constexpr, RL: tl.constexpr, eid_ptr, b2_ptr,
+                   OAI: tl.constexpr):
+        """Program (t, RL R rows of H): every choice's down rows against its activation (OAI: plus the down
+        biases of its expert eid[t, j]), weighted, summed. A lane
         reads a unit of row r (RL = 2: and the same unit of row r + R, against one load of x). XS > 0: h[t] holds
         the k choices' activations in the lanes' order (qruns.lane_order with k copies)."""
         t = tl.program_id(0)
@@ -174,23 +184,30 @@ if triton is not None:
         wj = tl.load(w_ptr + t * K + js, mask=js < K, other=0.0).to(tl.float32)
         rows = tl.program_id(1) * RL * R + tl.arange(0, R)
         y = tl.sum(tl.reshape(acc, (R, KP, BB * NU)), axis=2)                        # (R, KP)
+        eb = b2_ptr
+        if OAI:
+            eb = b2_ptr + tl.load(eid_ptr + t * K + js, mask=js < K, other=0)[None, :] * H    # (1, KP)
+        y = down_bias(y, eb + rows[:, None], (rows < H)[:, None] & (js < K)[None, :], OAI)
         tl.store(out_ptr + t * H + rows, tl.sum(y * wj[None, :], axis=1).to(out_ptr.dtype.element_ty),
                  mask=rows < H)
         if TWO:
             y = tl.sum(tl.reshape(acc2, (R, KP, BB * NU)), axis=2)
+            y = down_bias(y, eb + R + rows[:, None], (rows + R < H)[:, None] & (js < K)[None, :], OAI)
             tl.store(out_ptr + t * H + R + rows, tl.sum(y * wj[None, :], axis=1).to(out_ptr.dtype.element_ty),
                      mask=rows + R < H)
 
 
 def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor,
-                            layout: ExpertLayout) -> torch.Tensor:
-    """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t])."""
+                            layout: ExpertLayout, act=None) -> torch.Tensor:
+    """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]). `act`:
+    gpt-oss's activation and biases (kernels/reference.py's OaiSwiglu)."""
     assert runs_layout(layout), layout
     T, H = x.shape
     I, k = layout.inter, addrs.shape[1]
     og, ou, od = layout.offsets
     qg, _, qd = layout.types
     x, addrs, weights = x.contiguous(), addrs.contiguous(), weights.contiguous()
+    eid, b13, b2, oai, limit, alpha = act_args(act, x)
     h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)                            # (T k, I)
     out = torch.empty_like(x)                                                                   # (T, H)
     rbg, rbd = row_bytes(qg, H), row_bytes(qd, I)
@@ -206,10 +223,11 @@ def experts_by_address_runs(x: torch.Tensor, addrs: torch.Tensor, weights: torch
         xsd = k * hj
     a16 = aligned16(qg, og, rbg) and aligned16(qg, ou, rbg)
     _gate_up_runs[(T * k, triton.cdiv(I, r))](x, addrs, h, pos, ONE, H, I, k, r, og, ou, int(qg), rbg, *g, bb, a16,
-                                              g[0] // bb <= UNROLL, xs, hj, num_warps=WARPS, enable_fp_fusion=True)
+                                              g[0] // bb <= UNROLL, xs, hj, eid, b13, oai, limit, alpha,
+                                              num_warps=WARPS, enable_fp_fusion=True)
     rl = DOWN_ROWS_A_LANE or (1 if T == 1 else 2)             # (the same bits either way: the same sums a row)
     _down_runs[(T, triton.cdiv(H, rl * rd))](h, addrs, weights, out, ONE, H, I, k, kp, rd, od, int(qd), rbd, *d,
-                                         bbd, aligned16(qd, od, rbd), d[0] // bbd <= UNROLL, xsd, rl,
+                                         bbd, aligned16(qd, od, rbd), d[0] // bbd <= UNROLL, xsd, rl, eid, b2, oai,
                                          num_warps=WARPS, enable_fp_fusion=True)
     return out
 

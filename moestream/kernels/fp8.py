@@ -20,6 +20,7 @@ import torch
 
 from ..quant import fp8
 from ..quant.layout import ExpertLayout
+from .decode_act import act_args
 from .qblocks import triton
 
 ROWS = 32                # rows a program (a tile of 32 x 128 values); fixed, so are the bits
@@ -33,6 +34,7 @@ def fp8_available(layout: ExpertLayout) -> bool:
 if triton is not None:
     import triton.language as tl
 
+    from .decode_act import down_bias, glu
     from .qblocks import to_bf16
 
     @triton.jit
@@ -81,8 +83,10 @@ if triton is not None:
 
     @triton.jit
     def _gate_up(x_ptr, addr_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                 OG: tl.constexpr, OU: tl.constexpr, NBH: tl.constexpr, SOFF: tl.constexpr):
-        """Program (t k + j, block of R rows of I): choice j's gate and up rows against x[t], then silu(g) * u."""
+                 OG: tl.constexpr, OU: tl.constexpr, NBH: tl.constexpr, SOFF: tl.constexpr, eid_ptr, b13_ptr,
+                 OAI: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+        """Program (t k + j, block of R rows of I): choice j's gate and up rows against x[t], then silu(g) * u
+        (OAI: gpt-oss's, kernels/decode_act.py, with the biases of expert eid[t, j])."""
         pair = tl.program_id(0)
         t = pair // K
         rows = tl.program_id(1) * R + tl.arange(0, R)
@@ -90,14 +94,17 @@ if triton is not None:
         base = tl.load(addr_ptr + pair).to(tl.pointer_type(tl.uint8))
         g = _dots(base + OG, rows, rmask, x_ptr + t * H, H, NBH, SOFF, R)
         u = _dots(base + OU, rows, rmask, x_ptr + t * H, H, NBH, SOFF, R)
-        h = g * tl.sigmoid(g) * u
+        e = 0
+        if OAI:
+            e = tl.load(eid_ptr + pair)
+        h = glu(g, u, b13_ptr + e * (2 * I) + rows, rmask, I, OAI, LIMIT, ALPHA)
         tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
     def _down(h_ptr, addr_ptr, w_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-              OD: tl.constexpr, NBI: tl.constexpr, SOFF: tl.constexpr):
-        """Program (t, block of R rows of H): every choice's down rows against its activation, weighted, summed
-        over the k choices in choice order."""
+              OD: tl.constexpr, NBI: tl.constexpr, SOFF: tl.constexpr, eid_ptr, b2_ptr, OAI: tl.constexpr):
+        """Program (t, block of R rows of H): every choice's down rows against its activation (OAI: plus the
+        down biases of its expert eid[t, j]), weighted, summed over the k choices in choice order."""
         t = tl.program_id(0)
         rows = tl.program_id(1) * R + tl.arange(0, R)
         rmask = rows < H
@@ -105,7 +112,10 @@ if triton is not None:
         for c in range(K):
             base = tl.load(addr_ptr + t * K + c).to(tl.pointer_type(tl.uint8))
             wc = tl.load(w_ptr + t * K + c).to(tl.float32)
-            acc += wc * _dots(base + OD, rows, rmask, h_ptr + (t * K + c) * I, I, NBI, SOFF, R)
+            d = _dots(base + OD, rows, rmask, h_ptr + (t * K + c) * I, I, NBI, SOFF, R)
+            if OAI:
+                d = down_bias(d, b2_ptr + tl.load(eid_ptr + t * K + c) * H + rows, rmask, OAI)
+            acc += wc * d
         tl.store(out_ptr + t * H + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -134,17 +144,20 @@ def dequantize_rows_fp8(rows: torch.Tensor, index: torch.Tensor, layout: ExpertL
 
 
 def experts_by_address_fp8(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor,
-                           layout: ExpertLayout) -> torch.Tensor:
-    """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t])."""
+                           layout: ExpertLayout, act=None) -> torch.Tensor:
+    """x (T, H), addrs (T, k) int64, weights (T, k) -> (T, H): sum_j weights[t, j] * expert_j(x[t]). `act`:
+    gpt-oss's activation and biases (kernels/reference.py's OaiSwiglu)."""
     assert fp8_available(layout), layout
     T, H = x.shape
     I, k = layout.inter, addrs.shape[1]
     og, ou, od = layout.offsets
     x, addrs, weights = x.contiguous(), addrs.contiguous(), weights.contiguous()
+    eid, b13, b2, oai, limit, alpha = act_args(act, x)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)                                  # (T k, I)
     out = torch.empty_like(x)                                                                   # (T, H)
     _gate_up[(T * k, triton.cdiv(I, ROWS))](x, addrs, h, H, I, k, ROWS, og, ou, fp8.scale_shape(I, H)[1],
-                                            fp8.scale_offset(I, H), num_warps=WARPS, enable_fp_fusion=False)
+                                            fp8.scale_offset(I, H), eid, b13, oai, limit, alpha, num_warps=WARPS,
+                                            enable_fp_fusion=False)
     _down[(T, triton.cdiv(H, ROWS))](h, addrs, weights, out, H, I, k, ROWS, od, fp8.scale_shape(H, I)[1],
-                                     fp8.scale_offset(H, I), num_warps=WARPS, enable_fp_fusion=False)
+                                     fp8.scale_offset(H, I), eid, b2, oai, num_warps=WARPS, enable_fp_fusion=False)
     return out

@@ -105,14 +105,16 @@ class AddressBook:
 
 
 def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: torch.Tensor,
-                                 inter: int | ExpertLayout, landing=None, *, book: AddressBook) -> torch.Tensor:
+                                 inter: int | ExpertLayout, landing=None, *, book: AddressBook,
+                                 act: OaiSwiglu | None = None) -> torch.Tensor:
     """Plain torch, the oracle of kernels.decode.experts_by_address (`inter`: an int, float rows of I) and of
     kernels.decode_quant.experts_by_address_quant (`inter`: an ExpertLayout; a quantized one's rows are uint8,
     dequantized to float32 by layout.dequantize): x (T, H), addrs and weights (T, k) -> (T, H).
 
     Float32 throughout, the activation rounded to x's dtype between the two projections, the k outputs weighted
     and summed in float32 and rounded once, as the kernel does. `landing`: the read-through copies, as the kernels
-    make them (kernels.decode.landing_slots for one token, landing_slots_grouped for several)."""
+    make them (kernels.decode.landing_slots for one token, landing_slots_grouped for several). `act`: gpt-oss's
+    activation (glu) and biases, each choice's at its expert id act.ids[t, j], added to the float32 sums."""
     from .decode import landing_slots, landing_slots_grouped
     T, H = x.shape
     k = addrs.shape[1]
@@ -140,6 +142,7 @@ def experts_by_address_reference(x: torch.Tensor, addrs: torch.Tensor, weights: 
         w2 = rows[:, 2 * inter * H:3 * inter * H].view(T * k, H, inter).float()
     xs = x.float().repeat_interleave(k, dim=0).unsqueeze(-1)                               # (T k, H, 1)
     gu = torch.bmm(w13, xs).squeeze(-1)                                                    # (T k, 2I)
-    h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
-    y = torch.bmm(w2, h.float().unsqueeze(-1)).squeeze(-1).view(T, k, H)
+    e = act.ids.reshape(-1).to(gu.device) if act is not None else None                   # (T k,) experts
+    h = glu(gu, inter, act, e).to(x.dtype)
+    y = down_bias(torch.bmm(w2, h.float().unsqueeze(-1)).squeeze(-1), act, e).view(T, k, H)
     return (y * weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)

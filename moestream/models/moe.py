@@ -63,19 +63,17 @@ def moe_experts(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, 
     `by_address` (a zero-copy decode step, one part): that kernel reads each expert where the provider says it
     lies (addrs (T, k), where the router's launch looked them up already). `fused` (kernels.fused, decode steps
     on CUDA): the shared expert in two launches, on every path alike. `mlp`: the expert MLP's options (arch/blocks.py;
-    gpt-oss's swiglu_oai goes to the kernel as an OaiSwiglu with each choice's expert id; the decode plan gives it
-    no by_address kernel, runtime/plan.py)."""
+    gpt-oss's swiglu_oai goes to the kernel, fetched or by address, as an OaiSwiglu with each choice's expert id)."""
     act = None
     if mlp.activation == "swiglu_oai":     # the layer's (E, 2I) gate | up and (E, H) down biases
         act = OaiSwiglu(ids, lw["ffn_gate_up_exps.bias"], lw["ffn_down_exps.bias"], mlp.clamp)
     if by_address is not None:
-        if act is not None:
-            raise ValueError("the zero-copy decode kernels have no swiglu_oai: the decode plan must not pick one")
         x, = xs
         land = provider.landing(layer, ids)
         if addrs is None:
             addrs = provider.addresses(layer, ids)
-        out = by_address(x, addrs, weights[0], provider.layout(layer), land)
+        out = (by_address(x, addrs, weights[0], provider.layout(layer), land) if act is None else
+               by_address(x, addrs, weights[0], provider.layout(layer), land, act))
         return [_shared(x, lw, cfg, out, fused)]
     w = provider.fetch(layer, ids, guess)
     rows = _bounds(xs)

@@ -76,8 +76,9 @@ def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, cap
                 by_address: bool = True) -> DecodePlan:
     """The plan for a resolved `ecfg` on a CUDA device or not: quantized expert rows or not, some experts in host
     memory or not, a model whose decode steps may be captured or not, an expert MLP the zero-copy decode kernels
-    compute or not (`by_address`: False for gpt-oss's clamped SwiGLU with biases, which only the prompt's kernels
-    compute: its decode steps fetch their experts, and on CUDA replay graphs only where nothing is on the host)."""
+    compute or not (`by_address`: kernels.by_address_kernels of the family's blocks, SwiGLU and gpt-oss's clamped
+    SwiGLU with biases; a family whose MLP they do not compute fetches its experts in decode steps, and on CUDA
+    replays graphs only where nothing is on the host)."""
     d = ecfg.decode
     zero_copy = bool(d.zero_copy) and by_address
     staged = zero_copy and (d.stage if d.stage is not None else quantized)
