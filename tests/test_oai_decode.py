@@ -1,11 +1,12 @@
 """gpt-oss's clamped SwiGLU with biases in the zero-copy decode kernels (kernels/decode_act.py; issue 53): the float
-kernels (kernels/decode.py for one token, kernels/decode_grouped.py for several) and the quantized ones
-(kernels/decode_quant.py's "values" and "runs") on MXFP4 rows, gpt-oss's, through Triton's interpreter on the CPU
-as tests/test_triton_kernels.py and tests/test_quant_kernels.py run them: against the plain-torch oracle
-(experts_by_address_reference with an OaiSwiglu) in float32, on cases that reach every clamp, and the same bits when the experts' rows lie in
-another buffer in another order (a slot is never an expert id: the biases go by id). The oracle against the prompt
-kernels' reference (experts_reference, the same OaiSwiglu) on the CPU; and the kernels compiled on the GPU
-(`cuda`) at gpt-oss-120b's expert shape (H = I = 2880, k = 4).
+kernels (kernels/decode.py for one token, kernels/decode_grouped.py for several), the quantized ones
+(kernels/decode_quant.py's "values" and "runs") on MXFP4 rows, gpt-oss's, and FP8 rows (kernels/fp8.py), through
+Triton's interpreter on the CPU as tests/test_triton_kernels.py and tests/test_quant_kernels.py run them: against
+the plain-torch oracle (experts_by_address_reference with an OaiSwiglu) in float32, on cases that reach every
+clamp, and the same bits when the experts' rows lie in another buffer in another order (a slot is never an expert
+id: the biases go by id). The oracle against the prompt kernels' reference (experts_reference, the same OaiSwiglu)
+on the CPU; and, compiled on the GPU (`cuda`), the kernels at gpt-oss-120b's expert shape (H = I = 2880, k = 4)
+and synth:tiny-gptoss decoding by address on every placement.
 
 Bound: relative error 1e-5 of the float32 oracle in the interpreter (float32 sums in another order), 1e-2 in
 bfloat16 on the GPU, as the other decode kernels' tests.
@@ -236,6 +237,30 @@ def test_float_oai_decode_compiled_at_gpt_oss_120b_shape(T):
     on_host = torch.arange(dev.shape[0], device="cuda") % 3 == 0
     for addrs in (host_addr, torch.where(on_host[ids], host_addr, dev_addr)):
         assert torch.equal(experts_by_address(x, addrs, w, I, act=act), out)
+
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+def test_gpt_oss_zero_copy_decode_hash_same_on_every_placement_and_cache(experts):
+    """synth:tiny-gptoss in bf16, its experts float or MXFP4: the decode plan reads them by address (the OaiSwiglu
+    in the decode kernels) all on the GPU, with no cache, with caches small and whole, eager and captured, staged
+    or not: the same greedy tokens (tests/test_cuda.py's contract for the other families); with no cache the steps
+    read host memory."""
+    from moestream import LLM
+    spec = f"synth:tiny-gptoss:dtype=bfloat16:experts={experts}"
+    prompt = list(range(3, 60, 2))
+    hashes = set()
+    for kw in ({}, {"cuda_graphs": False}, {"cpu_moe": True}, {"cpu_moe": True, "moe_cache_mib": 0},
+               {"cpu_moe": True, "moe_cache_mib": 1}, {"cpu_moe": True, "moe_cache_mib": 100, "cuda_graphs": False},
+               {"n_cpu_moe": 2, "moe_cache_mib": 1}, {"cpu_moe": True, "stage_host_reads": experts == "float"}):
+        llm = LLM(spec, ctx_size=256, device="cuda", **kw)
+        assert llm.engine.plan.zero_copy and llm.engine.decode_kernel is not None, kw
+        hashes.add(llm.generate(prompt, max_tokens=32, ignore_eos=True).sha256)
+        if kw.get("moe_cache_mib") == 0:
+            assert llm.stats()["total"]["host_reads"] > 0, kw
+    assert len(hashes) == 1, hashes
 
 
 if __name__ == "__main__":
