@@ -171,10 +171,16 @@ if triton is not None:
                     True, True)
 
 
-def fused_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Where the decode kernels run (Triton, CUDA, 16-bit weights), for a power-of-two head size of at least 32."""
+def fused_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Where the decode kernels run (Triton, CUDA, 16-bit weights). Which of them a model's attention takes is its
+    kind's to say (models/attention.py's `fuses`: these attention kernels want `head_fits`)."""
     from .decode import decode_available
-    return decode_available(device, dtype) and head_dim >= 32 and head_dim & (head_dim - 1) == 0
+    return decode_available(device, dtype)
+
+
+def head_fits(head_dim: int) -> bool:
+    """Whether qk_rope_kv, gated_qk_rope_kv and decode_attention take heads of head_dim: a power of two >= 32."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
 def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,

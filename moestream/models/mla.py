@@ -57,6 +57,11 @@ class MLA:
     def in_proj(self, lw) -> str | None:
         return None                     # no one projection for a fused norm to take
 
+    def takes_fused(self) -> bool:
+        """The fused decode kernels' norms, router and shared expert take any latent attention (its own attention
+        kernel, `fuses`, wants more)."""
+        return True
+
     def fuses(self, fused) -> bool:
         return False
 
