@@ -29,6 +29,7 @@ def _stand_in_fused(calls: list):
     norm, softmax and top-k, the shared expert) as plain torch with the eager ops' math: the Triton ones run only on
     CUDA. Each call is counted in `calls`."""
     import types
+    from moestream.arch.blocks import Router
     from moestream.models.layers import rms_norm, swiglu
     from moestream.models.router import route
 
@@ -47,11 +48,15 @@ def _stand_in_fused(calls: list):
         x = rms_norm(h, nw, eps)
         return h, x, torch.nn.functional.linear(x, w, bias)
 
-    def norm_route(h, delta, nw, eps, router, k, renorm, dtype, table=None):
+    def norm_route(h, delta, nw, eps, router, k, renorm, dtype, table=None, **opts):
         calls.append("norm_route")
         h = h + delta
         x = rms_norm(h, nw, eps)
-        w, ids = route(x, router, k, renorm)
+        if opts:        # models/router.py's fused_options: the router's form past plain softmax
+            spec = Router(opts["gating"], opts["bias"] is not None, opts["groups"], opts["scale"], opts["topk_group"])
+            w, ids = route(x, router, k, renorm, spec, opts["bias"])
+        else:
+            w, ids = route(x, router, k, renorm)
         if table is None:
             return h, x, w, ids, None
         tab, routed = table
@@ -61,6 +66,8 @@ def _stand_in_fused(calls: list):
 
     def shared_expert(x, gate, up, down, gate_inp, out):
         calls.append("shared_expert")
+        if gate_inp is None:
+            return out + swiglu(x, gate, up, down)
         return out + torch.sigmoid(torch.nn.functional.linear(x, gate_inp)) * swiglu(x, gate, up, down)
     return types.SimpleNamespace(add_rms_norm=add_rms_norm, linear=linear, norm_linear=norm_linear,
                                  norm_route=norm_route, shared_expert=shared_expert)

@@ -161,3 +161,94 @@ def test_latent_attention_takes_the_fused_kernels_whatever_its_head_size(monkeyp
         assert eng.fused is fused
     cfg = LLM("synth:tiny-glm", device="cpu", ctx_size=64).model_config
     assert GQA(cfg).takes_fused() and not GQA(dataclasses.replace(cfg, head_dim=48)).takes_fused()
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("kw", [{}, {"cpu_moe": True, "moe_cache_mib": 1}])
+def test_decode_steps_route_and_run_the_shared_expert_fused(model, kw):
+    """A decode step of these families routes in the fused norm_route (the sigmoid router with its bias, groups and
+    scale) and runs the ungated shared expert fused, in each MoE layer and on every placement, and in no prompt
+    ubatch (tests/test_decode_paths.py's torch stand-ins: the eager bits, the same greedy tokens)."""
+    from test_decode_paths import _stand_in_fused
+
+    def run(fused):
+        eng, calls = LLM(model, device="cpu", ctx_size=64, **kw).engine, []
+        if fused:
+            eng.fused = _stand_in_fused(calls)
+        n_moe, toks = len(eng.cfg.moe_layers), []
+        tok = int(eng.prefill(0, list(range(3, 15)))[-1].argmax())
+        assert not calls
+        for pos in range(12, 16):
+            tok = int(eng.decode([(0, tok, pos)])[0].argmax())
+            toks.append(tok)
+        assert calls.count("norm_route") == calls.count("shared_expert") == (4 * n_moe if fused else 0)
+        return toks
+    assert run(True) == run(False)
+
+
+# --- the fused kernels, through Triton's interpreter (tests/interpreted.py) ---
+CHECKS = ["group_limited_route", "ungated_shared_expert"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_in_the_interpreter(check):
+    pytest.importorskip("triton")
+    run_check(__file__, check, timeout=600)
+
+
+def group_limited_route():
+    """norm_route past plain softmax against models/router.py's route on the kernel's own normed rows (float32):
+    the same ids, the weights within 1e-5 (as tests/test_gemv.py's softmax check). DeepSeek-V3's form (sigmoid, a
+    correction bias, groups, a scale, renormalised), several groups kept of more, GLM-4.5's (one group, experts
+    not a power of two), DeepSeek-V2's (softmax over groups, no bias, not renormalised); with a zero-copy table."""
+    from moestream.arch.blocks import Router
+    from moestream.kernels import gemv
+    from moestream.models.router import route
+    g = torch.Generator().manual_seed(5)
+    cases = (  # T, E, K, k, renorm, Router(gating, bias, groups, scale, topk_group)
+        (3, 16, 96, 4, True, Router("sigmoid", True, 4, 2.5, 2)),
+        (1, 64, 64, 6, False, Router("sigmoid", True, 8, 1.0, 3)),
+        (5, 20, 48, 4, True, Router("sigmoid", True, 1, 1.0, 1)),
+        (2, 32, 40, 3, False, Router("softmax", False, 4, 1.5, 2)),
+    )
+    for T, E, K, k, renorm, spec in cases:
+        h, d = torch.randn(T, K, generator=g), torch.randn(T, K, generator=g)
+        nw, router = torch.rand(K, generator=g) + 0.5, torch.randn(E, K, generator=g) * K ** -0.5
+        bias = torch.randn(E, generator=g) * 0.1 if spec.bias else None
+        opts = dict(gating=spec.gating, bias=bias, groups=spec.groups, topk_group=spec.topk_group, scale=spec.scale)
+        h2, normed, w, ids, _ = gemv.norm_route(h, d, nw, 1e-6, router, k, renorm, torch.float32, **opts)
+        assert torch.equal(h2, h + d)
+        rw, rids = route(normed, router, k, renorm, spec, bias)
+        assert torch.equal(ids, rids), (spec, ids, rids)
+        close(w, rw)
+        tab, kept = torch.randint(0, 1 << 40, (E,), generator=g), torch.full((T * k,), -1)
+        again = gemv.norm_route(h, d, nw, 1e-6, router, k, renorm, torch.float32, (tab, kept), **opts)
+        assert torch.equal(again[2], w) and torch.equal(again[3], ids)
+        assert torch.equal(again[4], tab[ids]) and torch.equal(kept, ids.reshape(-1))
+    assert not gemv._election_counts(h.device).any()
+
+
+def ungated_shared_expert():
+    """kernels/shared_expert.py without a gate (DeepSeek-V3's, GLM-4.5's) against models/moe.py's `_shared`, 1, 3
+    and 8 tokens, H and I not powers of two, the default blocks and small ones; `out` read, not written."""
+    import types
+    from moestream.kernels.shared_expert import shared_expert
+    from moestream.models.moe import _shared
+    H, I = 76, 42
+    g = torch.Generator().manual_seed(4)
+    lw = {"ffn_gate_shexp.weight": torch.randn(I, H, generator=g) * H ** -0.5,
+          "ffn_up_shexp.weight": torch.randn(I, H, generator=g) * H ** -0.5,
+          "ffn_down_shexp.weight": torch.randn(H, I, generator=g) * I ** -0.5}
+    cfg = types.SimpleNamespace(shared_expert_intermediate_size=I)
+    for T in (1, 3, 8):
+        x, out = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+        kept = out.clone()
+        want = _shared(x, lw, cfg, out)
+        for config in ((), (((4, 32, 1), (8, 16, 1)),)):
+            y = shared_expert(x, *(lw[f"ffn_{n}_shexp.weight"] for n in ("gate", "up", "down")), None, out, *config)
+            close(y, want)
+        assert torch.equal(out, kept)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
