@@ -174,7 +174,7 @@ def test_decode_steps_route_and_run_the_shared_expert_fused(model, kw):
     def run(fused):
         eng, calls = LLM(model, device="cpu", ctx_size=64, **kw).engine, []
         if fused:
-            eng.fused = _stand_in_fused(calls)
+            eng.fused = _stand_in_mla(_stand_in_fused(calls), calls)
         n_moe, toks = len(eng.cfg.moe_layers), []
         tok = int(eng.prefill(0, list(range(3, 15)))[-1].argmax())
         assert not calls
@@ -182,12 +182,27 @@ def test_decode_steps_route_and_run_the_shared_expert_fused(model, kw):
             tok = int(eng.decode([(0, tok, pos)])[0].argmax())
             toks.append(tok)
         assert calls.count("norm_route") == calls.count("shared_expert") == (4 * n_moe if fused else 0)
+        mla = fused and model.endswith("deepseek")
+        assert calls.count("mla_decode_attention") == (4 * eng.cfg.n_layers if mla else 0)
         return toks
     assert run(True) == run(False)
 
 
+def _stand_in_mla(fused, calls: list):
+    """kernels/mla.py's mla_decode_attention as models/mla.py's torch form (latent_attention, its mask made from
+    the positions), added to tests/test_decode_paths.py's stand-ins; each call counted in `calls`."""
+    from moestream.models.mla import latent_attention
+
+    def mla_decode_attention(q_lat, q_rot, latents, rot_keys, seq_ids, positions, n, scale):
+        calls.append("mla_decode_attention")
+        mask = torch.arange(n)[None, :] <= positions[:, None]                # (B, n)
+        return latent_attention(q_lat, q_rot, latents, rot_keys, seq_ids, mask, scale)
+    fused.mla_decode_attention = mla_decode_attention
+    return fused
+
+
 # --- the fused kernels, through Triton's interpreter (tests/interpreted.py) ---
-CHECKS = ["group_limited_route", "ungated_shared_expert"]
+CHECKS = ["group_limited_route", "ungated_shared_expert", "mla_attention", "deepseek_decode"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -248,6 +263,50 @@ def ungated_shared_expert():
             y = shared_expert(x, *(lw[f"ffn_{n}_shexp.weight"] for n in ("gate", "up", "down")), None, out, *config)
             close(y, want)
         assert torch.equal(out, kept)
+
+
+def mla_attention():
+    """kernels/mla.py against models/mla.py's latent_attention in float32, within 1e-5 (relative norm, as the
+    other kernels' checks): fewer heads than a program's (masked rows), two head blocks the second part-full, one
+    split and several, positions 0, mid-chunk and n - 1, q_lat as MLA passes it (a transposed view); each token's
+    bits the same alone, in the batch and in another order (the batch's other tokens change nothing)."""
+    from moestream.kernels.mla import mla_decode_attention
+    from moestream.models.mla import latent_attention
+    g = torch.Generator().manual_seed(6)
+    for nh, r, dr, n in ((8, 64, 16, 128), (20, 32, 16, 64)):
+        latents, rot_keys = torch.randn(3, 1, 256, r, generator=g), torch.randn(3, 1, 256, dr, generator=g)
+        seq, pos = torch.tensor([1, 0, 2, 1]), torch.tensor([0, 37, n - 1, n // 2])
+        q_lat = torch.randn(nh, 4, r, generator=g).transpose(0, 1)                  # (B, nh, r), a view
+        q_rot = torch.randn(4, nh, dr, generator=g)
+        scale = (r // 2) ** -0.5
+        out = mla_decode_attention(q_lat, q_rot, latents, rot_keys, seq, pos, n, scale)
+        mask = torch.arange(n)[None, :] <= pos[:, None]
+        close(out, latent_attention(q_lat, q_rot, latents, rot_keys, seq, mask, scale))
+        for order in ([2], [3, 0], [3, 2, 1, 0]):
+            i = torch.tensor(order)
+            alone = mla_decode_attention(q_lat[i], q_rot[i], latents, rot_keys, seq[i], pos[i], n, scale)
+            assert torch.equal(alone, out[i]), order
+
+
+def deepseek_decode():
+    """synth:tiny-deepseek's decode steps (tests/batched.py's join_and_leave) with the fused kernels it takes, all
+    Triton here (the latent attention's, norm_route's sigmoid router, the ungated shared expert, add_rms_norm),
+    against its eager steps, within 1e-5; prompts run none (their logits equal)."""
+    import types
+    from moestream.kernels import fused
+
+    def run(with_fused: bool):
+        eng, calls = LLM("synth:tiny-deepseek", device="cpu", ctx_size=128, n_seq=2).engine, []
+        if with_fused:
+            counted = lambda name: lambda *a, **kw: (calls.append(name), getattr(fused, name)(*a, **kw))[1]
+            eng.fused = types.SimpleNamespace(**{n: counted(n) for n in ("mla_decode_attention", "add_rms_norm",
+                                                                         "norm_route", "shared_expert")})
+        return join_and_leave(eng), calls
+    (eager, _), (out, calls) = run(False), run(True)
+    assert calls.count("mla_decode_attention") == 4 * 8 and calls.count("norm_route") == 3 * 8     # 8 steps
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[4], eager[4])                  # the prompts
+    for a, b in zip(out, eager):
+        close(a, b)
 
 
 if __name__ == "__main__":

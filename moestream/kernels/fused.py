@@ -8,6 +8,7 @@
     y = linear(x, w, bias)                                      # kernels/gemv.py, carried here with the others:
     h, normed, y = norm_linear(h, delta, nw, eps, w, bias)      # one token's GEMV, the add and norm before it,
     h, normed, weights, ids, addrs = norm_route(h, delta, nw, eps, router, k, renormalise, dtype, table)  # router
+    o_lat = mla_decode_attention(q_lat, q_rot, latents, rot_keys, seq_ids, positions, n, scale)   # kernels/mla.py
 
 A decode token's layer is a few GEMVs and a few dozen tiny kernels (norms, rotary embedding, cache writes, the
 attention's matmuls, masks and softmax, top-k), each a few microseconds for almost no bytes; these kernels replace
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .gemv import linear, norm_linear, norm_route  # noqa: F401  (a decode step's GEMVs, carried with the others)
+from .mla import mla_decode_attention, mla_fits  # noqa: F401  (latent attention's decode step, carried here too)
 from .shared_expert import shared_expert  # noqa: F401  (a decode step's shared expert, carried with the others)
 
 try:
