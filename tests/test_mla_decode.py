@@ -201,6 +201,90 @@ def _stand_in_mla(fused, calls: list):
     return fused
 
 
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("nh,r,dr,n", [(128, 512, 64, 4096), (128, 512, 64, 256), (16, 512, 64, 1024),
+                                       (8, 64, 16, 256)])
+def test_mla_attention_compiled_matches_the_torch_form(nh, r, dr, n):
+    """kernels/mla.py compiled, bf16, DeepSeek-V3's widths (128 heads, r 512, dr 64) and tiny-deepseek's, against
+    latent_attention (float32 softmax on the same bf16 inputs): within 2% of the largest output (the probabilities
+    rounded to bf16, as tests/test_cuda_fused.py's decode attention); a token's bits the same alone and in the
+    batch, and on a second call."""
+    from moestream.kernels.mla import mla_decode_attention
+    from moestream.models.mla import latent_attention
+    g = torch.Generator(device="cuda").manual_seed(nh + n)
+    latents = torch.randn(3, 1, 4096, r, device="cuda", generator=g).bfloat16()
+    rot_keys = torch.randn(3, 1, 4096, dr, device="cuda", generator=g).bfloat16()
+    seq = torch.tensor([1, 0, 2, 1], device="cuda")
+    pos = torch.tensor([0, 63, n - 1, n // 2 + 5], device="cuda")
+    q_lat = (torch.randn(nh, 4, r, device="cuda", generator=g) * 0.1).bfloat16().transpose(0, 1)
+    q_rot = (torch.randn(4, nh, dr, device="cuda", generator=g) * 0.1).bfloat16()
+    scale = 192 ** -0.5
+    out = mla_decode_attention(q_lat, q_rot, latents, rot_keys, seq, pos, n, scale)
+    mask = torch.arange(n, device="cuda")[None, :] <= pos[:, None]
+    ref = latent_attention(q_lat, q_rot, latents, rot_keys, seq, mask, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (4, nh, r)
+    assert (out.float() - ref.float()).abs().max() < 0.02 * ref.float().abs().max()
+    assert torch.equal(mla_decode_attention(q_lat, q_rot, latents, rot_keys, seq, pos, n, scale), out)
+    i = torch.tensor([2], device="cuda")
+    assert torch.equal(mla_decode_attention(q_lat[i], q_rot[i], latents, rot_keys, seq[i], pos[i], n, scale), out[i])
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,E,groups,topk_group,k", [(1, 256, 8, 4, 8), (8, 256, 8, 4, 8), (3, 128, 1, 1, 8),
+                                                     (2, 384, 1, 1, 8)])
+def test_group_limited_route_compiled_matches_route(T, E, groups, topk_group, k):
+    """norm_route's sigmoid router compiled, bf16 activations (DeepSeek-V3's 256 experts in 8 groups, GLM-4.5-Air's
+    128 in one, Kimi K2's 384): the same choices as route on the kernel's normed rows but where two biased scores
+    nearly tie (the logits are float32 sums in another order), the weights within float32 rounding; 100 launches,
+    the first one's bits."""
+    from moestream.arch.blocks import Router
+    from moestream.kernels.gemv import _election_counts, norm_route
+    from moestream.models.router import route
+    H = 7168
+    g = torch.Generator(device="cuda").manual_seed(E + T)
+    h, d = (torch.randn(T, H, device="cuda", generator=g).bfloat16() for _ in range(2))
+    nw = torch.rand(H, device="cuda", generator=g).bfloat16()
+    router = (torch.randn(E, H, device="cuda", generator=g) * 0.02).bfloat16()
+    bias = torch.randn(E, device="cuda", generator=g) * 0.01
+    spec = Router("sigmoid", True, groups, 2.5, topk_group)
+    opts = dict(gating="sigmoid", bias=bias, groups=groups, topk_group=topk_group, scale=2.5)
+    h2, x, w, ids, _ = norm_route(h, d, nw, 1e-6, router, k, True, torch.bfloat16, **opts)
+    assert torch.equal(h2, h + d)
+    rw, rids = route(x, router, k, True, spec, bias)
+    same = (ids.sort(-1).values == rids.sort(-1).values).all(-1)
+    assert same.float().mean() >= 0.8
+    order, rorder = ids.argsort(-1), rids.argsort(-1)
+    assert torch.allclose(w.gather(-1, order)[same].float(), rw.gather(-1, rorder)[same].float(), rtol=1e-2)
+    for _ in range(100):
+        again = norm_route(h, d, nw, 1e-6, router, k, True, torch.bfloat16, **opts)
+        assert torch.equal(again[2], w) and torch.equal(again[3], ids)
+    assert not _election_counts(h.device).any()
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,H,I", [(1, 7168, 2048), (4, 7168, 2048), (3, 4096, 1408)])
+def test_ungated_shared_expert_compiled_matches_the_torch_form(T, H, I):
+    """The gate-less shared expert compiled (DeepSeek-V3's and GLM-4.5-Air's shapes), bf16, against `_shared`'s torch
+    form on float32 copies of the weights: within 1e-2 (relative norm, as the gated kernel's cuda test)."""
+    import types
+    from moestream.kernels.shared_expert import shared_expert
+    from moestream.models.moe import _shared
+    g = torch.Generator(device="cuda").manual_seed(T + I)
+    names = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+    lw = {n: (torch.randn(*s, device="cuda", generator=g) * s[1] ** -0.5).bfloat16()
+          for n, s in zip(names, ((I, H), (I, H), (H, I)))}
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    out = (torch.randn(T, H, device="cuda", generator=g) * 0.1).bfloat16()
+    y = shared_expert(x, *(lw[n] for n in names), None, out)
+    cfg = types.SimpleNamespace(shared_expert_intermediate_size=I)
+    ref = _shared(x.float(), {n: w.float() for n, w in lw.items()}, cfg, out.float())
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(shared_expert(x, *(lw[n] for n in names), None, out), y)
+
+
 # --- the fused kernels, through Triton's interpreter (tests/interpreted.py) ---
 CHECKS = ["group_limited_route", "ungated_shared_expert", "mla_attention", "deepseek_decode"]
 
