@@ -183,7 +183,7 @@ def test_decode_steps_route_and_run_the_shared_expert_fused(model, kw):
             toks.append(tok)
         assert calls.count("norm_route") == calls.count("shared_expert") == (4 * n_moe if fused else 0)
         mla = fused and model.endswith("deepseek")
-        assert calls.count("mla_decode_attention") == (4 * eng.cfg.n_layers if mla else 0)
+        assert calls.count("mla_decode_attention") == calls.count("mla_rope_kv") == (4 * eng.cfg.n_layers if mla else 0)
         return toks
     assert run(True) == run(False)
 
@@ -197,8 +197,24 @@ def _stand_in_mla(fused, calls: list):
         calls.append("mla_decode_attention")
         mask = torch.arange(n)[None, :] <= positions[:, None]                # (B, n)
         return latent_attention(q_lat, q_rot, latents, rot_keys, seq_ids, mask, scale)
-    fused.mla_decode_attention = mla_decode_attention
+
+    def mla_rope_kv(*args):
+        calls.append("mla_rope_kv")
+        return _rope_kv_ops(*args)
+    fused.mla_decode_attention, fused.mla_rope_kv = mla_decode_attention, mla_rope_kv
     return fused
+
+
+def _rope_kv_ops(q, kv, norm, eps, cos, sin, latents, rot_keys, seq_ids, positions, interleaved):
+    """kernels/mla.py's mla_rope_kv as models/mla.py's torch ops: c normed and k_rot rotated into the cache, q's
+    rotary dims rotated."""
+    from moestream.models.layers import apply_rope, interleaved_rope, rms_norm
+    rope = interleaved_rope if interleaved else apply_rope
+    T, r, dr = q.shape[0], latents.shape[-1], rot_keys.shape[-1]
+    c, k_rot = kv.split([r, dr], dim=-1)
+    latents[seq_ids, :, positions] = rms_norm(c, norm, eps).view(T, 1, r)
+    rot_keys[seq_ids, :, positions] = rope(k_rot.reshape(T, 1, dr), cos, sin)
+    return rope(q[..., q.shape[-1] - dr:], cos, sin)
 
 
 @needs_cuda
@@ -228,6 +244,32 @@ def test_mla_attention_compiled_matches_the_torch_form(nh, r, dr, n):
     assert torch.equal(mla_decode_attention(q_lat, q_rot, latents, rot_keys, seq, pos, n, scale), out)
     i = torch.tensor([2], device="cuda")
     assert torch.equal(mla_decode_attention(q_lat[i], q_rot[i], latents, rot_keys, seq[i], pos[i], n, scale), out[i])
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mla_rope_kv_compiled_matches_the_torch_ops(interleaved):
+    """mla_rope_kv compiled, bf16, DeepSeek-V3's widths (128 heads of 128 + 64, r 512): within bf16 rounding of
+    the torch ops it replaces, the caches written at the tokens' places only."""
+    from moestream.kernels.mla import mla_rope_kv
+    g = torch.Generator(device="cuda").manual_seed(9)
+    T, nh, dn, r, dr = 4, 128, 128, 512, 64
+    seq, pos = torch.tensor([2, 0, 1, 0], device="cuda"), torch.tensor([5, 0, 1000, 4095], device="cuda")
+    q = torch.randn(T, nh, dn + dr, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(T, r + dr, device="cuda", generator=g).bfloat16()
+    norm = (torch.rand(r, device="cuda", generator=g) + 0.5).bfloat16()
+    ang = torch.rand(T, dr // 2, device="cuda", generator=g) * 6
+    cos, sin = (torch.cat([f(ang)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    caches = [torch.randn(3, 1, 4096, w, device="cuda", generator=g).bfloat16() for w in (r, dr)]
+    want = [t.clone() for t in caches]
+    q_rot = mla_rope_kv(q, kv, norm, 1e-6, cos, sin, *caches, seq, pos, interleaved)
+    ref = _rope_kv_ops(q, kv, norm, 1e-6, cos, sin, *want, seq, pos, interleaved)
+    assert (q_rot.float() - ref.float()).abs().max() < 0.02 * ref.float().abs().max()
+    for got, ref in zip(caches, want):
+        assert (got.float() - ref.float()).abs().max() < 0.02 * ref.float().abs().max()
+        got[seq, :, pos] = ref[seq, :, pos]
+        assert torch.equal(got, ref)
 
 
 @needs_cuda
@@ -286,7 +328,7 @@ def test_ungated_shared_expert_compiled_matches_the_torch_form(T, H, I):
 
 
 # --- the fused kernels, through Triton's interpreter (tests/interpreted.py) ---
-CHECKS = ["group_limited_route", "ungated_shared_expert", "mla_attention", "deepseek_decode"]
+CHECKS = ["group_limited_route", "ungated_shared_expert", "mla_rope_kv", "mla_attention", "deepseek_decode"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -349,6 +391,28 @@ def ungated_shared_expert():
         assert torch.equal(out, kept)
 
 
+def mla_rope_kv():
+    """kernels/mla.py's mla_rope_kv against the torch ops it replaces (models/mla.py's), rotary on adjacent pairs
+    and on halves, within 1e-5; the caches written at each token's (sequence, position) and nowhere else."""
+    from moestream.kernels.mla import mla_rope_kv as kernel
+    g = torch.Generator().manual_seed(7)
+    T, nh, dn, r, dr = 3, 4, 32, 64, 16
+    seq, pos = torch.tensor([2, 0, 1]), torch.tensor([5, 0, 31])
+    q, kv = torch.randn(T, nh, dn + dr, generator=g), torch.randn(T, r + dr, generator=g)
+    norm = torch.rand(r, generator=g) + 0.5
+    ang = torch.rand(T, dr // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    for interleaved in (True, False):
+        caches = [torch.randn(3, 1, 32, r, generator=g), torch.randn(3, 1, 32, dr, generator=g)]
+        want = [t.clone() for t in caches]
+        q_rot = kernel(q, kv, norm, 1e-6, cos, sin, *caches, seq, pos, interleaved)
+        close(q_rot, _rope_kv_ops(q, kv, norm, 1e-6, cos, sin, *want, seq, pos, interleaved))
+        for got, ref in zip(caches, want):
+            close(got[seq, :, pos], ref[seq, :, pos])
+            got[seq, :, pos] = ref[seq, :, pos]
+            assert torch.equal(got, ref)
+
+
 def mla_attention():
     """kernels/mla.py against models/mla.py's latent_attention in float32, within 1e-5 (relative norm, as the
     other kernels' checks): fewer heads than a program's (masked rows), two head blocks the second part-full, one
@@ -374,7 +438,7 @@ def mla_attention():
 
 def deepseek_decode():
     """synth:tiny-deepseek's decode steps (tests/batched.py's join_and_leave) with the fused kernels it takes, all
-    Triton here (the latent attention's, norm_route's sigmoid router, the ungated shared expert, add_rms_norm),
+    Triton here (the latent attention's two, norm_route's sigmoid router, the ungated shared expert, add_rms_norm),
     against its eager steps, within 1e-5; prompts run none (their logits equal)."""
     import types
     from moestream.kernels import fused
@@ -383,11 +447,13 @@ def deepseek_decode():
         eng, calls = LLM("synth:tiny-deepseek", device="cpu", ctx_size=128, n_seq=2).engine, []
         if with_fused:
             counted = lambda name: lambda *a, **kw: (calls.append(name), getattr(fused, name)(*a, **kw))[1]
-            eng.fused = types.SimpleNamespace(**{n: counted(n) for n in ("mla_decode_attention", "add_rms_norm",
-                                                                         "norm_route", "shared_expert")})
+            eng.fused = types.SimpleNamespace(**{n: counted(n) for n in ("mla_rope_kv", "mla_decode_attention",
+                                                                         "add_rms_norm", "norm_route",
+                                                                         "shared_expert")})
         return join_and_leave(eng), calls
     (eager, _), (out, calls) = run(False), run(True)
-    assert calls.count("mla_decode_attention") == 4 * 8 and calls.count("norm_route") == 3 * 8     # 8 steps
+    assert calls.count("mla_rope_kv") == calls.count("mla_decode_attention") == 4 * 8          # 8 steps
+    assert calls.count("norm_route") == calls.count("shared_expert") == 3 * 8
     assert torch.equal(out[0], eager[0]) and torch.equal(out[4], eager[4])                  # the prompts
     for a, b in zip(out, eager):
         close(a, b)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .gemv import linear, norm_linear, norm_route  # noqa: F401  (a decode step's GEMVs, carried with the others)
-from .mla import mla_decode_attention, mla_fits  # noqa: F401  (latent attention's decode step, carried here too)
+from .mla import mla_decode_attention, mla_fits, mla_rope_kv  # noqa: F401  (latent attention's decode step)
 from .shared_expert import shared_expert  # noqa: F401  (a decode step's shared expert, carried with the others)
 
 try:

@@ -1,15 +1,19 @@
-"""Latent attention's decode step over the latent cache (Triton, CUDA): the absorbed form of models/mla.py in one
-attention over the cache, split over chunks of keys (flash-decoding), then a merge.
+"""Latent attention's decode step (Triton, CUDA): the norm, rotary and cache writes between its projections in one
+launch, then the absorbed form of models/mla.py as one attention over the latent cache, split over chunks of keys
+(flash-decoding), and a merge.
 
+    q_rot = mla_rope_kv(q, kv, norm, eps, cos, sin, latents, rot_keys, seq_ids, positions, interleaved)
     o_lat = mla_decode_attention(q_lat, q_rot, latents, rot_keys, seq_ids, positions, n, scale)
-    # q_lat (B, nh, r): q_nope times each head's key rows of attn_kv_b; q_rot (B, nh, dr) rotated;
+    # q (T, nh, dn + dr), kv (T, r + dr) = [c | k_rot] as projected: c normed and k_rot rotated into the cache,
+    # q's rotary dims rotated (q_rot); q_lat (B, nh, r): q_nope times each head's key rows of attn_kv_b;
     # latents (n_seq, 1, ctx, r), rot_keys (n_seq, 1, ctx, dr): runtime/kv_cache.py's latent layout
     # -> (B, nh, r): softmax(scale (q_lat . c + q_rot . k_rot)) over the first n keys up to each token's position,
     #    times the latents c; models/mla.py takes it to each head's dv dims by the value rows after
 
-models/mla.py's `_absorbed` is the torch form and the oracle: it gathers each token's cache, widens it to float32
-and runs eight ops over it (two matmuls for the scores, their sum, the scale, the mask, the softmax, the product with
-the latents, the rounding). Here:
+mla_rope_kv, grid (T, nh + 2), replaces the torch form's RMSNorm of c, two rotary embeddings (seven elementwise ops
+each) and two cache writes (models/mla.py's MLA, their oracle). models/mla.py's latent_attention is the attention's
+torch form and oracle: it gathers each token's cache, widens it to float32 and runs eight ops over it (two matmuls
+for the scores, their sum, the scale, the mask, the softmax, the product with the latents, the rounding). Here:
 
 - launch (a), grid (B, cdiv(nh, HEADS), splits): program (b, head block, split) reads keys [split CHUNK, + CHUNK)
   of b's sequence (CHUNK latents of r and rotary keys of dr, once for HEADS heads: every head shares them) and
@@ -93,6 +97,62 @@ if triton is not None:
             ws = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - big))
             acc += ws * tl.load(po_ptr + (part + s).to(tl.int64) * R + r)
         tl.store(out_ptr + b * out_b + h * out_h + r, (acc / den).to(out_ptr.dtype.element_ty))
+
+
+if triton is not None:
+    @triton.jit
+    def _mla_rope_kv(q_ptr, kv_ptr, nw_ptr, cos_ptr, sin_ptr, qr_ptr, c_ptr, kr_ptr, seq_ptr, pos_ptr, eps,
+                     NH: tl.constexpr, DN: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, CTX: tl.constexpr,
+                     INTERLEAVED: tl.constexpr):
+        """Program (t, j): j < NH: head j's rotary query dims of token t rotated into qr (T, NH, DR); j == NH: the
+        latent c RMS-normed into the latent cache at (seq, pos); j == NH + 1: the rotary key rotated into the key
+        cache there. Rotary on adjacent pairs (INTERLEAVED, written [evens | odds]) or on halves; float32, one
+        rounding."""
+        t = tl.program_id(0)
+        j = tl.program_id(1)
+        seq = tl.load(seq_ptr + t)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        row = (seq * CTX + pos).to(tl.int64)
+        if j == NH:
+            r = tl.arange(0, R)
+            c = tl.load(kv_ptr + t * (R + DR) + r).to(tl.float32)
+            c = c * tl.rsqrt(tl.sum(c * c, axis=0) / R + eps) * tl.load(nw_ptr + r).to(tl.float32)
+            tl.store(c_ptr + row * R + r, c.to(c_ptr.dtype.element_ty))
+        else:
+            i = tl.arange(0, DR // 2)
+            if j < NH:
+                src = q_ptr + (t * NH + j) * (DN + DR) + DN
+                dst = qr_ptr + (t * NH + j) * DR
+            else:
+                src = kv_ptr + t * (R + DR) + R
+                dst = kr_ptr + row * DR
+            if INTERLEAVED:
+                x1 = tl.load(src + 2 * i).to(tl.float32)
+                x2 = tl.load(src + 2 * i + 1).to(tl.float32)
+            else:
+                x1 = tl.load(src + i).to(tl.float32)
+                x2 = tl.load(src + DR // 2 + i).to(tl.float32)
+            co = tl.load(cos_ptr + t * DR + i).to(tl.float32)
+            si = tl.load(sin_ptr + t * DR + i).to(tl.float32)
+            tl.store(dst + i, (x1 * co - x2 * si).to(dst.dtype.element_ty))
+            tl.store(dst + DR // 2 + i, (x2 * co + x1 * si).to(dst.dtype.element_ty))
+
+
+def mla_rope_kv(q: torch.Tensor, kv: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                sin: torch.Tensor, latents: torch.Tensor, rot_keys: torch.Tensor, seq_ids: torch.Tensor,
+                positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """What latent attention does between its projections and the attention in one launch: q (T, nh, dn + dr) and
+    kv (T, r + dr) = [c | k_rot] as projected; c RMS-normed (norm (r,)) and k_rot rotated (cos, sin (T, dr), halves
+    repeated) written to the latent cache (latents (n_seq, 1, ctx, r), rot_keys (n_seq, 1, ctx, dr)) at each
+    token's (sequence, position) -> q's rotary dims rotated, (T, nh, dr)."""
+    T, nh, hd = q.shape
+    r, dr = latents.shape[-1], rot_keys.shape[-1]
+    if not (q.is_contiguous() and kv.is_contiguous() and kv.shape[1] == r + dr):
+        raise ValueError(f"mla_rope_kv: contiguous q {tuple(q.shape)} and kv {tuple(kv.shape)} of r + dr")
+    q_rot = torch.empty(T, nh, dr, dtype=q.dtype, device=q.device)
+    _mla_rope_kv[(T, nh + 2)](q, kv, norm, cos.contiguous(), sin.contiguous(), q_rot, latents, rot_keys, seq_ids,
+                              positions, eps, nh, hd - dr, r, dr, latents.shape[2], interleaved, num_warps=1)
+    return q_rot
 
 
 def mla_fits(r: int, dr: int) -> bool:

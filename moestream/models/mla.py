@@ -78,11 +78,17 @@ class MLA:
                          lw["attn_q_b.weight"])
         else:
             q = F.linear(x, lw["attn_q.weight"])
-        q_nope, q_rot = q.view(T, nh, dn + dr).split([dn, dr], dim=-1)          # (T, nh, dn), (T, nh, dr)
-        c, k_rot = F.linear(x, lw["attn_kv_a_mqa.weight"]).split([r, dr], dim=-1)    # (T, r), (T, dr)
-        c = rms_norm(c, lw["attn_kv_a_norm.weight"], cfg.rms_norm_eps)
-        q_rot, k_rot = self.rope(q_rot, cos, sin), self.rope(k_rot.reshape(T, 1, dr), cos, sin)
-        kv.write(slot, batch.seq_ids, batch.positions, c.view(T, 1, r), k_rot)
+        q = q.view(T, nh, dn + dr)
+        q_nope = q[..., :dn]                                                     # (T, nh, dn)
+        kv_a = F.linear(x, lw["attn_kv_a_mqa.weight"])                           # (T, r + dr): [c | k_rot]
+        if batch.is_decode and self.fuses(fused):      # the norm, both rotary embeddings, the cache writes: one launch
+            q_rot = fused.mla_rope_kv(q, kv_a, lw["attn_kv_a_norm.weight"], cfg.rms_norm_eps, cos, sin, kv.k[slot],
+                                      kv.v[slot], batch.seq_ids, batch.positions, cfg.rope_interleave)
+        else:
+            c, k_rot = kv_a.split([r, dr], dim=-1)                               # (T, r), (T, dr)
+            c = rms_norm(c, lw["attn_kv_a_norm.weight"], cfg.rms_norm_eps)
+            q_rot, k_rot = self.rope(q[..., dn:], cos, sin), self.rope(k_rot.reshape(T, 1, dr), cos, sin)
+            kv.write(slot, batch.seq_ids, batch.positions, c.view(T, 1, r), k_rot)
         kv_b = lw["attn_kv_b.weight"]
         if batch.is_decode:
             o = self._absorbed(q_nope, q_rot, kv_b, kv.k[slot], kv.v[slot], batch, kv.ctx, mask, fused)
