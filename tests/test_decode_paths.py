@@ -17,10 +17,15 @@ PROMPTS = ["Once upon a time", "The capital of France is"]
 
 def test_which_families_take_the_fused_decode_attention(checkpoint):
     """Per-head QK-norm or none, no clipping, rotary on whole heads: every family but OLMoE (whole-projection norm,
-    clip_qkv), GLM-4.5 (half rotary) and DeepSeek-V3 (latent attention)."""
+    clip_qkv) and GLM-4.5 (half rotary); DeepSeek-V3's latent attention where its widths fit kernels/mla.py (the
+    test checkpoint's rotary key of 8 does not)."""
+    from moestream.kernels.mla import mla_fits
     family, path, _ = checkpoint
     model = LLM(path, ctx_size=64, device="cpu").engine.model
-    assert model.attention.fuses(object()) == (family not in ("olmoe", "glm4_moe") and not family.startswith("deepseek"))
+    cfg = model.cfg
+    mla = family.startswith("deepseek")
+    assert model.attention.fuses(object()) == (mla_fits(cfg.kv_lora_rank, cfg.qk_rope_head_dim) if mla
+                                                else family not in ("olmoe", "glm4_moe"))
     assert not model.attention.fuses(None)
 
 
@@ -29,6 +34,7 @@ def _stand_in_fused(calls: list):
     norm, softmax and top-k, the shared expert) as plain torch with the eager ops' math: the Triton ones run only on
     CUDA. Each call is counted in `calls`."""
     import types
+    from moestream.arch.blocks import Router
     from moestream.models.layers import rms_norm, swiglu
     from moestream.models.router import route
 
@@ -47,11 +53,15 @@ def _stand_in_fused(calls: list):
         x = rms_norm(h, nw, eps)
         return h, x, torch.nn.functional.linear(x, w, bias)
 
-    def norm_route(h, delta, nw, eps, router, k, renorm, dtype, table=None):
+    def norm_route(h, delta, nw, eps, router, k, renorm, dtype, table=None, **opts):
         calls.append("norm_route")
         h = h + delta
         x = rms_norm(h, nw, eps)
-        w, ids = route(x, router, k, renorm)
+        if opts:        # models/router.py's fused_options: the router's form past plain softmax
+            spec = Router(opts["gating"], opts["bias"] is not None, opts["groups"], opts["scale"], opts["topk_group"])
+            w, ids = route(x, router, k, renorm, spec, opts["bias"])
+        else:
+            w, ids = route(x, router, k, renorm)
         if table is None:
             return h, x, w, ids, None
         tab, routed = table
@@ -61,6 +71,8 @@ def _stand_in_fused(calls: list):
 
     def shared_expert(x, gate, up, down, gate_inp, out):
         calls.append("shared_expert")
+        if gate_inp is None:
+            return out + swiglu(x, gate, up, down)
         return out + torch.sigmoid(torch.nn.functional.linear(x, gate_inp)) * swiglu(x, gate, up, down)
     return types.SimpleNamespace(add_rms_norm=add_rms_norm, linear=linear, norm_linear=norm_linear,
                                  norm_route=norm_route, shared_expert=shared_expert)

@@ -8,6 +8,7 @@
     y = linear(x, w, bias)                                      # kernels/gemv.py, carried here with the others:
     h, normed, y = norm_linear(h, delta, nw, eps, w, bias)      # one token's GEMV, the add and norm before it,
     h, normed, weights, ids, addrs = norm_route(h, delta, nw, eps, router, k, renormalise, dtype, table)  # router
+    o_lat = mla_decode_attention(q_lat, q_rot, latents, rot_keys, seq_ids, positions, n, scale)   # kernels/mla.py
 
 A decode token's layer is a few GEMVs and a few dozen tiny kernels (norms, rotary embedding, cache writes, the
 attention's matmuls, masks and softmax, top-k), each a few microseconds for almost no bytes; these kernels replace
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .gemv import linear, norm_linear, norm_route  # noqa: F401  (a decode step's GEMVs, carried with the others)
+from .mla import mla_decode_attention, mla_fits, mla_rope_kv  # noqa: F401  (latent attention's decode step)
 from .shared_expert import shared_expert  # noqa: F401  (a decode step's shared expert, carried with the others)
 
 try:
@@ -171,10 +173,16 @@ if triton is not None:
                     True, True)
 
 
-def fused_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Where the decode kernels run (Triton, CUDA, 16-bit weights), for a power-of-two head size of at least 32."""
+def fused_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Where the decode kernels run (Triton, CUDA, 16-bit weights). Which of them a model's attention takes is its
+    kind's to say (models/attention.py's `fuses`: these attention kernels want `head_fits`)."""
     from .decode import decode_available
-    return decode_available(device, dtype) and head_dim >= 32 and head_dim & (head_dim - 1) == 0
+    return decode_available(device, dtype)
+
+
+def head_fits(head_dim: int) -> bool:
+    """Whether qk_rope_kv, gated_qk_rope_kv and decode_attention take heads of head_dim: a power of two >= 32."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
 def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,

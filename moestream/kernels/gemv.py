@@ -82,13 +82,64 @@ if triton is not None:
         tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
     @triton.jit
+    def _group_limited_topk(x, ee, b_ptr, scale, E, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr,
+                            RENORM: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr, GROUPS: tl.constexpr,
+                            GP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+        """models/router.py's route past plain softmax, on one token's float32 logits x (EP,): the scores (sigmoid,
+        or softmax), the choice (scores + the correction bias b where BIAS), the best TOPK_GROUP of GROUPS groups of
+        E / GROUPS experts by the sum of their two best choices, the TOPK best choices within them (ties to the
+        lower id, groups as experts); -> (TKP,) weights (their scores, renormalised where RENORM, times scale) and
+        ids."""
+        valid = ee < E
+        if SIGMOID:
+            s = tl.sigmoid(x)
+        else:
+            s = tl.exp(x - tl.max(x, axis=0))
+            s = s / tl.sum(s, axis=0)
+        c = s
+        if BIAS:
+            c = c + tl.load(b_ptr + ee, mask=valid, other=0.0).to(tl.float32)
+        c = tl.where(valid, c, float("-inf"))
+        if GROUPS > 1:
+            gi = tl.arange(0, GP)
+            member = (ee[None, :] // (E // GROUPS)) == gi[:, None]                        # (GP, EP)
+            v = tl.where(member, c[None, :], float("-inf"))
+            top1 = tl.max(v, axis=1)
+            first = tl.min(tl.where(v == top1[:, None], ee[None, :], EP), axis=1)
+            top2 = tl.max(tl.where(ee[None, :] == first[:, None], float("-inf"), v), axis=1)
+            gs = tl.where(gi < GROUPS, top1 + top2, float("-inf"))                      # (GP,) a group's score
+            keep = gi < 0
+            for n in tl.static_range(TOPK_GROUP):
+                best = tl.max(gs, axis=0)
+                g = tl.min(tl.where(gs == best, gi, GP), axis=0)
+                keep = keep | (gi == g)
+                gs = tl.where(gi == g, float("-inf"), gs)
+            kept = tl.max((member & keep[:, None]).to(tl.int32), axis=0) > 0              # (EP,)
+            c = tl.where(kept, c, float("-inf"))
+        j = tl.arange(0, TKP)
+        ws = tl.zeros([TKP], dtype=tl.float32)
+        ids = tl.zeros([TKP], dtype=tl.int64)
+        for n in tl.static_range(TOPK):
+            best = tl.max(c, axis=0)
+            idx = tl.min(tl.where(c == best, ee, EP), axis=0)
+            ws = tl.where(j == n, tl.sum(tl.where(ee == idx, s, 0.0), axis=0), ws)
+            ids = tl.where(j == n, idx.to(tl.int64), ids)
+            c = tl.where(ee == idx, float("-inf"), c)
+        if RENORM:
+            ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+        return ws * scale, ids
+
+    @triton.jit
     def _norm_route(x_ptr, d_ptr, nw_ptr, r_ptr, lg_ptr, cnt_ptr, w_ptr, id_ptr, hout_ptr, nout_ptr, tab_ptr,
-                    addr_ptr, routed_ptr, eps, E, K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr,
+                    addr_ptr, routed_ptr, b_ptr, eps, scale, E, K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr,
                     EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, RENORM: tl.constexpr,
-                    NPROG: tl.constexpr, TABLE: tl.constexpr, ROUTED: tl.constexpr):
+                    NPROG: tl.constexpr, TABLE: tl.constexpr, ROUTED: tl.constexpr, PLAIN: tl.constexpr,
+                    SIGMOID: tl.constexpr, BIAS: tl.constexpr, GROUPS: tl.constexpr, GP: tl.constexpr,
+                    TOPK_GROUP: tl.constexpr):
         """Program (t, p): token t's add and norm, the logits of experts [p EB, (p + 1) EB) in float32; the last
-        of t's NPROG programs to finish: softmax, the TOPK largest (ties to the lower id), renormalised; where
-        TABLE, each choice's address from the table (and where ROUTED, the ids kept flat for the host too)."""
+        of t's NPROG programs to finish: where PLAIN, softmax, the TOPK largest (ties to the lower id),
+        renormalised; else _group_limited_topk; where TABLE, each choice's address from the table (and where
+        ROUTED, the ids kept flat for the host too)."""
         t = tl.program_id(0)
         pid = tl.program_id(1)
         xv = _normed_row(x_ptr + t * K, d_ptr + t * K, nw_ptr, hout_ptr + t * K, nout_ptr + t * K, eps, pid == 0,
@@ -99,21 +150,25 @@ if triton is not None:
         tl.debug_barrier()              # every lane's logits stored before the count says so (release, gpu scope)
         if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
             ee = tl.arange(0, EP)
-            x = tl.load(lg_ptr + t * E + ee, mask=ee < E, other=float("-inf"), volatile=True)
-            p = tl.exp(x - tl.max(x, axis=0))
-            p = p / tl.sum(p, axis=0)
-            p = tl.where(ee < E, p, -1.0)
             j = tl.arange(0, TKP)
-            ws = tl.zeros([TKP], dtype=tl.float32)
-            ids = tl.zeros([TKP], dtype=tl.int64)
-            for n in tl.static_range(TOPK):
-                best = tl.max(p, axis=0)
-                idx = tl.min(tl.where(p == best, ee, EP), axis=0)
-                ws = tl.where(j == n, best, ws)
-                ids = tl.where(j == n, idx.to(tl.int64), ids)
-                p = tl.where(ee == idx, -1.0, p)
-            if RENORM:
-                ws = ws / tl.sum(ws, axis=0)
+            x = tl.load(lg_ptr + t * E + ee, mask=ee < E, other=float("-inf"), volatile=True)
+            if PLAIN:
+                p = tl.exp(x - tl.max(x, axis=0))
+                p = p / tl.sum(p, axis=0)
+                p = tl.where(ee < E, p, -1.0)
+                ws = tl.zeros([TKP], dtype=tl.float32)
+                ids = tl.zeros([TKP], dtype=tl.int64)
+                for n in tl.static_range(TOPK):
+                    best = tl.max(p, axis=0)
+                    idx = tl.min(tl.where(p == best, ee, EP), axis=0)
+                    ws = tl.where(j == n, best, ws)
+                    ids = tl.where(j == n, idx.to(tl.int64), ids)
+                    p = tl.where(ee == idx, -1.0, p)
+                if RENORM:
+                    ws = ws / tl.sum(ws, axis=0)
+            else:
+                ws, ids = _group_limited_topk(x, ee, b_ptr, scale, E, EP, TOPK, TKP, RENORM, SIGMOID, BIAS, GROUPS,
+                                              GP, TOPK_GROUP)
             tl.store(w_ptr + t * TOPK + j, ws.to(w_ptr.dtype.element_ty), mask=j < TOPK)
             tl.store(id_ptr + t * TOPK + j, ids, mask=j < TOPK)
             if TABLE:
@@ -176,15 +231,22 @@ def _election_counts(device: torch.device) -> torch.Tensor:
 
 
 def norm_route(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: float, router: torch.Tensor, k: int,
-               renormalise: bool, dtype: torch.dtype, table: tuple | None = None):
+               renormalise: bool, dtype: torch.dtype, table: tuple | None = None, gating: str | None = None,
+               bias: torch.Tensor | None = None, groups: int = 1, topk_group: int = 1, scale: float = 1.0):
     """h, delta (T, K), router (E, K) -> (h + delta, its RMSNorm * nw, (T, k) weights (dtype), (T, k) int64 ids,
     (T, k) int64 addresses or None): the MoE block's add, norm, router, softmax, top-k and renormalisation in one
     launch. table: a zero-copy step's (the expert rows' addresses (E,), a flat int64 row to keep the ids in, or
-    None) from the provider's address_table; the addresses are table[ids]."""
+    None) from the provider's address_table; the addresses are table[ids].
+
+    gating None: plain softmax top-k (models/router.py's SOFTMAX). "sigmoid" or "softmax": route's float32 form
+    (DeepSeek-V3, GLM-4.5, DeepSeek-V2): the scores, `bias` (E,) added for the choice only, the best topk_group
+    of `groups` expert groups, top-k within them, their scores renormalised (+ 1e-20) and times `scale`."""
     T, K = h.shape
     E = router.shape[0]
     if T > MAX_ROUTED:
         raise ValueError(f"norm_route takes at most {MAX_ROUTED} tokens, got {T}")
+    if gating not in (None, "sigmoid", "softmax") or E % groups or (groups > 1 and E // groups < 2):
+        raise ValueError(f"norm_route: no {gating} routing over {E} experts in {groups} groups")
     h_new, normed = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(T, E, dtype=torch.float32, device=h.device)
     w = torch.empty(T, k, dtype=dtype, device=h.device)
@@ -196,7 +258,9 @@ def norm_route(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: floa
     nprog = triton.cdiv(E, eb)
     _norm_route[(T, nprog)](h.contiguous(), delta.contiguous(), nw, router, logits, _election_counts(h.device), w,
                             ids, h_new, normed, ids if tab is None else tab, ids if addrs is None else addrs,
-                            ids if routed is None else routed, eps, E, K, kp, eb, triton.next_power_of_2(E), k,
-                            triton.next_power_of_2(k), renormalise, nprog, tab is not None, routed is not None,
+                            ids if routed is None else routed, logits if bias is None else bias, eps, float(scale), E,
+                            K, kp, eb, triton.next_power_of_2(E), k, triton.next_power_of_2(k), renormalise, nprog,
+                            tab is not None, routed is not None, gating is None, gating == "sigmoid",
+                            bias is not None, groups, triton.next_power_of_2(groups), topk_group,
                             num_warps=ROUTE_WARPS)
     return h_new, normed, w, ids, addrs

@@ -1,5 +1,5 @@
 """The shared expert of a decode step in two launches (Triton, CUDA): Qwen2-MoE's and Qwen3-Next's sigmoid-gated
-dense MLP that every token runs besides its routed experts.
+dense MLP that every token runs besides its routed experts, or DeepSeek-V3's and GLM-4.5's ungated one.
 
     y = shared_expert(x, gate, up, down, gate_inp, out)   # x, out (T, H); gate, up (I, H); down (H, I); gate_inp (1, H)
     # y = out + sigmoid(x gate_inp^T) * down(silu(gate x) * up x), (T, H) in out's dtype
@@ -41,13 +41,13 @@ except ImportError:          # the CPU build of torch has no Triton: models/moe.
 if triton is not None:
     @triton.jit
     def _gate_up(x_ptr, gate_ptr, up_ptr, gi_ptr, h_ptr, s_ptr, T, H: tl.constexpr, I: tl.constexpr,
-                 TP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                 TP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, GATED: tl.constexpr):
         """Program p: rows of gate and up, read once, against each token's x, then silu(g) * u into h (T, I);
-        the last program: each token's sigmoid(x . gate_inp) into s (T,)."""
+        where GATED, the last program: each token's sigmoid(x . gate_inp) into s (T,)."""
         p = tl.program_id(0)
         cols = tl.arange(0, BLOCK_H)
         ts = tl.arange(0, TP)
-        if p == tl.num_programs(0) - 1:                 # the gate: one row of H, for each token
+        if GATED and p == tl.num_programs(0) - 1:       # the gate: one row of H, for each token
             acc = tl.zeros([TP], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
                 cmask = h0 + cols < H
@@ -77,8 +77,9 @@ if triton is not None:
 
     @triton.jit
     def _down(h_ptr, down_ptr, s_ptr, out_ptr, y_ptr, T, H: tl.constexpr, I: tl.constexpr, TP: tl.constexpr,
-              BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
-        """Program p: rows of down, read once, against each token's h; y = out + s * (down h), rounded once."""
+              BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, GATED: tl.constexpr):
+        """Program p: rows of down, read once, against each token's h; y = out + s * (down h) (GATED) or
+        out + down h, rounded once."""
         p = tl.program_id(0)
         rows = p * BLOCK_O + tl.arange(0, BLOCK_O)
         rmask = rows < H
@@ -94,9 +95,11 @@ if triton is not None:
                 acc = tl.where((ts == t)[:, None], acc + tl.sum(wd * hv[None, :], axis=1)[None, :], acc)
         tmask = ts < T
         m = tmask[:, None] & rmask[None, :]
-        s = tl.load(s_ptr + ts, mask=tmask, other=0.0)                                          # (TP,)
         o = tl.load(out_ptr + ts[:, None] * H + rows[None, :], mask=m, other=0.0).to(tl.float32)  # (TP, BLOCK_O)
-        tl.store(y_ptr + ts[:, None] * H + rows[None, :], (o + s[:, None] * acc).to(y_ptr.dtype.element_ty), mask=m)
+        if GATED:
+            s = tl.load(s_ptr + ts, mask=tmask, other=0.0)                                      # (TP,)
+            acc = s[:, None] * acc
+        tl.store(y_ptr + ts[:, None] * H + rows[None, :], (o + acc).to(y_ptr.dtype.element_ty), mask=m)
 
 
 # Block shapes, fixed (not measured yet: the lead's H200 run picks them): (BLOCK_I, BLOCK_H, warps) of launch (a),
@@ -106,10 +109,11 @@ GATE_UP = (4, 2048, 8)
 DOWN = (16, 512, 4)
 
 
-def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gate_inp: torch.Tensor,
-                  out: torch.Tensor, config: tuple = (GATE_UP, DOWN)) -> torch.Tensor:
+def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                  gate_inp: torch.Tensor | None, out: torch.Tensor, config: tuple = (GATE_UP, DOWN)) -> torch.Tensor:
     """x, out (T, H); gate, up (I, H); down (H, I); gate_inp (1, H) -> (T, H) in out's dtype:
-    out + sigmoid(x gate_inp^T) * down(silu(gate x) * up x). A decode step's T (1 .. 16): the tokens share
+    out + sigmoid(x gate_inp^T) * down(silu(gate x) * up x); gate_inp None (DeepSeek-V3's and GLM-4.5's shared
+    experts, always on): out + down(silu(gate x) * up x). A decode step's T (1 .. 16): the tokens share
     each program, whose accumulators are (next_power_of_2(T), rows). `config`: the block shapes (the tests take
     small ones, so the loops over H and I run more than once)."""
     T, H = x.shape
@@ -120,9 +124,11 @@ def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: t
     h = torch.empty(T, inter, dtype=torch.float32, device=x.device)           # (T, I) silu(g) * u
     s = torch.empty(T, dtype=torch.float32, device=x.device)                  # (T,) the gate
     bi, bh = fit(inter, bi), fit(H, bh)
-    _gate_up[(triton.cdiv(inter, bi) + 1,)](x, gate.contiguous(), up.contiguous(), gate_inp.contiguous(), h, s, T, H,
-                                            inter, tp, bi, bh, num_warps=wa)
+    gated = gate_inp is not None
+    _gate_up[(triton.cdiv(inter, bi) + gated,)](x, gate.contiguous(), up.contiguous(),
+                                                gate_inp.contiguous() if gated else x, h, s, T, H, inter, tp, bi, bh,
+                                                gated, num_warps=wa)
     y = torch.empty_like(out)                                                 # (T, H)
     bo, bi2 = fit(H, bo), fit(inter, bi2)
-    _down[(triton.cdiv(H, bo),)](h, down.contiguous(), s, out, y, T, H, inter, tp, bo, bi2, num_warps=wb)
+    _down[(triton.cdiv(H, bo),)](h, down.contiguous(), s, out, y, T, H, inter, tp, bo, bi2, gated, num_warps=wb)
     return y

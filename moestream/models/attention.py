@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..kernels.fused import head_fits
 from .gated_attention import partial_rope
 from .layers import attention, attention_sinks, decode_attention, rms_norm
 
@@ -41,6 +42,11 @@ class GQA:
     def in_proj(self, lw) -> str | None:
         """The one projection of its input, which a one-token fused step computes with the norm."""
         return "attn_qkv"
+
+    def takes_fused(self) -> bool:
+        """Whether a model of this attention runs the fused decode kernels at all (the engine's `fused`): heads the
+        attention kernels take (kernels/fused.py's head_fits), whether or not this model's options fuse them."""
+        return head_fits(self.cfg.head_dim)
 
     def fuses(self, fused) -> bool:
         """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, no

@@ -20,8 +20,10 @@ dims by its value rows of attn_kv_b after. The softmax scale is (dn + dr) ** -0.
 mscale_all_dim) squared under YaRN (transformers' yarn_apply_mscale, llama.cpp's kq_scale). Rotary on adjacent
 pairs where rope_interleave (DeepSeek's checkpoints, llama.cpp's NORM rope), else on halves.
 
-Plain torch on every device: no fused decode kernel takes this kind yet (`fuses` is False; on CUDA its decode steps
-are these ops, in CUDA graphs where the decode path captures them).
+A fused decode step (kernels.fused, CUDA) runs the attention over the latent cache as kernels/mla.py's
+mla_decode_attention (`fuses`: latent and rotary widths it takes), between the two batched matmuls of attn_kv_b's
+rows; the torch form here is the CPU's path and its oracle. Decode steps attend the cache's span (KVCache.span),
+so eager and captured steps (runtime/graphs.py) have the same shapes.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..kernels.mla import mla_fits
 from .layers import apply_rope, attention, interleaved_rope, rms_norm
 
 
@@ -57,8 +60,15 @@ class MLA:
     def in_proj(self, lw) -> str | None:
         return None                     # no one projection for a fused norm to take
 
+    def takes_fused(self) -> bool:
+        """The fused decode kernels' norms, router and shared expert take any latent attention (its own attention
+        kernel, `fuses`, wants more)."""
+        return True
+
     def fuses(self, fused) -> bool:
-        return False
+        """Whether a decode step's attention over the cache runs as the fused kernel (else the torch form, masked)."""
+        cfg = self.cfg
+        return fused is not None and mla_fits(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def __call__(self, x, lw, slot: int, batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
         cfg = self.cfg
@@ -68,14 +78,20 @@ class MLA:
                          lw["attn_q_b.weight"])
         else:
             q = F.linear(x, lw["attn_q.weight"])
-        q_nope, q_rot = q.view(T, nh, dn + dr).split([dn, dr], dim=-1)          # (T, nh, dn), (T, nh, dr)
-        c, k_rot = F.linear(x, lw["attn_kv_a_mqa.weight"]).split([r, dr], dim=-1)    # (T, r), (T, dr)
-        c = rms_norm(c, lw["attn_kv_a_norm.weight"], cfg.rms_norm_eps)
-        q_rot, k_rot = self.rope(q_rot, cos, sin), self.rope(k_rot.reshape(T, 1, dr), cos, sin)
-        kv.write(slot, batch.seq_ids, batch.positions, c.view(T, 1, r), k_rot)
+        q = q.view(T, nh, dn + dr)
+        q_nope = q[..., :dn]                                                     # (T, nh, dn)
+        kv_a = F.linear(x, lw["attn_kv_a_mqa.weight"])                           # (T, r + dr): [c | k_rot]
+        if batch.is_decode and self.fuses(fused):      # the norm, both rotary embeddings, the cache writes: one launch
+            q_rot = fused.mla_rope_kv(q, kv_a, lw["attn_kv_a_norm.weight"], cfg.rms_norm_eps, cos, sin, kv.k[slot],
+                                      kv.v[slot], batch.seq_ids, batch.positions, cfg.rope_interleave)
+        else:
+            c, k_rot = kv_a.split([r, dr], dim=-1)                               # (T, r), (T, dr)
+            c = rms_norm(c, lw["attn_kv_a_norm.weight"], cfg.rms_norm_eps)
+            q_rot, k_rot = self.rope(q[..., dn:], cos, sin), self.rope(k_rot.reshape(T, 1, dr), cos, sin)
+            kv.write(slot, batch.seq_ids, batch.positions, c.view(T, 1, r), k_rot)
         kv_b = lw["attn_kv_b.weight"]
         if batch.is_decode:
-            o = self._absorbed(q_nope, q_rot, kv_b, kv.k[slot], kv.v[slot], batch, kv.ctx, mask)
+            o = self._absorbed(q_nope, q_rot, kv_b, kv.k[slot], kv.v[slot], batch, kv.ctx, mask, fused)
         else:
             o = self._expanded(q_nope, q_rot, kv_b, kv.k[slot], kv.v[slot], batch)
         return F.linear(o.reshape(T, nh * cfg.v_head_dim), lw["attn_output.weight"])
@@ -96,18 +112,31 @@ class MLA:
             row += s.n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _absorbed(self, q_nope, q_rot, kv_b, latents, rot_keys, batch, ctx: int, mask) -> torch.Tensor:
-        """One query per token against its sequence's latent cache, never expanded: (B, nh, dv)."""
+    def _absorbed(self, q_nope, q_rot, kv_b, latents, rot_keys, batch, ctx: int, mask, fused=None) -> torch.Tensor:
+        """One query per token against its sequence's latent cache, never expanded: (B, nh, dv). The attention
+        over the cache: the fused kernel where it `fuses`, else latent_attention."""
         cfg = self.cfg
         nh, dn, dv, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         n = batch.kv_len or ctx
-        c = latents[batch.seq_ids, 0, :n].float()                                # (B, n, r)
-        k_rot = rot_keys[batch.seq_ids, 0, :n].float()                           # (B, n, dr)
         w = kv_b.view(nh, dn + dv, r)
         w_uk, w_uv = w[:, :dn], w[:, dn:]                                        # (nh, dn, r), (nh, dv, r)
         q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)       # (B, nh, r)
-        scores = (torch.matmul(q_lat.float(), c.transpose(1, 2))
-                  + torch.matmul(q_rot.float(), k_rot.transpose(1, 2))) * self.scale           # (B, nh, n)
-        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-        o_lat = torch.matmul(torch.softmax(scores, dim=-1), c).to(q_nope.dtype)  # (B, nh, r)
+        if self.fuses(fused):
+            o_lat = fused.mla_decode_attention(q_lat, q_rot, latents, rot_keys, batch.seq_ids, batch.positions, n,
+                                               self.scale)
+        else:
+            o_lat = latent_attention(q_lat, q_rot, latents, rot_keys, batch.seq_ids, mask, self.scale)
         return torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)    # (B, nh, dv)
+
+
+def latent_attention(q_lat, q_rot, latents, rot_keys, seq_ids, mask, scale: float) -> torch.Tensor:
+    """q_lat (B, nh, r), q_rot (B, nh, dr) against the first n keys of each token's sequence in the latent cache
+    (latents (n_seq, 1, ctx, r), rot_keys (n_seq, 1, ctx, dr)), mask (B, n) the keys each attends -> (B, nh, r) in
+    q_lat's dtype: scores, softmax and the weighted sum of latents in float32 (kernels/mla.py's oracle)."""
+    n = mask.shape[1]
+    c = latents[seq_ids, 0, :n].float()                                          # (B, n, r)
+    k_rot = rot_keys[seq_ids, 0, :n].float()                                     # (B, n, dr)
+    scores = (torch.matmul(q_lat.float(), c.transpose(1, 2))
+              + torch.matmul(q_rot.float(), k_rot.transpose(1, 2))) * scale      # (B, nh, n)
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), c).to(q_lat.dtype)      # (B, nh, r)

@@ -113,14 +113,14 @@ def _shared(x: torch.Tensor, lw: dict, cfg: ModelConfig, out: torch.Tensor, fuse
     """Add the shared expert, where the family has one: sigmoid-gated where the layer has its gate
     (ffn_gate_inp_shexp: Qwen2-MoE, the hybrids), else always on (DeepSeek-V3's n_shared_experts, GLM-4.5's). The
     torch form is the fused kernel's oracle (kernels/shared_expert.py: float32 sums rounded once, so not these
-    bits); the ungated one runs as torch ops on every path."""
+    bits), which decode steps on CUDA take, gated or not."""
     if cfg.shared_expert_intermediate_size:
         gate, up, down = lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"]
         gate_inp = lw.get("ffn_gate_inp_shexp.weight")
+        if fused is not None:               # a decode step on CUDA: two launches instead of nine (six ungated)
+            return fused.shared_expert(x, gate, up, down, gate_inp, out)
         if gate_inp is None:
             return out + swiglu(x, gate, up, down)
-        if fused is not None:               # a decode step on CUDA: two launches instead of nine
-            return fused.shared_expert(x, gate, up, down, gate_inp, out)
         out = out + torch.sigmoid(F.linear(x, gate_inp)) * swiglu(x, gate, up, down)
     return out
 

@@ -35,7 +35,7 @@ from .layers import swiglu
 from .moe import moe_experts, moe_route
 from .mtp import mtp_input
 from .ple import PLE
-from .router import fuses as router_fuses
+from .router import fused_options, fuses as router_fuses
 
 MAX_AHEAD = 4                   # lookahead guesses reach at most this many MoE layers ahead
 
@@ -205,12 +205,13 @@ class MoETransformer:
             ms = []
             for j in range(len(parts)):
                 if fused is not None and res.fuses and router_fuses(self.router):   # a decode step: the add,
-                    # norm, router, top-k and addresses in one launch (softmax routers; the others route in moe_route)
+                    # norm, router, top-k and addresses in one launch (softmax and sigmoid routers; gpt-oss's
+                    # routes in moe_route)
                     table = experts.address_table(i) if by_address is not None else None
                     hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
                                                                 cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
                                                                 cfg.n_experts_used, cfg.norm_topk_prob, hs[j].dtype,
-                                                                table)
+                                                                table, **fused_options(self.router, lw))
                 else:
                     hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
                 ms.append(m)

@@ -64,7 +64,8 @@ class Engine:
         self.decode_kernel = pick_decode_kernel(plan.zero_copy, device.torch, self.dtype, self.book, layouts)
         from ..kernels import fused
         # Norms, rotary, cache writes and top-k fused (CUDA), in every decode path alike: the same bits.
-        self.fused = fused if fused.fused_available(device.torch, self.dtype, cfg.head_dim) else None
+        takes = fused.fused_available(device.torch, self.dtype) and model.attention.takes_fused()
+        self.fused = fused if takes else None
         self.eager = EagerDecode(self)      # the plain path; also every step the chosen path does not take
         self._setup_decode()
 
