@@ -1,6 +1,6 @@
 """A model's config: its shape and family options, frozen and validated where it is made (what the engine is told
 is engine_config.py). The family table (arch/) builds it from a file's config: arch.config_from_hf for HF's
-config.json, loading/gguf.py for GGUF's metadata.
+config.json, loading/gguf_config.py for GGUF's metadata.
 
     cfg = config_from_hf(json.load(open("config.json")))       # moestream.arch
 

@@ -5,7 +5,7 @@
     fam.hf_router                                 # HF spellings of blk.N.ffn_gate_inp.weight, the written one first
 
 An entry holds everything that differs by family: the names Hugging Face and GGUF give it, how its config.json
-maps onto ModelConfig (read by arch/hf_config.py, written by loading.hf.hf_config), its HF tensor spellings, its
+maps onto ModelConfig (read by arch/hf_config.py, written by loading/hf_write.py), its HF tensor spellings, its
 layer options and the blocks its decoder is built from (arch/blocks.py: attention kind, mixer, router, expert MLP,
 residual, each with options). The readers and writers of each format are generic over this table, and the
 canonical tensor names (arch/names.py) are the same for every family; a new family is an entry here, plus the

@@ -1,5 +1,5 @@
-"""config.json -> ModelConfig, as each family's entry (arch/families.py) maps its keys; loading/hf.py's hf_config
-writes them back.
+"""config.json -> ModelConfig, as each family's entry (arch/families.py) maps its keys; loading/hf_write.py's
+hf_config writes them back.
 
     cfg = config_from_hf(json.load(open("config.json")), generation_config)
 """

@@ -28,7 +28,7 @@ from ..arch.names import EXPERT_STACKS, gguf_name, gguf_tensors
 from ..config import ModelConfig
 from ..errors import UserError
 from ..outputs import atomic_path
-from .gguf import EOS_IDS_KEY, ROPE_KEYS
+from .gguf_config import EOS_IDS_KEY, ROPE_KEYS
 
 TypeOf = Callable[[str, tuple[int, ...]], Q]      # (tensor name, torch shape as stored) -> its GGML type
 
