@@ -110,6 +110,7 @@ class ScriptedEngine:
         self.script = list(script)
         self.device, self.cfg = SimpleNamespace(torch="cpu"), SimpleNamespace(eos_token_ids=())
         self.kv = SimpleNamespace(ctx=ctx)
+        self.ecfg = SimpleNamespace(spec=SimpleNamespace(drafts=False))      # no MTP drafts
         self.fed = []
 
     def check_context(self, n): pass
