@@ -21,7 +21,7 @@ from moestream.loading.gguf import GGUFSource
 from moestream.loading.gguf_write import write_gguf
 from moestream.loading.hf import HFSource
 from moestream.loading.synth import SynthSource
-from moestream.runtime.kv_cache import cache_nbytes, kv_layout, make_cache
+from moestream.runtime.kv_cache import cache_nbytes, describe_kv, kv_layout, make_cache
 
 from conftest import VOCAB, write_checkpoint
 from gguf_edit import rewrite_gguf
@@ -80,6 +80,10 @@ def test_latent_cache_holds_576_values_a_token_and_layer():
     assert (grows, fixed) == (61 * ctx * 576 * 2, 0)
     kv = make_cache(cfg.replace(n_layers=2, dense_layers=(0,)), 1, 8, torch.bfloat16, "cpu")
     assert [t.shape for t in kv.k + kv.v] == [(1, 1, 8, 512)] * 2 + [(1, 1, 8, 64)] * 2
+    # what bench prints: a 128k-token sequence in 8.58 GiB, where 128 heads' keys and values would take 71x more
+    line = describe_kv(cfg, 1, 4096, torch.bfloat16)
+    assert "576 values a token and layer (latent; 40960 as 128 heads' keys and values, 71x more)" in line
+    assert "68.6 KiB a token" in line and "8.58 GiB for 128k tokens" in line, line
 
 
 def test_synth_presets_at_real_shapes():

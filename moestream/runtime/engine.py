@@ -310,6 +310,11 @@ class Engine:
             sizes[l] = layouts[l].row_bytes_for(self.dtype)
         return describe(layouts, sizes, file_types)
 
+    def describe_kv(self) -> str:
+        """One line: what the KV cache keeps a token, and its size here and at 128k tokens (kv_cache.describe_kv)."""
+        from .kv_cache import describe_kv
+        return describe_kv(self.cfg, self.kv.n_seq, self.kv.ctx, self.dtype)
+
     def stats(self) -> dict:
         """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative); and the
         bytes of PLE n-gram rows gathered on the host and copied to the device since load (ple_bytes)."""

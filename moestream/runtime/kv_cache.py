@@ -279,3 +279,27 @@ def cache_nbytes(cfg, n_seq: int, ctx: int, dtype) -> tuple[int, int]:
     kv = KVCache.nbytes_for(len(cfg.attention_layers) + cfg.nextn_layers, n_seq, ctx, n_kv, hd, dtype, hd_v)
     keys, ple = Qwen4Cache.extra_nbytes(cfg, n_seq, ctx, dtype)
     return kv + keys, (HybridCache.state_nbytes_for(cfg, n_seq, dtype) if cfg.linear_layers else 0) + ple
+
+
+def describe_kv(cfg, n_seq: int, ctx: int, dtype) -> str:
+    """One line for a user: what the KV cache keeps a token and layer, its bytes a token, and a 128k-token
+    sequence's (latent attention keeps one latent and one rotary key, where grouped-query attention of as many heads
+    would keep each head's keys and values).
+
+    describe_kv(deepseek_v3_61_layers, 1, 4096, torch.bfloat16) ->
+        "kv cache: 576 values a token and layer (latent; 40960 as 128 heads' keys and values, 71x more), 68.6 KiB a
+         token in bfloat16 (2 bytes a value), 8.58 GiB for 128k tokens; 274 MiB for 1 x 4096 here"
+    """
+    import torch
+    n_kv, hd, hd_v = kv_layout(cfg)
+    values = n_kv * (hd + hd_v)
+    per_token, _ = cache_nbytes(cfg, 1, 1, dtype)
+    here, _ = cache_nbytes(cfg, n_seq, ctx, dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    what = f"{values} values a token and layer"
+    if cfg.kv_lora_rank:
+        gqa = cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
+        what += f" (latent; {gqa} as {cfg.n_heads} heads' keys and values, {gqa / values:.0f}x more)"
+    return (f"kv cache: {what}, {per_token / 1024:.1f} KiB a token in {str(dtype).removeprefix('torch.')} "
+            f"({size} bytes a value), {per_token * 131072 / 2**30:.2f} GiB for 128k tokens; {here / 2**20:.0f} MiB for "
+            f"{n_seq} x {ctx} here")

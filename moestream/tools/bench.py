@@ -254,6 +254,7 @@ def main(a: argparse.Namespace) -> int:
                 from ..loading.gguf import GGUFSource
                 counts = llm.source.type_counts() if isinstance(llm.source, GGUFSource) else None
                 print(llm.engine.describe_experts(counts), file=sys.stderr)
+                print(llm.engine.describe_kv(), file=sys.stderr)
                 if a.trace:                                     # the first configuration's tests, every run
                     from ..experts.trace import record
                     recorder = record(llm)

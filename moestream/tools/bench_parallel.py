@@ -205,6 +205,7 @@ def configurations(a: argparse.Namespace, ctx: int):
                 from ..loading.gguf import GGUFSource
                 counts = llm.source.type_counts() if isinstance(llm.source, GGUFSource) else None
                 print(llm.engine.describe_experts(counts), file=sys.stderr)
+                print(llm.engine.describe_kv(), file=sys.stderr)
                 print(f"parallel: {max(a.parallel)} sequences of {llm.engine.kv.ctx} positions each", file=sys.stderr)
         yield ns, mib, llm
     llm = None
