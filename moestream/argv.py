@@ -29,9 +29,6 @@ NO_COUNTERPART = {
     "-hfr": "moestream reads local files only: download the model first, then -m PATH",
     "-mu": "moestream reads local files only: download the model first, then -m PATH",
     "--model-url": "moestream reads local files only: download the model first, then -m PATH",
-    "-sm": "moestream runs on one GPU (--device cuda:N)", "--split-mode": "moestream runs on one GPU (--device cuda:N)",
-    "-ts": "moestream runs on one GPU (--device cuda:N)", "--tensor-split": "moestream runs on one GPU (--device cuda:N)",
-    "-mg": "choose the GPU with --device cuda:N", "--main-gpu": "choose the GPU with --device cuda:N",
     "-ctk": "the KV cache is kept in the model's dtype (--dtype)", "-ctv": "the KV cache is kept in the model's dtype (--dtype)",
     "--cache-type-k": "the KV cache is kept in the model's dtype (--dtype)",
     "--cache-type-v": "the KV cache is kept in the model's dtype (--dtype)",
@@ -45,7 +42,8 @@ NO_COUNTERPART = {
                     "frequency penalties"),
 }
 # vLLM's flags (and llama-quantize's) with no counterpart here: what moestream does instead.
-_ONE_GPU = "moestream runs on one GPU (--device cuda:N)"
+_ONE_GPU = ("moestream splits the layers over the GPUs of one host (--split-mode layer, --tensor-split A,B), no "
+            "tensor or pipeline parallelism")
 VLLM_NO_COUNTERPART = {
     "--tensor-parallel-size": _ONE_GPU, "-tp": _ONE_GPU, "--pipeline-parallel-size": _ONE_GPU, "-pp": _ONE_GPU,
     "--gpu-memory-utilization": "the GPU memory that caches experts is given in MiB: --moe-cache-mib MIB",

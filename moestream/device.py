@@ -52,6 +52,16 @@ class Device:
         if self.is_cuda:
             torch.cuda.synchronize(self.torch)
 
+    def make_current(self) -> None:
+        """Make this the current CUDA device (where Triton launches, and whose current stream the copy queue's
+        waits go to): a share of the layers split over several devices runs so. Nothing on the CPU."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.torch)
+
+    def current(self):
+        """Context manager making this the current CUDA device for what runs within (a no-op on the CPU)."""
+        return torch.cuda.device(self.torch) if self.is_cuda else contextlib.nullcontext()
+
     def new_stream(self):
         return torch.cuda.Stream(self.torch) if self.is_cuda else None
 

@@ -26,17 +26,35 @@ def _number(v) -> bool:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the weights live."""
-    device: str = "auto"             # auto (cuda:0 where CUDA is, else cpu) | cpu | cuda | cuda:N
+    """Where the weights live. Several devices (a comma list, or every CUDA GPU with --split-mode layer) each hold
+    a contiguous share of the layers (runtime/split.py)."""
+    device: str = "auto"             # auto (every CUDA GPU with split_mode layer, else cuda:main_gpu; cpu where no
+                                     # CUDA) | cpu | cuda | cuda:N | a comma list: "cuda:0,cuda:1" ("cpu,cpu": two
+                                     # stand-ins on the CPU, the split's tests)
     dtype: str = "auto"              # auto (the checkpoint's, bfloat16 for other types) | float32 | bfloat16 | float16
     cpu_moe: bool = False            # every MoE layer's experts in pinned host memory
     n_cpu_moe: int = 0               # the first N MoE layers' experts in host memory
+    split_mode: str = "layer"        # layer: several devices each hold a share of the layers | none: one device
+    tensor_split: tuple[float, ...] | None = None   # each device's share of the layers (None: by free memory)
+    main_gpu: int = 0                # the device of split_mode none (an index among the devices)
 
     def __post_init__(self):
         if self.device is None:                       # LLM(device=None), as before: auto
             object.__setattr__(self, "device", "auto")
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
-            raise UserError(f"unknown device {self.device!r}; use --device cpu, cuda or cuda:N")
+        for d in self.device.split(","):
+            if not (d in ("auto", "cpu") or d.startswith("cuda")):
+                raise UserError(f"unknown device {d!r}; use --device cpu, cuda, cuda:N or a list cuda:0,cuda:1")
+        if self.split_mode not in SPLIT_MODES:
+            raise UserError(f"--split-mode {self.split_mode!r} is not run by moestream; use --split-mode layer "
+                            "(each GPU a share of the layers) or none (one GPU: --main-gpu)")
+        if self.tensor_split is not None:
+            shares = tuple(self.tensor_split)
+            if not shares or any(not _number(x) or x < 0 for x in shares) or not sum(shares):
+                raise UserError(f"--tensor-split takes a share per device, none negative, not all 0 (e.g. 3,1); "
+                                f"got {','.join(map(str, shares))}")
+            object.__setattr__(self, "tensor_split", shares)
+        if not isinstance(self.main_gpu, int) or self.main_gpu < 0:
+            raise UserError(f"--main-gpu must be a device index >= 0, got {self.main_gpu!r}")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise UserError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.n_cpu_moe < 0:
@@ -52,6 +70,9 @@ class Placement:
             raise UserError(f"--n-cpu-moe {self.n_cpu_moe} is more than the model's {len(moe)} MoE layers; "
                             f"use --n-cpu-moe {len(moe)} or --cpu-moe")
         return set(moe[: self.n_cpu_moe]) | (set(cfg.head_layers) if self.n_cpu_moe == len(moe) else set())
+
+
+SPLIT_MODES = ("layer", "none")    # llama.cpp's --split-mode, less row (tensor parallel: not run)
 
 
 @dataclass(frozen=True)
@@ -80,15 +101,22 @@ class Batching:
 @dataclass(frozen=True)
 class CacheConfig:
     """The GPU expert cache over host layers, and what it copies ahead (experts/prefetch.py documents those)."""
-    mib: int | str | None = None     # None: no cache, each ubatch uploads its experts; 0: the smallest pool that
-                                     # works (one layer's experts); N: N MiB (experts/budget.py turns it into slots);
-                                     # "auto": what the device has left, decided at load (runtime/placement.py)
+    mib: int | str | tuple | None = None   # None: no cache, each ubatch uploads its experts; 0: the smallest pool
+                                     # that works (one layer's experts); N: N MiB (experts/budget.py turns it into
+                                     # slots); "auto": what the device has left, decided at load
+                                     # (runtime/placement.py). With several devices, N is each device's pool; a
+                                     # tuple gives one figure per device
     policy: str = "cycle"            # cycle (lfru; sweeps evict the layers just passed) | lfru | lru (policy.py)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def __post_init__(self):
-        if self.mib not in (None, "auto") and (not _number(self.mib) or self.mib < 0):
-            raise UserError(f"--moe-cache-mib must be >= 0 (a number of MiB) or auto, got {self.mib!r}")
+        if isinstance(self.mib, (tuple, list)):
+            object.__setattr__(self, "mib", tuple(self.mib))
+            if len(self.mib) == 1:
+                object.__setattr__(self, "mib", self.mib[0])
+        for mib in self.mib if isinstance(self.mib, tuple) else (self.mib,):
+            if mib not in (None, "auto") and (not _number(mib) or mib < 0):
+                raise UserError(f"--moe-cache-mib must be >= 0 (a number of MiB) or auto, got {self.mib!r}")
         if self.policy not in POLICIES:
             raise UserError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         pf = self.prefetch

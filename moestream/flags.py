@@ -36,14 +36,25 @@ class Option:
         return EngineConfig().get(self.path)
 
 
-def mib(s: str) -> int | str:
-    """--moe-cache-mib's value: whole MiB, or auto (what the device has left at load: runtime/placement.py)."""
+def mib(s: str) -> int | str | tuple:
+    """--moe-cache-mib's value: whole MiB, or auto (what the device has left at load: runtime/placement.py); with
+    several devices a figure per device, 4000,8000 (or 4000/8000, llama-bench's spelling where commas sweep)."""
+    if "," in s or "/" in s:
+        return tuple(mib(x) for x in s.replace("/", ",").split(","))
     if s == "auto":
         return s
     try:
         return int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of MiB or auto, got {s!r}") from None
+
+
+def shares(s: str) -> tuple[float, ...]:
+    """--tensor-split's value: each device's share of the layers, 3,1 (or 3/1, llama-bench's spelling)."""
+    try:
+        return tuple(float(x) for x in s.replace("/", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share per device, e.g. 3,1; got {s!r}") from None
 
 
 OPTIONS = (
@@ -60,12 +71,22 @@ OPTIONS = (
            "on"),
     Option("n_cpu_moe", "placement.n_cpu_moe", ("-ncmoe", "--n-cpu-moe"),
            "keep the experts of the first N MoE layers in host memory", type=int, metavar="N"),
-    Option("device", "placement.device", ("--device",), "auto, cpu, cuda or cuda:N (default auto)"),
+    Option("device", "placement.device", ("-dev", "--device"),
+           "auto, cpu, cuda, cuda:N, or a list of devices that split the layers: cuda:0,cuda:1 (default auto: every "
+           "CUDA GPU, split by --split-mode layer)"),
+    Option("split_mode", "placement.split_mode", ("-sm", "--split-mode"),
+           "with several GPUs: layer (default: each holds a contiguous share of the layers, their KV cache and an "
+           "expert cache of its own) or none (one GPU, --main-gpu)"),
+    Option("tensor_split", "placement.tensor_split", ("-ts", "--tensor-split"),
+           "each GPU's share of the layers, e.g. 3,1 (default: by free memory)", type=shares, metavar="A,B,..."),
+    Option("main_gpu", "placement.main_gpu", ("-mg", "--main-gpu"),
+           "the GPU of --split-mode none (default 0)", type=int, metavar="N"),
     Option("dtype", "placement.dtype", ("--dtype",), "auto (the checkpoint's), float32, bfloat16, float16"),
     Option("kernel", "kernel", ("--kernel",), "expert kernel: auto, reference, grouped"),
     Option("moe_cache_mib", "cache.mib", ("--moe-cache-mib",),
            "GPU cache for host-resident experts, in MiB (0: the smallest that works; auto: what the GPU has left "
-           "after the rest of the model, logged)", type=mib, metavar="MIB"),
+           "after the rest of the model, logged); with several GPUs each GPU's, or one figure per GPU: 4000,8000",
+           type=mib, metavar="MIB"),
     Option("cache_policy", "cache.policy", ("--cache-policy",),
            "expert cache eviction: cycle (default: lfru, but a prompt ubatch that routes nearly every expert of a "
            "layer evicts the layers it has just passed first), lfru (decayed frequency) or lru"),

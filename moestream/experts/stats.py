@@ -111,6 +111,15 @@ class CacheStats:
         self._prompt = {}
 
     @staticmethod
+    def joined(parts: list["CacheStats"]) -> "CacheStats":
+        """The counters of several providers of disjoint layers as one (the devices of a split)."""
+        out = CacheStats()
+        for st in parts:
+            out._total.update(st.total)
+            out._prompt.update(st.prompt)
+        return out
+
+    @staticmethod
     def summary(per_layer: dict[int, Counts]) -> dict:
         s = Counts()
         for c in per_layer.values():

@@ -91,6 +91,11 @@ class Batch:
         return Batch(flat[:T] if on_device is None else on_device, segments, flat[T:2 * T], flat[2 * T:3 * T],
                      flat[3 * T:], kv_len, by_address, fused, observer, head, keep_hidden, keep_states)
 
+    def move(self, device) -> None:
+        """The batch's index tensors onto `device`, where the next share of a split runs (runtime/split.py)."""
+        self.seq_ids, self.positions, self.out_rows = (t.to(device) for t in (self.seq_ids, self.positions,
+                                                                              self.out_rows))
+
     @property
     def is_decode(self) -> bool:
         """Every segment is one token: attention runs batched over sequences."""
@@ -108,11 +113,13 @@ class MoETransformer:
         return not (cfg.ple_layers or cfg.indexer_heads)
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                 blocks: Blocks = Blocks(), delta: DeltaKernels | None = None):
+                 blocks: Blocks = Blocks(), delta: DeltaKernels | None = None, split=None):
         """blocks: the family's (arch/families.py); delta: a DeltaNet mixer's kernels (kernels/delta.py picks;
         None: the plain-torch references). weights: on the device but the PLE table (per_layer_token_embd), which
-        the loader leaves in host memory."""
-        self.cfg = cfg
+        the loader leaves in host memory. split: where the layers are split over several devices (runtime/split.py's
+        Split; each layer's weights on its device, the embeddings on the first, the final norm and lm_head on the
+        last), or None: one device."""
+        self.cfg, self.split = cfg, split
         self.capturable = self.capturable_for(cfg)
         built = build(cfg, blocks, delta)
         self.attention, self.mixers, self.router, self.residual = (built.attention, built.mixers, built.router,
@@ -140,8 +147,10 @@ class MoETransformer:
         for lw in self.layers:          # gpt-oss's expert biases as the kernels add them: (E, 2I) gate | up
             if "ffn_gate_exps.bias" in lw:
                 lw["ffn_gate_up_exps.bias"] = torch.cat([lw.pop("ffn_gate_exps.bias"), lw.pop("ffn_up_exps.bias")], 1)
-        moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead
-        self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD])
+        moe = cfg.moe_layers            # the routers of the next MoE layers, for lookahead (split: on the same
+        # device, whose cache copies their experts ahead)
+        self.next_routers = {a: tuple(self.layers[b]["ffn_gate_inp.weight"] for b in moe[i + 1:i + 1 + MAX_AHEAD]
+                                      if split is None or split.index(b) == split.index(a))
                              for i, a in enumerate(moe)} | {h: () for h in cfg.head_layers}
         for mixer, lw in zip(self.mixers, self.layers):
             mixer.prepare(lw)
@@ -186,41 +195,48 @@ class MoETransformer:
                 masks[j] = torch.arange(n, device=hs[j].device)[None, :] <= p.positions[:, None]     # (B, n)
         deltas = [None] * len(parts)    # each part's last block output, not yet added to its residual stream
         gates = [None] * len(parts)     # what each part's block output needs back (hyper: the streams' gates)
-        for i in layers:
-            lw = self.layers[i]
-            for j, p in enumerate(parts):
-                if i in cfg.ple_layers:     # the n-gram embeddings added into the streams before the layer's mixer
-                    hs[j], deltas[j] = res.add(hs[j], deltas[j]), None
-                    hs[j] = hs[j] + self.ple.add(hs[j], embs[j], lw, p, kv.ple_conv[i])
-                hs[j], a, gates[j], proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
-                deltas[j] = res.block_output(self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj), gates[j])
-            if i in cfg.dense_layers:
+        for dev, run in [(None, layers)] if self.split is None else self.split.runs(layers):
+            if dev is not None:         # a device's share of a split: the activations cross to it here, and only here
+                dev.make_current()
+                hs, deltas, gates, masks = ([_to(t, dev.torch) for t in ts] for ts in (hs, deltas, gates, masks))
+                rope = [(c.to(dev.torch), s.to(dev.torch)) for c, s in rope]
+                for p in parts:
+                    p.move(dev.torch)
+            for i in run:
+                lw = self.layers[i]
+                for j, p in enumerate(parts):
+                    if i in cfg.ple_layers:     # the n-gram embeddings added into the streams before the layer's mixer
+                        hs[j], deltas[j] = res.add(hs[j], deltas[j]), None
+                        hs[j] = hs[j] + self.ple.add(hs[j], embs[j], lw, p, kv.ple_conv[i])
+                    hs[j], a, gates[j], proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
+                    deltas[j] = res.block_output(self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj), gates[j])
+                if i in cfg.dense_layers:
+                    for j in range(len(parts)):
+                        hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
+                        deltas[j] = res.block_output(swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"],
+                                                            lw["ffn_down.weight"]), gates[j])
+                    yield i
+                    continue
+                routed = addrs = None
+                ms = []
                 for j in range(len(parts)):
-                    hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
-                    deltas[j] = res.block_output(swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"],
-                                                        lw["ffn_down.weight"]), gates[j])
+                    if fused is not None and res.fuses and router_fuses(self.router):   # a decode step: the add,
+                        # norm, router, top-k and addresses in one launch (softmax and sigmoid routers; gpt-oss's
+                        # routes in moe_route)
+                        table = experts.address_table(i) if by_address is not None else None
+                        hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
+                                                                    cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
+                                                                    cfg.n_experts_used, cfg.norm_topk_prob, hs[j].dtype,
+                                                                    table, **fused_options(self.router, lw))
+                    else:
+                        hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
+                    ms.append(m)
+                weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
+                                                self.router)
+                outs = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs,
+                                   self.mlp)
+                deltas = [res.block_output(o, g) for o, g in zip(outs, gates)]
                 yield i
-                continue
-            routed = addrs = None
-            ms = []
-            for j in range(len(parts)):
-                if fused is not None and res.fuses and router_fuses(self.router):   # a decode step: the add,
-                    # norm, router, top-k and addresses in one launch (softmax and sigmoid routers; gpt-oss's
-                    # routes in moe_route)
-                    table = experts.address_table(i) if by_address is not None else None
-                    hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
-                                                                cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
-                                                                cfg.n_experts_used, cfg.norm_topk_prob, hs[j].dtype,
-                                                                table, **fused_options(self.router, lw))
-                else:
-                    hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
-                ms.append(m)
-            weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
-                                            self.router)
-            outs = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs,
-                               self.mlp)
-            deltas = [res.block_output(o, g) for o, g in zip(outs, gates)]
-            yield i
         outs = []
         # the final norm: the model's (output_norm; hyper: the output mixer), or an MTP head's shared_head_norm
         final_w = {"output_norm.weight": self.layers[layers[0]]["nextn.shared_head_norm.weight"]} if head else self.w
@@ -230,7 +246,11 @@ class MoETransformer:
             if len(p.out_rows):         # (a shape, known on the host)
                 h = p.hidden[p.out_rows] if p.keep_hidden else res.final(h, delta, final_w, p.out_rows)
                 outs.append(F.linear(h, self.lm_head).float())               # (R, V)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.split is not None:      # the logits back to the first device, where the sampler and the next step are
+            self.split.devices[0].make_current()
+            logits = logits.to(self.split.devices[0].torch)
+        return logits
 
     def _norm_project(self, h, delta, lw, layer, fused):
         """The residual add and the mixer's input: (h, x, what its output needs back, None); in a one-token fused
@@ -250,6 +270,11 @@ class MoETransformer:
         mixer = self.mixers[layer]
         index = self.kv_slot[layer] if mixer is self.attention else layer
         return mixer(x, lw, index, batch, kv, cos, sin, mask, fused, proj)
+
+
+def _to(t, device):
+    """A part's activation (a tensor, or None where it has none yet) on `device`."""
+    return None if t is None else t.to(device)
 
 
 def drain(steps):

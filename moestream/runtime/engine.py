@@ -46,9 +46,10 @@ MiB = 1 << 20
 class Engine:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, model: MoETransformer, experts, kv: KVCache,
                  kernel, device: Device, plan: DecodePlan, host=None, book: AddressBook | None = None,
-                 routing: RoutingStore | None = None, quantized: bool = False):
+                 routing: RoutingStore | None = None, quantized: bool = False, split=None):
         self.cfg, self.ecfg, self.model, self.experts, self.kv = cfg, ecfg, model, experts, kv
         self.kernel, self.device, self.plan = kernel, device, plan
+        self.split = split              # runtime/split.py's Split where the layers are split over several devices
         self.host = host                # the HostProvider of host layers (experts/upload.py, cache.py, buffered.py)
         self.dtype = model.lm_head.dtype
         self.quantized = quantized      # expert rows are GGUF blocks, dequantized as kernels read them
@@ -210,7 +211,8 @@ class Engine:
         """Whether prompt_steps may pause a prompt batch between layers: the host provider keeps its ubatch's
         state aside (ExpertProvider.pauses), and no observer but the routing counts sees forwards (a routing trace
         records whole ubatches)."""
-        return (self.host is None or self.host.pauses) and len(self.observers.observers) == 1
+        return ((self.host is None or self.host.pauses) and len(self.observers.observers) == 1
+                and self.split is None)     # a split's forward leaves its first device current only at its end
 
     @torch.inference_mode()
     def prompt_steps(self, parts: list[tuple[int, int, list[int]]], every: int, hidden: list | None = None):
@@ -322,10 +324,28 @@ class Engine:
         st = self.host.counters() if self.host is not None else CacheStats()
         total = CacheStats.summary(st.total)
         cache = self.host.cache_info() if self.host is not None else None
-        return {"cache": cache, "total": total, "prompt": CacheStats.summary(st.prompt),
-                "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
-                "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"],
-                "ple_bytes": self.model.ple.table.bytes_read if self.model.ple is not None else 0}
+        out = {"cache": cache, "total": total, "prompt": CacheStats.summary(st.prompt),
+               "per_layer": {l: c.as_dict() for l, c in sorted(st.total.items())},
+               "uploaded_bytes": total["uploaded_bytes"], "uploaded_experts": total["copies"],
+               "ple_bytes": self.model.ple.table.bytes_read if self.model.ple is not None else 0}
+        if self.split is not None:      # the layers split over several devices: each one's counters
+            out["per_device"] = self.device_stats()
+        return out
+
+    def device_stats(self) -> list[dict]:
+        """Each device's counters where the layers are split over several (runtime/split.py), in the split's order:
+        {"gpu": its index, "device", "layers": its layers, "cache": its pool (None: none), "total", "prompt"}; a
+        device with no host layer counts nothing."""
+        from ..experts.stats import CacheStats
+        host = self.host
+        counted = host.per_device() if host is not None else {}
+        infos = (host.cache_info() or {}).get("devices", {}) if host is not None else {}
+        out = []
+        for d, dev in enumerate(self.split.devices):
+            st = counted.get(d, CacheStats())
+            out.append({"gpu": d, "device": dev.name, "layers": list(self.split.layers(d)), "cache": infos.get(d),
+                        "total": CacheStats.summary(st.total), "prompt": CacheStats.summary(st.prompt)})
+        return out
 
     def pinned_slots(self) -> int | None:
         """The expert cache's slots that the next forward could not evict (None: no cache), for /metrics. Call it
@@ -340,6 +360,9 @@ class Engine:
         Counters and routing statistics restart."""
         if self.host is None:
             raise UserError("no expert is in host memory: use --cpu-moe or --n-cpu-moe for a cache")
+        if self.split is not None:
+            raise UserError("a new expert cache without reloading is not made for layers split over several devices "
+                            "yet; load the model again with the new --moe-cache-mib")
         ecfg = flags.apply(self.ecfg, **changes)
         store = self.host.store
         for rows in self.host.device_rows():

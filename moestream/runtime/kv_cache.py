@@ -37,10 +37,12 @@ class KVCache:
     exact_prefix_only = False       # a sequence may be cut back to any prefix of what it holds
 
     def __init__(self, n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, device, hd_v: int | None = None):
-        """hd_v: the values' head size where it is not the keys' (the latent layout)."""
+        """hd_v: the values' head size where it is not the keys' (the latent layout). device: one for every layer,
+        or a list of one per KV layer (the layers split over several devices: runtime/split.py)."""
         self.n_seq, self.ctx = n_seq, ctx
-        self.k = [torch.zeros((n_seq, n_kv, ctx, hd), dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros((n_seq, n_kv, ctx, hd_v or hd), dtype=dtype, device=device) for _ in range(n_layers)]
+        on = device if isinstance(device, list) else [device] * n_layers
+        self.k = [torch.zeros((n_seq, n_kv, ctx, hd), dtype=dtype, device=on[j]) for j in range(n_layers)]
+        self.v = [torch.zeros((n_seq, n_kv, ctx, hd_v or hd), dtype=dtype, device=on[j]) for j in range(n_layers)]
 
     def span(self, n: int) -> int:
         """Keys a decode step attends when its furthest token is at position n - 1: n rounded up to a power of two
@@ -100,12 +102,14 @@ class HybridCache(KVCache):
     recurrent state), and the position each sequence's state has reached (None: unknown, a forward failed)."""
     exact_prefix_only = True        # a recurrent state cannot be cut back: reuse an exact continuation or nothing
 
-    def __init__(self, cfg, n_seq: int, ctx: int, dtype, device):
+    def __init__(self, cfg, n_seq: int, ctx: int, dtype, device, where=None):
+        """where: layer -> its device, where the layers are split over several (runtime/split.py)."""
+        where = where or (lambda layer: device)
         super().__init__(len(cfg.attention_layers) + cfg.nextn_layers, n_seq, ctx, cfg.n_kv_heads, cfg.head_dim,
-                         dtype, device)       # an MTP head's KV after the attention layers'
+                         dtype, [where(i) for i in cfg.attention_layers + cfg.head_layers])   # an MTP head's KV last
         conv, ssm = self.state_shapes(cfg, n_seq)
-        self.conv = {i: torch.zeros(conv, dtype=dtype, device=device) for i in cfg.linear_layers}
-        self.ssm = {i: torch.zeros(ssm, dtype=torch.float32, device=device) for i in cfg.linear_layers}
+        self.conv = {i: torch.zeros(conv, dtype=dtype, device=where(i)) for i in cfg.linear_layers}
+        self.ssm = {i: torch.zeros(ssm, dtype=torch.float32, device=where(i)) for i in cfg.linear_layers}
         self.length: list[int | None] = [0] * n_seq
         self.steps: dict[tuple[int, int], tuple] = {}   # (layer, seq) -> (segment, DeltaState per token) of the
                                                         # sequence's last verify step
@@ -261,15 +265,17 @@ def kv_layout(cfg) -> tuple[int, int, int]:
     return cfg.n_kv_heads, cfg.head_dim, cfg.head_dim
 
 
-def make_cache(cfg, n_seq: int, ctx: int, dtype, device) -> KVCache:
+def make_cache(cfg, n_seq: int, ctx: int, dtype, device, where=None) -> KVCache:
     """The cache of a model of `cfg`: a HybridCache where it has DeltaNet layers (a Qwen4Cache with QSA's keys or a
-    PLE layer's states), else a KVCache of every layer."""
+    PLE layer's states), else a KVCache of every layer. where: layer -> the device of its share, where the layers
+    are split over several (runtime/split.py; not with QSA or a PLE); None: every layer's on `device`."""
     if cfg.indexer_heads or cfg.ple_layers:
         return Qwen4Cache(cfg, n_seq, ctx, dtype, device)
     if cfg.linear_layers:
-        return HybridCache(cfg, n_seq, ctx, dtype, device)
+        return HybridCache(cfg, n_seq, ctx, dtype, device, where)
     n_kv, hd, hd_v = kv_layout(cfg)
-    return KVCache(cfg.n_stored_layers, n_seq, ctx, n_kv, hd, dtype, device, hd_v)
+    on = device if where is None else [where(i) for i in range(cfg.n_stored_layers)]
+    return KVCache(cfg.n_stored_layers, n_seq, ctx, n_kv, hd, dtype, on, hd_v)
 
 
 def cache_nbytes(cfg, n_seq: int, ctx: int, dtype) -> tuple[int, int]:

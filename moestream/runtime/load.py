@@ -29,8 +29,9 @@ from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
 from .kv_cache import make_cache
-from .placement import fit_cache, host_provider
+from .placement import fit_cache, fit_split, host_provider, split_provider
 from .plan import decode_plan
+from .split import Split
 
 log = logging.getLogger("moestream")
 
@@ -51,7 +52,8 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     if not ecfg.resolved:
         raise ValueError("load_engine takes a resolved EngineConfig: runtime.plan.resolve(ecfg, file_dtype) first")
     cfg = model_config(source.config, ecfg)
-    dev = Device.resolve(ecfg.placement.device)
+    split = layer_split(cfg, ecfg)              # None: one device, the path as it always was
+    dev = split.devices[0] if split else Device.resolve(ecfg.placement.device)
     dtype = DTYPES[ecfg.placement.dtype]
     host = ecfg.placement.host_layers(cfg)
     ctx = ecfg.batching.ctx_size
@@ -63,8 +65,12 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
     blocks = FAMILIES[cfg.family].blocks         # the family table says which blocks the decoder is built from
     plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), MoETransformer.capturable_for(cfg),
-                       by_address_kernels(blocks))                   # how decode steps run
-    ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)       # (--moe-cache-mib auto: in MiB)
+                       by_address_kernels(blocks), split is not None)       # how decode steps run
+    if split is None:
+        ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)   # (--moe-cache-mib auto: in MiB)
+    else:
+        ecfg, n_slots = fit_split(cfg, ecfg, plan, split, dtype, host, layouts)  # a pool per device: {d: slots}
+    where = (lambda layer: dev.torch) if split is None else (lambda layer: split.device(layer).torch)
 
     names = dense_names(cfg)
     moe = cfg.expert_layers
@@ -74,8 +80,11 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
         if n in HOST_TABLES:        # the PLE's n-gram rows: in host memory as the source holds them (a GGUF's
             weights[n] = source.rows(n)         # mapped), gathered there by row (models/ple.py's PLETable)
         else:
-            weights[n] = source.tensor(n).to(device=dev.torch, dtype=torch.float32 if keeps_float32(n) else dtype)
+            weights[n] = source.tensor(n).to(device=_device_of(n, cfg, dev, split),
+                                             dtype=torch.float32 if keeps_float32(n) else dtype)
         bar.update()
+    if split is not None and "output.weight" not in weights:        # tied: the lm_head on the last device too
+        weights["output.weight"] = weights["token_embd.weight"].to(split.devices[-1].torch)
     staging = None
     host_rows, dev_rows = {}, {}
     for l in moe:
@@ -87,7 +96,7 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
             if staging is None or staging.shape != shape:
                 staging = dev.pinned_empty(shape, row_dtype)
             fill_layer(staging, source, l, layouts[l])
-            dev_rows[l] = staging.to(dev.torch, non_blocking=False)
+            dev_rows[l] = staging.to(where(l), non_blocking=False)
         else:
             dev_rows[l] = torch.empty(shape, dtype=row_dtype)
             fill_layer(dev_rows[l], source, l, layouts[l])
@@ -101,7 +110,10 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
         resident = ResidentExperts(dev_rows, layouts)
         providers.update({l: resident for l in dev_rows})
     routing = RoutingStore(cfg.n_stored_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)   # the cache's, ours
-    if host_rows:
+    if host_rows and split is not None:
+        hosted = split_provider(cfg, ecfg, plan, split, host_rows, layouts, n_slots)
+        providers.update({l: hosted for l in host_rows})
+    elif host_rows:
         store = ExpertStore(host_rows, {l: layouts[l] for l in host_rows})
         hosted = host_provider(cfg, ecfg, plan, store, dev, n_slots, routing)
         providers.update({l: hosted for l in host_rows})
@@ -109,10 +121,38 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
                  len(host_rows), store.nbytes / MiB, len(dev_rows))
     rope = rope_tables(cfg, ctx, dev.torch)
     delta = pick_delta_kernels(dev.torch, dtype) if blocks.mixer == "deltanet" else None
-    model = MoETransformer(cfg, weights, rope, blocks, delta)
-    kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch)
+    model = MoETransformer(cfg, weights, rope, blocks, delta, split)
+    kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch, None if split is None else where)
     kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
     book = AddressBook()
     for rows in (*dev_rows.values(), *host_rows.values()):
         book.add(rows)
-    return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, plan, hosted, book, routing, quantized)
+    return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, plan, hosted, book, routing, quantized,
+                  split)
+
+
+def layer_split(cfg: ModelConfig, ecfg: EngineConfig) -> Split | None:
+    """The split of a resolved placement over several devices (runtime/split.py), or None for one device. One-line
+    UserErrors for what a split does not run yet."""
+    names = ecfg.placement.device.split(",")
+    if len(names) == 1:
+        return None
+    if cfg.ple_layers or cfg.indexer_heads or cfg.hc_count > 1:
+        raise UserError(f"a split over several devices does not run {cfg.family} yet (its n-gram table, QSA "
+                        "indexer or hyper-connection streams); use one device: --split-mode none")
+    if ecfg.spec.mtp:
+        raise UserError("--spec-type draft-mtp does not run with the layers split over several devices yet; use one "
+                        "device (--split-mode none) or drop --spec-type")
+    split = Split.by_shares(cfg.n_layers, [Device.resolve(n) for n in names], ecfg.placement.tensor_split)
+    log.info("split: layers %s", split.describe())
+    return split
+
+
+def _device_of(name: str, cfg: ModelConfig, dev: Device, split: Split | None) -> torch.device:
+    """Where a dense tensor goes: a layer's to its layer's device, the embeddings to the first, the rest (the final
+    norm, the lm_head) to the last."""
+    if split is None:
+        return dev.torch
+    if name.startswith("blk."):
+        return split.device(int(name.split(".")[1])).torch
+    return split.devices[0 if name == "token_embd.weight" else -1].torch

@@ -19,6 +19,7 @@ from ..errors import UserError
 from ..experts.budget import cache_slots, check_cache_fits, check_placement_fits
 from ..experts.buffered import BufferedCache, buffer_decodes
 from ..experts.cache import ExpertCache
+from ..experts.per_device import PerDevice
 from ..experts.routing import RoutingStore
 from ..experts.store import ExpertStore
 from ..experts.upload import UploadPerUbatch
@@ -63,21 +64,61 @@ def second_rows(cfg: ModelConfig, ecfg: EngineConfig, store: ExpertStore, dev: D
     return second and len(store.rows) > 1
 
 
+def split_provider(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, split, host_rows: dict, layouts: dict,
+                   n_slots: dict[int, int | None]) -> PerDevice:
+    """The host layers of a split (runtime/split.py): host_provider per device over its share's host layers, each
+    with its own store view (the same pinned rows), pool, copy stream and routing statistics."""
+    providers, devices, owner, gpus = [], [], {}, []
+    for d, dev in enumerate(split.devices):
+        mine = sorted(split.holds(d, host_rows))
+        if not mine:
+            continue
+        store = ExpertStore({l: host_rows[l] for l in mine}, {l: layouts[l] for l in mine})
+        routing = RoutingStore(cfg.n_stored_layers, cfg.n_experts, ecfg.batching.n_seq, dev.torch)
+        with dev.current():
+            providers.append(host_provider(cfg, ecfg, plan, store, dev, n_slots[d], routing))
+        owner.update({l: len(devices) for l in mine})
+        devices.append(dev)
+        gpus.append(d)
+    return PerDevice(providers, devices, owner, gpus)
+
+
+def fit_split(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, split, dtype: torch.dtype, host: set[int],
+              layouts: dict[int, ExpertLayout]) -> tuple[EngineConfig, dict[int, int | None]]:
+    """fit_cache for each device of a split: its share's host layers get a pool of its --moe-cache-mib (a figure
+    per device, or the one figure for each), checked against its share of the model. `ecfg` with auto made each
+    device's MiB; the slots per device index."""
+    mib = ecfg.cache.mib
+    mibs = mib if isinstance(mib, tuple) else (mib,) * len(split)
+    n_slots, made = {}, list(mibs)
+    for d, dev in enumerate(split.devices):
+        mine, on = split.holds(d, host), split.holds(d, cfg.expert_layers) | set(split.layers(d))
+        if not on:
+            continue
+        fitted, n_slots[d] = fit_cache(cfg, ecfg.updated({"cache.mib": mibs[d] if mine else None}), plan, dev,
+                                       dtype, mine, layouts, on=on)
+        made[d] = fitted.cache.mib if mine else mibs[d]
+        if mine and n_slots[d] is not None:
+            log.info("moe cache on %s: layers %s", dev.name, ",".join(map(str, sorted(mine))))
+    return (ecfg.updated({"cache.mib": tuple(made)}) if "auto" in mibs else ecfg), n_slots
+
+
 def fit_cache(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, dev: Device, dtype: torch.dtype,
               host: set[int], layouts: dict[int, ExpertLayout],
-              slot: int | None = None) -> tuple[EngineConfig, int | None]:
+              slot: int | None = None, on: set[int] | None = None) -> tuple[EngineConfig, int | None]:
     """The slots-and-fit sequence of a new pool, at load and for a new cache (Engine.reconfigure_cache): `ecfg`
     with --moe-cache-mib auto made a number of MiB (auto_cache), and the expert cache's slots (experts/budget.py;
     None: no cache), refused with a UserError where they do not fit the device: at load, with everything else the
     device will hold (check_device_fits, before anything is loaded); over a loaded model (the old cache gone:
-    `slot`, the store's expert bytes, given), the pool alone in the free memory."""
+    `slot`, the store's expert bytes, given), the pool alone in the free memory. on: the layers this device holds,
+    where the layers are split over several (fit_split; None: every layer)."""
     loaded = slot is not None
     slot = slot if loaded else slot_bytes(layouts, host, dtype)
-    rest = 0 if loaded else device_bytes(cfg, ecfg, dtype, host, layouts)       # the rest of the model: in place
+    rest = 0 if loaded else device_bytes(cfg, ecfg, dtype, host, layouts, on)   # the rest of the model: in place
     ecfg = auto_cache(cfg, ecfg, plan, dev, dtype, len(host), slot, rest)
     n_slots = cache_slots(ecfg.cache.mib, slot, cfg.n_experts, len(host), ecfg.batching.ubatch * cfg.n_experts_used)
     if not loaded:
-        check_device_fits(cfg, ecfg, plan, dev, dtype, host, n_slots, layouts)
+        check_device_fits(cfg, ecfg, plan, dev, dtype, host, n_slots, layouts, on)
     elif n_slots is not None:
         check_cache_fits(ecfg.cache.mib, n_slots * slot, 0, dev.free_memory(), dev.name)
     return ecfg, n_slots
@@ -107,13 +148,23 @@ def auto_cache(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, dev: Devi
 
 
 def device_bytes(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, host: set[int],
-                 layouts: dict[int, ExpertLayout]) -> int:
+                 layouts: dict[int, ExpertLayout], on: set[int] | None = None) -> int:
     """The bytes a placement puts on the device besides the host layers' pool (check_device_fits' sums): dense
-    weights, the KV cache of -c and recurrent states, the device layers' experts."""
+    weights, the KV cache of -c and recurrent states, the device layers' experts (on: of the layers it holds, the
+    dense part and the caches as their share of the layers)."""
     size = torch.empty((), dtype=dtype).element_size()
-    experts = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in cfg.expert_layers if l not in host)
+    experts = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in _held(cfg, on) if l not in host)
     kv, states = cache_nbytes(cfg, ecfg.batching.n_seq, ecfg.batching.ctx_size, dtype)
-    return dense_numel(cfg) * size + kv + states + experts
+    return int((dense_numel(cfg) * size + kv + states) * _share(cfg, on)) + experts
+
+
+def _held(cfg: ModelConfig, on: set[int] | None) -> list[int]:
+    return [l for l in cfg.expert_layers if on is None or l in on]
+
+
+def _share(cfg: ModelConfig, on: set[int] | None) -> float:
+    """The share of the model's layers a device holds (1: every layer, one device)."""
+    return 1.0 if on is None else len([l for l in on if l < cfg.n_layers]) / cfg.n_layers
 
 
 def slot_bytes(layouts: dict[int, ExpertLayout], host: set[int], dtype: torch.dtype) -> int:
@@ -122,16 +173,19 @@ def slot_bytes(layouts: dict[int, ExpertLayout], host: set[int], dtype: torch.dt
 
 
 def check_device_fits(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, dev: Device, dtype: torch.dtype,
-                      host: set[int], n_slots: int | None, layouts: dict[int, ExpertLayout]) -> None:
-    """Refuse, before loading anything, a placement whose device part cannot fit in free device memory."""
+                      host: set[int], n_slots: int | None, layouts: dict[int, ExpertLayout],
+                      on: set[int] | None = None) -> None:
+    """Refuse, before loading anything, a placement whose device part cannot fit in free device memory (on: the
+    layers it holds, where they are split over several devices)."""
     if not dev.is_cuda:
         return
     size = torch.empty((), dtype=dtype).element_size()
-    dev_layers = [l for l in cfg.expert_layers if l not in host]
+    dev_layers = [l for l in _held(cfg, on) if l not in host]
     rest = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in dev_layers)     # the device layers' experts
     b = ecfg.batching
     kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, dtype)   # states: DeltaNet layers', the same for any -c
-    fixed = dense_numel(cfg) * size + states                        # what does not shrink with -c
+    kv, states = int(kv * _share(cfg, on)), int(states * _share(cfg, on))
+    fixed = int(dense_numel(cfg) * size * _share(cfg, on)) + states      # what does not shrink with -c
     free = dev.free_memory()
     if fixed + kv > free:                 # no placement of the experts helps: the context is what does not fit
         fits = max(1, context_that_fits(kv, b.ctx_size, free - fixed)) if free > fixed else 0

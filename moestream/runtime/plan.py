@@ -18,18 +18,26 @@ from dataclasses import dataclass
 
 import torch
 
-from ..device import Device
 from ..engine_config import EngineConfig
 from ..errors import UserError
 from ..kernels import experts_reference, pick_kernel
 from ..kernels.decode import MAX_TOKENS, decode_available
+from .split import split_devices
 
 
 def resolve(ecfg: EngineConfig, file_dtype) -> EngineConfig:
     """`ecfg` with every "auto" decided for this machine and a checkpoint whose weights are the torch dtype
     `file_dtype` (None: quantized): the device, the dtype, the expert kernel, zero-copy decode. Raises UserError
-    for a device or kernel this machine does not have. Idempotent."""
-    dev = Device.resolve(ecfg.placement.device)
+    for a device or kernel this machine does not have. Idempotent. Several devices (runtime/split.py) become
+    their list ("cuda:0,cuda:1") and each one's share of the layers (--tensor-split: by free memory unless given),
+    and --moe-cache-mib a figure per device where it is a list."""
+    devices, shares = split_devices(ecfg.placement)
+    dev = devices[0]
+    mib = ecfg.cache.mib
+    if isinstance(mib, tuple) and len(mib) != len(devices):
+        raise UserError(f"--moe-cache-mib {','.join(map(str, mib))} gives {len(mib)} figures, but {len(devices)} "
+                        f"device(s) are in use ({', '.join(d.name for d in devices)}); give one figure per device, "
+                        "or one for each")
     dtype_name = ecfg.placement.dtype
     if dtype_name == "auto" and file_dtype is None:      # a quantized checkpoint: bf16 kernels on CUDA
         dtype_name = "bfloat16" if dev.is_cuda else "float32"
@@ -43,8 +51,8 @@ def resolve(ecfg: EngineConfig, file_dtype) -> EngineConfig:
     elif not zero_copy and decode_available(dev.torch, dtype):
         raise UserError("decode steps on CUDA read each expert where it lies (zero-copy decode); fetching them "
                         "instead (--no-zero-copy-decode) was removed: bench/RESULTS.md, stop 47")
-    return ecfg.updated({"placement.device": dev.name, "placement.dtype": dtype_name, "kernel": kernel,
-                         "decode.zero_copy": zero_copy})
+    return ecfg.updated({"placement.device": ",".join(d.name for d in devices), "placement.tensor_split": shares,
+                         "placement.dtype": dtype_name, "kernel": kernel, "decode.zero_copy": zero_copy})
 
 
 @dataclass(frozen=True)
@@ -73,14 +81,16 @@ class DecodePlan:
 
 
 def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, capturable: bool,
-                by_address: bool = True) -> DecodePlan:
+                by_address: bool = True, split: bool = False) -> DecodePlan:
     """The plan for a resolved `ecfg` on a CUDA device or not: quantized expert rows or not, some experts in host
     memory or not, a model whose decode steps may be captured or not, an expert MLP the zero-copy decode kernels
     compute or not (`by_address`: kernels.by_address_kernels of the family's blocks, SwiGLU and gpt-oss's clamped
     SwiGLU with biases; a family whose MLP they do not compute fetches its experts in decode steps, and on CUDA
-    replays graphs only where nothing is on the host)."""
+    replays graphs only where nothing is on the host). split: the layers are split over several devices
+    (runtime/split.py): steps run eagerly and fetch their experts (zero-copy decode and a graph per device's
+    share are to come)."""
     d = ecfg.decode
-    zero_copy = bool(d.zero_copy) and by_address
+    zero_copy = bool(d.zero_copy) and by_address and not split
     staged = zero_copy and (d.stage if d.stage is not None else quantized)
     # Quantized rows land and are read once a step only staged (the unstaged quantized kernel reads a row once per
     # choice, and lands nothing).
@@ -88,6 +98,6 @@ def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, cap
     # Quantized experts are dequantized per ubatch (a host sync, to size the scratch) unless decode reads in place;
     # the reference expert kernel reads its slot counts back.
     fetch_ok = not host and not quantized
-    graphs = (d.cuda_graphs and cuda and capturable and ecfg.kernel != "reference"
+    graphs = (d.cuda_graphs and cuda and capturable and not split and ecfg.kernel != "reference"
               and (fetch_ok or zero_copy))
     return DecodePlan(zero_copy, staged, lands, staged or not quantized, graphs, graphs and fetch_ok)
