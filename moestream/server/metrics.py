@@ -11,7 +11,9 @@ The expert-cache counters are read from `LLM.stats()` at scrape time and exporte
 older engines have uploaded_bytes and uploaded_experts at the top level. The gauges of ENGINE_GAUGES (the expert
 pool's slots and pinned slots, the device memory torch holds) come from the top level of the same snapshot, where
 it has them; the process's own (resident memory, CPU seconds, open files) are prometheus_client's `process_*`, so
-that a soak (bench/soak.py) can watch a server it did not start.
+that a soak (bench/soak.py) can watch a server it did not start. Where the layers are split over several GPUs
+(`stats()["per_device"]`), the counters, the pool's slots and the memory held come one sample per GPU, with a `gpu`
+label (its index in the split): `sum()` gives the totals.
 """
 from __future__ import annotations
 
@@ -49,8 +51,12 @@ def engine_snapshot(llm) -> dict:
     """llm.stats() and the gauges of ENGINE_GAUGES, read on the thread that owns the engine, between forwards."""
     st = llm.stats()
     eng = llm.engine
-    return {**st, "pool_slots": (st.get("cache") or {}).get("slots"), "pool_pinned_slots": eng.pinned_slots(),
+    snap = {**st, "pool_slots": (st.get("cache") or {}).get("slots"), "pool_pinned_slots": eng.pinned_slots(),
             "gpu_memory_bytes": eng.device.allocated_memory()}
+    for d in snap.get("per_device", []):         # a split: each GPU's pool and memory beside its counters
+        d["pool_slots"] = (d.get("cache") or {}).get("slots")
+        d["gpu_memory_bytes"] = eng.split.devices[d["gpu"]].allocated_memory()
+    return snap
 
 
 class ServerMetrics:
@@ -140,15 +146,41 @@ class _Collector:
                 yield GaugeMetricFamily(name, doc, value=v)
         with m._lock:
             stats = m._engine
+        devices = stats.get("per_device")
+        if devices:
+            yield from _per_gpu(devices)
+            return
         total = stats.get("total") if isinstance(stats.get("total"), dict) else {}
         for key, (name, doc) in ENGINE_COUNTERS.items():
             v = total.get(key, stats.get(key))
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if _is_number(v):
                 yield CounterMetricFamily(name, doc, value=v)
         for key, (name, doc) in ENGINE_GAUGES.items():
             v = stats.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if _is_number(v):
                 yield GaugeMetricFamily(name, doc, value=v)
 
     def describe(self):
         return []                          # computed at scrape time: nothing to check at registration
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _per_gpu(devices: list[dict]):
+    """The engine's counters and gauges of a split, a sample per GPU (label gpu: its index in the split)."""
+    for key, (name, doc) in ENGINE_COUNTERS.items():
+        fam = CounterMetricFamily(name, doc, labels=["gpu"])
+        for d in devices:
+            if _is_number(d["total"].get(key)):
+                fam.add_metric([str(d["gpu"])], d["total"][key])
+        if fam.samples:
+            yield fam
+    for key, (name, doc) in ENGINE_GAUGES.items():
+        fam = GaugeMetricFamily(name, doc, labels=["gpu"])
+        for d in devices:
+            if _is_number(d.get(key)):
+                fam.add_metric([str(d["gpu"])], d[key])
+        if fam.samples:
+            yield fam

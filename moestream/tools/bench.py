@@ -45,8 +45,8 @@ from .. import compat, flags
 from ..argv import Parser
 from ..errors import UserError
 from . import bench_parallel, report
-from .bench_common import (SWEPT, BenchTest, diff_counters, ints, load, mean_counters, placement, release_memory,
-                           scalar, tests_of)
+from .bench_common import (SWEPT, BenchTest, diff_counters, ints, load, mean_counters, per_gpu, per_gpu_lines,
+                           placement, release_memory, scalar, tests_of)
 from .bench_compare import compare
 from .bench_spec import spec_run
 from .report import Col, na
@@ -235,7 +235,7 @@ def main(a: argparse.Namespace) -> int:
     cols = cols + SPEC_COLS if spec else cols
     ctx = max(t.n_tokens for t in tests)
     from ..device import Device
-    link = measure_link(Device.resolve(a.device), a.link_mib)           # before loading: the memory is free
+    link = measure_link(Device.resolve(a.device.split(",")[0]), a.link_mib)   # before loading: the memory is free
     print(f"link: host -> device {link / 1e9:.2f} GB/s (pinned, {a.link_mib} MiB, CUDA events)" if link
           else "link: not measured (no CUDA device, or --link-mib 0): roofline from --compute-s-per-token or n/a",
           file=sys.stderr)
@@ -244,7 +244,8 @@ def main(a: argparse.Namespace) -> int:
     llm = None
     for i, (n_cpu_moe, mib) in enumerate(loads):
         ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib)
-        if llm is not None and loads[i - 1][0] == n_cpu_moe and llm.engine.host is not None:
+        if (llm is not None and loads[i - 1][0] == n_cpu_moe and llm.engine.host is not None
+                and llm.engine.split is None):         # (a split's caches are made at load: it loads again)
             llm.engine.reconfigure_cache(moe_cache_mib=mib)        # another cache over the same pinned experts
         else:
             llm = None
@@ -273,6 +274,9 @@ def main(a: argparse.Namespace) -> int:
                        "threads": torch.get_num_threads(), "n_batch": b, "n_ubatch": ub,
                        "spec_n": n_max, "spec_oracle": a.spec_oracle,
                        **summarise(t, runs, len(llm.model_config.moe_layers), link, a.compute_s_per_token)}
+                row["per_gpu"] = per_gpu(llm.engine, row["per_layer"])        # a split: each GPU's counters
+                if row["per_gpu"]:
+                    print(per_gpu_lines(row["per_gpu"]), file=sys.stderr)
                 if stream_md and not rows:             # after the load's lines on stderr
                     print(report.md_header(cols), flush=True)
                 rows.append(row)

@@ -67,6 +67,32 @@ def mean_counters(ds: list[dict]) -> dict:
     return out
 
 
+def per_gpu(engine, per_layer: dict) -> list[dict] | None:
+    """A row's counters per device where the layers are split over several (runtime/split.py): the per-layer means
+    summed over each device's layers, {"gpu", "device", "layers", "uploaded_gb", "copies", "hits", "misses",
+    "hit_rate", "wait_s"}; None on one device."""
+    split = getattr(engine, "split", None)
+    if split is None:
+        return None
+    out = []
+    for d, dev in enumerate(split.devices):
+        mine = [per_layer[l] for l in sorted(split.holds(d, per_layer))]
+        sums = {k: sum(c[k] or 0 for c in mine) for k in ("uploaded_bytes", "copies", "hits", "misses", "wait_s")}
+        lookups = sums["hits"] + sums["misses"]
+        out.append({"gpu": d, "device": dev.name, "layers": list(split.layers(d)),
+                    "uploaded_gb": sums.pop("uploaded_bytes") / 1e9, **sums,
+                    "hit_rate": sums["hits"] / lookups if lookups else None})
+    return out
+
+
+def per_gpu_lines(rows: list[dict] | None) -> str:
+    """per_gpu's rows as lines for stderr: 'gpu 0 (cuda:0, layers 0-23): 1.20 GB uploaded, hit rate 52%, ...'."""
+    return "\n".join(f"gpu {r['gpu']} ({r['device']}, layers {r['layers'][0]}-{r['layers'][-1]}): "
+                     f"{r['uploaded_gb']:.2f} GB uploaded, {r['copies']:.0f} copies, hit rate "
+                     + ("-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f}%")
+                     + f", waits {1e3 * r['wait_s']:.1f} ms" for r in rows or [] if r["layers"])
+
+
 # --- one test -------------------------------------------------------------------------------------------------
 class BenchTest:
     """pp N, tg N or pp PP + tg TG; `run(llm, i)` times the i-th run (i = -1 is the warm-up)."""
