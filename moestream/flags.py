@@ -175,7 +175,7 @@ def to_argv(ecfg: EngineConfig) -> list[str]:
         if value == o.default:
             continue
         if o.kind == "value" and o.flags:
-            argv += [o.flags[-1], str(value)]
+            argv += [o.flags[-1], _spell(value)]
         elif o.kind == "on" and value is True or o.kind == "off" and value is False:
             argv.append(o.flags[-1])
         elif o.kind == "both" and isinstance(value, bool):
@@ -183,6 +183,14 @@ def to_argv(ecfg: EngineConfig) -> list[str]:
         else:
             raise ValueError(f"no flag sets {o.name}={value!r}")
     return argv
+
+
+def _spell(value) -> str:
+    """A value as its flag takes it: a list (--tensor-split, --moe-cache-mib per device) with commas, a share of
+    3.0 as 3."""
+    if isinstance(value, tuple):
+        return ",".join(str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in value)
+    return str(value)
 
 
 def apply(ecfg: EngineConfig, **overrides) -> EngineConfig:

@@ -64,7 +64,7 @@ def _non_default_argv(o: flags.Option) -> list[str]:
     if o.kind == "value":
         value = {"device": "cpu", "dtype": "bfloat16", "kernel": "reference", "cache_policy": "lru",
                  "prefetch_min_use": "0.5", "lookahead_layers": "3", "moe_cache_mib": "0",
-                 "spec_type": "draft-mtp"}.get(o.name, "7")
+                 "spec_type": "draft-mtp", "split_mode": "none", "tensor_split": "3,1"}.get(o.name, "7")
         return [long, value]
     if o.kind == "both":
         return ["--no-" + long[2:]]
