@@ -145,6 +145,7 @@ def layer_split(cfg: ModelConfig, ecfg: EngineConfig) -> Split | None:
                         "device (--split-mode none) or drop --spec-type")
     split = Split.by_shares(cfg.n_layers, [Device.resolve(n) for n in names], ecfg.placement.tensor_split)
     log.info("split: layers %s", split.describe())
+    split.devices[0].make_current()         # where a forward begins (its batch's tensors, the sampler)
     return split
 
 
