@@ -2,6 +2,7 @@
 
     q = qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
     o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n)
+    o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n, sinks=sinks, window=128)     # gpt-oss
     q, gate = gated_qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
     o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate)     # o * sigmoid(gate), one rounding
     h, normed = add_rms_norm(h, delta, w, eps)
@@ -114,9 +115,10 @@ if triton is not None:
     @triton.jit
     def _attn_split(q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, scale,
                     NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, CTX: tl.constexpr, G: tl.constexpr,
-                    GP: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
+                    GP: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr):
         """Program (b, kv head, split): the G query heads sharing the kv head against keys [split * CHUNK, + CHUNK)
-        up to the token's position: the chunk's max score, sum of exponentials and unnormalised output."""
+        up to the token's position (WINDOW > 0: and after pos - WINDOW): the chunk's max score, sum of exponentials
+        and unnormalised output (a chunk of no such key: -inf, 0 and 0; its loads are masked off)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -126,6 +128,8 @@ if triton is not None:
         d = tl.arange(0, HD)
         keys = s * CHUNK + tl.arange(0, CHUNK)
         kmask = keys <= pos
+        if WINDOW > 0:                  # a sliding layer: the token's last WINDOW positions, itself included
+            kmask = kmask & (keys > pos - WINDOW)
         q = tl.load(q_ptr + (b * NH + kvh * G + g[:, None]) * HD + d[None, :], mask=(g < G)[:, None], other=0.0)
         rows = ((seq * NKV + kvh) * CTX + keys) * HD
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kmask[:, None], other=0.0)          # (CHUNK, HD)
@@ -142,11 +146,13 @@ if triton is not None:
         tl.store(po_ptr + (part * GP + g[:, None]) * HD + d[None, :], o)
 
     @triton.jit
-    def _attn_combine(po_ptr, pm_ptr, pl_ptr, out_ptr, gate_ptr, gate_b, gate_h, NH: tl.constexpr,
+    def _attn_combine(po_ptr, pm_ptr, pl_ptr, out_ptr, gate_ptr, gate_b, gate_h, sink_ptr, NH: tl.constexpr,
                       NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, SPLITS: tl.constexpr,
-                      SP: tl.constexpr, GATE: tl.constexpr):
-        """Program (b, query head): the splits' partial softmaxes merged, in split order; with GATE, times
-        sigmoid of the head's gate (at gate_ptr + b gate_b + h gate_h) before the one rounding."""
+                      SP: tl.constexpr, GATE: tl.constexpr, SINK: tl.constexpr):
+        """Program (b, query head): the splits' partial softmaxes merged, in split order; with SINK, the head's
+        sink logit (at sink_ptr + h) joins the denominator as exp(sink - max), the max over it too, and adds no
+        value; with GATE, times sigmoid of the head's gate (at gate_ptr + b gate_b + h gate_h) before the one
+        rounding."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         kvh = h // G
@@ -159,8 +165,14 @@ if triton is not None:
         l = tl.load(pl_ptr + part * GP + g, mask=ok, other=0.0)
         o = tl.load(po_ptr + (part * GP + g)[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
         big = tl.max(m, axis=0)
+        if SINK:
+            sink = tl.load(sink_ptr + h).to(tl.float32)
+            big = tl.maximum(big, sink)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))
-        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * l, axis=0)
+        den = tl.sum(w * l, axis=0)
+        if SINK:
+            den = den + tl.exp(sink - big)
+        out = tl.sum(w[:, None] * o, axis=0) / den
         if GATE:
             out = out * tl.sigmoid(tl.load(gate_ptr + b * gate_b + h * gate_h + d).to(tl.float32))
         tl.store(out_ptr + (b * NH + h) * HD + d, out.to(out_ptr.dtype.element_ty))
@@ -229,12 +241,16 @@ ATTN_CHUNK = 64               # keys per program of a decode step's attention (t
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
-                     positions: torch.Tensor, n: int, gate: torch.Tensor | None = None) -> torch.Tensor:
+                     positions: torch.Tensor, n: int, gate: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """q (B, nh, hd) against the first n keys of each token's sequence in the caches (n_seq, nkv, ctx, hd), up to
     and including its position -> (B, nh, hd). Split over chunks of keys (flash-decoding): one launch computes
     every chunk's partial softmax, a second merges them; float32 scores and sums, the probabilities rounded to the
     cache's dtype for the product with the values (as flash attention does). gate (B, nh, hd), any strides but a
-    unit last one (gated_qk_rope_kv's view): the merge multiplies each output by sigmoid(gate) in float32."""
+    unit last one (gated_qk_rope_kv's view): the merge multiplies each output by sigmoid(gate) in float32.
+    gpt-oss's options: sinks (nh,), each head's sink logit, joins the merge's softmax (mass, no value); window > 0:
+    each token attends its last `window` positions only (the chunks before them are masked off whole). Both are
+    constants of the kernels: without them the kernels, and their bits, are those of the other families."""
     B, nh, hd = q.shape
     nkv, ctx = k_cache.shape[1], k_cache.shape[2]
     G = nh // nkv
@@ -244,12 +260,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pm = torch.empty(B * nkv * splits * GP, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     _attn_split[(B, nkv, splits)](q.contiguous(), k_cache, v_cache, seq_ids, positions, po, pm, pl, hd ** -0.5,
-                                  nh, nkv, hd, ctx, G, GP, ATTN_CHUNK, splits, num_warps=4)
+                                  nh, nkv, hd, ctx, G, GP, ATTN_CHUNK, splits, window, num_warps=4)
     out = torch.empty_like(q)
     gated = gate is not None
     if gated and gate.stride(-1) != 1:
         raise ValueError(f"decode_attention: the gate's last dim must be contiguous, strides {gate.stride()}")
+    sink = sinks is not None
     _attn_combine[(B, nh)](po, pm, pl, out, gate if gated else out, gate.stride(0) if gated else 0,
-                           gate.stride(1) if gated else 0, nh, nkv, hd, G, GP, splits, triton.next_power_of_2(splits),
-                           gated, num_warps=4)
+                           gate.stride(1) if gated else 0, sinks if sink else out, nh, nkv, hd, G, GP, splits,
+                           triton.next_power_of_2(splits), gated, sink, num_warps=4)
     return out

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels.fused import head_fits
+from ..kernels.sink_attention import sink_attention, sink_fits
 from .gated_attention import partial_rope
 from .layers import attention, attention_sinks, decode_attention, rms_norm
 
@@ -27,8 +28,9 @@ class GQA:
     (Qwen3-MoE, GLM-4.5's use_qk_norm) or over the whole projection (OLMoE), q/k/v clamped (OLMoE's clip_qkv),
     rotary on the first rotary_dim dims of each head (GLM-4.5's partial_rotary_factor); with gpt-oss's options
     (arch/blocks.py's Attention): sliding_attention layers attend their last cfg.sliding_window positions, a sink logit per head
-    joins the softmax (attn_sinks.weight), and o_proj has a bias. The KV cache keeps every position of a sliding
-    layer too (the window is a mask), so prefix reuse treats it as any layer's."""
+    joins the softmax (attn_sinks.weight), and o_proj has a bias; the fused decode kernels and CUDA prompts'
+    kernels/sink_attention.py take both. The KV cache keeps every position of a sliding layer too (the window is a
+    mask), so prefix reuse, speculative rollback and prompt ubatches treat it as any layer's."""
     def __init__(self, cfg: ModelConfig, window: bool = False, sinks: bool = False):
         self.cfg = cfg
         self.sinks = sinks
@@ -50,11 +52,16 @@ class GQA:
 
     def fuses(self, fused) -> bool:
         """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, no
-        clipping, rotary on whole heads, no sinks and no window (OLMoE's whole-projection norm and clip_qkv,
-        GLM-4.5's partial rotary, gpt-oss's sinks and window run as eager ops, with the mask)."""
+        clipping, rotary on whole heads, and gpt-oss's sinks and window (OLMoE's whole-projection norm and
+        clip_qkv, GLM-4.5's partial rotary run as eager ops, with the mask)."""
         cfg = self.cfg
         return (fused is not None and cfg.qk_norm in ("none", "head") and not cfg.clip_qkv
-                and cfg.rotary_dim == cfg.head_dim and not self.sinks and not self.windowed)
+                and cfg.rotary_dim == cfg.head_dim)
+
+    def options(self, lw, slot: int) -> tuple[torch.Tensor | None, int]:
+        """gpt-oss's options of KV layer `slot`: (its sink logits (nh,) or None, its window or 0)."""
+        return (lw["attn_sinks.weight"] if self.sinks else None,
+                self.cfg.sliding_window if slot in self.windowed else 0)
 
     def __call__(self, x, lw, slot: int, batch, kv, cos, sin, mask=None, fused=None, proj=None) -> torch.Tensor:
         cfg = self.cfg
@@ -64,8 +71,10 @@ class GQA:
             q = fused.qk_rope_kv(qkv, lw.get("attn_qk_norm.weight"), cfg.rms_norm_eps, cos, sin, kv.k[slot],
                                  kv.v[slot], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads)
             n = batch.kv_len or kv.ctx
-            o = fused.decode_attention(q, kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions, n)
-            return fused.linear(o.reshape(T, -1), lw["attn_output.weight"])
+            sinks, window = self.options(lw, slot)
+            o = fused.decode_attention(q, kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions, n,
+                                       sinks=sinks, window=window)
+            return fused.linear(o.reshape(T, -1), lw["attn_output.weight"], lw.get("attn_output.bias"))
         q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
                              cfg.n_kv_heads * cfg.head_dim], dim=-1)
         if cfg.qk_norm == "full":
@@ -81,11 +90,10 @@ class GQA:
             k = rms_norm(k, lw["attn_k_norm.weight"], cfg.rms_norm_eps)
         q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         kv.write(slot, batch.seq_ids, batch.positions, k, v)
-        window = self.cfg.sliding_window if slot in self.windowed else 0
+        sinks, window = self.options(lw, slot)
         if window and mask is not None:      # a decode step: only the keys of the last `window` positions
             n = mask.shape[1]
             mask = mask & (torch.arange(n, device=mask.device)[None, :] > batch.positions[:, None] - window)
-        sinks = lw["attn_sinks.weight"] if self.sinks else None
         o = attend(q, slot, batch, kv, mask, sinks, window)                  # (T, nh, hd)
         return F.linear(o.reshape(T, -1), lw["attn_output.weight"], lw.get("attn_output.bias"))
 
@@ -129,7 +137,8 @@ def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> t
     """q (T, nh, hd) against each token's own sequence's cache in KV layer `slot`, up to and including its
     position (decode: `mask` (B, n) says which of the first n keys each token attends). sinks (nh,): each head's
     sink logit in the softmax; window: a prompt's queries attend their last `window` positions only (decode: the
-    mask says so)."""
+    mask says so). A prompt with sinks or a window runs kernels/sink_attention.py where it fits (CUDA, 16-bit),
+    layers.py's attention_sinks (its oracle) elsewhere."""
     keys, values = kv.k[slot], kv.v[slot]                                    # (n_seq, nkv, ctx, hd)
     if batch.is_decode:
         # The whole context, masked, in eager and captured decodes alike: the same shapes give the same bits.
@@ -140,6 +149,7 @@ def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> t
             kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]    # (B, nkv, n, hd)
         return decode_attention(q, kk, vv, mask, sinks)                      # (B, nh, hd)
     outs, r = [], 0
+    windowed = attention_sinks if not sink_fits(q) else sink_attention
     for s in batch.segments:
         end = s.start + s.n
         qs = q[r:r + s.n].transpose(0, 1).unsqueeze(0)                       # (1, nh, n, hd)
@@ -147,7 +157,7 @@ def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> t
         if sinks is None and not window:
             outs.append(attention(qs, kk, vv)[0].transpose(0, 1))           # (n, nh, hd)
         else:
-            outs.append(attention_sinks(qs, kk, vv, sinks, window)[0].transpose(0, 1))
+            outs.append(windowed(qs, kk, vv, sinks, window)[0].transpose(0, 1))
         r += s.n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 

@@ -116,7 +116,7 @@ def attention_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: to
     (1, nkv, Tk, hd) -> (1, nh, Tq, hd).
 
     Plain torch in float32 (scores, softmax, sums), `rows` queries at a time, each against only the keys it may
-    attend: the CPU path and, for now, the CUDA one (no fused kernel takes sinks and a window deterministically).
+    attend: the CPU path and the oracle of kernels/sink_attention.py, the flash-style kernel CUDA prompts run.
     """
     _, nh, Tq, hd = q.shape
     nkv, Tk = k.shape[1], k.shape[2]
