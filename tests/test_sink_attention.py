@@ -13,7 +13,7 @@ import torch
 
 from interpreted import close, run_check
 
-CHECKS = ["decode", "decode_batch", "prompt", "model_decode"]
+CHECKS = ["decode", "decode_batch", "prompt", "model_prompt", "model_decode"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -98,6 +98,26 @@ def prompt():
             cache_v.copy_(kept[1])
 
 
+def model_prompt():
+    """synth:tiny-gptoss's prompt through sink_attention (interpreted; CUDA's choice forced): 28 tokens of a second
+    sequence in ubatches of 16 (the second after a cached prefix, past the window of 16), against the eager
+    attention_sinks."""
+    from moestream import LLM
+    from moestream.models import attention
+    ids, calls, kernel, fits = list(range(3, 31)), [], attention.sink_attention, attention.sink_fits
+
+    def run(kernel_fits: bool):
+        attention.sink_fits = lambda q: kernel_fits
+        eng = LLM("synth:tiny-gptoss", device="cpu", ctx_size=64, n_seq=2, ubatch_size=16).engine
+        return eng.prefill(1, ids, all_logits=True)
+    attention.sink_attention = lambda *a: (calls.append(1), kernel(*a))[1]
+    try:            # the interpreter's process runs later checks: put the module back as it was
+        close(run(True), run(False))
+    finally:
+        attention.sink_attention, attention.sink_fits = kernel, fits
+    assert len(calls) == 4 * 2                      # 4 layers, 2 ubatches
+
+
 def model_decode():
     """synth:tiny-gptoss's decode steps (tests/batched.py's join_and_leave: past its window of 16) with the fused
     qk_rope_kv and decode_attention interpreted (sinks on every layer, the window on the sliding ones), against
@@ -123,7 +143,8 @@ def model_decode():
 
 
 def check(name):
-    {"decode": decode, "decode_batch": decode_batch, "prompt": prompt, "model_decode": model_decode}[name]()
+    {"decode": decode, "decode_batch": decode_batch, "prompt": prompt, "model_prompt": model_prompt,
+     "model_decode": model_decode}[name]()
 
 
 # --- on the CPU, no interpreter: the fused path's wiring with torch stand-ins -------------------------------------
@@ -172,7 +193,7 @@ def test_gpt_oss_decodes_through_the_fused_attention():
     assert fused_tokens == tokens
     assert all(torch.equal(a, b) for a, b in zip(out, eager))
     attn = [c for c in calls if isinstance(c, tuple)]
-    assert len(attn) == calls.count("qk_rope_kv") == 4 * (23 + 8)          # 4 layers; generate's and join_and_leave's steps
+    assert len(attn) == calls.count("qk_rope_kv") == 4 * (23 + 8)      # 4 layers; 23 + 8 decode steps
     assert all(c == ("decode_attention", True, 16 if i % 2 == 0 else 0) for i, c in enumerate(attn))
 
 

@@ -30,7 +30,9 @@ class GQA:
     (arch/blocks.py's Attention): sliding_attention layers attend their last cfg.sliding_window positions, a sink logit per head
     joins the softmax (attn_sinks.weight), and o_proj has a bias; the fused decode kernels and CUDA prompts'
     kernels/sink_attention.py take both. The KV cache keeps every position of a sliding layer too (the window is a
-    mask), so prefix reuse, speculative rollback and prompt ubatches treat it as any layer's."""
+    mask), so prefix reuse, speculative rollback and prompt ubatches treat it as any layer's: a ring of the last
+    window positions would be overwritten by a ubatch's later keys before its earlier queries read them, and by
+    rejected drafts or a longer cached prompt before a shorter prefix is reused."""
     def __init__(self, cfg: ModelConfig, window: bool = False, sinks: bool = False):
         self.cfg = cfg
         self.sinks = sinks
