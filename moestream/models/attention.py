@@ -151,7 +151,7 @@ def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> t
             kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]    # (B, nkv, n, hd)
         return decode_attention(q, kk, vv, mask, sinks)                      # (B, nh, hd)
     outs, r = [], 0
-    windowed = attention_sinks if not sink_fits(q) else sink_attention
+    sink_prompt = sink_attention if sink_fits(q) else attention_sinks       # CUDA, 16-bit: the Triton kernel
     for s in batch.segments:
         end = s.start + s.n
         qs = q[r:r + s.n].transpose(0, 1).unsqueeze(0)                       # (1, nh, n, hd)
@@ -159,7 +159,7 @@ def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> t
         if sinks is None and not window:
             outs.append(attention(qs, kk, vv)[0].transpose(0, 1))           # (n, nh, hd)
         else:
-            outs.append(windowed(qs, kk, vv, sinks, window)[0].transpose(0, 1))
+            outs.append(sink_prompt(qs, kk, vv, sinks, window)[0].transpose(0, 1))
         r += s.n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
