@@ -54,7 +54,6 @@ if triton is not None:
         seq = tl.load(seq_ptr + t).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         blk = pos // B
-        done = (pos + 1) % B == 0
         d = tl.arange(0, D)
         half = RD // 2
         partner = tl.where(d < half, d + half, tl.where(d < RD, d - half, d))     # rotate-half's other dim
@@ -73,7 +72,8 @@ if triton is not None:
         s = tl.load(sin_ptr + at * RD + d, mask=d < RD, other=0.0).to(tl.float32)
         rot = tl.where(d < half, -npart, tl.where(d < RD, npart, 0.0))
         y = tl.where(d < RD, n * c + rot * s, n)
-        tl.store(out_ptr + (seq * NBC + blk) * D + d, y.to(dt), mask=(d < D) & done)
+        done = d * 0 + (pos + 1) % B == 0                       # (D,): the token completes its block
+        tl.store(out_ptr + (seq * NBC + blk) * D + d, y.to(dt), mask=done)
 
     @triton.jit
     def _select(iq_ptr, keys_ptr, seq_ptr, pos_ptr, sc_ptr, picks_ptr, width, inv_scale, NBC: tl.constexpr,
