@@ -15,9 +15,10 @@ models/qsa.py is the oracle and the CPU path: its block_keys, select (the same t
   first position (rotate-half on the first RD dims), one rounding after each step torch rounds at; other tokens
   write nothing. A block's key is written once, when its last token lands: what the torch path pools.
 - _select, grid (T,): the scores of the nb = (p + 1) // B complete blocks (sum over the indexer heads of
-  relu(q_h . k) / sqrt(d), float32) into a scratch row, then the top min(top, nb) of them: the threshold found by
-  bisection on the scores' bits (non-negative floats order as their bits), every block above it, and the blocks
-  equal to it by lower index first, written in ascending block order. Rule (models/qsa.py's select): higher score
+  relu(q_h . k) / sqrt(d), float32: one tl.dot a chunk of blocks, the heads padded to 16 rows, IEEE on float32
+  inputs) into a scratch row (long prompts' tokens in parts: SCRATCH bytes a launch), then the top min(top, nb)
+  of them: the threshold found by bisection on the scores' bits (non-negative floats order as their bits), every
+  block above it, and the blocks equal to it by lower index first, written in ascending block order. Rule (models/qsa.py's select): higher score
   first, equal scores by lower block index.
 - _attend, grid (T, nkv): the token's query heads of one KV head against its picked blocks' keys, then the tail
   (positions nb * B .. p), in ascending key order, in chunks of CB blocks: an online softmax in float32, the
@@ -27,6 +28,9 @@ Scores, means and norms in float32 with sums in another order than torch's: with
 a pick differs only where two scores within that rounding straddle the cut (exact ties, such as the zeros of
 all-negative products, break alike). No atomics, fixed shapes per call: a token's bits do not depend on the other
 tokens of its forward. The block shapes and the bisection (31 passes over a token's scores) are not measured yet.
+
+A decode step runs these with no host read, so it could be captured in a CUDA graph; this family's steps are not
+(models/transformer.py's capturable_for): its PLE layer hashes the step's tokens on the host.
 """
 from __future__ import annotations
 
@@ -77,25 +81,25 @@ if triton is not None:
 
     @triton.jit
     def _select(iq_ptr, keys_ptr, seq_ptr, pos_ptr, sc_ptr, picks_ptr, width, inv_scale, NBC: tl.constexpr,
-                B: tl.constexpr, IH: tl.constexpr, D: tl.constexpr, TOP: tl.constexpr, CH: tl.constexpr):
+                B: tl.constexpr, IH: tl.constexpr, IHP: tl.constexpr, D: tl.constexpr, TOP: tl.constexpr,
+                CH: tl.constexpr, PREC: tl.constexpr):
         """Program t: token t's picked blocks, ascending, in picks[t, :min(TOP, nb)]."""
         t = tl.program_id(0)
         seq = tl.load(seq_ptr + t).to(tl.int64)
         pos = tl.load(pos_ptr + t)
         nb = (pos + 1) // B
         need = tl.minimum(nb, TOP)
-        h = tl.arange(0, IH)
+        h = tl.arange(0, IHP)
         d = tl.arange(0, D)
-        q = tl.load(iq_ptr + (t * IH + h[:, None]) * D + d[None, :]).to(tl.float32)           # (IH, D)
+        q = tl.load(iq_ptr + (t * IH + h[:, None]) * D + d[None, :], mask=(h < IH)[:, None], other=0.0)  # (IHP, D)
         row = sc_ptr + t.to(tl.int64) * width
         chunks = tl.cdiv(nb, CH)
         for c in range(0, chunks):                # the scores, into the scratch row
             blk = c * CH + tl.arange(0, CH)
             ok = blk < nb
-            k = tl.load(keys_ptr + (seq * NBC + blk[:, None]) * D + d[None, :], mask=ok[:, None],
-                        other=0.0).to(tl.float32)                                               # (CH, D)
-            dots = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                                # (IH, CH)
-            s = tl.sum(tl.maximum(dots, 0.0), axis=0) * inv_scale
+            k = tl.load(keys_ptr + (seq * NBC + blk[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0)
+            dots = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32)                 # (IHP, CH)
+            s = tl.sum(tl.maximum(dots, 0.0), axis=0) * inv_scale                               # padded rows: 0
             tl.store(row + blk, s, mask=ok)
         # the largest lo whose count of scores >= lo reaches `need` (bits of non-negative floats; -0.0 as 0)
         lo = tl.full([], 0, dtype=tl.int32)
@@ -136,7 +140,7 @@ if triton is not None:
     @triton.jit
     def _attend(q_ptr, k_ptr, v_ptr, picks_ptr, seq_ptr, pos_ptr, out_ptr, scale, NH: tl.constexpr,
                 NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, CTX: tl.constexpr,
-                B: tl.constexpr, TOP: tl.constexpr, CB: tl.constexpr):
+                B: tl.constexpr, TOP: tl.constexpr, CB: tl.constexpr, PREC: tl.constexpr):
         """Program (t, kv head): its G query heads of token t over the picked blocks, then the tail."""
         t = tl.program_id(0)
         kh = tl.program_id(1)
@@ -162,17 +166,23 @@ if triton is not None:
             rows = (base + key).to(tl.int64)
             k = tl.load(k_ptr + rows[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)   # (CB*B, HD)
             v = tl.load(v_ptr + rows[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                                  # (GP, CB*B)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale            # (GP, CB*B)
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
             m_i = m_new
         o = acc / l_i[:, None]
         tl.store(out_ptr + (t * NH + h[:, None]) * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=hm[:, None])
+
+
+def _precision(t: torch.Tensor) -> str:
+    """tl.dot's on float32 inputs: IEEE, as torch's matmul without TF32 (the picks follow the scores' bits); the
+    default elsewhere (bfloat16 and float16 products are exact in the float32 sum)."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def _pow2(n: int) -> bool:
@@ -184,7 +194,7 @@ def fits(cfg) -> bool:
     g = cfg.n_heads // cfg.n_kv_heads
     return (triton is not None and all(_pow2(x) for x in (cfg.indexer_block, cfg.indexer_head_dim,
                                                             cfg.indexer_heads, cfg.head_dim))
-            and cfg.rotary_dim % 2 == 0 and g <= 16)
+            and min(cfg.indexer_head_dim, cfg.head_dim) >= 16 and cfg.rotary_dim % 2 == 0 and g <= 16)
 
 
 def block_keys(raw: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -207,10 +217,12 @@ def select(iq: torch.Tensor, keys: torch.Tensor, seq_ids: torch.Tensor, position
     picks = torch.empty(T, top, dtype=torch.int32, device=iq.device)
     part = max(1, SCRATCH // (4 * width))      # tokens a launch: its scratch of scores at most SCRATCH bytes
     scores = torch.empty(min(T, part), width, dtype=torch.float32, device=iq.device)
+    ihp = max(16, triton.next_power_of_2(ih))     # tl.dot's least rows (the padded heads score 0)
     for a in range(0, T, part):
         b = min(T, a + part)
         _select[(b - a,)](iq[a:b], keys, seq_ids[a:b], positions[a:b], scores, picks[a:b], width,
-                          1.0 / math.sqrt(d), NBC=keys.shape[1], B=block, IH=ih, D=d, TOP=top, CH=CH)
+                          1.0 / math.sqrt(d), NBC=keys.shape[1], B=block, IH=ih, IHP=ihp, D=d, TOP=top, CH=CH,
+                          PREC=_precision(keys))
     return picks
 
 
@@ -224,7 +236,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: torch.Tenso
     q = q.contiguous()
     out = torch.empty_like(q)
     _attend[(T, nkv)](q, k, v, picks, seq_ids, positions, out, hd ** -0.5, NH=nh, NKV=nkv, G=g,
-                      GP=max(16, triton.next_power_of_2(g)), HD=hd, CTX=ctx, B=block, TOP=top, CB=CB)
+                      GP=max(16, triton.next_power_of_2(g)), HD=hd, CTX=ctx, B=block, TOP=top, CB=CB,
+                      PREC=_precision(k))
     return out
 
 
