@@ -18,8 +18,8 @@ models/qsa.py is the oracle and the CPU path: its block_keys, select (the same t
   relu(q_h . k) / sqrt(d), float32: one tl.dot a chunk of blocks, the heads padded to 16 rows, IEEE on float32
   inputs) into a scratch row (long prompts' tokens in parts: SCRATCH bytes a launch), then the top min(top, nb)
   of them: the threshold found by bisection on the scores' bits (non-negative floats order as their bits), every
-  block above it, and the blocks equal to it by lower index first, written in ascending block order. Rule (models/qsa.py's select): higher score
-  first, equal scores by lower block index.
+  block above it, and the blocks equal to it by lower index first, written in ascending block order. Rule
+  (models/qsa.py's select): higher score first, equal scores by lower block index.
 - _attend, grid (T, nkv): the token's query heads of one KV head against its picked blocks' keys, then the tail
   (positions nb * B .. p), in ascending key order, in chunks of CB blocks: an online softmax in float32, the
   probabilities rounded to V's dtype for the product (as kernels/fused.py's decode_attention), divided once.
