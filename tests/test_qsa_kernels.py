@@ -107,14 +107,27 @@ def check_attend(c) -> None:
 
 def check_engine() -> None:
     """tiny-flash-next (QSA budget 16 in blocks of 4) with the kernels, a 28-token prompt in ubatches of 7 then
-    greedy steps, against its torch path in one ubatch: the same tokens."""
+    greedy steps, against its torch path in one ubatch: the same tokens; the kernels' decode steps read nothing
+    back to the host (what a CUDA graph could not capture)."""
     from moestream.kernels import qsa as K
+    from test_mla_decode import no_host_reads
     prompt = [int(x) for x in torch.randint(3, 400, (28,), generator=torch.Generator().manual_seed(3))]
 
     def run(kernels: bool, ub: int):
         llm = LLM("synth:tiny-flash-next", ubatch_size=ub, **KW)
-        llm.engine.model.attention.kernels = K if kernels else None
-        return llm.generate(prompt, max_tokens=5, ignore_eos=True).token_ids
+        attn = llm.engine.model.attention
+        attn.kernels, attend, steps = (K if kernels else None), attn.attend, []
+
+        def checked(q, x, lw, slot, batch, *a):
+            if not batch.is_decode:
+                return attend(q, x, lw, slot, batch, *a)
+            steps.append(slot)
+            with no_host_reads():
+                return attend(q, x, lw, slot, batch, *a)
+        attn.attend = checked
+        out = llm.generate(prompt, max_tokens=5, ignore_eos=True).token_ids
+        assert len(steps) == 8                      # 4 steps, 2 layers
+        return out
     assert run(True, 7) == run(False, 512)
 
 
