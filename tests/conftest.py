@@ -1,6 +1,7 @@
 """Shared fixtures: small random checkpoints that transformers itself writes, one per family."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -195,6 +196,24 @@ def qwen4_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen4_exp")
     model.save_pretrained(str(path))
     return str(path), model
+
+
+@contextlib.contextmanager
+def lower_index_ties():
+    """Within it, Tensor.topk breaks ties by lower index (a stable sort), the rule of models/qsa.py's select and
+    kernels/qsa.py (and, to check on the GPU, CUDA's topk: tests/test_qsa_kernels.py): transformers' QSA indexer,
+    which calls scores.topk, then picks as ours where blocks tied at 0 straddle its cut (random checkpoints' indexers
+    tie so often; the CPU's topk takes them in an order of its own). Where no tie straddles, the picks are topk's."""
+    plain = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        idx = self.sort(dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, idx), idx))
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = plain
 
 
 def has_cuda() -> bool:

@@ -22,7 +22,7 @@ from moestream.models import qsa
 from moestream.models.ple import NGramHash, PLETable
 from moestream.models.qwen4_reference import Qwen4Reference
 
-from conftest import QWEN4_EOS as EOS, QWEN4_TEXT as TEXT, VOCAB
+from conftest import QWEN4_EOS as EOS, QWEN4_TEXT as TEXT, VOCAB, lower_index_ties
 
 ATOL = 1e-4
 
@@ -88,22 +88,29 @@ def test_ple_rows_gathered_on_the_host_equal_the_lookup(qwen4):
     assert table.bytes_read == (30 + 13) * 4 * 8 * 4                       # tokens x heads x row bytes
 
 
-def test_qsa_select_is_transformers_topk_with_ties():
-    """Scores tied at 0 (every head's product negative) straddling the cut: the picks are torch.topk's over each
-    query's own blocks, as transformers' indexer calls it."""
+def test_qsa_select_breaks_ties_by_lower_block_and_is_topk_elsewhere():
+    """Scores tied at 0 (every head's product negative) straddling the cut: the lower blocks among the tied win;
+    where no tie straddles the cut, the picks are torch.topk's over each query's own blocks, as transformers' indexer
+    calls it (so the checkpoints' logits below are transformers')."""
     cfg = type("C", (), dict(indexer_block=2, indexer_budget=4, indexer_head_dim=4))
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(12, 4, generator=g)
     keys[3:9] = -keys[3:9].abs()
     q = torch.randn(24, 2, 4, generator=g).abs()                           # relu(q.k) = 0 on blocks 3..8
-    keep = qsa.select(q, keys, torch.arange(24), cfg)
+    keep = qsa.select(q, keys, torch.arange(24), cfg, 24)
+    straddled = 0
     for p in range(24):
         nb = (p + 1) // 2
         s = torch.relu(torch.matmul(q[p], keys[:nb].t()).t()).sum(-1) / 2
-        want = set(s.topk(min(2, nb), dim=0).indices.tolist())
         got = {b for b in range(nb) if keep[p, 2 * b]}
-        assert got == want, p
+        ranked = sorted(range(nb), key=lambda b: (-s[b].item(), b))
+        assert got == set(ranked[:2]), p
+        if nb > 2 and s[ranked[1]] == s[ranked[2]]:
+            straddled += 1
+        else:
+            assert got == set(s.topk(min(2, nb), dim=0).indices.tolist()), p
         assert keep[p, 2 * nb:p + 1].all() and not keep[p, p + 1:].any()
+    assert straddled
 
 
 def test_logits_match_transformers(qwen4):
@@ -117,10 +124,11 @@ def test_logits_match_transformers(qwen4):
 
 
 def test_greedy_generation_matches_transformers(qwen4):
-    """Transformers' cached decode (its indexer's cached keys, the n-gram context, the PLE conv) against ours."""
+    """Transformers' cached decode (its indexer's cached keys, the n-gram context, the PLE conv) against ours, ties
+    broken as ours (tied blocks straddle the cut here)."""
     cfg, weights, model = qwen4
     ids = _ids(20, seed=2)
-    with torch.no_grad():
+    with torch.no_grad(), lower_index_ties():
         want = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(ids):].tolist()
     ref = Qwen4Reference(cfg, weights, ctx=64)

@@ -33,12 +33,14 @@ class Built:
     residual: Plain | Hyper
 
 
-def build(cfg: ModelConfig, blocks: Blocks, delta: DeltaKernels | None = None) -> Built:
+def build(cfg: ModelConfig, blocks: Blocks, delta: DeltaKernels | None = None, qsa=None) -> Built:
     """The blocks of a decoder of `cfg` as `blocks` picks them; delta: the DeltaNet's kernels (None: the plain
-    torch references)."""
+    torch references); qsa: QSA's (kernels/qsa.py's pick_qsa_kernels; None: models/qsa.py's torch form)."""
     check(blocks)
     a = blocks.attention
     opts = dict(window=a.window, sinks=a.sinks) if a.kind == "gqa" else {}     # check: gqa's options only
+    if a.kind == "qsa":
+        opts = dict(kernels=qsa)
     attn = ATTENTION_KINDS[a.kind](cfg, **opts)
     linear = set(cfg.linear_layers)
     mixer = MIXER_KINDS[blocks.mixer](cfg, delta or TORCH) if blocks.mixer else None

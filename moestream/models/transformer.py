@@ -109,19 +109,21 @@ class MoETransformer:
         gathered and written back by the step's device tensor of sequences (no host sync); the engine checks and
         advances each sequence's position around every replay (GraphDecode), and a graph's warm-up leaves the states
         as they were (HybridCache.kept). Not where a step reads the host: the PLE table's rows are picked and
-        gathered there, and QSA picks its blocks per number seen."""
+        gathered there (from the step's tokens read back), and QSA's torch form slices each sequence's cache by
+        its host-known position (its CUDA kernels, kernels/qsa.py, read none: a QSA model without a PLE layer
+        could be captured with them; no checkpoint of the family has none)."""
         return not (cfg.ple_layers or cfg.indexer_heads)
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                 blocks: Blocks = Blocks(), delta: DeltaKernels | None = None, split=None):
+                 blocks: Blocks = Blocks(), delta: DeltaKernels | None = None, split=None, qsa=None):
         """blocks: the family's (arch/families.py); delta: a DeltaNet mixer's kernels (kernels/delta.py picks;
-        None: the plain-torch references). weights: on the device but the PLE table (per_layer_token_embd), which
-        the loader leaves in host memory. split: where the layers are split over several devices (runtime/split.py's
-        Split; each layer's weights on its device, the embeddings on the first, the final norm and lm_head on the
-        last), or None: one device."""
+        None: the plain-torch references); qsa: QSA's kernels (kernels/qsa.py picks; None: the torch form).
+        weights: on the device but the PLE table (per_layer_token_embd), which the loader leaves in host memory.
+        split: where the layers are split over several devices (runtime/split.py's Split; each layer's weights on
+        its device, the embeddings on the first, the final norm and lm_head on the last), or None: one device."""
         self.cfg, self.split = cfg, split
         self.capturable = self.capturable_for(cfg)
-        built = build(cfg, blocks, delta)
+        built = build(cfg, blocks, delta, qsa)
         self.attention, self.mixers, self.router, self.residual = (built.attention, built.mixers, built.router,
                                                                    built.residual)
         self.mlp = blocks.experts

@@ -22,6 +22,7 @@ from ..experts.routing import RoutingStore
 from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, by_address_kernels, pick_kernel
 from ..kernels.delta import pick_delta_kernels
+from ..kernels.qsa import pick_qsa_kernels
 from ..arch.families import FAMILIES
 from ..models.layers import rope_tables
 from ..arch.names import HOST_TABLES, dense_names, keeps_float32
@@ -121,7 +122,8 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
                  len(host_rows), store.nbytes / MiB, len(dev_rows))
     rope = rope_tables(cfg, ctx, dev.torch)
     delta = pick_delta_kernels(dev.torch, dtype) if blocks.mixer == "deltanet" else None
-    model = MoETransformer(cfg, weights, rope, blocks, delta, split)
+    qsa = pick_qsa_kernels(dev.torch, cfg) if blocks.attention.kind == "qsa" else None
+    model = MoETransformer(cfg, weights, rope, blocks, delta, split, qsa)
     kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch, None if split is None else where)
     kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
     book = AddressBook()
