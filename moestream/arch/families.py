@@ -81,7 +81,9 @@ class Family:
                                      # gate_up_proj_blocks (E, 2I, H / 32, 16) has gate and up in alternate rows
     # --- multi-token prediction heads (models/mtp.py) ---------------------------------------------------------
     hf_mtp: tuple[str, str] = ()     # (config.json key of the head count, HF prefix of the heads' tensors: head k's
-                                     # block at `{prefix}layers.{k}.`, its own tensors HF_NEXTN); (): none read
+                                     # block at `{prefix}layers.{k}.`, its own tensors HF_NEXTN; or AFTER_TRUNK: head
+                                     # k is the trunk's layer n_layers + k, its own tensors HF_NEXTN_LAYER beside its
+                                     # block's); (): none read
 
     @property
     def hybrid(self) -> bool:
@@ -131,6 +133,16 @@ HF_LAYER = {
 # family's hf_mtp prefix (Qwen3-Next's and Qwen3.5-MoE's `mtp.`, as vLLM and llama.cpp's converter read them).
 HF_NEXTN = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
             "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
+
+# Family.hf_mtp's place of DeepSeek-V3's and GLM-4.5's heads: `model.layers.{n_layers + k}.` (as vLLM's deepseek_mtp
+# and glm4_moe_mtp and llama.cpp's converter read them), the head's own tensors beside its block's: eh_proj, enorm,
+# hnorm, shared_head.norm, and where a checkpoint ships them its own embedding and output head (copies of the
+# trunk's in the published ones; llama.cpp takes the trunk's where they are absent).
+AFTER_TRUNK = "after the trunk"
+HF_NEXTN_LAYER = {"nextn.eh_proj.weight": "eh_proj.weight", "nextn.enorm.weight": "enorm.weight",
+                  "nextn.hnorm.weight": "hnorm.weight", "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+                  "nextn.embed_tokens.weight": "embed_tokens.weight",
+                  "nextn.shared_head_head.weight": "shared_head.head.weight"}
 
 _QWEN_EXPERTS: tuple[ExpertSpelling, ...] = (("mlp.experts", "gate_proj", "up_proj", "down_proj"),)
 # DeepSeek's and GLM-4.5's shared experts (one MLP n_shared_experts x moe_intermediate_size wide) and the router's
@@ -217,8 +229,8 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            gguf_rope_sections=(11, 11, 10, 0), hf_mtp=("mtp_num_hidden_layers", "mtp.")),
     # GQA with q/k/v biases (attention_bias), optional per-head QK-norm (use_qk_norm), rotary on the first half of
     # each head (NEOX), the sigmoid router with a correction bias (one group), shared experts always on, dense
-    # first layers (first_k_dense_replace). llama.cpp's glm4moe spells ffn_norm post_attention_norm; checkpoints'
-    # MTP layer (num_nextn_predict_layers, model.layers.{n}) is not read.
+    # first layers (first_k_dense_replace). llama.cpp's glm4moe spells ffn_norm post_attention_norm. Its MTP head
+    # (num_nextn_predict_layers) is the layer after the trunk's (AFTER_TRUNK).
     Family("glm4_moe", "GLM-4.5", "Glm4MoeForCausalLM", "glm4_moe", ("glm4moe",),
            experts_key="n_routed_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=False,
            norm_topk_prob="norm_topk_prob", attn_bias="attention_bias", hf_bias_key="attention_bias",
@@ -227,11 +239,13 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            gguf_arch="glm4moe", gguf_norm_topk=False,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=GQA_SIGMOID,
            gguf_renames=_POST_ATTENTION_NORM, hf_renames=_SHARED_EXPERTS, shared_count_key="n_shared_experts",
-           first_dense_key="first_k_dense_replace", qk_norm_key="use_qk_norm", partial_rotary=0.5),
+           first_dense_key="first_k_dense_replace", qk_norm_key="use_qk_norm", partial_rotary=0.5,
+           hf_mtp=("num_nextn_predict_layers", AFTER_TRUNK)),
     # Multi-head latent attention (models/mla.py: q_lora_rank, kv_lora_rank, a latent KV cache), rotary on adjacent
     # pairs (rope_interleave), the sigmoid router with a correction bias in n_group groups (scoring_func,
     # topk_method noaux_tc), shared experts always on, dense first layers. Kimi K2 is this architecture with 384
-    # experts. llama.cpp's deepseek2 holds kv_b as attn_k_b and attn_v_b (older files: one attn_kv_b).
+    # experts. llama.cpp's deepseek2 holds kv_b as attn_k_b and attn_v_b (older files: one attn_kv_b). Its MTP head
+    # (num_nextn_predict_layers; Kimi K2 ships none) is the layer after the trunk's (AFTER_TRUNK).
     Family("deepseek_v3", "DeepSeek-V3", "DeepseekV3ForCausalLM", "deepseek_v3", ("kimi_k2",),
            experts_key="n_routed_experts", moe_intermediate_key="moe_intermediate_size", sparse_step=False,
            norm_topk_prob="norm_topk_prob", attn_bias=False, hf_bias_key="attention_bias",
@@ -240,7 +254,7 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            gguf_arch="deepseek2", gguf_norm_topk=False,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=MLA,
            hf_renames=_SHARED_EXPERTS, shared_count_key="n_shared_experts", first_dense_key="first_k_dense_replace",
-           gguf_split_kv_b=True),
+           gguf_split_kv_b=True, hf_mtp=("num_nextn_predict_layers", AFTER_TRUNK)),
     # Sliding-window (layer_types, sliding_window) and full attention layers, a sink logit per head, q/k/v/o biases,
     # YaRN; a biased router whose softmax is over the chosen k; experts of clamped SwiGLU with biases, fused in HF
     # with gate and up interleaved (arch/blocks.py's GPT_OSS). llama.cpp's gpt-oss calls ffn_norm

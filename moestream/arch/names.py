@@ -37,6 +37,7 @@ from typing import Callable
 from ..config import INT_FIELDS, ModelConfig
 from ..errors import UserError
 from .families import FAMILIES
+from .hybrid_names import NEXTN
 from .ngram import table_rows
 
 # A MoE layer's experts stacked (E, ., .): gate, up, down, in the order an expert's buffer holds them.
@@ -46,6 +47,10 @@ EXPERT_SUFFIXES = tuple(f"{s}.weight" for s in EXPERT_STACKS)
 # computes in float32 from A_log at every forward (a bfloat16 copy would move every decay).
 FLOAT32 = ("ssm_a",)
 
+
+# An MTP head's own embedding and output head (DeepSeek-V3's and GLM-4.5's checkpoints ship them, copies of the
+# trunk's): read where a file has them (optional_names), else the head uses the trunk's (models/mtp.py).
+NEXTN_OWN = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")
 
 # Tables read by row, which stay in host memory whatever the placement (models/ple.py's PLETable, the n-gram
 # embeddings): the loader never puts them on the device and they count in no device budget.
@@ -86,8 +91,9 @@ def dense_names(cfg: ModelConfig) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("output.weight")
-    for i in range(cfg.n_layers):
+    for i in range(cfg.n_stored_layers):       # the trunk's layers, then the MTP heads' (cfg.head_layers)
         p = f"blk.{i}."
+        names += [p + n for n in NEXTN] if i >= cfg.n_layers else []
         names += [p + n for n in (*attention_names(cfg), "ffn_norm.weight")]
         if i in cfg.dense_layers:
             names += [p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight"]
@@ -104,6 +110,12 @@ def dense_names(cfg: ModelConfig) -> list[str]:
                 if FAMILIES[cfg.family].blocks.shared_gate:
                     names.append(p + "ffn_gate_inp_shexp.weight")
     return names
+
+
+def optional_names(cfg: ModelConfig) -> list[str]:
+    """Tensors a model of this config may have, read and written where a file holds them: the MTP heads' own
+    embedding and output head (NEXTN_OWN)."""
+    return [f"blk.{i}.{n}" for i in cfg.head_layers for n in NEXTN_OWN]
 
 
 def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
@@ -149,7 +161,8 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "attn_k_b.weight": (cfg.n_heads, r, dn), "attn_v_b.weight": (cfg.n_heads, dv, r),
         # an MTP head (models/mtp.py): [enorm(embedding) | hnorm(hidden)] -> H, and its norms
         "nextn.eh_proj.weight": (H, 2 * H), "nextn.enorm.weight": (H,), "nextn.hnorm.weight": (H,),
-        "nextn.shared_head_norm.weight": (H,),
+        "nextn.shared_head_norm.weight": (H,), "nextn.embed_tokens.weight": (V, H),
+        "nextn.shared_head_head.weight": (V, H),
     }
     if cfg.hc_count:                    # qwen4_exp (arch/hybrid_names.py): hyper-connections, PLE, the indexer
         hc, r, ple = cfg.hc_count * H, cfg.hc_lowrank, cfg.ple_embed_dim
@@ -213,13 +226,13 @@ def gguf_name(cfg: ModelConfig, name: str) -> str:
     return name
 
 
-def gguf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+def gguf_tensors(cfg: ModelConfig, optional: list[str] = ()) -> list[tuple[str, tuple[int, ...]]]:
     """(name, torch shape) of every tensor of the model's GGUF file in file order: the globals, then each layer
-    with its expert stacks. The shared expert's gate is (H,), as llama.cpp stores it. Names are canonical (the file
+    with its expert stacks; `optional`: the optional_names the file holds too, in their layers. The shared expert's gate is (H,), as llama.cpp stores it. Names are canonical (the file
     spells them gguf_name(cfg, name)), but for qwen3next's ssm_in, written as the attn_qkv and attn_gate it holds, and
     deepseek2's attn_kv_b, written as attn_k_b and attn_v_b (arch/mla_names.py)."""
     E, inter, H = cfg.n_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    names = dense_names(cfg)
+    names = dense_names(cfg) + list(optional)
     if FAMILIES[cfg.family].gguf_split_qkvz:     # llama.cpp's qwen3next: ssm_in as attn_qkv + attn_gate
         names = [m for n in names for m in ((n.replace("ssm_in", "attn_qkv"), n.replace("ssm_in", "attn_gate"))
                                              if n.endswith(".ssm_in.weight") else (n,))]

@@ -35,7 +35,7 @@ from gguf import GGUFValueType
 from ..arch.families import BY_GGUF_ARCH
 from ..arch.hybrid_names import fuse_qkvz, reorder_v_heads
 from ..arch.mla_names import fuse_kv_b
-from ..arch.names import EXPERT_STACKS, check_shape, dense_names
+from ..arch.names import EXPERT_STACKS, check_shape, dense_names, optional_names
 from ..errors import UserError
 from ..quant.types import FLOAT, LOADABLE, names, type_size, block_size
 from .gguf_config import GGUFMetadata, damaged
@@ -134,8 +134,8 @@ class GGUFSource(GGUFMetadata):
 
     def _check_shapes(self) -> None:
         """Every tensor's shape against the one the metadata make, from the tensor table alone (no data read)."""
-        names = [*dense_names(self.config), *(f"blk.{i}.{s}.weight" for i in self.config.expert_layers
-                                              for s in EXPERT_STACKS)]
+        names = [*dense_names(self.config), *optional_names(self.config),
+                 *(f"blk.{i}.{s}.weight" for i in self.config.expert_layers for s in EXPERT_STACKS)]
         for name in names:
             for part in self._split(name) or (name,):
                 file_name = self._file_name(part)

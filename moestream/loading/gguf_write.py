@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as Q
 from ..arch.families import FAMILIES
 from ..arch.hybrid_names import reorder_v_heads, split_qkvz
 from ..arch.mla_names import split_kv_b
-from ..arch.names import EXPERT_STACKS, gguf_name, gguf_tensors
+from ..arch.names import EXPERT_STACKS, gguf_name, gguf_tensors, optional_names
 from ..config import ModelConfig
 from ..errors import UserError
 from ..outputs import atomic_path
@@ -191,7 +191,8 @@ def _add_sigmoid_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     if cfg.n_group > 1:
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
-    w.add_nextn_predict_layers(0)
+    if not cfg.nextn_layers:                   # (with a head: written with block_count)
+        w.add_nextn_predict_layers(0)
     if not cfg.kv_lora_rank:
         w.add_rope_dimension_count(cfg.rotary_dim)
         return
@@ -259,7 +260,8 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
                             else qtype), FILE_TYPE[qtype]
     elif file_type is None:
         raise ValueError("write_gguf: types= needs the file_type it makes")
-    plan = [(name, shape, types(name, shape)) for name, shape in gguf_tensors(cfg)]
+    held = [n for n in optional_names(cfg) if source.has(n)]      # an MTP head's own embedding and output head
+    plan = [(name, shape, types(name, shape)) for name, shape in gguf_tensors(cfg, held)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path, new=new) as tmp:              # renamed when complete: no half-written model at `path`

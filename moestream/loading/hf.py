@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..arch.families import FAMILIES, HF_NEXTN
+from ..arch.families import FAMILIES
 from ..arch.hf_config import config_from_hf, hf_key
 from ..arch.hybrid_names import canonical_value
-from ..arch.names import check_shape, dense_names
+from ..arch.names import check_shape, dense_names, optional_names
 from ..errors import UserError
 from ..quant import fp8
 from .hf_experts import HFExperts
@@ -61,7 +61,7 @@ class HFSource(HFExperts):
         fam = FAMILIES[self.config.family]
         self.prefix = next((p for p in fam.hf_text_prefixes if p + "embed_tokens.weight" in self._where),
                            fam.hf_text_prefixes[0])
-        if self.config.nextn_layers and fam.hf_mtp[1] + HF_NEXTN["nextn.eh_proj.weight"] not in self._where:
+        if self.config.nextn_layers and not self.has(f"blk.{self.config.n_layers}.nextn.eh_proj.weight"):
             self.config = self.config.replace(nextn_layers=0)   # announced, not shipped (transformers drops mtp.*)
         self._check_shapes()
 
@@ -69,7 +69,7 @@ class HFSource(HFExperts):
         """Every tensor's shape (from the safetensors headers, no data read) against the one config.json makes, as
         tensor() and expert() would hand it out; one line naming the keys and the tensor where they disagree."""
         cfg = self.config
-        for name in dense_names(cfg):
+        for name in dense_names(cfg) + optional_names(cfg):
             if fused_bias(cfg, name):
                 continue                      # checked with its stack: _check_experts
             hf = next((n for n in hf_names(name, cfg.family, self.prefix, cfg.n_layers) if n in self._where), None)

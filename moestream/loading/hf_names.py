@@ -4,10 +4,11 @@ hf_mtp prefix), the Qwen3.8-Flash-Next ones arch/hybrid_names.py's.
 
     hf_names("blk.0.attn_q.weight", "qwen3moe")      # ["model.layers.0.self_attn.q_proj.weight"]
     layers_prefix(cfg, 3)                            # "model.layers.3."; past the trunk, an MTP head's "mtp.layers.0."
+                                                     # (DeepSeek-V3, GLM-4.5: "model.layers.{n_layers}.")
 """
 from __future__ import annotations
 
-from ..arch.families import FAMILIES, HF_GLOBAL, HF_LAYER, HF_NEXTN, first_own
+from ..arch.families import AFTER_TRUNK, FAMILIES, HF_GLOBAL, HF_LAYER, HF_NEXTN, HF_NEXTN_LAYER, first_own
 from ..arch.hybrid_names import QWEN4_GLOBAL, QWEN4_HF
 from ..arch.names import EXPERT_STACKS
 from ..config import ModelConfig
@@ -27,10 +28,13 @@ def hf_names(name: str, family: str, prefix: str = "model.", n_layers: int | Non
     if name == "per_layer_token_embd.weight":
         return []                       # in row shards of its layer's n-gram embedding: HFSource._ple_table
     _, layer, suffix = name.split(".", 2)
-    if n_layers is not None and int(layer) >= n_layers:        # head k: `mtp.fc.weight`, `mtp.layers.k.*`
-        mtp = FAMILIES[family].hf_mtp[1]
-        if suffix in HF_NEXTN:
-            return [mtp + HF_NEXTN[suffix]]
+    head = n_layers is not None and int(layer) >= n_layers and FAMILIES[family].hf_mtp
+    mtp = FAMILIES[family].hf_mtp[1] if head else None
+    if mtp == AFTER_TRUNK and suffix.startswith("nextn."):    # `model.layers.{n}.eh_proj.weight`, ...
+        return [f"{prefix}layers.{layer}.{HF_NEXTN_LAYER[suffix]}"]
+    if mtp is not None and mtp != AFTER_TRUNK:                 # head k: `mtp.fc.weight`, `mtp.layers.k.*`
+        if suffix.startswith("nextn."):
+            return [mtp + HF_NEXTN[suffix]] if suffix in HF_NEXTN else []
         block = f"{prefix}layers.0."
         return [f"{mtp}layers.{int(layer) - n_layers}.{n[len(block):]}"
                 for n in hf_names(f"blk.0.{suffix}", family, prefix)]
@@ -44,8 +48,9 @@ def hf_names(name: str, family: str, prefix: str = "model.", n_layers: int | Non
 
 
 def layers_prefix(cfg: ModelConfig, layer: int, prefix: str = "model.") -> str:
-    """Where layer `layer`'s tensors are: `{prefix}layers.N.`, an MTP head's under the family's hf_mtp prefix."""
-    if layer >= cfg.n_layers:
+    """Where layer `layer`'s tensors are: `{prefix}layers.N.`, an MTP head's under the family's hf_mtp prefix (or,
+    AFTER_TRUNK, as the trunk's)."""
+    if layer >= cfg.n_layers and FAMILIES[cfg.family].hf_mtp[1] != AFTER_TRUNK:
         return f"{FAMILIES[cfg.family].hf_mtp[1]}layers.{layer - cfg.n_layers}."
     return f"{prefix}layers.{layer}."
 

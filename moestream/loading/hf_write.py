@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..arch.families import FAMILIES
 from ..arch.hybrid_names import hf_value
-from ..arch.names import dense_names
+from ..arch.names import dense_names, optional_names
 from ..config import ModelConfig
 from ..errors import UserError
 from .hf_names import INDEX, fused_bias, hf_names, layer_suffix, layers_prefix
@@ -138,6 +138,7 @@ def _tensors(source):
     """(HF name, tensor) for every tensor, made one at a time, layer by layer so that a shard holds whole layers."""
     cfg = source.config
     names = [n for n in dense_names(cfg) if not fused_bias(cfg, n)]
+    names += [n for n in optional_names(cfg) if source.has(n)]     # an MTP head's own embedding and output head
     for layer in range(-1, cfg.n_stored_layers):
         for n in (n for n in names if _layer_of(n) == layer):
             if n == "per_layer_token_embd.weight":        # qwen4_exp: its PLE layer's n-gram embedding, whole,

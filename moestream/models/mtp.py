@@ -15,8 +15,15 @@ are layer n_layers of the expert store: the same host store, cache and counters 
 Its tensors (canonical; GGUF's `blk.{n_layers}.`, HF's `mtp.`): nextn.eh_proj.weight (H, 2H) `mtp.fc`,
 nextn.enorm.weight `mtp.pre_fc_norm_embedding`, nextn.hnorm.weight `mtp.pre_fc_norm_hidden`,
 nextn.shared_head_norm.weight `mtp.norm` (1 + w, as every norm of these families), and the block's own under
-`mtp.layers.0.` as a trunk layer's. DeepSeek-V3 and GLM-4.5 ship the same kind of head (`model.layers.{n}` in HF,
-`nextn.*` in GGUF, with its own embed_tokens and shared_head_head where a file has them): the same block.
+`mtp.layers.0.` as a trunk layer's.
+
+DeepSeek-V3 and GLM-4.5 ship the same kind of head, as vLLM's deepseek_mtp / glm4_moe_mtp and llama.cpp's deepseek2
+and glm4moe graph_mtp compute it: HF's `model.layers.{n_layers}.` (eh_proj, enorm, hnorm, shared_head.norm, plain
+RMSNorm weights) with the block (latent or grouped-query attention, the sigmoid router, routed and shared experts)
+beside them in the trunk's spellings, and its own embed_tokens and shared_head.head (nextn.embed_tokens,
+nextn.shared_head_head; copies of the trunk's in the published checkpoints, which the loader then keeps once).
+vLLM zeroes the embedding at position 0 where llama.cpp does not; this follows llama.cpp (drafts only: the target
+verifies every token).
 """
 from __future__ import annotations
 
@@ -24,6 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from .layers import rms_norm
+
+
+def mtp_io(lw: dict, embed: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's embedding (V, H) and output head (V, H): its own (nextn.embed_tokens, nextn.shared_head_head)
+    where its layer's weights `lw` have them, else the trunk's `embed` and `lm_head` (as llama.cpp's)."""
+    return lw.get("nextn.embed_tokens.weight", embed), lw.get("nextn.shared_head_head.weight", lm_head)
 
 
 def mtp_input(emb: torch.Tensor, hidden: torch.Tensor, lw: dict, eps: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ..kernels.host_arrays import upload
 from .blocks import build
 from .layers import swiglu
 from .moe import moe_experts, moe_route
-from .mtp import mtp_input
+from .mtp import mtp_input, mtp_io
 from .ple import PLE
 from .router import fused_options, fuses as router_fuses
 
@@ -180,11 +180,13 @@ class MoETransformer:
         cfg = self.cfg
         by_address, fused, observer = parts[0].by_address, parts[0].fused, parts[0].observer
         res = self.residual
-        xs = [self.w["token_embd.weight"][p.tokens] for p in parts]          # (T, H) each
         head = parts[0].head is not None        # an MTP head step: its block, from the embeddings and hidden states
-        layers = range(cfg.n_layers)
+        layers = cfg.head_layers[:1] if head else range(cfg.n_layers)
+        # a head's own embedding and output head where it has them (DeepSeek-V3's, GLM-4.5's), else the trunk's
+        embed, lm_head = mtp_io(self.layers[layers[0]], self.w["token_embd.weight"], self.lm_head) if head else \
+            (self.w["token_embd.weight"], self.lm_head)
+        xs = [embed[p.tokens] for p in parts]                                # (T, H) each
         if head:
-            layers = cfg.head_layers[:1]
             xs = [mtp_input(x, p.head, self.layers[layers[0]], cfg.rms_norm_eps) for p, x in zip(parts, xs)]
         hs = [res.expand(x) for x in xs]                                     # (T, H) each (hyper: hc*H)
         # the PLE layer's n-gram embeddings, gathered on the host from each sequence's context (advanced now)
@@ -247,7 +249,7 @@ class MoETransformer:
                 p.hidden = res.final(h, delta, final_w, slice(None))
             if len(p.out_rows):         # (a shape, known on the host)
                 h = p.hidden[p.out_rows] if p.keep_hidden else res.final(h, delta, final_w, p.out_rows)
-                outs.append(F.linear(h, self.lm_head).float())               # (R, V)
+                outs.append(F.linear(h, lm_head).float())                    # (R, V)
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.split is not None:      # the logits back to the first device, where the sampler and the next step are
             self.split.devices[0].make_current()

@@ -35,6 +35,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class KVCache:
     exact_prefix_only = False       # a sequence may be cut back to any prefix of what it holds
+    rolls_back = True               # rollback() undoes a verify step's rejected drafts (MTP speculation)
 
     def __init__(self, n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, device, hd_v: int | None = None):
         """hd_v: the values' head size where it is not the keys' (the latent layout). device: one for every layer,
@@ -211,7 +212,9 @@ class Qwen4Cache(HybridCache):
     key depends on its own tokens only, so a sequence's keys below its position are valid); per sequence its n-gram
     context, ngram (n_seq, ngram_size-1) int64 in host memory (its last tokens: the rows of its next ones are
     picked on the host; EOS at its start), and per PLE layer its conv rows, ple_conv[i] (n_seq, (K-1)*ngram_size,
-    hc*H) (zeros at its start). The contexts and conv rows are states: reset with the DeltaNet's, kept by kept()."""
+    hc*H) (zeros at its start). The contexts and conv rows are states: reset with the DeltaNet's, kept by kept().
+    A verify step's rejected drafts are not undone in them yet (rolls_back: MTP speculation is refused)."""
+    rolls_back = False
 
     def __init__(self, cfg, n_seq: int, ctx: int, dtype, device):
         super().__init__(cfg, n_seq, ctx, dtype, device)
@@ -247,6 +250,10 @@ class Qwen4Cache(HybridCache):
                 for t in self.ple_conv.values():
                     t[s.seq].zero_()
 
+    def rollback(self, seq: int, length: int) -> None:
+        raise UserError("speculative decoding cannot roll back a Qwen3.8-Flash-Next cache (its n-gram context and PLE "
+                        "conv rows) yet; drop --spec-type")
+
     @contextmanager
     def kept(self):
         if self._kept:
@@ -270,13 +277,21 @@ def kv_layout(cfg) -> tuple[int, int, int]:
     return cfg.n_kv_heads, cfg.head_dim, cfg.head_dim
 
 
-def make_cache(cfg, n_seq: int, ctx: int, dtype, device, where=None) -> KVCache:
-    """The cache of a model of `cfg`: a HybridCache where it has DeltaNet layers (a Qwen4Cache with QSA's keys or a
-    PLE layer's states), else a KVCache of every layer. where: layer -> the device of its share, where the layers
-    are split over several (runtime/split.py; not with QSA or a PLE); None: every layer's on `device`."""
+def cache_class(cfg) -> type[KVCache]:
+    """The cache a model of `cfg` keeps: a HybridCache where it has DeltaNet layers (a Qwen4Cache with QSA's keys or
+    a PLE layer's states), else a KVCache of every layer."""
     if cfg.indexer_heads or cfg.ple_layers:
+        return Qwen4Cache
+    return HybridCache if cfg.linear_layers else KVCache
+
+
+def make_cache(cfg, n_seq: int, ctx: int, dtype, device, where=None) -> KVCache:
+    """The cache of a model of `cfg` (cache_class). where: layer -> the device of its share, where the layers are
+    split over several (runtime/split.py; not with QSA or a PLE); None: every layer's on `device`."""
+    kind = cache_class(cfg)
+    if kind is Qwen4Cache:
         return Qwen4Cache(cfg, n_seq, ctx, dtype, device)
-    if cfg.linear_layers:
+    if kind is HybridCache:
         return HybridCache(cfg, n_seq, ctx, dtype, device, where)
     n_kv, hd, hd_v = kv_layout(cfg)
     on = device if where is None else [where(i) for i in range(cfg.n_stored_layers)]

@@ -23,13 +23,13 @@ from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, by_address_kernels, pick_kernel
 from ..kernels.delta import pick_delta_kernels
 from ..kernels.qsa import pick_qsa_kernels
-from ..arch.families import FAMILIES
+from ..arch.families import AFTER_TRUNK, FAMILIES
 from ..models.layers import rope_tables
-from ..arch.names import HOST_TABLES, dense_names, keeps_float32
+from ..arch.names import HOST_TABLES, dense_names, keeps_float32, optional_names
 from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
-from .kv_cache import make_cache
+from .kv_cache import cache_class, make_cache
 from .placement import fit_cache, fit_split, host_provider, split_provider
 from .plan import decode_plan
 from .split import Split
@@ -42,10 +42,34 @@ def model_config(cfg: ModelConfig, ecfg: EngineConfig) -> ModelConfig:
     asks for it (--spec-type draft-mtp), so that a head costs no memory otherwise."""
     if not ecfg.spec.mtp:
         return cfg.replace(nextn_layers=0)
+    fam = FAMILIES[cfg.family]
+    if not cache_class(cfg).rolls_back:
+        raise UserError(f"--spec-type draft-mtp: moestream cannot yet undo rejected drafts in a {fam.title} model's "
+                        "cache (its n-gram context and PLE conv rows); drop --spec-type")
+    if not fam.hf_mtp:
+        raise UserError(f"--spec-type draft-mtp: moestream reads no MTP head of a {fam.title} model; drop --spec-type")
     if not cfg.nextn_layers:
-        raise UserError(f"--spec-type draft-mtp: this {cfg.family} checkpoint ships no MTP head (HF: mtp.*; GGUF: "
+        hf = ("model.layers.{n}.eh_proj and num_nextn_predict_layers" if fam.hf_mtp[1] == AFTER_TRUNK else
+              f"{fam.hf_mtp[1]}* and {fam.hf_mtp[0]}")
+        raise UserError(f"--spec-type draft-mtp: this {fam.title} checkpoint ships no MTP head (HF: {hf}; GGUF: "
                         "nextn_predict_layers and blk.N.nextn.*); drop --spec-type")
     return cfg
+
+
+def head_io(source, cfg: ModelConfig, weights: dict, device_of, dtype) -> dict:
+    """An MTP head's own embedding and output head (optional_names) where the source has them and they differ from
+    the trunk's token_embd and output (the published DeepSeek-V3 and GLM-4.5 checkpoints ship copies: kept once).
+    device_of(name): where a tensor goes."""
+    trunk = {"nextn.embed_tokens.weight": weights["token_embd.weight"],
+             "nextn.shared_head_head.weight": weights.get("output.weight", weights["token_embd.weight"])}
+    out = {}
+    for n in optional_names(cfg):
+        if source.has(n):
+            same = trunk[n.split(".", 2)[2]]
+            t = source.tensor(n).to(device=same.device, dtype=dtype)      # compared where the trunk's is
+            if not torch.equal(t, same):
+                out[n] = t.to(device_of(n))
+    return out
 
 
 def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
@@ -86,6 +110,7 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
         bar.update()
     if split is not None and "output.weight" not in weights:        # tied: the lm_head on the last device too
         weights["output.weight"] = weights["token_embd.weight"].to(split.devices[-1].torch)
+    weights |= head_io(source, cfg, weights, lambda n: _device_of(n, cfg, dev, split), dtype)
     staging = None
     host_rows, dev_rows = {}, {}
     for l in moe:
