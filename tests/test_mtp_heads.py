@@ -207,3 +207,50 @@ def test_a_cache_that_cannot_roll_back_is_refused_in_one_line():
 def test_a_family_without_a_read_head_is_refused_in_one_line():
     with pytest.raises(UserError, match="reads no MTP head of a gpt-oss model"):
         LLM("synth:tiny-gptoss", spec_type="draft-mtp", **KW)
+
+
+def test_the_verify_step_copies_ahead_the_experts_its_drafts_guess(head_checkpoint):
+    """Host experts behind a cache: each head step's last token's MoE input goes through the routers of the first
+    two host MoE layers (the head's MoE sits in the trunk's embedding space), and the verify step after the drafts
+    begins with those experts of its first layer resident (copied ahead: the prefetch's "draft" seed) and the next
+    layer's queued as fill. The tokens, and every verify step's logits, are those of the same engine without
+    prefetch (bit for bit)."""
+    _, path, _, _ = head_checkpoint
+    prompt, n = ids(8, seed=6), 10
+    runs = []
+    for prefetch in (True, False):
+        eng = LLM(path, spec_type="draft-mtp", cpu_moe=True, moe_cache_mib=1, prefetch=prefetch, **KW).engine
+        first = eng.seed_layers
+        assert first == (tuple(eng.cfg.moe_layers[:2]) if prefetch else ())
+        cache, verify_logits, seeds, copied = eng.host.prompt, [], [], []
+        begin, forward, prefetch_ahead = cache.begin_ubatch, eng.forward, cache._prefetch
+        cache._prefetch = lambda layer, experts, *a: (copied.append((layer, list(experts))),
+                                                      prefetch_ahead(layer, experts, *a))[1]
+
+        def seeded_begin(*a, **k):
+            hint = cache.hint
+            copied.clear()
+            begin(*a, **k)
+            if hint is not None:        # the draft's guesses (2 head steps, k each a layer): the first layer's
+                assert cache.seed.rule == "draft" and hint[list(first)].sum() == 2 * 2 * eng.cfg.n_experts_used
+                assert not hint[[l for l in range(len(hint)) if l not in first]].any()
+                guessed = hint[first[0]].nonzero()[0]           # copied ahead at once, and resident now
+                assert copied[0][0] == first[0] and sorted(copied[0][1]) == sorted(guessed)
+                assert (cache.residency.slot_of[first[0], guessed] >= 0).all()
+                assert [l for l, _ in cache.fill] == [first[1]]
+                assert sorted(cache.fill[0][1]) == sorted(hint[first[1]].nonzero()[0])
+                seeds.append(hint)
+
+        def recorded(segments, tokens, *a, **k):
+            logits = forward(segments, tokens, *a, **k)
+            if k.get("keep_states"):
+                verify_logits.append(logits)
+            return logits
+
+        cache.begin_ubatch, eng.forward = seeded_begin, recorded
+        tokens, counts = greedy_tokens(eng, prompt, n, 2)
+        runs.append((tokens, verify_logits))
+        assert counts.drafted and len(seeds) == (len(counts.drafted) if prefetch else 0)
+    (tokens, logits), (plain_tokens, plain_logits) = runs
+    assert tokens == plain_tokens and len(logits) == len(plain_logits)
+    assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits))

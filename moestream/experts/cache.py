@@ -100,6 +100,13 @@ class ExpertCache(HostProvider):
         self.flush_decode()                     # as begin_ubatch: the prompt decides on the host, after the steps
         self.prompt.restore(state)
 
+    @property
+    def takes_seeds(self) -> bool:
+        return self.prefetch.enabled
+
+    def seed_next(self, counts) -> None:
+        self.prompt.hint = counts
+
     def lookahead_layers(self, layer: int, n_tokens: int) -> int:
         if self._in_place(n_tokens):
             return 0                            # a zero-copy decode step has no host step to copy ahead from

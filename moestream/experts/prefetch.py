@@ -72,9 +72,14 @@ class PrefetchConfig:
     min_use: float = 0.0            # copy ahead only experts the ubatch routes with at least this probability
 
 
+# A speculative verify step's first host MoE layers, whose experts its drafts guess (the MTP head's MoE input through
+# their routers: Engine.head_step) and the cache copies ahead from the step's start (Seed "draft").
+DRAFT_SEED_LAYERS = 2
+
+
 @dataclass
 class Seed:
-    rule: str                       # "first-chunk", "own-prompt", "tail", "all"
+    rule: str                       # "first-chunk", "own-prompt", "tail", "all", "draft"
     counts: np.ndarray | None       # (L, E) counts that rank the experts to copy ahead; None with rule "all"
 
 

@@ -58,6 +58,7 @@ class PromptPath:
         self.host_set = set(layers)
         self.routing = routing                                  # per context: routing.prompts[seq]
         self.seed: Seed | None = None
+        self.hint: np.ndarray | None = None                     # the next ubatch's guessed experts (seed_next)
         self.seq, self.is_prompt, self.n_tokens = 0, False, 0
         self.rows: dict[int, tuple[int, int]] = {}              # a prompt ubatch's sequences: each one's rows
         self.top_k = top_k
@@ -73,7 +74,8 @@ class PromptPath:
         as each one's (it seeds from the first's)."""
         self.seq, self.is_prompt, self.n_tokens = seq, is_prompt, n_tokens
         stats = self.routing.prompts[seq]
-        self.seed = choose_seed(n_tokens, is_prompt, stats, self.prefetch)
+        hint, self.hint = self.hint, None       # a verify step's drafts' guesses (ExpertCache.seed_next)
+        self.seed = choose_seed(n_tokens, is_prompt, stats, self.prefetch) if hint is None else Seed("draft", hint)
         self.rows = {seq: (0, n_tokens)}        # each sequence's rows [a, b): its prompt's tail ends at b
         if is_prompt and seqs is not None:
             last = {s: i + 1 for i, s in enumerate(seqs)}

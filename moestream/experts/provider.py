@@ -142,6 +142,7 @@ class HostProvider(ExpertProvider):
     prompt's batch of several run layer by layer (Engine.forward_parts), whose routing `fetch` gets as one (T, k)."""
 
     pauses = True       # a prompt ubatch may pause between layers for other forwards (suspend / resume)
+    takes_seeds = False  # seed_next copies ahead (a cache that prefetches); else nobody asks for a seed
 
     def __init__(self):
         self.stats = CacheStats()
@@ -159,6 +160,11 @@ class HostProvider(ExpertProvider):
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         """A forward of n_tokens begins; seq: its first segment's sequence; seqs: each token's sequence, where
         it has several (a decode step; a prompt batch of several sequences' ubatches), else None."""
+
+    def seed_next(self, counts) -> None:
+        """The next ubatch's experts as guessed before it (a speculative verify step: its drafts' guesses,
+        runtime/speculate.py): counts (layers, E) of guesses per expert, copied ahead from its start where it has no
+        seed of its own (experts/prefetch.py's rules). Only where takes_seeds."""
 
     def suspend(self):
         """The prompt ubatch in progress pauses between two layers while other forwards run (the server's decode

@@ -50,10 +50,15 @@ def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, pr
     n = sum(x.shape[0] for x in xs)
     ahead = min(provider.lookahead_layers(layer, n), len(next_routers)) if next_routers else 0
     traced = bool(next_routers) and observer is not None and observer.wants_guess
-    guesses = tuple(_cat([torch.topk(F.linear(x, r), cfg.n_experts_used, dim=-1).indices for x in xs])
-                    for r in next_routers[:max(ahead, int(traced))])
+    guesses = tuple(_cat([guess(x, r, cfg.n_experts_used) for x in xs]) for r in next_routers[:max(ahead, int(traced))])
     report_route(observer, layer, ids, guesses[0] if guesses else None)
     return weights, ids, guesses[:ahead] or None       # a guess made only for the trace is not the provider's
+
+
+def guess(x: torch.Tensor, router: torch.Tensor, k: int) -> torch.Tensor:
+    """The (T, k) experts another MoE layer's router (E, H) would pick for x (T, H): a lookahead guess of that layer's
+    routing from this one's input (its bias and gating left out: the ranking is what a copy-ahead needs)."""
+    return torch.topk(F.linear(x, router), k, dim=-1).indices
 
 
 def moe_experts(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, provider, kernel, weights, ids,

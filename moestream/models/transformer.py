@@ -32,7 +32,7 @@ from ..kernels.delta_reference import DeltaKernels
 from ..kernels.host_arrays import upload
 from .blocks import build
 from .layers import swiglu
-from .moe import moe_experts, moe_route
+from .moe import guess, moe_experts, moe_route
 from .mtp import mtp_input, mtp_io
 from .ple import PLE
 from .router import fused_options, fuses as router_fuses
@@ -69,11 +69,17 @@ class Batch:
     keep_states: bool = False      # a verify step: recurrent layers keep each token's state of each segment of
                                    # several tokens (models/deltanet.py), for kv.rollback
     hidden: torch.Tensor | None = None
+    # A head step: the trunk's MoE layers whose routers guess, from its last token's MoE input, the experts of the
+    # verify step's first layers (experts/prefetch.py's draft seed); the forward leaves them in `guesses`
+    # (len(guess_layers), k) expert ids.
+    guess_layers: tuple[int, ...] = ()
+    guesses: torch.Tensor | None = None
 
     @staticmethod
     def make(segments: list[Segment], tokens: list[int] | torch.Tensor, device, all_logits: bool = False,
              kv_len: int | None = None, by_address=None, fused=None, observer=None, logits: bool = True,
-             head: torch.Tensor | None = None, keep_hidden: bool = False, keep_states: bool = False) -> "Batch":
+             head: torch.Tensor | None = None, keep_hidden: bool = False, keep_states: bool = False,
+             guess_layers: tuple[int, ...] = ()) -> "Batch":
         """all_logits: every token's logits, else each segment's last token's; logits=False: none (a part of a
         prompt's batch before its last, models/transformer.py's forward_parts). tokens: ids, or a (T,) tensor of
         them on the device (a decode step's sampled tokens, not read back)."""
@@ -89,7 +95,8 @@ class Batch:
         flat = upload(np.array(tokens + seq_ids + pos + rows, dtype=np.int64), torch.device(device))  # no wait
         T = len(tokens)
         return Batch(flat[:T] if on_device is None else on_device, segments, flat[T:2 * T], flat[2 * T:3 * T],
-                     flat[3 * T:], kv_len, by_address, fused, observer, head, keep_hidden, keep_states)
+                     flat[3 * T:], kv_len, by_address, fused, observer, head, keep_hidden, keep_states,
+                     guess_layers=tuple(guess_layers))
 
     def move(self, device) -> None:
         """The batch's index tensors onto `device`, where the next share of a split runs (runtime/split.py)."""
@@ -235,9 +242,13 @@ class MoETransformer:
                     else:
                         hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
                     ms.append(m)
-                weights, ids, guess = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
+                weights, ids, ahead = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
                                                 self.router)
-                outs = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, guess, by_address, fused, addrs,
+                if head and parts[-1].guess_layers:     # the verify step's first layers' experts, from the last token
+                    x = ms[-1][-1:]                         # (1, H); the routers may be on another device (split)
+                    parts[-1].guesses = torch.cat([guess(x, self.layers[l]["ffn_gate_inp.weight"].to(x.device),
+                                                         cfg.n_experts_used) for l in parts[-1].guess_layers])
+                outs = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, ahead, by_address, fused, addrs,
                                    self.mlp)
                 deltas = [res.block_output(o, g) for o, g in zip(outs, gates)]
                 yield i

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .. import flags
@@ -28,6 +29,7 @@ from ..config import ModelConfig
 from ..engine_config import EngineConfig
 from ..device import Device
 from ..errors import UserError
+from ..experts.prefetch import DRAFT_SEED_LAYERS
 from ..experts.routing import RouteObserver, RouteObservers, RoutingStore
 from ..arch.families import FAMILIES
 from ..kernels import AddressBook, by_address_kernels, pick_decode_kernel
@@ -68,6 +70,13 @@ class Engine:
         takes = fused.fused_available(device.torch, self.dtype) and model.attention.takes_fused()
         self.fused = fused if takes else None
         self.eager = EagerDecode(self)      # the plain path; also every step the chosen path does not take
+        # MTP head steps guess the verify step's first host MoE layers' experts, which the cache copies ahead from
+        # the verify step's start (experts/prefetch.py's draft seed); the guesses of the head steps since the last
+        # forward, (layers, k) ids each
+        takes = host is not None and host.takes_seeds and cfg.nextn_layers
+        self.seed_layers = tuple(l for l in sorted(ecfg.placement.host_layers(cfg)) if l in cfg.moe_layers
+                                 )[:DRAFT_SEED_LAYERS] if takes else ()
+        self.draft_guesses: list[torch.Tensor] = []
         self._setup_decode()
 
     # --- forwards ------------------------------------------------------------------------------------------
@@ -78,10 +87,14 @@ class Engine:
         """One eager forward. by_address, fused: a decode step's kernels (runtime/decode.py). observed: the route
         observers see its routing (in a zero-copy step with host experts the provider reports it instead).
         hidden: a list that gets every token's post-norm hidden state (T, H) (what an MTP head reads);
-        keep_states: recurrent layers keep each token's state, for kv.rollback (a speculative verify step)."""
+        keep_states: recurrent layers keep each token's state, for kv.rollback (a speculative verify step; the cache
+        copies ahead the experts the head steps since the last forward guessed for its first layers)."""
         observer = self.observers if observed else None
         batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer,
                            keep_hidden=hidden is not None, keep_states=keep_states)
+        guesses, self.draft_guesses = self.draft_guesses, []
+        if keep_states and guesses:         # a verify step: its drafts' guesses go ahead of it
+            self.host.seed_next(self._seed(guesses))
         logits = self._run(segments, [batch], is_prompt, observer)
         if hidden is not None:
             hidden.append(batch.hidden)
@@ -101,12 +114,24 @@ class Engine:
         for i in range(0, len(tokens), ub):
             part = tokens[i:i + ub]
             seg = Segment(seq, start + i, len(part))
+            last = i + ub >= len(tokens)    # its last token is the verify step's (its guesses: self.seed_layers)
             batch = Batch.make([seg], part, self.device.torch, observer=self.observers,
-                               head=hidden[i:i + len(part)], keep_hidden=True)
+                               head=hidden[i:i + len(part)], keep_hidden=True,
+                               guess_layers=self.seed_layers if last else ())
             self._begin([seg], True, self.observers, states=False)
             logits = self.model.forward(batch, self.kv, self.experts, self.kernel)
             outs.append(batch.hidden)
+        if batch.guesses is not None:
+            self.draft_guesses.append(batch.guesses)
         return logits, torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _seed(self, guesses: list[torch.Tensor]) -> np.ndarray:
+        """Head steps' guesses ((len(seed_layers), k) ids each) as counts (layers, E) per expert (seed_next)."""
+        counts = np.zeros((self.cfg.n_stored_layers, self.cfg.n_experts), dtype=np.int64)
+        ids = torch.stack(guesses).cpu().numpy()                      # (steps, len(seed_layers), k)
+        for j, layer in enumerate(self.seed_layers):
+            np.add.at(counts[layer], ids[:, j].reshape(-1), 1)
+        return counts
 
     def _run(self, segments: list[Segment], batches: list[Batch], is_prompt: bool, observer) -> torch.Tensor:
         """The model's forward of `batches` (their segments: `segments`), with the cache and the providers and
