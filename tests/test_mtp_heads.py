@@ -254,3 +254,13 @@ def test_the_verify_step_copies_ahead_the_experts_its_drafts_guess(head_checkpoi
     (tokens, logits), (plain_tokens, plain_logits) = runs
     assert tokens == plain_tokens and len(logits) == len(plain_logits)
     assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits))
+
+
+@pytest.mark.parametrize("preset", ["tiny-glm", "tiny-next"])
+def test_a_synth_model_with_a_head(preset):
+    """synth:NAME:mtp=1 draws a head after the trunk (the GPU benches' real shapes with a head): drafts run, greedy
+    tokens are those without."""
+    prompt, params = [5, 9, 13, 2, 7], SamplingParams(max_tokens=8)
+    plain = LLM(f"synth:{preset}", **KW).generate(prompt, params).token_ids
+    out = LLM(f"synth:{preset}:mtp=1", spec_type="draft-mtp", cpu_moe=True, **KW).generate(prompt, params)
+    assert out.token_ids == plain and out.timings["spec"]["drafted"] > 0

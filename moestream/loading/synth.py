@@ -11,7 +11,8 @@
     src.tensor("blk.0.attn_q.weight")                            # (nh*hd, H), made on demand
 
 Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16,
-experts=float|mxfp4 (the experts' type; float but for gpt-oss-20b and gpt-oss-120b). The seed is 0
+experts=float|mxfp4 (the experts' type; float but for gpt-oss-20b and gpt-oss-120b), mtp=1 (an MTP head after the
+trunk, for --spec-type draft-mtp: the families that have one, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3, GLM-4.5). The seed is 0
 but for tiny-next's, 6: with seed 0 its first greedy token after the README's prompt ("Once upon a time") ends the
 text, so that the demo printed nothing; seed 6 writes 32 tokens there.
 
@@ -188,7 +189,7 @@ SCALED_ROUTERS = {"tiny", "tiny-next", "tiny-deepseek", "tiny-glm", "tiny-gptoss
 
 def _usage() -> str:
     return (f"presets: {', '.join(PRESETS)}; options: :layers=N, :seed=N, :dtype={'|'.join(DTYPES)}, "
-            f":experts={'|'.join(EXPERTS)} (e.g. synth:qwen3-30b-a3b:layers=4)")
+            f":experts={'|'.join(EXPERTS)}, :mtp=1 (e.g. synth:qwen3-30b-a3b:layers=4)")
 
 
 class SynthSource:
@@ -229,6 +230,8 @@ class SynthSource:
                     dtype = DTYPES[value]
                 elif key == "experts" and sep and value in EXPERTS:
                     experts = value
+                elif key == "mtp" and value in ("0", "1"):      # an MTP head after the trunk (its family's)
+                    kw["nextn_layers"] = int(value)
                 else:
                     raise ValueError
             except ValueError:
@@ -281,7 +284,7 @@ class SynthSource:
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
-        if layer not in c.moe_layers or not 0 <= e < c.n_experts:
+        if layer not in c.expert_layers or not 0 <= e < c.n_experts:
             raise UserError(f"the synth model has no expert {e} in layer {layer}")
         if self.experts == "mxfp4":
             from ..quant.dequant import dequantize
@@ -311,7 +314,7 @@ class SynthSource:
     def _mxfp4_expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert e's gate (I, H / 32 * 17), up and down (H, I / 32 * 17) as ggml's MXFP4 rows."""
         c = self.config
-        if layer not in c.moe_layers or not 0 <= e < c.n_experts:
+        if layer not in c.expert_layers or not 0 <= e < c.n_experts:
             raise UserError(f"the synth model has no expert {e} in layer {layer}")
         g = self._generator(f"blk.{layer}.expert.{e}")
         H, inter = c.hidden_size, c.moe_intermediate_size
