@@ -137,6 +137,20 @@ def test_greedy_with_the_head_equals_greedy_without(head_checkpoint, n_max):
         assert out.token_ids == plain and out.timings["spec"]["drafted"] > 0
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_with_the_head_on_cuda(head_checkpoint):
+    """bfloat16 on the GPU, every placement (decode steps in graphs over the latent cache's kernels, verify and head
+    steps eager on the prompt path, the draft seed on the copy stream): the tokens of plain decoding."""
+    _, path, _, _ = head_checkpoint
+    kw = dict(device="cuda", dtype="bfloat16", ctx_size=64)
+    prompt, params = ids(9, seed=3), SamplingParams(max_tokens=16)
+    plain = LLM(path, **kw).generate(prompt, params).token_ids
+    for place in ({}, dict(cpu_moe=True), dict(cpu_moe=True, moe_cache_mib=0), dict(n_cpu_moe=1)):
+        out = LLM(path, spec_type="draft-mtp", **place, **kw).generate(prompt, params)
+        assert out.token_ids == plain and out.timings["spec"]["drafted"] > 0
+
+
 def test_rejected_drafts_roll_back_the_latent_and_gqa_caches(head_checkpoint):
     """An oracle's drafts all right (P = 1) and all wrong (P = 0), 3 a step: the tokens of plain decoding."""
     _, path, _, _ = head_checkpoint
