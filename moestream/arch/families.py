@@ -131,6 +131,9 @@ HF_LAYER = {
 
 # A multi-token prediction head's own tensors (canonical, GGUF's `blk.{n_layers}.nextn.*`) -> HF's after the
 # family's hf_mtp prefix (Qwen3-Next's and Qwen3.5-MoE's `mtp.`, as vLLM and llama.cpp's converter read them).
+# An MTP head's own tensors beside its decoder layer (models/mtp.py), in every family that ships one: canonical names
+# (after `blk.{n}.`), and their HF spellings below.
+NEXTN = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
 HF_NEXTN = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
             "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
 

@@ -44,12 +44,10 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .families import FAMILIES, HF_LAYER
+from .families import FAMILIES, HF_LAYER, NEXTN
 
 _ZERO_CENTRED = ("attn_norm.weight", "ffn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
                  "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
-# An MTP head's own tensors, besides its block's (a full attention layer with routed and shared experts).
-NEXTN = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
 _ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
               "attn_k_norm.weight")
 _DELTANET = {"qwen3_next": ("ssm_in.weight", "ssm_ba.weight"),

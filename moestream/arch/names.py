@@ -36,8 +36,7 @@ from typing import Callable
 
 from ..config import INT_FIELDS, ModelConfig
 from ..errors import UserError
-from .families import FAMILIES
-from .hybrid_names import NEXTN
+from .families import FAMILIES, NEXTN
 from .ngram import table_rows
 
 # A MoE layer's experts stacked (E, ., .): gate, up, down, in the order an expert's buffer holds them.
