@@ -44,6 +44,12 @@
 #   bash bench/gpu.sh arrays                 the Next Q4_K_M prompts at 4000 MiB (ubatch 4096 / 2048, -n 0 -r 3), the
 #                                            prompt timeline at ubatch 4096 (the files of `next`) and bench/copy_order.py
 #                                            (the copy-call A/B, MOESTREAM_HOST_ARRAYS=copy: bench/RESULTS.md, stop 38)
+#   bash bench/gpu.sh deepseek STAGE [FLAGS] DeepSeek-V3's reference beside llama.cpp b11549 (issue 52), a stage a
+#                                            command: prep (llama.cpp built from .carry/llamacpp in the background,
+#                                            make_reference_deepseek_gguf.py 4 layers --experts q4_0 written), quant
+#                                            (its Q4_K_M by moestream quantize, the q4_0 file deleted), then gpu, cache
+#                                            (--cpu-moe, no cache and DS_CACHE MiB, default 5200), par (1 / 4 / 8
+#                                            streams at DS_CACHE): llama-batched-bench and moestream bench alternating
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -54,6 +60,7 @@
 # Setup, once per checkout: the GPU machine lacks the server's packages and gguf, and the reference model's writer
 # lives outside the repository, so both travel in .carry/ (ignored by git, carried to the machine):
 #   mkdir -p .carry && cp ../shared/wheels-gpu/*.whl ../shared/bench/make_reference_*gguf.py .carry/
+#   cp -r ../shared/llamacpp .carry/            (llama.cpp b11549's source, for the suites beside llama.cpp: deepseek)
 #   echo /.carry/ >> "$(git rev-parse --git-common-dir)/info/exclude"
 # Then run a suite on the GPU machine from the repository root, with .carry/ carried along (the device tool's
 # `carry: [".carry"]`), e.g. the command `bash bench/gpu.sh all`. The script installs the wheels into /tmp/site and
@@ -71,7 +78,7 @@ N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
 case "$SUITE" in
-tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|all) ;;
+tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|deepseek|all) ;;
 *) usage ;;
 esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
@@ -283,6 +290,31 @@ trace() {          # one prompt of 4096 random ids (the same every run), at ubat
   done | tee -a "$OUT/trace.md"
 }
 
+deepseek() {       # issue 52's rows: llama.cpp (the third of three runs in one process) and moestream on one file
+  local DS=/tmp/ds.gguf DSQ=/tmp/ds-q4km.gguf C=${DS_CACHE:-5200} L=/tmp/lcu/bin/llama-batched-bench
+  export LD_LIBRARY_PATH=/tmp/lcu/bin
+  lc() { echo "## llama-batched-bench $*" | tee -a "$OUT/ds_rows.md"
+         timeout 240 $L -m $DSQ -fa on -t 16 -lm none "$@" 2>&1 | grep -E "^\|" | tee -a "$OUT/ds_rows.md"; }
+  ms() { bench ds_rows.md 300 -m $DSQ "$@"; }
+  case "${1:-}" in
+  prep)  (bash .carry/llamacpp/build.sh > "$OUT/lcu_build.log" 2>&1) &
+         [ -f $DS ] || [ -f $DSQ ] || { timeout 400 python3 .carry/make_reference_deepseek_gguf.py $DS.part 4 --experts q4_0 \
+           2>&1 | tail -1 && mv $DS.part $DS; }
+         wait; tail -1 "$OUT/lcu_build.log" ;;
+  quant) [ -f $DSQ ] || { timeout 560 python3 -m moestream quantize $DS $DSQ Q4_K_M --allow-requantize 2>&1 | tail -1
+                          rm -f $DS; } ;;
+  gpu)   lc -ngl 99 -c 8192 -b 4096 -ub 2048 -npp 4096 -ntg 64 -npl 1,1,1
+         ms -p 4096 -n 64 -ub 2048,4096 -b 4096 -r 2
+         lc -ngl 99 -c 8192 -b 4096 -ub 4096 -npp 4096 -ntg 64 -npl 1,1,1 ;;
+  cache) lc -ngl 99 -ncmoe 4 --moe-cache-mib 0 -c 8192 -b 4096 -ub 2048 -npp 4096 -ntg 64 -npl 1,1,1
+         ms -p 4096 -n 64 -ub 2048,4096 -b 4096 -r 2 --cpu-moe --moe-cache-mib 0,$C
+         lc -ngl 99 -ncmoe 4 --moe-cache-mib $C -c 8192 -b 4096 -ub 2048 -npp 4096 -ntg 64 -npl 1,1,1 ;;
+  par)   lc -ngl 99 -ncmoe 4 --moe-cache-mib $C -c 20000 -b 4096 -ub 512 -npp 512 -ntg 64 -npl 1,4,8
+         ms --parallel 1,4,8 -npp 512 -ntg 64 --cpu-moe --moe-cache-mib $C ;;
+  *)     echo "deepseek takes a stage: prep, quant, gpu, cache or par" >&2; return 2 ;;
+  esac
+}
+
 { nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv
   python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
   echo "commit $(git rev-parse --short HEAD 2> /dev/null || echo '?') suite $SUITE ${EXTRA[*]+${EXTRA[*]}}"; } \
@@ -292,6 +324,7 @@ tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
 pacing) pacing ${EXTRA[@]+"${EXTRA[@]}"} ;;
 parallel) parallel ;;
+deepseek) stage=${EXTRA[0]:-}; EXTRA=("${EXTRA[@]:1}"); deepseek "$stage" ;;   # (flags after the stage: bench's)
 profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
