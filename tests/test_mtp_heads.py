@@ -206,18 +206,6 @@ def test_a_checkpoint_without_its_head_is_refused_in_one_line(head_checkpoint, t
         LLM(str(tmp_path), spec_type="draft-mtp", **KW)
 
 
-def test_a_cache_that_cannot_roll_back_is_refused_in_one_line():
-    """Qwen3.8-Flash-Next's cache (Qwen4Cache) does not undo rejected drafts in its n-gram context and PLE conv
-    rows: speculation is refused at load, and a rollback asked of it anyway is a one-line error, not a wrong state."""
-    from moestream.runtime.kv_cache import Qwen4Cache
-    with pytest.raises(UserError, match="cannot yet undo rejected drafts in a Qwen3.8-Flash-Next"):
-        LLM("synth:tiny-flash-next", spec_type="draft-mtp", **KW)
-    eng = LLM("synth:tiny-flash-next", **KW).engine
-    assert isinstance(eng.kv, Qwen4Cache)
-    with pytest.raises(UserError, match="cannot roll back a Qwen3.8-Flash-Next cache"):
-        eng.kv.rollback(0, 1)
-
-
 def test_a_family_without_a_read_head_is_refused_in_one_line():
     with pytest.raises(UserError, match="reads no MTP head of a gpt-oss model"):
         LLM("synth:tiny-gptoss", spec_type="draft-mtp", **KW)

@@ -24,7 +24,7 @@ and conv rows are its cache's (runtime/kv_cache.py's Qwen4Cache: ngram, ple_conv
 
     ple = PLE(cfg, table)                         # table: (rows, d) in host memory, never on the device
     emb = ple.embeddings(batch, kv)               # (T, ple_embed_dim) on the batch's device; contexts advanced
-    h = h + ple.add(h, emb, lw, batch, kv.ple_conv[layer])       # each segment's conv rows read and written back
+    h = h + ple.add(h, emb, lw, batch, kv, layer)    # each segment's conv rows (kv.ple_conv) read and written back
 """
 from __future__ import annotations
 
@@ -136,10 +136,12 @@ class PLETable:
 
 
 def ple_add(h: torch.Tensor, emb: torch.Tensor, lw: dict, cfg: ModelConfig,
-            conv_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            conv_state: torch.Tensor | None, keep: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What the PLE layer adds to the streams h (T, hc*H) of one sequence's consecutive tokens, from their
     embeddings emb (T, ple_embed_dim), and the conv state after them; conv_state ((K-1)*ngram_size, hc*H): the
-    normed rows of the sequence's last tokens (None: its start, zeros)."""
+    normed rows of the sequence's last tokens (None: its start, zeros). keep: a list that gets the rows before and
+    of the tokens ((K-1)*ngram_size + T, hc*H), whose rows [t + 1, t + 1 + (K-1)*ngram_size) are the state after
+    token t (a speculative verify step's, for Qwen4Cache.rollback)."""
     T, hc, H = h.shape[0], cfg.hc_count, cfg.hidden_size
     emb = emb.to(h.dtype)
     key = group_rms_norm(F.linear(emb, lw["ple_key.weight"]), lw["ple_norm_key.weight"], hc, cfg.rms_norm_eps)
@@ -156,6 +158,8 @@ def ple_add(h: torch.Tensor, emb: torch.Tensor, lw: dict, cfg: ModelConfig,
         conv_state = normed.new_zeros(span, normed.shape[1])
     x = torch.cat([conv_state, normed])                                                # (span + T, C)
     y = F.conv1d(x.t()[None], w[:, None, :], groups=w.shape[0], dilation=d)[0].t()      # (T, C)
+    if keep is not None:
+        keep.append(x)
     return gated + F.silu(y), x[-span:].clone()
 
 
@@ -172,22 +176,29 @@ class PLE:
         """(T, ple_embed_dim) of batch's tokens on their device: each segment's rows hashed after its sequence's
         context (kv.ngram[seq], (ngram_size-1,) int64 on the host), then gathered from the host table; each
         context advanced past its segment. The tokens are read back to the host (a decode step's sampled ones
-        too): the rows are picked there."""
+        too): the rows are picked there. A verify step (batch.keep_states) leaves each segment's context and tokens
+        with the cache (Qwen4Cache.keep_ngram), whose rollback takes the context after the accepted one."""
         tokens = batch.tokens.cpu()
         rows, r = [], 0
         for s in batch.segments:
             toks = tokens[r:r + s.n]
             rows.append(self.hash.rows(kv.ngram[s.seq], toks))                 # (n, heads)
+            if batch.keep_states and s.n > 1:
+                kv.keep_ngram(s, torch.cat([kv.ngram[s.seq], toks]))
             kv.ngram[s.seq] = torch.cat([kv.ngram[s.seq], toks])[-self.hash.context_len:]
             r += s.n
         return self.table.gather(torch.cat(rows), batch.tokens.device)
 
-    def add(self, h: torch.Tensor, emb: torch.Tensor, lw: dict, batch, conv: torch.Tensor) -> torch.Tensor:
-        """What the PLE layer adds to the streams h (T, hc*H): ple_add of each segment, its sequence's conv rows
-        read from conv (n_seq, (K-1)*ngram_size, hc*H) and written back."""
-        outs, r = [], 0
+    def add(self, h: torch.Tensor, emb: torch.Tensor, lw: dict, batch, kv, layer: int) -> torch.Tensor:
+        """What PLE layer `layer` adds to the streams h (T, hc*H): ple_add of each segment, its sequence's conv rows
+        read from kv.ple_conv[layer] (n_seq, (K-1)*ngram_size, hc*H) and written back; a verify step
+        (batch.keep_states) leaves each segment's rows with the cache (Qwen4Cache.keep_ple) for its rollback."""
+        conv, outs, r = kv.ple_conv[layer], [], 0
         for s in batch.segments:
-            add, conv[s.seq] = ple_add(h[r:r + s.n], emb[r:r + s.n], lw, self.cfg, conv[s.seq])
+            keep = [] if batch.keep_states and s.n > 1 else None
+            add, conv[s.seq] = ple_add(h[r:r + s.n], emb[r:r + s.n], lw, self.cfg, conv[s.seq], keep)
+            if keep:
+                kv.keep_ple(layer, s, keep[0])
             outs.append(add)
             r += s.n
         return torch.cat(outs) if len(outs) > 1 else outs[0]

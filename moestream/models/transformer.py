@@ -218,7 +218,7 @@ class MoETransformer:
                 for j, p in enumerate(parts):
                     if i in cfg.ple_layers:     # the n-gram embeddings added into the streams before the layer's mixer
                         hs[j], deltas[j] = res.add(hs[j], deltas[j]), None
-                        hs[j] = hs[j] + self.ple.add(hs[j], embs[j], lw, p, kv.ple_conv[i])
+                        hs[j] = hs[j] + self.ple.add(hs[j], embs[j], lw, p, kv, i)
                     hs[j], a, gates[j], proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
                     deltas[j] = res.block_output(self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj), gates[j])
                 if i in cfg.dense_layers:

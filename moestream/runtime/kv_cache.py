@@ -35,7 +35,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class KVCache:
     exact_prefix_only = False       # a sequence may be cut back to any prefix of what it holds
-    rolls_back = True               # rollback() undoes a verify step's rejected drafts (MTP speculation)
 
     def __init__(self, n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, device, hd_v: int | None = None):
         """hd_v: the values' head size where it is not the keys' (the latent layout). device: one for every layer,
@@ -212,9 +211,11 @@ class Qwen4Cache(HybridCache):
     key depends on its own tokens only, so a sequence's keys below its position are valid); per sequence its n-gram
     context, ngram (n_seq, ngram_size-1) int64 in host memory (its last tokens: the rows of its next ones are
     picked on the host; EOS at its start), and per PLE layer its conv rows, ple_conv[i] (n_seq, (K-1)*ngram_size,
-    hc*H) (zeros at its start). The contexts and conv rows are states: reset with the DeltaNet's, kept by kept().
-    A verify step's rejected drafts are not undone in them yet (rolls_back: MTP speculation is refused)."""
-    rolls_back = False
+    hc*H) (zeros at its start). The contexts and conv rows are states: reset with the DeltaNet's, kept by kept(),
+    and undone after a verify step's rejected drafts as the DeltaNet's are: the step leaves each segment's context
+    and tokens (keep_ngram) and each PLE layer's rows before and of its tokens (keep_ple), and rollback takes those
+    after the accepted position (the index and block keys need nothing: keys past a sequence's position are not
+    read, and a block's key is written again when its last token lands again)."""
 
     def __init__(self, cfg, n_seq: int, ctx: int, dtype, device):
         super().__init__(cfg, n_seq, ctx, dtype, device)
@@ -226,6 +227,8 @@ class Qwen4Cache(HybridCache):
         self.ngram = torch.full((n_seq, cfg.ngram_size - 1), self.eos, dtype=torch.long)
         self.ple_conv = {i: torch.zeros(self.ple_shape(cfg, n_seq), dtype=dtype, device=device)
                          for i in cfg.ple_layers}
+        self.ngram_steps: dict[int, tuple] = {}          # seq -> (segment, its context then its tokens)
+        self.ple_steps: dict[tuple[int, int], tuple] = {}    # (layer, seq) -> (segment, rows before and of it)
 
     @staticmethod
     def ple_shape(cfg, n_seq: int) -> tuple[int, int, int]:
@@ -250,9 +253,25 @@ class Qwen4Cache(HybridCache):
                 for t in self.ple_conv.values():
                     t[s.seq].zero_()
 
+    def keep_ngram(self, segment, history: torch.Tensor) -> None:
+        """A verify step's segment: its sequence's context before it and its tokens (ngram_size-1 + n,)."""
+        self.ngram_steps[segment.seq] = (segment, history)
+
+    def keep_ple(self, layer: int, segment, rows: torch.Tensor) -> None:
+        """A verify step's segment: PLE layer `layer`'s conv rows before it and its own ((K-1)*ngram_size + n, C)."""
+        self.ple_steps[layer, segment.seq] = (segment, rows)
+
     def rollback(self, seq: int, length: int) -> None:
-        raise UserError("speculative decoding cannot roll back a Qwen3.8-Flash-Next cache (its n-gram context and PLE "
-                        "conv rows) yet; drop --spec-type")
+        """HybridCache.rollback, then the n-gram context and each PLE layer's conv rows as they were after position
+        length - 1: windows of what the last verify step of `seq` kept."""
+        super().rollback(seq, length)
+        kept = [(self.ngram, self.ngram_steps.pop(seq, (None, None)))]
+        kept += [(self.ple_conv[i], self.ple_steps.pop((i, seq), (None, None))) for i in self.ple_conv]
+        for state, (s, history) in kept:
+            if s is None or not s.start < length <= s.start + s.n:
+                raise ValueError(f"no kept n-gram context or PLE rows of sequence {seq} at position {length - 1}")
+            k = length - s.start
+            state[seq] = history[k:k + state.shape[1]]
 
     @contextmanager
     def kept(self):

@@ -29,7 +29,7 @@ from ..arch.names import HOST_TABLES, dense_names, keeps_float32, optional_names
 from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
-from .kv_cache import cache_class, make_cache
+from .kv_cache import make_cache
 from .placement import fit_cache, fit_split, host_provider, split_provider
 from .plan import decode_plan
 from .split import Split
@@ -43,9 +43,6 @@ def model_config(cfg: ModelConfig, ecfg: EngineConfig) -> ModelConfig:
     if not ecfg.spec.mtp:
         return cfg.replace(nextn_layers=0)
     fam = FAMILIES[cfg.family]
-    if not cache_class(cfg).rolls_back:
-        raise UserError(f"--spec-type draft-mtp: moestream cannot yet undo rejected drafts in a {fam.title} model's "
-                        "cache (its n-gram context and PLE conv rows); drop --spec-type")
     if not fam.hf_mtp:
         raise UserError(f"--spec-type draft-mtp: moestream reads no MTP head of a {fam.title} model; drop --spec-type")
     if not cfg.nextn_layers:
