@@ -18,6 +18,7 @@ import torch
 from . import flags
 from .engine_config import EngineConfig
 from .errors import UserError
+from .loading.draft import with_head
 from .loading.source import open_source
 from .quant.layout import expert_layouts
 from .runtime.generate import Completion, Generation
@@ -71,6 +72,8 @@ class LLM:
         config = flags.apply(config or EngineConfig(), **overrides)     # validated before anything loads
         t0 = time.perf_counter()
         self.source = open_source(model, progress=progress)
+        if config.spec.model_draft is not None:            # an MTP head of its own file (--model-draft)
+            self.source = with_head(self.source, config.spec.model_draft, config.spec)
         if check is not None:
             check(self.source)
         # "auto" decided for this machine and this checkpoint's dtype (None: quantized), once (load_engine takes

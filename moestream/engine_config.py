@@ -152,6 +152,7 @@ class SpecConfig:
     type: str = "none"               # none | draft-mtp (the checkpoint's MTP head drafts, models/mtp.py)
     draft_n_max: int = 2             # tokens the head drafts a step; the target verifies them and one more (0: the
                                      # head is loaded, no step drafts: bench's baseline in the same process)
+    model_draft: str | None = None   # the head's own GGUF, read beside the target (loading/draft.py)
 
     def __post_init__(self):
         if self.type not in SPEC_TYPES:

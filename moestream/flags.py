@@ -126,6 +126,9 @@ OPTIONS = (
            "model verifies the drafts in one step; greedy output unchanged)"),
     Option("spec_draft_n_max", "spec.draft_n_max", ("--spec-draft-n-max",),
            "tokens the MTP head drafts a step (default 2)", type=int, metavar="N"),
+    Option("model_draft", "spec.model_draft", ("-md", "--spec-draft-model", "--model-draft"),
+           "the MTP head's own GGUF (llama.cpp's MTP-only file: the head's block, its embedding and output), read "
+           "beside the model's, with --spec-type draft-mtp (default: the head the model ships)", metavar="FILE"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 # The prefetch rules' own flags, which `moestream replay` takes too (it switches prefetch on with --prefetch).

@@ -99,7 +99,10 @@ def read_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
 class GGUFSource(GGUFMetadata):
     """A WeightSource over one GGUF file (its metadata's methods: gguf_config.py's GGUFMetadata)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, target: ModelConfig | None = None):
+        """target: the config of the model this file is an MTP head of (--model-draft: a file of the head's block
+        blk.{n_layers} and, as llama.cpp's MTP-only files, its own token_embd and output; no trunk layer), which
+        the file's metadata must match; its config is then the target's with the file's head."""
         self.path = Path(path)
         self._reader = read_gguf(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
@@ -111,8 +114,8 @@ class GGUFSource(GGUFMetadata):
         self._spelled = dict(BY_GGUF_ARCH[arch].gguf_renames)      # canonical -> file suffix, where they differ
         for t in self._reader.tensors:
             self._check_tensor(t)
-        self.config = self._config()
-        if self.config.ple_layers:
+        self.config = self._config() if target is None else self._head_config(target)
+        if self.config.ple_layers and target is None:
             self._check_ngram_hash(self.config)
         self._check_shapes()
 
@@ -149,6 +152,17 @@ class GGUFSource(GGUFMetadata):
 
     def _shape(self, name: str) -> tuple[int, ...]:
         return tuple(reversed(self._tensors[name].shape.tolist()))   # GGUF lists dims innermost first
+
+    def _head_config(self, target: ModelConfig) -> ModelConfig:
+        """`target` with this file's MTP head, or one line on why the file is not a head of that model."""
+        nextn, blocks = self._key("nextn_predict_layers", 0), self._key("block_count")
+        if BY_GGUF_ARCH[self.arch].name != target.family or blocks != target.n_layers + nextn or not nextn or \
+                self._file_name(f"blk.{target.n_layers}.nextn.eh_proj.weight") not in self._tensors:
+            raise UserError(f"--model-draft {str(self.path)!r} is not an MTP head of this model (it needs "
+                            f"{self.arch}.nextn_predict_layers, block_count = the target's {target.n_layers} layers + "
+                            f"its heads, blk.{target.n_layers}.nextn.* and the target's architecture); give the "
+                            "head's GGUF or drop --model-draft")
+        return target.replace(nextn_layers=nextn)
 
     @cached_property
     def tokenizer(self):

@@ -235,7 +235,7 @@ def _encode(t: torch.Tensor, qtype: Q, device: str, importance: torch.Tensor | N
 def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: bool = False, *,
                types: TypeOf | None = None, file_type: gguf.LlamaFileType | None = None,
                device: str = "cpu", new: bool = False, importance: Callable | None = None,
-               extra_kv: dict | None = None) -> Path:
+               extra_kv: dict | None = None, head_only: bool = False) -> Path:
     """Write `source` as one GGUF file, streaming tensor by tensor (a layer's expert stacks at a time).
 
     dtype: auto (the source's), float32, float16, bfloat16 or q8_0. 1-D tensors (norms, biases) are always F32, as
@@ -243,6 +243,8 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
     with file_type its general.file_type. device: where quantized tensors are encoded ("cpu", "cuda"). new: refuse
     to replace a file at `path` (outputs.atomic_path). importance: GGUF tensor name -> its imatrix importance
     ((n,) or (E, n)) or None (moestream.quant.imatrix); extra_kv: more metadata (llama-quantize's quantize.imatrix.*).
+    head_only: the MTP head alone, as llama.cpp's MTP-only files (--model-draft): the whole metadata, token_embd,
+    output_norm, output and the head's blocks, no trunk layer.
     """
     cfg = source.config
     arch = FAMILIES[cfg.family].gguf_arch
@@ -262,6 +264,11 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
         raise ValueError("write_gguf: types= needs the file_type it makes")
     held = [n for n in optional_names(cfg) if source.has(n)]      # an MTP head's own embedding and output head
     plan = [(name, shape, types(name, shape)) for name, shape in gguf_tensors(cfg, held)]
+    if head_only:
+        if not cfg.nextn_layers:
+            raise UserError("this model has no MTP head to write (head_only)")
+        heads = tuple(f"blk.{i}." for i in cfg.head_layers)
+        plan = [p for p in plan if p[0].startswith(heads) or not p[0].startswith("blk.")]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path, new=new) as tmp:              # renamed when complete: no half-written model at `path`
