@@ -29,8 +29,8 @@ a pick differs only where two scores within that rounding straddle the cut (exac
 all-negative products, break alike). No atomics, fixed shapes per call: a token's bits do not depend on the other
 tokens of its forward. The block shapes and the bisection (31 passes over a token's scores) are not measured yet.
 
-A decode step runs these with no host read, so it could be captured in a CUDA graph; this family's steps are not
-(models/transformer.py's capturable_for): its PLE layer hashes the step's tokens on the host.
+A decode step runs these with no host read, so it can be captured in a CUDA graph (models/transformer.py's
+capturable_for): where the PLE table is read in place too (models/ple.py's on_device path).
 """
 from __future__ import annotations
 

@@ -25,6 +25,13 @@ and conv rows are its cache's (runtime/kv_cache.py's Qwen4Cache: ngram, ple_conv
     ple = PLE(cfg, table)                         # table: (rows, d) in host memory, never on the device
     emb = ple.embeddings(batch, kv)               # (T, ple_embed_dim) on the batch's device; contexts advanced
     h = h + ple.add(h, emb, lw, batch, kv, layer)    # each segment's conv rows (kv.ple_conv) read and written back
+
+A decode step over a table readable in place (a pinned tensor: runtime/load.py pins an HF checkpoint's on a GPU)
+reads nothing back (PLE.on_device): its contexts are read by the step's device tensor of sequences and hashed
+there (NGramHash.rows_decode: the same integer ops, so the same rows), its rows read from host memory where they
+lie by kernels/ple_gather.py, its sequences' conv rows gathered and written back by that tensor (ple_add_decode);
+so the step can be captured in a CUDA graph. A GGUF's mapped table (quantized, dequantized by row on the host)
+keeps the host path, and so do prompts, verify steps and the CPU (its oracle).
 """
 from __future__ import annotations
 
@@ -90,10 +97,48 @@ class NGramHash:
             blocks.append(ids + offsets[h0:h0 + self.per_ngram])
         return torch.cat(blocks, dim=-1)[-tokens.shape[0]:]
 
+    def rows_decode(self, context: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """rows() of a decode step, batched and on the device with no host read: (B, heads) int64 table rows of
+        tokens (B,), each after its sequence's context (B, ngram_size-1) int64 (on tokens' device). The same
+        rule as rows(): the token s before t reads as EOS where any of tokens t-s .. t-1 is EOS."""
+        hist = torch.cat([context, tokens.long()[:, None]], dim=1)                  # (B, ngram_size)
+        c = self.context_len
+        shifted = [hist[:, c]]
+        for s in range(1, self.ngram_size):
+            broken = (hist[:, c - s:c] == self.eos).any(dim=1)
+            shifted.append(hist[:, c - s].masked_fill(broken, self.eos))
+        sizes, offsets = self._consts(hist.device)
+        blocks, mult = [], self.multipliers
+        for n in range(2, self.ngram_size + 1):
+            h0 = (n - 2) * self.per_ngram
+            mixed = shifted[0] * mult[0]
+            for j in range(1, n):
+                mixed = torch.bitwise_xor(mixed, shifted[j] * mult[j])
+            ids = torch.remainder(mixed[:, None], sizes[h0:h0 + self.per_ngram])
+            blocks.append(ids + offsets[h0:h0 + self.per_ngram])
+        return torch.cat(blocks, dim=-1)
+
+    def _consts(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads' row counts and offsets on `device`, made once (a step captured in a graph copies nothing)."""
+        kept = self.__dict__.setdefault("_on", {})
+        if device not in kept:
+            kept[device] = (torch.tensor(self.sizes, dtype=torch.long, device=device),
+                            torch.tensor(self.offsets, dtype=torch.long, device=device))
+        return kept[device]
+
     @staticmethod
     def next_context(context: list[int], tokens: list[int], n: int) -> list[int]:
         """The last n tokens of context + tokens: a sequence's context after them."""
         return (list(context) + list(tokens))[-n:]
+
+
+def readable_in_place(table) -> bool:
+    """Whether a device kernel can read the table's rows where they lie (kernels/ple_gather.py): a contiguous
+    tensor in pinned host memory, rows of whole 4-byte words, Triton there. A file's mapped rows
+    (loading/gguf.py's MappedRows: quantized blocks, dequantized on the host, in pageable memory) cannot be."""
+    from ..kernels.decode import triton
+    return (triton is not None and isinstance(table, torch.Tensor) and table.is_contiguous()
+            and table.shape[1] * table.element_size() % 4 == 0 and torch.cuda.is_available() and table.is_pinned())
 
 
 class PLETable:
@@ -101,13 +146,29 @@ class PLETable:
     gathered on the host and copied to the device, `row_bytes` a row (heads of them a token). The table is a host
     tensor (gathered into a pinned staging buffer), or a file's mapped rows (an object with shape, dtype and
     take(rows): loading/gguf.py's MappedRows, whose blocks are read and dequantized by row). Counts in neither the
-    device budget nor the expert cache; `bytes_read` counts what crossed the link."""
+    device budget nor the expert cache; `bytes_read` counts what crossed the link (not a captured step's: a graph
+    replays without Python). in_place: a pinned tensor (readable_in_place), whose rows a decode step's kernel reads
+    where they lie from rows picked on the device (gather_on_device: no host sync, so the step can be captured)."""
 
     def __init__(self, table):
         self.table = table                          # (rows, d) on the host
         self.mapped = not isinstance(table, torch.Tensor)
+        self.in_place = readable_in_place(table)
         self.bytes_read = 0
         self._staging: torch.Tensor | None = None
+
+    def gather_on_device(self, rows: torch.Tensor) -> torch.Tensor:
+        """(T, heads) rows on a device -> (T, heads * d) embeddings there, in the table's dtype, read where they lie
+        (kernels/ple_gather.py) with no host sync; on the CPU the table's index_select (the kernel's oracle)."""
+        idx = rows.reshape(-1)
+        if idx.device.type == "cpu":
+            out = self.table.index_select(0, idx)
+        else:
+            from ..kernels.ple_gather import gather_rows
+            out = torch.empty(idx.shape[0], self.table.shape[1], dtype=self.table.dtype, device=idx.device)
+            gather_rows(self.table.data_ptr(), self.row_bytes // 4, idx, out)
+        self.bytes_read += idx.shape[0] * self.row_bytes
+        return out.view(rows.shape[0], -1)
 
     @property
     def row_bytes(self) -> int:
@@ -142,15 +203,7 @@ def ple_add(h: torch.Tensor, emb: torch.Tensor, lw: dict, cfg: ModelConfig,
     normed rows of the sequence's last tokens (None: its start, zeros). keep: a list that gets the rows before and
     of the tokens ((K-1)*ngram_size + T, hc*H), whose rows [t + 1, t + 1 + (K-1)*ngram_size) are the state after
     token t (a speculative verify step's, for Qwen4Cache.rollback)."""
-    T, hc, H = h.shape[0], cfg.hc_count, cfg.hidden_size
-    emb = emb.to(h.dtype)
-    key = group_rms_norm(F.linear(emb, lw["ple_key.weight"]), lw["ple_norm_key.weight"], hc, cfg.rms_norm_eps)
-    value = F.linear(emb, lw["ple_value.weight"])                                     # (T, H)
-    query = group_rms_norm(h, lw["ple_norm_query.weight"], hc, cfg.rms_norm_eps)
-    gate = (key.view(T, hc, H) * query.view(T, hc, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)
-    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-    gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)                       # (T, hc*H)
-    normed = group_rms_norm(gated, lw["ple_norm_conv.weight"], hc, cfg.rms_norm_eps)
+    gated, normed = _gated(h, emb, lw, cfg)
     w = lw["ple_conv1d.weight"]                                                        # (hc*H, K)
     K, d = w.shape[1], cfg.ngram_size
     span = (K - 1) * d
@@ -163,37 +216,85 @@ def ple_add(h: torch.Tensor, emb: torch.Tensor, lw: dict, cfg: ModelConfig,
     return gated + F.silu(y), x[-span:].clone()
 
 
+def ple_add_decode(h: torch.Tensor, emb: torch.Tensor, lw: dict, cfg: ModelConfig,
+                   conv_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ple_add of a decode step's B sequences at once (one token each, h (B, hc*H), emb (B, ple_embed_dim)), their
+    conv rows conv_states (B, (K-1)*ngram_size, hc*H): what they add, and their conv rows after. One sequence's
+    bits are ple_add's (the same ops at B = 1)."""
+    gated, normed = _gated(h, emb, lw, cfg)
+    w = lw["ple_conv1d.weight"]
+    x = torch.cat([conv_states, normed[:, None]], dim=1)                               # (B, span + 1, C)
+    y = F.conv1d(x.transpose(1, 2), w[:, None, :], groups=w.shape[0], dilation=cfg.ngram_size)[..., 0]   # (B, C)
+    return gated + F.silu(y), x[:, 1:]
+
+
+def _gated(h: torch.Tensor, emb: torch.Tensor, lw: dict, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PLE layer's gated value (T, hc*H) and its conv input, the same normed."""
+    T, hc, H = h.shape[0], cfg.hc_count, cfg.hidden_size
+    emb = emb.to(h.dtype)
+    key = group_rms_norm(F.linear(emb, lw["ple_key.weight"]), lw["ple_norm_key.weight"], hc, cfg.rms_norm_eps)
+    value = F.linear(emb, lw["ple_value.weight"])                                     # (T, H)
+    query = group_rms_norm(h, lw["ple_norm_query.weight"], hc, cfg.rms_norm_eps)
+    gate = (key.view(T, hc, H) * query.view(T, hc, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)                       # (T, hc*H)
+    return gated, group_rms_norm(gated, lw["ple_norm_conv.weight"], hc, cfg.rms_norm_eps)
+
+
 class PLE:
     """The decoder's PLE block: the n-gram table in host memory (PLETable: its rows gathered on the host, counted
-    in bytes_read) and the hash of ModelConfig's one PLE layer."""
+    in bytes_read) and the hash of ModelConfig's one PLE layer. Where the table is readable in place
+    (PLETable.in_place), a decode step hashes and gathers on the device with no host read (`on_device`): it can be
+    captured in a CUDA graph; prompts, verify steps and other tables take the host path (on the CPU its oracle)."""
 
     def __init__(self, cfg: ModelConfig, table: torch.Tensor):
         self.cfg = cfg
         self.table = PLETable(table)
         self.hash = NGramHash.of(cfg)
 
+    def on_device(self, batch) -> bool:
+        """Whether batch's n-gram rows are hashed and gathered on the device: a decode step (not a verify step's
+        drafts) over a table read in place."""
+        return self.table.in_place and batch.is_decode and not batch.keep_states
+
     def embeddings(self, batch, kv) -> torch.Tensor:
         """(T, ple_embed_dim) of batch's tokens on their device: each segment's rows hashed after its sequence's
-        context (kv.ngram[seq], (ngram_size-1,) int64 on the host), then gathered from the host table; each
-        context advanced past its segment. The tokens are read back to the host (a decode step's sampled ones
-        too): the rows are picked there. A verify step (batch.keep_states) leaves each segment's context and tokens
-        with the cache (Qwen4Cache.keep_ngram), whose rollback takes the context after the accepted one."""
+        context (kv.ngram[seq], (ngram_size-1,) int64 on the cache's device), then gathered from the host table;
+        each context advanced past its segment. On the host path the tokens are read back to the host (a decode
+        step's sampled ones too): the rows are picked there. A verify step (batch.keep_states) leaves each segment's
+        context and tokens with the cache (Qwen4Cache.keep_ngram), whose rollback takes the context after the
+        accepted one. On the device path (on_device) the step's contexts are read by batch.seq_ids, hashed with
+        its tokens (NGramHash.rows_decode), written back, and the rows read in place."""
+        if self.on_device(batch):
+            seq = batch.seq_ids
+            ctx = kv.ngram.index_select(0, seq)                                    # (B, ngram_size-1)
+            rows = self.hash.rows_decode(ctx, batch.tokens)
+            kv.ngram.index_copy_(0, seq, torch.cat([ctx[:, 1:], batch.tokens.long()[:, None]], dim=1))
+            return self.table.gather_on_device(rows)
         tokens = batch.tokens.cpu()
         rows, r = [], 0
         for s in batch.segments:
             toks = tokens[r:r + s.n]
-            rows.append(self.hash.rows(kv.ngram[s.seq], toks))                 # (n, heads)
+            ctx = kv.ngram[s.seq].cpu()
+            rows.append(self.hash.rows(ctx, toks))                             # (n, heads)
             if batch.keep_states and s.n > 1:
-                kv.keep_ngram(s, torch.cat([kv.ngram[s.seq], toks]))
-            kv.ngram[s.seq] = torch.cat([kv.ngram[s.seq], toks])[-self.hash.context_len:]
+                kv.keep_ngram(s, torch.cat([ctx, toks]))
+            kv.ngram[s.seq] = torch.cat([ctx, toks])[-self.hash.context_len:]
             r += s.n
         return self.table.gather(torch.cat(rows), batch.tokens.device)
 
     def add(self, h: torch.Tensor, emb: torch.Tensor, lw: dict, batch, kv, layer: int) -> torch.Tensor:
         """What PLE layer `layer` adds to the streams h (T, hc*H): ple_add of each segment, its sequence's conv rows
         read from kv.ple_conv[layer] (n_seq, (K-1)*ngram_size, hc*H) and written back; a verify step
-        (batch.keep_states) leaves each segment's rows with the cache (Qwen4Cache.keep_ple) for its rollback."""
-        conv, outs, r = kv.ple_conv[layer], [], 0
+        (batch.keep_states) leaves each segment's rows with the cache (Qwen4Cache.keep_ple) for its rollback. On
+        the device path (on_device) the step's sequences at once (ple_add_decode), their rows read and written by
+        batch.seq_ids."""
+        conv = kv.ple_conv[layer]
+        if self.on_device(batch):
+            add, after = ple_add_decode(h, emb, lw, self.cfg, conv.index_select(0, batch.seq_ids))
+            conv.index_copy_(0, batch.seq_ids, after)
+            return add
+        outs, r = [], 0
         for s in batch.segments:
             keep = [] if batch.keep_states and s.n > 1 else None
             add, conv[s.seq] = ple_add(h[r:r + s.n], emb[r:r + s.n], lw, self.cfg, conv[s.seq], keep)

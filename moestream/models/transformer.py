@@ -111,15 +111,16 @@ class Batch:
 
 class MoETransformer:
     @staticmethod
-    def capturable_for(cfg: ModelConfig) -> bool:
+    def capturable_for(cfg: ModelConfig, ple_in_place: bool = False, qsa_kernels: bool = False) -> bool:
         """Whether a decode step may be captured in a CUDA graph (runtime/decode.py). A DeltaNet's states are
         gathered and written back by the step's device tensor of sequences (no host sync); the engine checks and
         advances each sequence's position around every replay (GraphDecode), and a graph's warm-up leaves the states
-        as they were (HybridCache.kept). Not where a step reads the host: the PLE table's rows are picked and
-        gathered there (from the step's tokens read back), and QSA's torch form slices each sequence's cache by
-        its host-known position (its CUDA kernels, kernels/qsa.py, read none: a QSA model without a PLE layer
-        could be captured with them; no checkpoint of the family has none)."""
-        return not (cfg.ple_layers or cfg.indexer_heads)
+        as they were (HybridCache.kept). A PLE layer only where its table is read in place (ple_in_place: a pinned
+        tensor, models/ple.py's readable_in_place; its step's rows hashed and gathered on the device); else its rows
+        are picked and gathered on the host from the step's tokens read back (a GGUF's mapped table). QSA only with
+        its CUDA kernels (qsa_kernels, kernels/qsa.py: they read nothing back); its torch form slices each
+        sequence's cache by its host-known position."""
+        return (not cfg.ple_layers or ple_in_place) and (not cfg.indexer_heads or qsa_kernels)
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                  blocks: Blocks = Blocks(), delta: DeltaKernels | None = None, split=None, qsa=None):
@@ -129,7 +130,6 @@ class MoETransformer:
         split: where the layers are split over several devices (runtime/split.py's Split; each layer's weights on
         its device, the embeddings on the first, the final norm and lm_head on the last), or None: one device."""
         self.cfg, self.split = cfg, split
-        self.capturable = self.capturable_for(cfg)
         built = build(cfg, blocks, delta, qsa)
         self.attention, self.mixers, self.router, self.residual = (built.attention, built.mixers, built.router,
                                                                    built.residual)
@@ -137,6 +137,7 @@ class MoETransformer:
         weights = dict(weights)
         table = weights.pop("per_layer_token_embd.weight", None)
         self.ple = PLE(cfg, table) if cfg.ple_layers else None
+        self.capturable = self.capturable_for(cfg, self.ple is not None and self.ple.table.in_place, qsa is not None)
         # layer -> its KV cache layer; an MTP head's after the trunk's
         self.kv_slot = {i: j for j, i in enumerate(cfg.attention_layers + cfg.head_layers)}
         # the layers' tensors live in self.layers only: what __init__ concatenates there does not keep its parts

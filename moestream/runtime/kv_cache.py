@@ -209,8 +209,8 @@ class Qwen4Cache(HybridCache):
     key, index_keys[j] (n_seq, ctx, d) in the model's dtype, by position like K and V, and each complete block's
     key, block_keys[j] (n_seq, ctx // B, d), written when the block's last token lands (models/qsa.py: a block's
     key depends on its own tokens only, so a sequence's keys below its position are valid); per sequence its n-gram
-    context, ngram (n_seq, ngram_size-1) int64 in host memory (its last tokens: the rows of its next ones are
-    picked on the host; EOS at its start), and per PLE layer its conv rows, ple_conv[i] (n_seq, (K-1)*ngram_size,
+    context, ngram (n_seq, ngram_size-1) int64 on the device (its last tokens, EOS at its start: a decode step
+    hashes its next ones there, models/ple.py; the host path reads it back), and per PLE layer its conv rows, ple_conv[i] (n_seq, (K-1)*ngram_size,
     hc*H) (zeros at its start). The contexts and conv rows are states: reset with the DeltaNet's, kept by kept(),
     and undone after a verify step's rejected drafts as the DeltaNet's are: the step leaves each segment's context
     and tokens (keep_ngram) and each PLE layer's rows before and of its tokens (keep_ple), and rollback takes those
@@ -224,7 +224,7 @@ class Qwen4Cache(HybridCache):
         self.block_keys = [torch.zeros(n_seq, ctx // cfg.indexer_block, cfg.indexer_head_dim, dtype=dtype,
                                        device=device) for _ in self.index_keys]
         self.eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
-        self.ngram = torch.full((n_seq, cfg.ngram_size - 1), self.eos, dtype=torch.long)
+        self.ngram = torch.full((n_seq, cfg.ngram_size - 1), self.eos, dtype=torch.long, device=device)
         self.ple_conv = {i: torch.zeros(self.ple_shape(cfg, n_seq), dtype=dtype, device=device)
                          for i in cfg.ple_layers}
         self.ngram_steps: dict[int, tuple] = {}          # seq -> (segment, its context then its tokens)

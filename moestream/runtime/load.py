@@ -23,6 +23,7 @@ from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, by_address_kernels, pick_kernel
 from ..kernels.delta import pick_delta_kernels
 from ..kernels.qsa import pick_qsa_kernels
+from ..models.ple import readable_in_place
 from ..arch.families import AFTER_TRUNK, FAMILIES
 from ..models.layers import rope_tables
 from ..arch.names import HOST_TABLES, dense_names, keeps_float32, optional_names
@@ -69,6 +70,21 @@ def head_io(source, cfg: ModelConfig, weights: dict, device_of, dtype) -> dict:
     return out
 
 
+def host_tables(source, cfg, dev: Device) -> dict:
+    """The host tables (arch/names.py's HOST_TABLES: the PLE's n-gram rows) as the source holds them, read by row
+    (models/ple.py's PLETable): a tensor, on a GPU copied once into pinned memory, so that a decode step's kernel
+    reads its rows in place (a CUDA graph can capture it); a GGUF's mapped rows stay mapped (quantized blocks
+    dequantized on the host by row: that step reads the host)."""
+    out = {}
+    for n in dense_names(cfg):
+        if n in HOST_TABLES:
+            t = source.rows(n)
+            if dev.is_cuda and isinstance(t, torch.Tensor) and not t.is_pinned():
+                t = dev.pinned_empty(t.shape, t.dtype).copy_(t)
+            out[n] = t
+    return out
+
+
 def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     """Place `source`'s weights as `ecfg` (resolved: EngineConfig.resolve, as LLM does) says."""
     if not ecfg.resolved:
@@ -86,7 +102,11 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
     width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
     blocks = FAMILIES[cfg.family].blocks         # the family table says which blocks the decoder is built from
-    plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), MoETransformer.capturable_for(cfg),
+    tables = host_tables(source, cfg, dev)
+    qsa = pick_qsa_kernels(dev.torch, cfg) if blocks.attention.kind == "qsa" else None
+    capturable = MoETransformer.capturable_for(cfg, all(readable_in_place(t) for t in tables.values()),
+                                               qsa is not None)
+    plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), capturable,
                        by_address_kernels(blocks), split is not None)       # how decode steps run
     if split is None:
         ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)   # (--moe-cache-mib auto: in MiB)
@@ -99,8 +119,8 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     bar = tqdm(total=len(names) + len(moe), desc="loading", unit="tensor", disable=not progress, leave=False)
     weights = {}
     for n in names:
-        if n in HOST_TABLES:        # the PLE's n-gram rows: in host memory as the source holds them (a GGUF's
-            weights[n] = source.rows(n)         # mapped), gathered there by row (models/ple.py's PLETable)
+        if n in HOST_TABLES:        # the PLE's n-gram rows, read above (host_tables)
+            weights[n] = tables[n]
         else:
             weights[n] = source.tensor(n).to(device=_device_of(n, cfg, dev, split),
                                              dtype=torch.float32 if keeps_float32(n) else dtype)
@@ -144,7 +164,6 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
                  len(host_rows), store.nbytes / MiB, len(dev_rows))
     rope = rope_tables(cfg, ctx, dev.torch)
     delta = pick_delta_kernels(dev.torch, dtype) if blocks.mixer == "deltanet" else None
-    qsa = pick_qsa_kernels(dev.torch, cfg) if blocks.attention.kind == "qsa" else None
     model = MoETransformer(cfg, weights, rope, blocks, delta, split, qsa)
     kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch, None if split is None else where)
     kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
