@@ -180,3 +180,17 @@ def test_a_gguf_round_trip_keeps_the_head_bit_for_bit(tmp_path):
         outs.append(eng.head_step(0, 0, prompt[1:] + [5], torch.cat(hidden)))
     assert torch.equal(outs[0][1], outs[1][1])
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=0)
+
+
+def test_the_head_from_its_own_gguf_drafts_the_same(tmp_path):
+    """--model-draft: the head's own GGUF (write_gguf head_only) beside a target without one, the same head step."""
+    from moestream.loading.gguf_write import write_gguf
+    src = open_source(MODEL)
+    write_gguf(src, tmp_path / "m.gguf", dtype="float32")
+    write_gguf(src, tmp_path / "head.gguf", dtype="float32", head_only=True)
+    prompt, outs = ids(9, seed=6), []
+    for extra in ({}, {"model_draft": str(tmp_path / "head.gguf")}):
+        eng = LLM(str(tmp_path / "m.gguf"), spec_type="draft-mtp", **extra, **KW).engine
+        eng.prefill(0, prompt, hidden=(hidden := []))
+        outs.append(eng.head_step(0, 0, prompt[1:] + [5], torch.cat(hidden)))
+    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0], outs[1][0])
