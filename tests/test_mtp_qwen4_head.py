@@ -194,3 +194,10 @@ def test_the_head_from_its_own_gguf_drafts_the_same(tmp_path):
         eng.prefill(0, prompt, hidden=(hidden := []))
         outs.append(eng.head_step(0, 0, prompt[1:] + [5], torch.cat(hidden)))
     assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0], outs[1][0])
+
+
+def test_writing_the_head_as_hf_is_refused_in_one_line(tmp_path):
+    from moestream import UserError
+    from moestream.loading.hf_write import write_hf
+    with pytest.raises(UserError, match="MTP head, which its HF form does not hold"):
+        write_hf(open_source(MODEL), tmp_path)
