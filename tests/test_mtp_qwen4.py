@@ -47,6 +47,6 @@ def test_a_rollback_without_a_kept_step_is_refused():
         eng.kv.rollback(0, 2)
 
 
-def test_speculation_asks_for_the_head_moestream_does_not_read_yet():
-    with pytest.raises(UserError, match="reads no MTP head of a Qwen3.8-Flash-Next model"):
+def test_speculation_without_a_head_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"this Qwen3.8-Flash-Next checkpoint ships no MTP head \(HF: none read"):
         LLM("synth:tiny-flash-next", spec_type="draft-mtp", **KW)

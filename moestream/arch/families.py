@@ -84,6 +84,8 @@ class Family:
                                      # block at `{prefix}layers.{k}.`, its own tensors HF_NEXTN; or AFTER_TRUNK: head
                                      # k is the trunk's layer n_layers + k, its own tensors HF_NEXTN_LAYER beside its
                                      # block's); (): none read
+    gguf_mtp: bool = False           # an MTP head read from GGUF only (transformers drops its `mtp.*`): Qwen3.8-
+                                     # Flash-Next's, applied per hyper-connection stream (models/mtp.py)
 
     @property
     def hybrid(self) -> bool:
@@ -134,6 +136,10 @@ HF_LAYER = {
 # An MTP head's own tensors beside its decoder layer (models/mtp.py), in every family that ships one: canonical names
 # (after `blk.{n}.`), and their HF spellings below.
 NEXTN = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
+# Qwen3.8-Flash-Next's head (GGUF only, llama.cpp b11549's qwen4exp): hnorm per stream (hc*H,), and an output mixer
+# (nextn.hc_head_*, no inject) in place of shared_head_norm
+NEXTN_HYPER = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.hc_head_norm.weight",
+               "nextn.hc_head_down.weight", "nextn.hc_head_up.weight")
 HF_NEXTN = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
             "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
 
@@ -284,7 +290,7 @@ FAMILIES: dict[str, Family] = FamilyTable({f.name: f for f in (
            gguf_arch="qwen4exp", gguf_norm_topk=True, gguf_tiled_v=True,
            hf_router=("mlp.gate.weight",), hf_experts=_QWEN_EXPERTS, hf_fused=("mlp.experts",), blocks=QWEN4,
            hf_text_prefixes=("model.language_model.", "model."),
-           hf_text_form=("Qwen4ExpForCausalLM", "qwen4_exp_text")),
+           hf_text_form=("Qwen4ExpForCausalLM", "qwen4_exp_text"), gguf_mtp=True),
 )})
 
 # config.json's `architectures[0]` or `model_type` -> family.

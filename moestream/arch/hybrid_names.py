@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .families import FAMILIES, HF_LAYER, NEXTN
+from .families import FAMILIES, HF_LAYER, NEXTN, NEXTN_HYPER
 
 _ZERO_CENTRED = ("attn_norm.weight", "ffn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
                  "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
@@ -80,7 +80,7 @@ _SHARED = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weigh
 def layer_names(cfg: ModelConfig, i: int) -> list[str]:
     """Layer i's canonical tensor suffixes (after `blk.i.`); i >= n_layers: an MTP head's (cfg.head_layers)."""
     names = list(_HYPER) if cfg.hc_count else ["attn_norm.weight", "ffn_norm.weight"]
-    names += list(NEXTN) if i >= cfg.n_layers else []
+    names += list(NEXTN_HYPER if cfg.hc_count else NEXTN) if i >= cfg.n_layers else []
     if i in cfg.ple_layers:
         names += list(_PLE)
     if i in cfg.linear_layers:

@@ -174,7 +174,10 @@ def canonical_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
                    "ple_norm_query.weight": (hc,), "ple_norm_conv.weight": (hc,),
                    "ple_conv1d.weight": (hc, cfg.ple_conv_kernel),
                    "indexer.q_proj.weight": (cfg.indexer_heads * ihd, H), "indexer.k_proj.weight": (ihd, H),
-                   "indexer.q_norm.weight": (ihd,), "indexer.k_norm.weight": (ihd,)}
+                   "indexer.q_norm.weight": (ihd,), "indexer.k_norm.weight": (ihd,),
+                   # the MTP head's (models/mtp.py): hnorm per stream, and its output mixer
+                   "nextn.hnorm.weight": (hc,), "nextn.hc_head_norm.weight": (hc,),
+                   "nextn.hc_head_down.weight": (r, hc), "nextn.hc_head_up.weight": (hc, r)}
         if cfg.ple_layers:              # rows: the hash's (models/ple.py NGramHash), padded
             shapes["per_layer_token_embd.weight"] = (table_rows(cfg), ple // heads)
     return shapes[base]

@@ -199,7 +199,8 @@ class GGUFMetadata:
     def _heads(self, fam, n_layers: int, nextn: int) -> int:
         """The MTP heads read (models/mtp.py): the first of the file's nextn blocks, where the family runs one and
         its tensors are there (llama.cpp reads one too)."""
-        return int(bool(fam.hf_mtp and nextn and f"blk.{n_layers}.nextn.eh_proj.weight" in self._tensors))
+        return int(bool((fam.hf_mtp or fam.gguf_mtp) and nextn
+                        and f"blk.{n_layers}.nextn.eh_proj.weight" in self._tensors))
 
     def _hybrid_options(self, n_layers: int, head_dim: int) -> dict:
         """A hybrid file's (qwen3next, qwen35moe) ModelConfig fields of the DeltaNet and gated attention layers."""

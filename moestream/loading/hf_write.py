@@ -205,6 +205,10 @@ def write_hf(source, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30,
     if getattr(source, "path", None) is not None and Path(source.path).resolve() == out.resolve():
         raise UserError(f"cannot write a model over itself ({str(out)!r}); choose another output directory")
     hf_config(source.config, torch.float32)     # a config.json it cannot write is refused before anything is written
+    fam = FAMILIES[source.config.family]
+    if source.config.nextn_layers and not fam.hf_mtp:
+        raise UserError(f"this {fam.title} model has an MTP head, which its HF form does not hold (transformers drops "
+                        "mtp.*; moestream reads it from GGUF only); write it as GGUF instead")
     out.mkdir(parents=True, exist_ok=True)
     # A previous export's weights would be read together with these (a single file wins over an index).
     for stale in [out / "model.safetensors", out / INDEX, *out.glob("model-*-of-*.safetensors")]:

@@ -12,7 +12,8 @@
 
 Options after the preset name, each `:key=value`: layers=N, seed=N, dtype=float32|bfloat16|float16,
 experts=float|mxfp4 (the experts' type; float but for gpt-oss-20b and gpt-oss-120b), mtp=1 (an MTP head after the
-trunk, for --spec-type draft-mtp: the families that have one, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3, GLM-4.5). The seed is 0
+trunk, for --spec-type draft-mtp: the families that have one, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3, GLM-4.5,
+Qwen3.8-Flash-Next). The seed is 0
 but for tiny-next's, 6: with seed 0 its first greedy token after the README's prompt ("Once upon a time") ends the
 text, so that the demo printed nothing; seed 6 writes 32 tokens there.
 

@@ -24,6 +24,14 @@ beside them in the trunk's spellings, and its own embed_tokens and shared_head.h
 nextn.shared_head_head; copies of the trunk's in the published checkpoints, which the loader then keeps once).
 vLLM zeroes the embedding at position 0 where llama.cpp does not; this follows llama.cpp (drafts only: the target
 verifies every token).
+
+Qwen3.8-Flash-Next's head (GGUF only: transformers drops `mtp.*`; llama.cpp b11549's qwen4exp graph_mtp) works on
+its hyper-connection streams (models/residual.py's Hyper). It reads the trunk's streams (T, hc*H) before the output
+mixer, not a post-norm state; hnorm (hc*H,) norms each stream on its own, enorm(embedding) goes into every stream,
+and eh_proj maps each stream's [e | h_s] to that stream of the head block's input (mtp_streams). Its block is a
+full-attention QSA layer with its own stream mixers and experts (no PLE); its streams after the block are what the
+next draft reads, and its logits come through its own output mixer (nextn.hc_head_{norm,down,up}, no inject) and
+the trunk's output.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .layers import rms_norm
+from .residual import group_rms_norm
 
 
 def mtp_io(lw: dict, embed: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,3 +54,13 @@ def mtp_input(emb: torch.Tensor, hidden: torch.Tensor, lw: dict, eps: float) -> 
     e = rms_norm(emb, lw["nextn.enorm.weight"], eps)
     h = rms_norm(hidden.to(emb.dtype), lw["nextn.hnorm.weight"], eps)
     return F.linear(torch.cat([e, h], dim=-1), lw["nextn.eh_proj.weight"])      # (T, 2H) -> (T, H)
+
+
+def mtp_streams(emb: torch.Tensor, hidden: torch.Tensor, lw: dict, eps: float, hc: int) -> torch.Tensor:
+    """A hyper-connection head's input streams (T, hc*H): stream s is eh_proj([enorm(emb) | hnorm_s(hidden_s)]); emb
+    (T, H), hidden (T, hc*H) the streams before the output mixer (the trunk's or the head's)."""
+    T, H = emb.shape
+    e = rms_norm(emb, lw["nextn.enorm.weight"], eps)
+    h = group_rms_norm(hidden.to(emb.dtype), lw["nextn.hnorm.weight"], hc, eps).view(T, hc, H)
+    x = torch.cat([e[:, None, :].expand(T, hc, H), h], dim=-1)              # (T, hc, 2H)
+    return F.linear(x, lw["nextn.eh_proj.weight"]).flatten(1)                # (T, hc*H)

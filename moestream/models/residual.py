@@ -19,7 +19,9 @@ output. The fused decode kernels (kernels/fused.py's add_rms_norm, norm_linear a
 stream only (`fuses`): a hyper family's decode steps take the unfused ops.
 
 The decoder (models/transformer.py) sees both through one interface: expand, add, block_input (the residual add
-and the block's input, with what the block's output needs back: Hyper's gates), block_output and final.
+and the block's input, with what the block's output needs back: Hyper's gates), block_output and final; and for an
+MTP head, head_read (what the head reads: Plain's post-norm state, Hyper's streams before the output mixer) and
+read_out (the final hidden state from it).
 """
 from __future__ import annotations
 
@@ -56,6 +58,15 @@ class Plain:
     def final(self, h, delta, w: dict, rows) -> torch.Tensor:
         """The last block's output added, the output norm of the rows wanted: (R, H)."""
         return rms_norm(self.add(h, delta)[rows], w["output_norm.weight"], self.eps)
+
+    def head_read(self, h, delta, w: dict) -> torch.Tensor:
+        """What an MTP head reads of every row (models/mtp.py): the post-norm hidden state (T, H)."""
+        return self.final(h, delta, w, slice(None))
+
+    @staticmethod
+    def read_out(x, w: dict) -> torch.Tensor:
+        """The final hidden state of rows of head_read's (here: as they are)."""
+        return x
 
     def add_norm(self, h, delta, w, fused=None):
         """h + delta (the residual stream) and its RMSNorm: one kernel in a fused decode step. delta None: the
@@ -129,6 +140,14 @@ class Hyper:
         """The last block written back and the output mixer, for the rows wanted: the final hidden state (R, H).
         w: the model's global weights (output_hc_*)."""
         return self.mix(self.add(h, delta)[rows], self.weights(w, "output_hc"))[0]
+
+    def head_read(self, h, delta, w: dict) -> torch.Tensor:
+        """What an MTP head reads of every row (models/mtp.py's mtp_streams): the streams before the output mixer."""
+        return self.add(h, delta)
+
+    def read_out(self, x, w: dict) -> torch.Tensor:
+        """The final hidden state (R, H) of rows of head_read's: the output mixer."""
+        return self.mix(x, self.weights(w, "output_hc"))[0]
 
 
 def group_rms_norm(h: torch.Tensor, w: torch.Tensor, groups: int, eps: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ..kernels.host_arrays import upload
 from .blocks import build
 from .layers import swiglu
 from .moe import guess, moe_experts, moe_route
-from .mtp import mtp_input, mtp_io
+from .mtp import mtp_input, mtp_io, mtp_streams
 from .ple import PLE
 from .router import fused_options, fuses as router_fuses
 
@@ -63,7 +63,8 @@ class Batch:
     observer: object = None        # a RouteObserver (experts/routing.py) told each MoE layer's routing, or None
     # Multi-token prediction (models/mtp.py): a head step reads `head`, the hidden states (T, H) beside its tokens,
     # through the MTP head's block instead of the trunk; keep_hidden: the forward leaves every token's post-norm
-    # hidden state (T, H) in `hidden` (what the next head step reads).
+    # hidden state (T, H) in `hidden` (what the next head step reads; hyper-connections: the streams before the
+    # output mixer, (T, hc*H)).
     head: torch.Tensor | None = None
     keep_hidden: bool = False
     keep_states: bool = False      # a verify step: recurrent layers keep each token's state of each segment of
@@ -194,9 +195,13 @@ class MoETransformer:
         embed, lm_head = mtp_io(self.layers[layers[0]], self.w["token_embd.weight"], self.lm_head) if head else \
             (self.w["token_embd.weight"], self.lm_head)
         xs = [embed[p.tokens] for p in parts]                                # (T, H) each
-        if head:
-            xs = [mtp_input(x, p.head, self.layers[layers[0]], cfg.rms_norm_eps) for p, x in zip(parts, xs)]
-        hs = [res.expand(x) for x in xs]                                     # (T, H) each (hyper: hc*H)
+        if head and cfg.hc_count:       # hyper-connections: the head's input streams, one eh_proj a stream
+            hs = [mtp_streams(x, p.head, self.layers[layers[0]], cfg.rms_norm_eps, cfg.hc_count)
+                  for p, x in zip(parts, xs)]                               # (T, hc*H) each
+        else:
+            if head:
+                xs = [mtp_input(x, p.head, self.layers[layers[0]], cfg.rms_norm_eps) for p, x in zip(parts, xs)]
+            hs = [res.expand(x) for x in xs]                                 # (T, H) each (hyper: hc*H)
         # the PLE layer's n-gram embeddings, gathered on the host from each sequence's context (advanced now)
         embs = [self.ple.embeddings(p, kv) for p in parts] if self.ple is not None and not head else None
         rope = [(self.cos[p.positions].to(h.dtype), self.sin[p.positions].to(h.dtype)) for p, h in zip(parts, hs)]
@@ -254,19 +259,27 @@ class MoETransformer:
                 deltas = [res.block_output(o, g) for o, g in zip(outs, gates)]
                 yield i
         outs = []
-        # the final norm: the model's (output_norm; hyper: the output mixer), or an MTP head's shared_head_norm
-        final_w = {"output_norm.weight": self.layers[layers[0]]["nextn.shared_head_norm.weight"]} if head else self.w
+        final_w = self._final_weights(layers[0]) if head else self.w
         for p, h, delta in zip(parts, hs, deltas):
-            if p.keep_hidden:           # every token's post-norm hidden state (T, H): what a head step reads
-                p.hidden = res.final(h, delta, final_w, slice(None))
+            if p.keep_hidden:           # what a head step reads of every token (T, H) (hyper: the streams, hc*H)
+                p.hidden = res.head_read(h, delta, final_w)
             if len(p.out_rows):         # (a shape, known on the host)
-                h = p.hidden[p.out_rows] if p.keep_hidden else res.final(h, delta, final_w, p.out_rows)
+                h = res.read_out(p.hidden[p.out_rows], final_w) if p.keep_hidden else \
+                    res.final(h, delta, final_w, p.out_rows)
                 outs.append(F.linear(h, lm_head).float())                    # (R, V)
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.split is not None:      # the logits back to the first device, where the sampler and the next step are
             self.split.devices[0].make_current()
             logits = logits.to(self.split.devices[0].torch)
         return logits
+
+    def _final_weights(self, head: int) -> dict:
+        """MTP head layer `head`'s final norm under the model's names: its shared_head_norm as output_norm, or (hyper)
+        its output mixer nextn.hc_head_* as output_hc_*."""
+        lw = self.layers[head]
+        if self.cfg.hc_count:
+            return {f"output_hc_{t}.weight": lw[f"nextn.hc_head_{t}.weight"] for t in ("norm", "down", "up")}
+        return {"output_norm.weight": lw["nextn.shared_head_norm.weight"]}
 
     def _norm_project(self, h, delta, lw, layer, fused):
         """The residual add and the mixer's input: (h, x, what its output needs back, None); in a one-token fused

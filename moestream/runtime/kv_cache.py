@@ -205,12 +205,13 @@ class HybridCache(KVCache):
 
 
 class Qwen4Cache(HybridCache):
-    """HybridCache plus what QSA and the PLE keep (Qwen3.8-Flash-Next): per attention layer j each token's raw index
-    key, index_keys[j] (n_seq, ctx, d) in the model's dtype, by position like K and V, and each complete block's
-    key, block_keys[j] (n_seq, ctx // B, d), written when the block's last token lands (models/qsa.py: a block's
-    key depends on its own tokens only, so a sequence's keys below its position are valid); per sequence its n-gram
-    context, ngram (n_seq, ngram_size-1) int64 on the device (its last tokens, EOS at its start: a decode step
-    hashes its next ones there, models/ple.py; the host path reads it back), and per PLE layer its conv rows, ple_conv[i] (n_seq, (K-1)*ngram_size,
+    """HybridCache plus what QSA and the PLE keep (Qwen3.8-Flash-Next): per attention layer j (an MTP head's last, as
+    in the KV) each token's raw index key, index_keys[j] (n_seq, ctx, d) in the model's dtype, by position like K
+    and V, and each complete block's key, block_keys[j] (n_seq, ctx // B, d), written when the block's last token
+    lands (models/qsa.py: a block's key depends on its own tokens only, so a sequence's keys below its position are
+    valid); per sequence its n-gram context, ngram (n_seq, ngram_size-1) int64 on the device (its last tokens, EOS
+    at its start: a decode step hashes its next ones there, models/ple.py; the host path reads it back), and per PLE
+    layer its conv rows, ple_conv[i] (n_seq, (K-1)*ngram_size,
     hc*H) (zeros at its start). The contexts and conv rows are states: reset with the DeltaNet's, kept by kept(),
     and undone after a verify step's rejected drafts as the DeltaNet's are: the step leaves each segment's context
     and tokens (keep_ngram) and each PLE layer's rows before and of its tokens (keep_ple), and rollback takes those
@@ -220,7 +221,7 @@ class Qwen4Cache(HybridCache):
     def __init__(self, cfg, n_seq: int, ctx: int, dtype, device):
         super().__init__(cfg, n_seq, ctx, dtype, device)
         self.index_keys = [torch.zeros(n_seq, ctx, cfg.indexer_head_dim, dtype=dtype, device=device)
-                           for _ in cfg.attention_layers] if cfg.indexer_heads else []
+                           for _ in cfg.attention_layers + cfg.head_layers] if cfg.indexer_heads else []
         self.block_keys = [torch.zeros(n_seq, ctx // cfg.indexer_block, cfg.indexer_head_dim, dtype=dtype,
                                        device=device) for _ in self.index_keys]
         self.eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
@@ -239,7 +240,7 @@ class Qwen4Cache(HybridCache):
         """(the index keys' and block keys' bytes, which grow with the context; the PLE conv rows', which do not)."""
         size = torch.empty((), dtype=dtype).element_size()
         rows = ctx + ctx // cfg.indexer_block if cfg.indexer_heads else 0
-        keys = len(cfg.attention_layers) * n_seq * rows * cfg.indexer_head_dim * size
+        keys = (len(cfg.attention_layers) + cfg.nextn_layers) * n_seq * rows * cfg.indexer_head_dim * size
         a, b, c = Qwen4Cache.ple_shape(cfg, n_seq)
         return keys, len(cfg.ple_layers) * a * b * c * size
 

@@ -44,10 +44,11 @@ def model_config(cfg: ModelConfig, ecfg: EngineConfig) -> ModelConfig:
     if not ecfg.spec.mtp:
         return cfg.replace(nextn_layers=0)
     fam = FAMILIES[cfg.family]
-    if not fam.hf_mtp:
+    if not (fam.hf_mtp or fam.gguf_mtp):
         raise UserError(f"--spec-type draft-mtp: moestream reads no MTP head of a {fam.title} model; drop --spec-type")
     if not cfg.nextn_layers:
-        hf = ("model.layers.{n}.eh_proj and num_nextn_predict_layers" if fam.hf_mtp[1] == AFTER_TRUNK else
+        hf = ("none read: transformers drops mtp.*" if not fam.hf_mtp else
+              "model.layers.{n}.eh_proj and num_nextn_predict_layers" if fam.hf_mtp[1] == AFTER_TRUNK else
               f"{fam.hf_mtp[1]}* and {fam.hf_mtp[0]}")
         raise UserError(f"--spec-type draft-mtp: this {fam.title} checkpoint ships no MTP head (HF: {hf}; GGUF: "
                         "nextn_predict_layers and blk.N.nextn.*); drop --spec-type")

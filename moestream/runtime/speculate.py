@@ -8,14 +8,15 @@
         token = new[-1]
 
 A step: the head drafts N tokens (chained: the first reads the trunk's hidden state, each next one the head's own
-post-norm output), then one target step verifies the N + 1 positions [token, d1 .. dN] (a prompt-like forward of
-N + 1 tokens of the sequence: each host layer's experts for the union of its tokens, each crossing the link once),
-accepts drafts while the target agrees (greedy: the target's argmax; sampling: runtime/spec_sampling.py, which keeps
-the target's distribution) and commits one more token from the target's own logits. What rejected drafts wrote is
-undone: the KV past the accepted position is masked and overwritten later; the DeltaNet layers keep every verify
-token's state and take the accepted one (HybridCache.rollback), never running the prefix again. The head's KV at
-the accepted positions is written again from the trunk's hidden states at the next step's first draft (the head
-reads them in one step beside its draft).
+post-norm output; Qwen3.8-Flash-Next's reads streams before the output mixer instead, the trunk's and its own: the
+engine's `hidden` is what the family's head reads, models/residual.py's head_read), then one target step verifies
+the N + 1 positions [token, d1 .. dN] (a prompt-like forward of N + 1 tokens of the sequence: each host layer's
+experts for the union of its tokens, each crossing the link once), accepts drafts while the target agrees (greedy:
+the target's argmax; sampling: runtime/spec_sampling.py, which keeps the target's distribution) and commits one more
+token from the target's own logits. What rejected drafts wrote is undone: the KV past the accepted position is
+masked and overwritten later; the DeltaNet layers keep every verify token's state and take the accepted one
+(HybridCache.rollback), never running the prefix again. The head's KV at the accepted positions is written again
+from the trunk's hidden states at the next step's first draft (the head reads them in one step beside its draft).
 
 Greedy output is the target's: a verify step's row j computes position m + j as a prompt ubatch does (chunk-free
 recurrent rule, prompt attention), which may differ in the last bits from a one-token decode step; the tokens agree
