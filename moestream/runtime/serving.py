@@ -30,13 +30,14 @@ would alone, so greedy outputs equal `Generation`'s (with -b a multiple of -ub, 
 With --spec-type draft-mtp a speculating slot's decode step carries its drafts (runtime/speculate.py): a step
 where any slot drafted is one forward of every generating slot's tokens, [last, drafts] or [last] (_verify).
 
-Each request's stop and detokenize rules are sequence.py's, as `Generation`'s are. Each slot is a context
-of the engine's routing store (experts/routing.py: layers x experts counts of its current request and of its
-previous one, which /slots shows; the expert cache keeps its prompts' counts there to seed their prefetch), and
-keeps the tokens whose KV its sequence holds: a new prompt reuses the longest common prefix (llama-server's
-cache_prompt). A hybrid model's sequence (Qwen3-Next: recurrent states besides the KV) cannot be cut back to a
-prefix, so there a prompt reuses a slot only as an exact continuation, the slot's whole cache followed by new
-tokens, and otherwise starts from position 0 (engine.reusable_prefix decides, for both).
+Each request's stop and detokenize rules are sequence.py's, as `Generation`'s are; what it gets back (each token's
+text and logprobs, its end, its slot's release) is replies.py's. Each slot is a context of the engine's routing
+store (experts/routing.py: layers x experts counts of its current request and of its previous one, which /slots
+shows; the expert cache keeps its prompts' counts there to seed their prefetch), and keeps the tokens whose KV its
+sequence holds: a new prompt reuses the longest common prefix (llama-server's cache_prompt). A hybrid model's
+sequence (Qwen3-Next: recurrent states besides the KV) cannot be cut back to a prefix, so there a prompt reuses a
+slot only as an exact continuation, the slot's whole cache followed by new tokens, and otherwise starts from
+position 0 (engine.reusable_prefix decides, for both).
 """
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ from ..errors import UserError
 from ..models.transformer import Segment
 from . import threads
 from .prompt_batch import next_batch
-from .requests import (PromptJob, QueueFull, Request, Result, Run, SchedulerConfig, Slot, at_once, history,
-                       speculates)
-from .sampling import Sampler, token_logprobs
+from .replies import Replies
+from .requests import PromptJob, QueueFull, Request, Run, SchedulerConfig, Slot, at_once, history, speculates
+from .sampling import Sampler
 from .slot_routing import slot_routing
 
 log = logging.getLogger("moestream.server")
@@ -79,6 +80,7 @@ class ServingLoop:
         self._cv = threading.Condition()     # guards pending and the slots' runs against submit() from elsewhere
         self._stopping = False
         self._sampler = Sampler()
+        self.replies = Replies(metrics)      # each token's text and logprobs, each request's end, the slots' release
         self.routing = eng.routing           # per-slot expert counts (/slots), of the engine's routing store
         self.routing.clear_requests()        # a new loop's slots start from zero
         # --prefill-layers: by default 1 where host experts would stall the streams for a whole batch's sweep
@@ -189,8 +191,9 @@ class ServingLoop:
                 log.exception("forward failed; failing %d request(s)", len(slots))
             for s in slots:
                 if s.run is not None:
-                    self._emit(s.run.req, ("error", s.run.req.index, 400 if user else 500, str(e) or type(e).__name__))
-                    self._free(s, outcome="error", valid=0)
+                    error = ("error", s.run.req.index, 400 if user else 500, str(e) or type(e).__name__)
+                    self.replies.emit(s.run.req, error)
+                    self.replies.free(s, outcome="error", valid=0)
 
     def _reap(self) -> None:
         with self._cv:
@@ -201,7 +204,7 @@ class ServingLoop:
             self.metrics.on_finish("cancelled")
         for s in self.slots:
             if s.run is not None and s.run.req.cancelled:
-                self._free(s, outcome="cancelled")
+                self.replies.free(s, outcome="cancelled")
 
     def admit(self) -> None:
         """Give waiting requests, oldest first, to idle slots: the one whose cache serves the longest prefix (the
@@ -275,10 +278,10 @@ class ServingLoop:
             if slot.run is not run:
                 continue                         # cancelled while its batch was read
             if at == len(run.req.prompt) and run.req.params.max_tokens == 0:
-                self._finish(slot)               # "length", before any token
+                self.replies.finish(slot)        # "length", before any token
             elif at == len(run.req.prompt):
                 token = int(self._sampler.sample(logits[last], [run.req.params], [run.gen], history([slot]))[0])
-                self._accept(slot, token, logits[last][0])
+                self.replies.accept(slot, token, logits[last][0])
 
     def _decode(self, slots: list[Slot]) -> None:
         drafts = {s.id: s.run.spec.draft(s.run.seq.ids[-1], s.run.req.params, s.run.gen) for s in slots
@@ -298,7 +301,7 @@ class ServingLoop:
         if self.metrics is not None:
             self.metrics.on_decode_batch(len(slots))
         for i, (s, token) in enumerate(zip(slots, tokens)):
-            self._accept(s, token, logits[i])
+            self.replies.accept(s, token, logits[i])
 
     def _verify(self, slots: list[Slot], drafts: dict) -> None:
         """One step of the generating slots where some drafted (runtime/speculate.py): each speculating slot's
@@ -329,73 +332,13 @@ class ServingLoop:
                 new = self._sampler.sample(row, [run.req.params], [run.gen], history([s])).tolist()
             s.cached += [last, *new[:-1]]           # what its sequence holds: the verified positions
             for j, token in enumerate(new):
-                self._accept(s, token, row[j])
+                self.replies.accept(s, token, row[j])
                 if s.run is not run:                # it ended: the rest is dropped
                     break
 
-    def _accept(self, slot: Slot, token: int, row: torch.Tensor) -> None:
-        """One sampled token of a slot's request: its logprobs, its text, and the request's end if it ends it."""
-        run = slot.run
-        now = time.perf_counter()
-        if not run.t_first:
-            run.t_first = now
-            if self.metrics is not None:
-                self.metrics.on_first_token(now - run.req.t_submit)
-        elif self.metrics is not None:
-            self.metrics.on_token_gap(now - run.t_last)
-        run.t_last = now
-        seq = run.seq
-        if run.req.logprobs is not None and token not in seq.stop_ids:     # a stop token is not in the output
-            run.lps.append(token_logprobs(row, token, run.req.logprobs))
-            run.all_lps.append(run.lps[-1])
-        piece, done = seq.push(token)
-        slot.generated = len(seq.ids)
-        self._piece(run, piece)
-        if done:
-            self._finish(slot)
-
-    def _piece(self, run: Run, piece: str) -> None:
-        if piece:
-            if run.req.stream:
-                self._emit(run.req, ("token", run.req.index, piece, run.lps))
-            run.lps = []
-
-    def _finish(self, slot: Slot, reason: str = "length") -> None:
-        run, seq = slot.run, slot.run.seq
-        self._piece(run, seq.finish(reason))  # the held-back text; the reason: push's, else `reason`
-        if run.lps and run.req.stream:       # logprobs of tokens whose text was held back, then cut
-            self._emit(run.req, ("token", run.req.index, "", run.lps))
-        now = time.perf_counter()
-        res = Result(seq.ids, seq.text, seq.finish_reason, seq.stop_reason, len(run.req.prompt), run.n_cached,
-                     ttft_s=max(run.t_first - run.req.t_submit, 0.0), duration_s=now - run.req.t_submit,
-                     logprobs=run.all_lps)
-        self._emit(run.req, ("done", run.req.index, res))
-        self._free(slot, outcome=seq.finish_reason, result=res)
-
-    def _free(self, slot: Slot, outcome: str, result: Result | None = None, valid: int | None = None) -> None:
-        """Release a slot; its cached tokens stay reusable (`valid` cuts them, e.g. 0 after a failed forward)."""
-        if valid is not None:
-            slot.cached = slot.cached[:valid]
-        if self.metrics is not None:
-            self.metrics.on_finish(outcome, result)
-        slot.run, slot.last_used = None, time.perf_counter()
-
-    def _emit(self, req: Request, event: tuple) -> None:
-        try:
-            req.emit(event)
-        except Exception:                    # the HTTP side is gone (loop closed): the request is as good as cancelled
-            req.cancelled = True
-
     def _abort_all(self, waiting: list[Request]) -> None:
-        """At shutdown: end every request now with what it has, finish_reason "abort" (vLLM's word for a request the
-        server ended): one in a slot with its tokens so far, one still waiting with none. Each gets its "done" event,
-        so that a stream ends with its last chunk and [DONE], and a whole response is still a whole response."""
-        for s in self.slots:
-            if s.run is not None:
-                self._finish(s, "abort")
-        now = time.perf_counter()
-        for r in waiting:
-            self._emit(r, ("done", r.index, Result([], "", "abort", None, len(r.prompt), 0, 0.0, now - r.t_submit)))
+        """At shutdown: every request ends now with what it has, finish_reason "abort" (Replies.abort_all)."""
+        self.replies.abort_all(self.slots, waiting)
 
     # --- snapshots (run through call()) ----------------------------------------------------------------------------
     def slots_info(self, top: int = 4) -> list[dict]:
