@@ -108,8 +108,8 @@ def test_collection_covers_a_hybrid():
 @pytest.mark.parametrize("spec", ["synth:tiny-gptoss:layers=2", "synth:tiny-flash-next:layers=2"])
 def test_collection_covers_other_families(spec):
     """gpt-oss (the expert kernel takes its clamped SwiGLU's biases too) and Qwen3.8-Flash-Next (the split DeltaNet
-    projections, fused at load as ssm_proj): an entry for every layer tensor an IQ2_XS file quantizes with an
-    imatrix, and every routed choice counted by the down stack."""
+    projections, fused at load as ssm_proj; its output mixer output_hc_*, outside blk.*): an entry for every tensor
+    an IQ2_XS file quantizes with an imatrix, and every routed choice counted by the down stack."""
     from moestream import LLM
     from moestream.arch.names import gguf_name, gguf_tensors
     from moestream.quant.mix import REQUIRES_IMATRIX, Mix
@@ -118,8 +118,7 @@ def test_collection_covers_other_families(spec):
     im = compute_imatrix(llm, [list(range(5, 37))], "ids")
     cfg = llm.model_config
     mix = Mix.for_config(cfg, "IQ2_XS", has_imatrix=True)
-    need = [gguf_name(cfg, n) for n, s in gguf_tensors(cfg)
-            if n.startswith("blk.") and mix.type(n, s) in REQUIRES_IMATRIX]
+    need = [gguf_name(cfg, n) for n, s in gguf_tensors(cfg) if mix.type(n, s) in REQUIRES_IMATRIX]
     assert need and [n for n in need if n not in im.sums] == []
     assert im.counts["blk.1.ffn_down_exps.weight"].sum() == 32 * cfg.n_experts_used
 
@@ -191,6 +190,26 @@ def test_cli_imatrix_then_iq1_m(tmp_path, capsys):
     llm = LLM(str(dest), ctx_size=64, device="cpu", cpu_moe=True)
     assert {lay.types for lay in llm.engine.host.store.layouts.values()} == {(Q.IQ1_M, Q.IQ1_M, Q.IQ4_NL)}
     assert len(llm.generate("Once upon a time", max_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def test_cli_imatrix_token_ids_then_iq2_xs_of_flash_next(tmp_path, capsys):
+    """Qwen3.8-Flash-Next through `moestream imatrix --token-ids`, then `quantize IQ2_XS --imatrix`: the output
+    mixer's output_hc_down (rows of hc x hidden: IQ2_XS, which needs an entry) has one, so the file is written."""
+    import gguf
+    spec = "synth:tiny-flash-next:layers=2"
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(5 + i % 200) for i in range(64)))
+    code, out, err = run(capsys, "imatrix", "-m", spec, "-f", str(ids), "--token-ids", "-c", "32", "--chunks", "2",
+                         "-o", str(tmp_path / "imatrix.gguf"))
+    assert code == 0, err
+    im = read_imatrix(tmp_path / "imatrix.gguf")
+    assert im.sums["output_hc_down.weight"].shape == (1, 1024) and im.counts["output_hc_down.weight"][0] == 64
+    dest = tmp_path / "iq2_xs.gguf"
+    code, out, err = run(capsys, "quantize", spec, str(dest), "IQ2_XS", "--imatrix", str(tmp_path / "imatrix.gguf"),
+                         "--device", "cpu")
+    assert code == 0, err
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(dest).tensors}
+    assert types["output_hc_down.weight"] == Q.IQ2_XS and types["output_hc_up.weight"] == Q.IQ4_NL
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -9,8 +9,9 @@ replaces each chunk's first), each run from position 0, and for every weight mat
 activations entering it are summed, squared and plain, by column: for a dense matrix over every token of a
 forward of 16 tokens or more (llama-imatrix skips smaller ones), for an expert stack per expert over the tokens
 routed to it (its count: those tokens). Attention's q, k and v (one GEMM here) each get the entry of their shared
-input; qwen3next's ssm_in its attn_qkv and attn_gate. The file: moestream/quant/imatrix.py. llama-imatrix's
-perplexity printout and its .stats tensors are not made.
+input; qwen3next's ssm_in its attn_qkv and attn_gate. Unlike llama-imatrix, Qwen3.8-Flash-Next's output mixer
+(`output_hc_down`, `output_hc_up`) gets entries too, without which an IQ1/IQ2 file of it cannot be made. The file:
+moestream/quant/imatrix.py. llama-imatrix's perplexity printout and its .stats tensors are not made.
 
 The collection runs on the CPU path (plain-torch expert kernel, every expert on the host: `--cpu-moe` is implied)
 through a torch function mode that sees each F.linear, and a wrapper of the expert kernel told each layer's routing
@@ -56,6 +57,12 @@ def weight_names(model, cfg) -> dict[int, list[str]]:
             else:
                 continue
             out[id(t)] = [gguf_name(cfg, n) for n in names if n in file_names]
+    # Qwen3.8-Flash-Next's output mixer (output_hc_down, output_hc_up), outside blk.*: llama-imatrix b11549 leaves
+    # it out (imatrix.cpp collect_imatrix: blk.* only), and llama-quantize then refuses an IQ1/IQ2 file of the family
+    # ("Missing importance matrix for tensor output_hc_down.weight"): moestream's file has its entries
+    for key, t in model.w.items():
+        if key.startswith("output_hc_") and t.dim() == 2 and key in file_names:
+            out[id(t)] = [gguf_name(cfg, key)]
     return out
 
 
