@@ -143,17 +143,46 @@ def test_eight_experts_and_shared_expert():
     assert mix.type("blk.1.attn_q.bias", (4096,)) == Q.F32
 
 
-def test_the_hybrids_deltanet_input_gets_more_bits():
-    """llama-quantize's attn_qkv rule (the DeltaNet's fused input projection of qwen3next and qwen35moe): Q5_K in a
-    Q4_K_M file, Q6_K in a Q5_K_M one, the file type's own otherwise; its gate and the attention layers' q as the
-    file type."""
-    from moestream.quant.mix import Mix
+def test_the_hybrids_deltanet_input_takes_attn_vs_rules():
+    """b11549's llama-quant.cpp: attn_qkv (the DeltaNet's fused input projection of qwen3next, qwen35moe and
+    Qwen3.8-Flash-Next) is attn_v-like (category_is_attn_v, line 157), and llama_tensor_get_type_impl's attn_v
+    branch (line 567) comes before its ATTENTION_QKV one (line 689), which is never reached: attn_qkv takes attn_v's
+    rules, counted with the attention layers' attn_v in file order (n_attention_wv, line 933). Its gate and the
+    attention layers' q as the file type."""
+    from moestream.loading.synth import SynthSource
+    from moestream.quant.mix import Mix, file_types, use_more_bits
     cfg = _reference_config()
-    for ftype, want in (("Q4_K_M", Q.Q5_K), ("Q5_K_M", Q.Q6_K), ("Q4_K_S", Q.Q4_K), ("Q6_K", Q.Q6_K)):
-        mix = Mix.for_config(cfg, ftype)
-        assert mix.type("blk.4.attn_qkv.weight", (8192, 2048)) == want, ftype
+    for ftype, want in (("Q4_K_M", Q.Q6_K), ("Q5_K_M", Q.Q6_K), ("Q4_K_S", Q.Q5_K), ("Q6_K", Q.Q6_K)):
+        mix = Mix.for_config(cfg, ftype)                # (24 attn_v; attn_qkv not in this file: its layer counts)
+        assert mix.type("blk.3.attn_qkv.weight", (8192, 2048)) == mix.type("blk.3.attn_v.weight", (512, 2048))
+        assert mix.type("blk.2.attn_qkv.weight", (8192, 2048)) == want, ftype
     mix = Mix.for_config(cfg, "Q4_K_M")
     assert mix.type("blk.4.attn_gate.weight", (4096, 2048)) == mix.type("blk.3.attn_q.weight", (8192, 2048)) == Q.Q4_K
+    # qwen3-next-80b-a3b: 48 layers, attention every 4th (attn_v), DeltaNet between (attn_qkv): one a layer
+    nxt = SynthSource.from_spec("qwen3-next-80b-a3b").config
+    types = file_types(nxt, "Q4_K_M")
+    v = [types.get(f"blk.{i}.attn_qkv.weight") or types[f"blk.{i}.attn_v.weight"] for i in range(48)]
+    assert v == [Q.Q6_K if use_more_bits(i, 48) else Q.Q4_K for i in range(48)]
+    assert types["blk.0.attn_qkv.weight"] == Q.Q6_K and types["blk.7.attn_v.weight"] == Q.Q4_K
+    types = file_types(nxt, "Q3_K_M")                   # i_attention_wv < 2: Q5_K
+    assert [types["blk.0.attn_qkv.weight"], types["blk.1.attn_qkv.weight"], types["blk.2.attn_qkv.weight"]] == \
+        [Q.Q5_K, Q.Q5_K, Q.Q4_K]
+    assert file_types(nxt, "Q2_K")["blk.5.attn_qkv.weight"] == Q.Q4_K                  # 8 query heads per kv head
+    assert file_types(nxt, "IQ4_XS")["blk.5.attn_qkv.weight"] == Q.Q5_K
+
+
+def test_an_mtp_heads_block_counts_as_a_layer():
+    """llama.cpp counts the ffn_down layers of a file as its block count (llama-quant.cpp line 940: n_layer_all,
+    llama-model.cpp line 1355: block_count, the MTP heads' blocks too) and its attn_v tensors as they come (line
+    933): with DeepSeek-V3's MTP block (61 + 1), use_more_bits(53, 62) is false, where (53, 61) was true."""
+    from moestream.loading.synth import SynthSource
+    from moestream.quant.mix import file_types, use_more_bits
+    assert use_more_bits(53, 61) and not use_more_bits(53, 62)
+    types = file_types(SynthSource.from_spec("deepseek-v3:mtp=1").config, "Q4_K_M")
+    assert types["blk.53.ffn_down_exps.weight"] == types["blk.53.ffn_down_shexp.weight"] == Q.Q4_K
+    assert types["blk.61.ffn_down_exps.weight"] == types["blk.54.ffn_down_exps.weight"] == Q.Q6_K
+    glm = file_types(SynthSource.from_spec("tiny-glm:mtp=1").config, "Q4_K_M")     # 4 + 1 blocks: 2 and 4, not 3
+    assert [glm[f"blk.{i}.attn_v.weight"] for i in range(5)] == [Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q6_K]
 
 
 def test_fallbacks_and_overrides():

@@ -134,7 +134,9 @@ def test_mixes_on_qwen3_30b_a3b():
 
 def test_eight_experts_and_the_hybrids():
     """Mixtral's rule (8 experts): attn_v and attn_k Q8_0; attn_output Q5_K for Q2_K, Q3_K_S and Q3_K_M, while
-    Q3_K_L's keeps Q3_K (llama.cpp leaves it out of that list). The hybrids' attn_qkv: Q4_K for Q3_K_M and Q3_K_L."""
+    Q3_K_L's keeps Q3_K (llama.cpp leaves it out of that list). The hybrids' attn_qkv takes attn_v's rules
+    (b11549's llama-quant.cpp: category_is_attn_v, line 157; its attn_v branch, line 567, before the ATTENTION_QKV
+    one, line 689, never reached): Q4_K for Q2_K (8 query heads per kv head), Q5_K in the first 2 for Q3_K_M."""
     from test_quantize import _reference_config
 
     from moestream.quant.mix import Mix
@@ -144,8 +146,9 @@ def test_eight_experts_and_the_hybrids():
         assert mix.type("blk.3.attn_v.weight", (512, 2048)) == mix.type("blk.3.attn_k.weight", (512, 2048)) == Q.Q8_0
         assert mix.type("blk.3.attn_output.weight", (2048, 4096)) == out, ftype
     cfg = _reference_config()
-    for ftype, want in (("Q2_K", Q.Q2_K), ("Q3_K_S", Q.Q3_K), ("Q3_K_M", Q.Q4_K), ("Q3_K_L", Q.Q4_K)):
+    for ftype, want in (("Q2_K", Q.Q4_K), ("Q3_K_S", Q.Q3_K), ("Q3_K_M", Q.Q4_K), ("Q3_K_L", Q.Q5_K)):
         assert Mix.for_config(cfg, ftype).type("blk.4.attn_qkv.weight", (8192, 2048)) == want, ftype
+    assert Mix.for_config(cfg, "Q3_K_M").type("blk.1.attn_qkv.weight", (8192, 2048)) == Q.Q5_K
 
 
 def test_q2_k_s_needs_an_imatrix():

@@ -11,23 +11,24 @@ The rules moestream's families meet (no Falcon, no 70B):
   `ffn_gate_inp.weight`, the DeltaNet's `ssm_conv1d.weight`: F32, as llama.cpp's converters write them.
 - output.weight (token_embd.weight when the embeddings are tied): Q6_K, or Q8_0 for Q8_0 and for rows that are not
   whole blocks of the file type.
-- attn_v: Q4_K for Q2_K when 4 or more query heads share a kv head, Q3_K otherwise; Q5_K in the first 2 layers and
-  Q4_K after them for Q3_K_M; Q5_K for Q3_K_L; Q6_K in the `use_more_bits` layers for Q4_K_M / Q5_K_M, Q5_K in the
-  first 4 layers for Q4_K_S, Q5_K for IQ4_NL / IQ4_XS when 4 or more query heads share a kv head; Q8_0 whatever the
-  type when the model has 8 experts (llama.cpp's Mixtral rule), as attn_k is then too.
+- attn_v and the tensors llama.cpp counts with it (category_is_attn_v: attn_qkv, the hybrids' DeltaNet input, and
+  attn_kv_b), counted in file order (by layer, then name: i of n, one a layer where each layer has one): Q4_K for
+  Q2_K when 4 or more query heads share a kv head, Q3_K otherwise; Q5_K for the first 2 and Q4_K after them for
+  Q3_K_M; Q5_K for Q3_K_L; Q6_K where `use_more_bits(i, n)` for Q4_K_M / Q5_K_M, Q5_K for the first 4 for Q4_K_S,
+  Q5_K for IQ4_NL / IQ4_XS when 4 or more query heads share a kv head; Q8_0 whatever the type when the model has 8
+  experts (llama.cpp's Mixtral rule), as attn_k is then too.
 - ffn_down (dense, expert stacks and shared expert alike): the layer is read from the name (llama.cpp does so when
-  n_expert > 1, and counts n_ffn_down as the layer count), then Q3_K for Q2_K; Q5_K in the first sixteenth of the
-  layers and Q4_K after them for Q3_K_M; Q5_K for Q3_K_L; Q6_K in the `use_more_bits` layers for Q4_K_M and Q5_K_M;
-  Q5_K in the first eighth of the layers for Q4_K_S, and for IQ4_NL and IQ4_XS without an imatrix; with one, Q4_1
-  (Q5_1) in the first eighth for Q4_0 (Q5_0).
+  n_expert > 1) of n_layers, the file's block count (llama.cpp's n_ffn_down, n_layer_all: the MTP heads' blocks
+  too), then Q3_K for Q2_K; Q5_K in the first sixteenth of the layers and Q4_K after them for Q3_K_M; Q5_K for
+  Q3_K_L; Q6_K in the `use_more_bits` layers for Q4_K_M and Q5_K_M; Q5_K in the first eighth of the layers for
+  Q4_K_S, and for IQ4_NL and IQ4_XS without an imatrix; with one, Q4_1 (Q5_1) in the first eighth for Q4_0 (Q5_0).
 - attn_output: Q3_K for Q2_K, Q4_K for Q3_K_M, Q5_K for Q3_K_L; with 8 experts instead Q5_K for Q2_K, Q3_K_S,
   Q3_K_M, Q4_K_S, Q4_K_M, IQ4_NL and IQ4_XS (Q3_K_L then keeps Q3_K).
-- attn_qkv (the hybrids' DeltaNet input projection): Q4_K for Q3_K_M and Q3_K_L, Q5_K for Q4_K_M, Q6_K for Q5_K_M.
 - IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS (which need an imatrix): output.weight (tied token_embd) Q5_K, token_embd Q2_K;
-  attn_v and attn_qkv Q4_K when 4 or more query heads share a kv head or the model has 4 or more experts, Q2_K
-  otherwise; attn_k Q4_K with 8 experts; the first n_layers / 8 ffn_down tensors in llama.cpp's order (by layer,
-  then name: a layer's ffn_down_exps before its ffn_down_shexp) Q2_K; attn_output Q5_K with 8 experts, IQ2_XXS
-  for IQ1_S and IQ1_M.
+  attn_v, attn_qkv and attn_kv_b Q4_K when 4 or more query heads share a kv head or the model has 4 or more
+  experts, Q2_K otherwise; attn_k Q4_K with 8 experts; the first n_layers / 8 ffn_down tensors in llama.cpp's
+  order (by layer, then name: a layer's ffn_down_exps before its ffn_down_shexp) Q2_K; attn_output Q5_K with 8
+  experts, IQ2_XXS for IQ1_S and IQ1_M.
 - A row that is not whole blocks of its type falls back as llama.cpp's does: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ4_XS ->
   IQ4_NL, Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and to F16 when not whole 32-blocks either
   (so an expert's down projection of rows of 640 is IQ4_NL in an IQ1_M file, Q4_0 in its first eighth, Q5_0 in a
@@ -75,7 +76,8 @@ _MORE_BITS_V = ("Q4_K_M", "Q5_K_M")
 _IQ4 = ("IQ4_NL", "IQ4_XS")
 _ATTN_OUTPUT_8_EXPERTS = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS")
 _ATTN_OUTPUT = {"Q2_K": Q.Q3_K, "Q3_K_M": Q.Q4_K, "Q3_K_L": Q.Q5_K}       # without 8 experts
-_ATTN_QKV = {"Q3_K_M": Q.Q4_K, "Q3_K_L": Q.Q4_K, "Q4_K_M": Q.Q5_K, "Q5_K_M": Q.Q6_K}
+# llama-quant.cpp's category_is_attn_v (tensor_get_category tests attn_qkv, then attn_kv_b, then attn_v)
+_ATTN_V_LIKE = ("attn_qkv.weight", "attn_kv_b.weight", "attn_v.weight")
 
 
 def parse_ftype(name: str) -> str:
@@ -110,6 +112,10 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
             and "ffn_gate_inp.weight" not in name and "ssm_conv1d.weight" not in name)
 
 
+def _attn_v_like(name: str) -> bool:
+    return any(k in name for k in _ATTN_V_LIKE)
+
+
 def _fits(qtype: Q, n: int) -> bool:
     return n % GGML_QUANT_SIZES[qtype][0] == 0
 
@@ -118,7 +124,7 @@ def _fits(qtype: Q, n: int) -> bool:
 class Mix:
     """The tensor types of one file type for one model shape; `type(name, shape)` is what write_gguf asks."""
     ftype: str
-    n_layers: int
+    n_layers: int                       # the file's block count (llama.cpp's n_layer_all: the MTP heads' too)
     n_expert: int
     n_gqa: int                          # query heads per kv head
     tied: bool                          # no output.weight: token_embd.weight takes its rule
@@ -127,16 +133,22 @@ class Mix:
     token_embd_type: Q | None = None    # --token-embedding-type
     has_imatrix: bool = False           # --imatrix given (a few rules differ with one)
     ffn_down_rank: dict = field(default_factory=dict, compare=False)  # name -> its index among the ffn_down tensors
+    attn_v_rank: dict = field(default_factory=dict, compare=False)    # name -> its index among the attn_v-like ones
 
     def __post_init__(self):
         object.__setattr__(self, "ftype", parse_ftype(self.ftype))      # q4_k_m -> Q4_K_M, or a UserError
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, ftype: str, **kw) -> "Mix":
-        # llama.cpp visits the tensors by layer, then (GGUF) name; its IQ rules count the ffn_down tensors so
-        downs = sorted((n for n, _ in gguf_tensors(cfg) if "ffn_down" in n), key=lambda n: (_layer(n), gguf_name(cfg, n)))
-        return cls(ftype, cfg.n_layers, cfg.n_experts, cfg.n_heads // cfg.n_kv_heads,
-                   cfg.tie_word_embeddings, ffn_down_rank={n: i for i, n in enumerate(downs)}, **kw)
+        # llama.cpp visits the tensors by layer, then (GGUF) name (llama_model_loader's weight_name_comparer); its IQ
+        # rules count the ffn_down tensors so, and its attn_v rules the attn_v-like ones (llama-quant.cpp
+        # init_quantize_state_counters: n_attention_wv; i_attention_wv rises as each is visited)
+        names = sorted((n for n, _ in gguf_tensors(cfg)), key=lambda n: (_layer(n), gguf_name(cfg, n)))
+        downs = [n for n in names if "ffn_down" in n]
+        vs = [n for n in names if _attn_v_like(n)]
+        return cls(ftype, cfg.n_stored_layers, cfg.n_experts, cfg.n_heads // cfg.n_kv_heads,
+                   cfg.tie_word_embeddings, ffn_down_rank={n: i for i, n in enumerate(downs)},
+                   attn_v_rank={n: i for i, n in enumerate(vs)}, **kw)
 
     @property
     def file_type(self) -> F:
@@ -167,24 +179,25 @@ class Mix:
             return Q.Q2_K if f in IQ_FTYPES else t
         if f in IQ_FTYPES:
             return self._iq_rule(name, t)
-        if "attn_v.weight" in name:     # llama.cpp counts attn_v tensors in file order: one per layer
+        if _attn_v_like(name):
+            # b11549's llama-quant.cpp llama_tensor_get_type_impl: the category_is_attn_v branch comes before the
+            # ATTENTION_QKV one, which is so never reached: attn_qkv takes attn_v's rules, counted with it
+            i, n = self.attn_v_rank.get(name, layer), len(self.attn_v_rank) or L   # (a name not in the file: its layer)
             if f == "Q2_K":
                 t = Q.Q4_K if self.n_gqa >= 4 else Q.Q3_K
             elif f == "Q3_K_M":
-                t = Q.Q5_K if layer < 2 else Q.Q4_K
+                t = Q.Q5_K if i < 2 else Q.Q4_K
             elif f == "Q3_K_L":
                 t = Q.Q5_K
             elif f in _IQ4 and self.n_gqa >= 4:
                 t = Q.Q5_K
-            elif f in _MORE_BITS_V and use_more_bits(layer, L):
+            elif f in _MORE_BITS_V and use_more_bits(i, n):
                 t = Q.Q6_K
-            elif f == "Q4_K_S" and layer < 4:
+            elif f == "Q4_K_S" and i < 4:
                 t = Q.Q5_K
             return Q.Q8_0 if self.n_expert == 8 else t
         if "attn_k.weight" in name:
             return Q.Q8_0 if self.n_expert == 8 else t
-        if "attn_qkv.weight" in name:   # the hybrids' DeltaNet input (llama.cpp's qwen3next, qwen35moe)
-            return _ATTN_QKV.get(f, t)
         if "ffn_down" in name:
             if f == "Q2_K":
                 return Q.Q3_K
@@ -211,7 +224,7 @@ class Mix:
 
     def _iq_rule(self, name: str, t: Q) -> Q:
         """llama.cpp's branch for IQ2_XXS, IQ2_XS, IQ1_S and IQ1_M files (IQ2_S and IQ2_M share it there)."""
-        if any(k in name for k in ("attn_qkv.weight", "attn_kv_b.weight", "attn_v.weight")):
+        if _attn_v_like(name):
             return Q.Q4_K if self.n_gqa >= 4 or self.n_expert >= 4 else Q.Q2_K
         if "attn_k.weight" in name:
             return Q.Q4_K if self.n_expert == 8 else t
