@@ -194,7 +194,8 @@ def test_cli_imatrix_then_iq1_m(tmp_path, capsys):
 
 def test_cli_imatrix_token_ids_then_iq2_xs_of_flash_next(tmp_path, capsys):
     """Qwen3.8-Flash-Next through `moestream imatrix --token-ids`, then `quantize IQ2_XS --imatrix`: the output
-    mixer's output_hc_down (rows of hc x hidden: IQ2_XS, which needs an entry) has one, so the file is written."""
+    mixer's output_hc_down (rows of hc x hidden: IQ2_XS, which needs an entry) has one, so the file is written,
+    and moestream loads it and generates."""
     import gguf
     spec = "synth:tiny-flash-next:layers=2"
     ids = tmp_path / "ids.txt"
@@ -210,6 +211,13 @@ def test_cli_imatrix_token_ids_then_iq2_xs_of_flash_next(tmp_path, capsys):
     assert code == 0, err
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(dest).tensors}
     assert types["output_hc_down.weight"] == Q.IQ2_XS and types["output_hc_up.weight"] == Q.IQ4_NL
+    # b11549's llama-quant.cpp: the QSA indexer's projections kept (tensor_allows_quantization), the n-gram table
+    # an embedding (tensor_name_match_token_embd: Q2_K, rows of 32 -> Q4_0)
+    assert types["blk.1.indexer.q_proj.weight"] == types["blk.1.indexer.k_proj.weight"] == Q.F32
+    assert types["per_layer_token_embd.weight"] == Q.Q4_0 and types["token_embd.weight"] == Q.Q2_K
+    from moestream import LLM
+    llm = LLM(str(dest), ctx_size=64, device="cpu", cpu_moe=True)
+    assert len(llm.generate([5, 6, 7, 8], max_tokens=3, ignore_eos=True).token_ids) == 3
 
 
 def test_cli_errors(tmp_path, capsys):

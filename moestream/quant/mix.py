@@ -8,7 +8,9 @@
 
 The rules moestream's families meet (no Falcon, no 70B):
 - Never quantized: 1-D tensors (norms, biases, the shared expert's gate), `*_norm.weight`, the routers
-  `ffn_gate_inp.weight`, the DeltaNet's `ssm_conv1d.weight`: F32, as llama.cpp's converters write them.
+  `ffn_gate_inp.weight`, the DeltaNet's `ssm_conv1d.weight`: F32, as llama.cpp's converters write them; the QSA
+  indexer's `indexer.q_proj.weight` and `indexer.k_proj.weight` (llama-quantize keeps the source's type): F32.
+- token_embd.weight and Qwen3.8-Flash-Next's per_layer_token_embd.weight take the embeddings' rules.
 - output.weight (token_embd.weight when the embeddings are tied): Q6_K, or Q8_0 for Q8_0 and for rows that are not
   whole blocks of the file type.
 - attn_v and the tensors llama.cpp counts with it (category_is_attn_v: attn_qkv, the hybrids' DeltaNet input, and
@@ -78,6 +80,9 @@ _ATTN_OUTPUT_8_EXPERTS = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_N
 _ATTN_OUTPUT = {"Q2_K": Q.Q3_K, "Q3_K_M": Q.Q4_K, "Q3_K_L": Q.Q5_K}       # without 8 experts
 # llama-quant.cpp's category_is_attn_v (tensor_get_category tests attn_qkv, then attn_kv_b, then attn_v)
 _ATTN_V_LIKE = ("attn_qkv.weight", "attn_kv_b.weight", "attn_v.weight")
+# llama-quant.cpp's tensor_name_match_token_embd: the embeddings' rule (and --token-embedding-type) for both
+TOKEN_EMBD = ("token_embd.weight", "per_layer_token_embd.weight")
+_KEPT = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d.weight", "indexer.k_proj.weight", "indexer.q_proj.weight")
 
 
 def parse_ftype(name: str) -> str:
@@ -107,9 +112,10 @@ def use_more_bits(layer: int, n_layers: int) -> bool:
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether llama-quantize quantizes this tensor at all (the others keep their float type: F32 here)."""
-    return (name.endswith("weight") and len(shape) >= 2 and "_norm.weight" not in name
-            and "ffn_gate_inp.weight" not in name and "ssm_conv1d.weight" not in name)
+    """Whether llama-quantize quantizes this tensor at all (the others keep their float type: F32 here): b11549's
+    tensor_allows_quantization, the rules that meet moestream's families (Qwen3.8-Flash-Next's QSA indexer
+    projections are kept whatever the arch, as MiniMax's are)."""
+    return (name.endswith("weight") and len(shape) >= 2 and not any(k in name for k in _KEPT))
 
 
 def _attn_v_like(name: str) -> bool:
@@ -161,7 +167,7 @@ class Mix:
         t = FTYPES[self.ftype][1]
         if t not in FLOAT and not self.pure:
             t = self._rule(name, shape, t)
-        if name == "token_embd.weight" and self.token_embd_type is not None:
+        if name in TOKEN_EMBD and self.token_embd_type is not None:
             t = self.token_embd_type
         if name == "output.weight" and self.output_type is not None:
             t = self.output_type
@@ -170,12 +176,12 @@ class Mix:
     def _rule(self, name: str, shape: tuple[int, ...], t: Q) -> Q:
         f, L, n = self.ftype, self.n_layers, shape[-1]
         layer = _layer(name)
-        if name == "output.weight" or (self.tied and name == "token_embd.weight"):
+        if name == "output.weight" or (self.tied and name in TOKEN_EMBD):
             return (Q.Q8_0 if not _fits(t, n) or t in (Q.Q8_0, Q.MXFP4) else Q.Q5_K if f in IQ_FTYPES
                     else Q.Q6_K)
         if f == "MXFP4_MOE":            # expert stacks (E > 1 matrices) MXFP4, every other quantized tensor Q8_0
             return Q.MXFP4 if len(shape) == 3 and shape[0] > 1 else Q.Q8_0
-        if name == "token_embd.weight":
+        if name in TOKEN_EMBD:
             return Q.Q2_K if f in IQ_FTYPES else t
         if f in IQ_FTYPES:
             return self._iq_rule(name, t)
