@@ -7,6 +7,7 @@ CUDA (`-m cuda`): the kernel against pinned host memory, and real graphs of the 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -205,3 +206,7 @@ def test_the_family_captures_its_decode_steps_on_cuda_with_the_eager_bits(monkey
     assert all(torch.equal(a, b) for a, b in zip(eager, graphs))
     host = run(False, in_place=False)
     assert [int(x.argmax()) for x in host] == [int(x.argmax()) for x in eager]
+
+
+if __name__ == "__main__":
+    check(*sys.argv[1:])

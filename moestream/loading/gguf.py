@@ -268,3 +268,19 @@ class MappedRows:
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """(n,) int64 row ids -> (n, d) rows, on the host."""
         return _to_torch(self.data[rows.numpy()], self.qtype).reshape(len(rows), self.shape[1])
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row's blocks in the file."""
+        return self.shape[1] // block_size(self.qtype) * type_size(self.qtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+    def copy_into(self, dst: torch.Tensor, chunk: int = 64 << 20) -> None:
+        """dst (rows, row_bytes) uint8 <- the rows' blocks as the file holds them, a chunk of bytes at a time (a
+        table of tens of GB is never copied whole through a temporary)."""
+        step = max(1, chunk // self.row_bytes)
+        raw = self.data.reshape(self.shape[0], -1).view(np.uint8)
+        for r in range(0, self.shape[0], step):
+            dst[r:r + step].copy_(torch.from_numpy(np.array(raw[r:r + step])))

@@ -30,8 +30,10 @@ A decode step over a table readable in place (a pinned tensor: runtime/load.py p
 reads nothing back (PLE.on_device): its contexts are read by the step's device tensor of sequences and hashed
 there (NGramHash.rows_decode: the same integer ops, so the same rows), its rows read from host memory where they
 lie by kernels/ple_gather.py, its sequences' conv rows gathered and written back by that tensor (ple_add_decode);
-so the step can be captured in a CUDA graph. A GGUF's mapped table (quantized, dequantized by row on the host)
-keeps the host path, and so do prompts, verify steps and the CPU (its oracle).
+so the step can be captured in a CUDA graph. A GGUF's quantized table copied into pinned memory (BlockTable:
+runtime/load.py copies its blocks as the file holds them) is read in place too, its rows dequantized on the device;
+a table left mapped (a float GGUF's, a type the gather has no decoder for, or one the host has no room for) keeps
+the host path, and so do prompts, verify steps and the CPU (its oracle).
 """
 from __future__ import annotations
 
@@ -134,21 +136,51 @@ class NGramHash:
 
 def readable_in_place(table) -> bool:
     """Whether a device kernel can read the table's rows where they lie (kernels/ple_gather.py): a contiguous
-    tensor in pinned host memory, rows of whole 4-byte words, Triton there. A file's mapped rows
-    (loading/gguf.py's MappedRows: quantized blocks, dequantized on the host, in pageable memory) cannot be."""
+    tensor in pinned host memory, rows of whole 4-byte words, or a quantized table's blocks pinned (BlockTable, of
+    a type the gather dequantizes), Triton there. A file's mapped rows (loading/gguf.py's MappedRows: quantized
+    blocks, dequantized on the host, in pageable memory) cannot be."""
     from ..kernels.decode import triton
-    return (triton is not None and isinstance(table, torch.Tensor) and table.is_contiguous()
-            and table.shape[1] * table.element_size() % 4 == 0 and torch.cuda.is_available() and table.is_pinned())
+    if triton is None or not torch.cuda.is_available():
+        return False
+    if isinstance(table, BlockTable):
+        from ..kernels.ple_gather import gathers_blocks
+        return table.blocks.is_pinned() and gathers_blocks(table.qtype, table.shape[1])
+    return (isinstance(table, torch.Tensor) and table.is_contiguous()
+            and table.shape[1] * table.element_size() % 4 == 0 and table.is_pinned())
+
+
+class BlockTable:
+    """A quantized table's blocks as the file holds them, (rows, row_bytes) uint8 in host memory (runtime/load.py
+    copies a GGUF's once into pinned memory: Q4_0's 18 bytes a 32 values, about a quarter of a bfloat16 table's),
+    read by row: take(rows) dequantizes those rows' blocks on the host (float32, as loading/gguf.py's MappedRows),
+    a decode step's kernel (kernels/ple_gather.py's gather_block_rows) on the device."""
+
+    dtype = torch.float32
+
+    def __init__(self, blocks: torch.Tensor, qtype, d: int):
+        self.blocks, self.qtype = blocks, qtype
+        self.shape = (blocks.shape[0], d)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n,) int64 row ids (on the host) -> (n, d) float32 rows, on the host."""
+        from ..quant.dequant import dequantize
+        return dequantize(self.blocks.index_select(0, rows), self.qtype).reshape(len(rows), self.shape[1])
 
 
 class PLETable:
     """The n-gram table (rows_total, d), kept in host memory, read by row only: a ubatch's or decode step's rows are
     gathered on the host and copied to the device, `row_bytes` a row (heads of them a token). The table is a host
-    tensor (gathered into a pinned staging buffer), or a file's mapped rows (an object with shape, dtype and
-    take(rows): loading/gguf.py's MappedRows, whose blocks are read and dequantized by row). Counts in neither the
-    device budget nor the expert cache; `bytes_read` counts what crossed the link (not a captured step's: a graph
-    replays without Python). in_place: a pinned tensor (readable_in_place), whose rows a decode step's kernel reads
-    where they lie from rows picked on the device (gather_on_device: no host sync, so the step can be captured)."""
+    tensor (gathered into a pinned staging buffer), or rows read by take(rows) (an object with shape and dtype: a
+    file's mapped rows, loading/gguf.py's MappedRows, or its quantized blocks in host memory, BlockTable; both
+    dequantized by row). Counts in neither the device budget nor the expert cache; `bytes_read` counts what crossed
+    the link (not a captured step's: a graph replays without Python). in_place: a pinned tensor or BlockTable
+    (readable_in_place), whose rows a decode step's kernel reads where they lie from rows picked on the device
+    (gather_on_device: no host sync, so the step can be captured; a BlockTable's blocks cross the link, counted so,
+    and are dequantized there)."""
 
     def __init__(self, table):
         self.table = table                          # (rows, d) on the host
@@ -159,15 +191,21 @@ class PLETable:
 
     def gather_on_device(self, rows: torch.Tensor) -> torch.Tensor:
         """(T, heads) rows on a device -> (T, heads * d) embeddings there, in the table's dtype, read where they lie
-        (kernels/ple_gather.py) with no host sync; on the CPU the table's index_select (the kernel's oracle)."""
+        (kernels/ple_gather.py; a BlockTable's blocks dequantized there) with no host sync; on the CPU the table's
+        index_select or take (the kernels' oracles)."""
         idx = rows.reshape(-1)
+        blocks = isinstance(self.table, BlockTable)
         if idx.device.type == "cpu":
-            out = self.table.index_select(0, idx)
+            out = self.table.take(idx) if blocks else self.table.index_select(0, idx)
         else:
-            from ..kernels.ple_gather import gather_rows
+            from ..kernels.ple_gather import gather_block_rows, gather_rows
             out = torch.empty(idx.shape[0], self.table.shape[1], dtype=self.table.dtype, device=idx.device)
-            gather_rows(self.table.data_ptr(), self.row_bytes // 4, idx, out)
-        self.bytes_read += idx.shape[0] * self.row_bytes
+            if blocks:
+                gather_block_rows(self.table.blocks.data_ptr(), self.table.blocks.shape[1], self.table.qtype, idx,
+                                  out)
+            else:
+                gather_rows(self.table.data_ptr(), self.row_bytes // 4, idx, out)
+        self.bytes_read += idx.shape[0] * (self.table.blocks.shape[1] if blocks else self.row_bytes)
         return out.view(rows.shape[0], -1)
 
     @property

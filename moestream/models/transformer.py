@@ -117,10 +117,10 @@ class MoETransformer:
         gathered and written back by the step's device tensor of sequences (no host sync); the engine checks and
         advances each sequence's position around every replay (GraphDecode), and a graph's warm-up leaves the states
         as they were (HybridCache.kept). A PLE layer only where its table is read in place (ple_in_place: a pinned
-        tensor, models/ple.py's readable_in_place; its step's rows hashed and gathered on the device); else its rows
-        are picked and gathered on the host from the step's tokens read back (a GGUF's mapped table). QSA only with
-        its CUDA kernels (qsa_kernels, kernels/qsa.py: they read nothing back); its torch form slices each
-        sequence's cache by its host-known position."""
+        tensor, or a GGUF's quantized blocks pinned: models/ple.py's readable_in_place; its step's rows hashed and
+        gathered on the device); else its rows are picked and gathered on the host from the step's tokens read back
+        (a table left mapped from its GGUF). QSA only with its CUDA kernels (qsa_kernels, kernels/qsa.py: they read
+        nothing back); its torch form slices each sequence's cache by its host-known position."""
         return (not cfg.ple_layers or ple_in_place) and (not cfg.indexer_heads or qsa_kernels)
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],

@@ -23,7 +23,9 @@ from ..experts.store import ExpertStore, fill_layer
 from ..kernels import AddressBook, by_address_kernels, pick_kernel
 from ..kernels.delta import pick_delta_kernels
 from ..kernels.qsa import pick_qsa_kernels
-from ..models.ple import readable_in_place
+from ..kernels.ple_gather import gathers_blocks
+from ..loading.gguf import MappedRows
+from ..models.ple import BlockTable, readable_in_place
 from ..arch.families import AFTER_TRUNK, FAMILIES
 from ..models.layers import rope_tables
 from ..arch.names import HOST_TABLES, dense_names, keeps_float32, optional_names
@@ -31,6 +33,7 @@ from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
 from .kv_cache import make_cache
+from .memory import available_host_memory
 from .placement import fit_cache, fit_split, host_provider, split_provider
 from .plan import decode_plan
 from .split import Split
@@ -71,19 +74,39 @@ def head_io(source, cfg: ModelConfig, weights: dict, device_of, dtype) -> dict:
     return out
 
 
-def host_tables(source, cfg, dev: Device) -> dict:
+def host_tables(source, cfg, dev: Device, room: int | None = None) -> dict:
     """The host tables (arch/names.py's HOST_TABLES: the PLE's n-gram rows) as the source holds them, read by row
     (models/ple.py's PLETable): a tensor, on a GPU copied once into pinned memory, so that a decode step's kernel
-    reads its rows in place (a CUDA graph can capture it); a GGUF's mapped rows stay mapped (quantized blocks
-    dequantized on the host by row: that step reads the host)."""
+    reads its rows in place (a CUDA graph can capture it); a GGUF's quantized table, on a GPU, its blocks copied
+    once as the file holds them into pinned memory (models/ple.py's BlockTable: that kernel dequantizes them) where
+    the gather decodes its type and `room` (host bytes free for it; None: not known) holds them; else its mapped
+    rows stay mapped (dequantized on the host by row: that step reads the host, so it is not captured)."""
     out = {}
     for n in dense_names(cfg):
         if n in HOST_TABLES:
             t = source.rows(n)
             if dev.is_cuda and isinstance(t, torch.Tensor) and not t.is_pinned():
                 t = dev.pinned_empty(t.shape, t.dtype).copy_(t)
+            elif dev.is_cuda and isinstance(t, MappedRows) and gathers_blocks(t.qtype, t.shape[1]):
+                t = pinned_blocks(t, n, dev, room)
             out[n] = t
     return out
+
+
+def pinned_blocks(t: MappedRows, name: str, dev: Device, room: int | None):
+    """A GGUF's quantized table t as a BlockTable of its blocks copied into pinned host memory, or t itself (mapped,
+    with a one-line warning) where `room` cannot hold them."""
+    need = t.nbytes
+    if room is not None and need > room:
+        log.warning("%s: its %s blocks (%.0f MiB) do not fit the %.0f MiB of host memory left: read mapped from the "
+                    "file, dequantized on the host by row (decode steps not captured in CUDA graphs)",
+                    name, t.qtype.name, need / MiB, max(room, 0) / MiB)
+        return t
+    blocks = dev.pinned_empty((t.shape[0], t.row_bytes), torch.uint8)
+    t.copy_into(blocks)
+    log.info("%s: %.0f MiB of %s blocks pinned in host memory, read in place by decode steps", name, need / MiB,
+             t.qtype.name)
+    return BlockTable(blocks, t.qtype, t.shape[1])
 
 
 def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
@@ -103,7 +126,9 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     row_dtype = torch.uint8 if quantized else dtype           # quantized rows are their GGUF blocks
     width = {l: lay.nbytes if quantized else lay.numel for l, lay in layouts.items()}
     blocks = FAMILIES[cfg.family].blocks         # the family table says which blocks the decoder is built from
-    tables = host_tables(source, cfg, dev)
+    host_experts = sum(cfg.n_experts * width[l] for l in host) * row_dtype.itemsize     # pinned below
+    free = available_host_memory() if dev.is_cuda else None
+    tables = host_tables(source, cfg, dev, None if free is None else free - host_experts)
     qsa = pick_qsa_kernels(dev.torch, cfg) if blocks.attention.kind == "qsa" else None
     capturable = MoETransformer.capturable_for(cfg, all(readable_in_place(t) for t in tables.values()),
                                                qsa is not None)
