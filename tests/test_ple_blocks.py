@@ -107,7 +107,7 @@ def _blocks_on_device_path(eng) -> list:
     return took
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["Q4_0", "Q8_0"])
 def test_a_gguf_table_on_the_device_path_gives_the_host_paths_tokens_and_logits(gguf_files, qtype):
     """Greedy decode of a tiny-flash-next GGUF whose table is quantized: the device path (blocks in host memory,
     rows dequantized by the kernel's stand-in, no host read in the PLE's part) gives the host path's (the map's
@@ -146,7 +146,7 @@ def test_the_quantized_in_place_gather_reads_pinned_host_blocks_on_cuda():
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["Q4_0", "Q8_0"])
 def test_a_gguf_table_is_pinned_and_its_steps_captured_on_cuda(gguf_files, qtype):
     """tiny-flash-next's GGUF on CUDA: its quantized table pinned by runtime/load.py (BlockTable, read in place),
     its decode steps captured; the captured steps' bits the eager steps', the host path's tokens."""
