@@ -13,15 +13,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.parametrize("norm", [True, False])
-def test_fused_qk_rope_kv_matches_the_eager_ops(norm):
-    """Head norms, rotary embedding and the cache writes of a decode step in one kernel, against layers.py's ops;
-    only each token's own (sequence, position) rows of the caches change."""
+@pytest.mark.parametrize("nh,nkv,hd,rd", [(8, 2, 128, 128), (96, 8, 128, 64)])     # whole heads; GLM-4.5-Air's
+def test_fused_qk_rope_kv_matches_the_eager_ops(norm, nh, nkv, hd, rd):
+    """Head norms, rotary embedding (on each head's first rd dims) and the cache writes of a decode step in one
+    kernel, against layers.py's ops and gated_attention.py's partial_rope; only each token's own (sequence,
+    position) rows of the caches change."""
     from moestream.kernels.fused import qk_rope_kv
-    from moestream.models.layers import apply_rope, rms_norm
-    T, nh, nkv, hd, n_seq, ctx, eps = 3, 8, 2, 128, 4, 64, 1e-6
+    from moestream.models.gated_attention import partial_rope
+    from moestream.models.layers import rms_norm
+    T, n_seq, ctx, eps = 3, 4, 64, 1e-6
     qkv = torch.randn(T, (nh + 2 * nkv) * hd, device="cuda").to(torch.bfloat16)
     qw, kw = (torch.rand(hd, device="cuda") + 0.5).to(torch.bfloat16), (torch.rand(hd, device="cuda") + 0.5).to(torch.bfloat16)
-    ang = torch.rand(T, hd // 2, device="cuda") * 6
+    ang = torch.rand(T, rd // 2, device="cuda") * 6
     cos, sin = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16), torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
     seq, pos = torch.tensor([2, 0, 3], device="cuda"), torch.tensor([5, 63, 0], device="cuda")
     kc = torch.randn(n_seq, nkv, ctx, hd, device="cuda").to(torch.bfloat16)
@@ -32,7 +35,7 @@ def test_fused_qk_rope_kv_matches_the_eager_ops(norm):
     rq, rk, rv = rq.view(T, nh, hd), rk.view(T, nkv, hd), rv.view(T, nkv, hd)
     if norm:
         rq, rk = rms_norm(rq.float(), qw.float(), eps), rms_norm(rk.float(), kw.float(), eps)
-    rq, rk = apply_rope(rq.float(), cos.float(), sin.float()), apply_rope(rk.float(), cos.float(), sin.float())
+    rq, rk = partial_rope(rq.float(), cos.float(), sin.float()), partial_rope(rk.float(), cos.float(), sin.float())
     assert (q.float() - rq).abs().max() < 0.05 * rq.abs().max()
     assert (kc[seq, :, pos].float() - rk).abs().max() < 0.05 * rk.abs().max()
     assert torch.equal(vc[seq, :, pos], rv)

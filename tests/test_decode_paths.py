@@ -16,8 +16,8 @@ PROMPTS = ["Once upon a time", "The capital of France is"]
 
 
 def test_which_families_take_the_fused_decode_attention(checkpoint):
-    """Per-head QK-norm or none, no clipping, rotary on whole heads: every family but OLMoE (whole-projection norm,
-    clip_qkv) and GLM-4.5 (half rotary); DeepSeek-V3's latent attention where its widths fit kernels/mla.py (the
+    """Per-head QK-norm or none, no clipping, rotary on whole heads or part of them: every family but OLMoE
+    (whole-projection norm, clip_qkv); DeepSeek-V3's latent attention where its widths fit kernels/mla.py (the
     test checkpoint's rotary key of 8 does not)."""
     from moestream.kernels.mla import mla_fits
     family, path, _ = checkpoint
@@ -25,7 +25,7 @@ def test_which_families_take_the_fused_decode_attention(checkpoint):
     cfg = model.cfg
     mla = family.startswith("deepseek")
     assert model.attention.fuses(object()) == (mla_fits(cfg.kv_lora_rank, cfg.qk_rope_head_dim) if mla
-                                                else family not in ("olmoe", "glm4_moe"))
+                                                else family != "olmoe")
     assert not model.attention.fuses(None)
 
 

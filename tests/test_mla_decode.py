@@ -134,7 +134,7 @@ def test_captured_steps_give_the_eager_bits_on_cuda(model, kw):
     give the eager steps' bits, one graph a (size, span), and the engine runs the fused kernels."""
     def run(graphs):
         eng = LLM(f"{model}:dtype=bfloat16", ctx_size=600, device="cuda", cuda_graphs=graphs, **kw).engine
-        assert eng.fused is not None and eng.model.attention.fuses(eng.fused) == model.endswith("deepseek")
+        assert eng.fused is not None and eng.model.attention.fuses(eng.fused)      # GLM-4.5: its partial rotary
         ids = torch.randint(0, 1000, (250,), generator=torch.Generator().manual_seed(1)).tolist()
         tok, outs = int(eng.prefill(0, ids, 0)[-1].argmax()), []
         for pos in range(250, 262):
@@ -170,11 +170,12 @@ def test_decode_steps_route_and_run_the_shared_expert_fused(model, kw):
     scale) and runs the ungated shared expert fused, in each MoE layer and on every placement, and in no prompt
     ubatch (tests/test_decode_paths.py's torch stand-ins: the eager bits, the same greedy tokens)."""
     from test_decode_paths import _stand_in_fused
+    from test_sink_attention import _stand_in_attention
 
     def run(fused):
         eng, calls = LLM(model, device="cpu", ctx_size=64, **kw).engine, []
         if fused:
-            eng.fused = _stand_in_mla(_stand_in_fused(calls), calls)
+            eng.fused = _stand_in_mla(_stand_in_attention(_stand_in_fused(calls), calls), calls)
         n_moe, toks = len(eng.cfg.moe_layers), []
         tok = int(eng.prefill(0, list(range(3, 15)))[-1].argmax())
         assert not calls
@@ -184,6 +185,7 @@ def test_decode_steps_route_and_run_the_shared_expert_fused(model, kw):
         assert calls.count("norm_route") == calls.count("shared_expert") == (4 * n_moe if fused else 0)
         mla = fused and model.endswith("deepseek")
         assert calls.count("mla_decode_attention") == calls.count("mla_rope_kv") == (4 * eng.cfg.n_layers if mla else 0)
+        assert calls.count("qk_rope_kv") == (4 * eng.cfg.n_layers if fused and not mla else 0)    # GLM-4.5's
         return toks
     assert run(True) == run(False)
 
@@ -328,7 +330,8 @@ def test_ungated_shared_expert_compiled_matches_the_torch_form(T, H, I):
 
 
 # --- the fused kernels, through Triton's interpreter (tests/interpreted.py) ---
-CHECKS = ["group_limited_route", "ungated_shared_expert", "mla_rope_kv", "mla_attention", "deepseek_decode"]
+CHECKS = ["group_limited_route", "ungated_shared_expert", "mla_rope_kv", "mla_attention", "deepseek_decode",
+          "glm_decode"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -457,6 +460,35 @@ def deepseek_decode():
     assert torch.equal(out[0], eager[0]) and torch.equal(out[4], eager[4])                  # the prompts
     for a, b in zip(out, eager):
         close(a, b)
+
+
+def glm_decode():
+    """synth:tiny-glm's decode steps (tests/batched.py's join_and_leave) through the fused attention (qk_rope_kv
+    with its partial rotary, half of each 32-wide head, QK-norm and the q/k/v biases in the projection before it;
+    decode_attention), add_rms_norm, norm_route's sigmoid router and the shared expert, all Triton here but the
+    plain GEMVs (tests/test_decode_paths.py's torch stand-ins), against its eager steps: the same greedy tokens,
+    logits within 1e-5; prompts run none (their logits equal)."""
+    import types
+    from test_decode_paths import _stand_in_fused
+    from moestream.kernels import fused
+
+    def run(with_fused: bool):
+        eng, calls = LLM("synth:tiny-glm", device="cpu", ctx_size=128, n_seq=2).engine, []
+        if with_fused:
+            gemvs = _stand_in_fused(calls)
+            counted = lambda name: lambda *a, **kw: (calls.append(name), getattr(fused, name)(*a, **kw))[1]
+            eng.fused = types.SimpleNamespace(linear=gemvs.linear, norm_linear=gemvs.norm_linear,
+                                              **{n: counted(n) for n in ("qk_rope_kv", "decode_attention",
+                                                                         "add_rms_norm", "norm_route",
+                                                                         "shared_expert")})
+            assert eng.model.attention.fuses(eng.fused) and eng.cfg.rotary_dim < eng.cfg.head_dim
+        return join_and_leave(eng), calls
+    (eager, _), (out, calls) = run(False), run(True)
+    assert calls.count("qk_rope_kv") == calls.count("decode_attention") == 4 * 8              # 8 steps
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[4], eager[4])                  # the prompts
+    for a, b in zip(out, eager):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        close(a, b, 1e-5)
 
 
 if __name__ == "__main__":

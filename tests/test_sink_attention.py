@@ -150,18 +150,22 @@ def check(name):
 # --- on the CPU, no interpreter: the fused path's wiring with torch stand-ins -------------------------------------
 
 def _stand_in_attention(fused, calls: list):
-    """kernels/fused.py's qk_rope_kv and decode_attention (with sinks and a window) as plain torch with the eager
-    ops' math, added to test_decode_paths' _stand_in_fused; each call, with its options, in `calls`."""
-    from moestream.models.layers import apply_rope, decode_attention as attend
+    """kernels/fused.py's qk_rope_kv (per-head QK-norm or none, rotary on whole heads or their first cos.shape[-1]
+    dims) and decode_attention (with sinks and a window) as plain torch with the eager ops' math, added to
+    test_decode_paths' _stand_in_fused; each call, with its options, in `calls`."""
+    from moestream.models.gated_attention import partial_rope
+    from moestream.models.layers import decode_attention as attend, rms_norm
 
     def qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv):
-        assert qk_norm is None                                               # gpt-oss: no QK-norm
         calls.append("qk_rope_kv")
         T, hd = qkv.shape[0], k_cache.shape[-1]
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        k_cache[seq_ids, :, positions] = apply_rope(k.view(T, nkv, hd), cos, sin)
+        q, k = q.view(T, nh, hd), k.view(T, nkv, hd)
+        if qk_norm is not None:
+            q, k = rms_norm(q, qk_norm[:hd], eps), rms_norm(k, qk_norm[hd:], eps)
+        k_cache[seq_ids, :, positions] = partial_rope(k, cos, sin)
         v_cache[seq_ids, :, positions] = v.view(T, nkv, hd)
-        return apply_rope(q.view(T, nh, hd), cos, sin)
+        return partial_rope(q, cos, sin)
 
     def decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate=None, sinks=None, window=0):
         calls.append(("decode_attention", sinks is not None, window))

@@ -253,7 +253,7 @@ def hybrid_decode():
 
 def check(name):
     from moestream.kernels import fused
-    from moestream.models.layers import apply_rope, decode_attention, rms_norm
+    from moestream.models.layers import decode_attention, rms_norm
     g = torch.Generator().manual_seed(1)
     if name == "experts_one_token":
         experts(1, 8)
@@ -270,27 +270,9 @@ def check(name):
     elif name == "experts_several_tokens":      # several tokens, some choosing the same experts
         experts(5, 4)
         experts(3, 6)
-    elif name == "qk_rope_kv":
-        T, nh, nkv, hd, ctx, eps = 3, 8, 2, 32, 64, 1e-6
-        qkv = torch.randn(T, (nh + 2 * nkv) * hd, generator=g)
-        qw, kw = torch.rand(hd, generator=g) + 0.5, torch.rand(hd, generator=g) + 0.5
-        ang = torch.rand(T, hd // 2, generator=g) * 6
-        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-        seq, pos = torch.tensor([2, 0, 3]), torch.tensor([5, 63, 0])
-        for norm in (True, False):
-            kc = torch.randn(4, nkv, ctx, hd, generator=g)
-            vc, kc0 = torch.randn_like(kc), kc.clone()
-            vc0 = vc.clone()
-            q = fused.qk_rope_kv(qkv, torch.cat([qw, kw]) if norm else None, eps, cos, sin, kc, vc, seq, pos, nh, nkv)
-            rq, rk, rv = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
-            rq, rk, rv = rq.view(T, nh, hd), rk.view(T, nkv, hd), rv.view(T, nkv, hd)
-            if norm:
-                rq, rk = rms_norm(rq, qw, eps), rms_norm(rk, kw, eps)
-            close(q, apply_rope(rq, cos, sin))
-            close(kc[seq, :, pos], apply_rope(rk, cos, sin))
-            assert torch.equal(vc[seq, :, pos], rv)
-            kc[seq, :, pos], vc[seq, :, pos] = kc0[seq, :, pos], vc0[seq, :, pos]
-            assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    elif name == "qk_rope_kv":     # rotary on whole heads; on their first half (GLM-4.5), on 12 of 32 (the masks)
+        for rd in (32, 16, 12):
+            qk_rope_kv(g, rd)
     elif name == "add_rms_norm":
         h, d, w = torch.randn(3, 48, generator=g), torch.randn(3, 48, generator=g), torch.rand(48, generator=g)
         new_h, normed = fused.add_rms_norm(h, d, w, 1e-6)
@@ -311,6 +293,35 @@ def check(name):
         hybrid_decode()
     elif name == "shared_expert":      # kernels/shared_expert.py against models/moe.py's torch form
         shared()
+
+
+def qk_rope_kv(g, rd: int):
+    """kernels/fused.py's qk_rope_kv with rotary on each head's first rd of 32 dims, with and without QK-norm,
+    against rms_norm and models/gated_attention.py's partial_rope (apply_rope where rd is the head), the caches
+    written at (seq, pos) and nowhere else."""
+    from moestream.kernels import fused
+    from moestream.models.gated_attention import partial_rope
+    from moestream.models.layers import rms_norm
+    T, nh, nkv, hd, ctx, eps = 3, 8, 2, 32, 64, 1e-6
+    qkv = torch.randn(T, (nh + 2 * nkv) * hd, generator=g)
+    qw, kw = torch.rand(hd, generator=g) + 0.5, torch.rand(hd, generator=g) + 0.5
+    ang = torch.rand(T, rd // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    seq, pos = torch.tensor([2, 0, 3]), torch.tensor([5, 63, 0])
+    for norm in (True, False):
+        kc = torch.randn(4, nkv, ctx, hd, generator=g)
+        vc, kc0 = torch.randn_like(kc), kc.clone()
+        vc0 = vc.clone()
+        q = fused.qk_rope_kv(qkv, torch.cat([qw, kw]) if norm else None, eps, cos, sin, kc, vc, seq, pos, nh, nkv)
+        rq, rk, rv = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+        rq, rk, rv = rq.view(T, nh, hd), rk.view(T, nkv, hd), rv.view(T, nkv, hd)
+        if norm:
+            rq, rk = rms_norm(rq, qw, eps), rms_norm(rk, kw, eps)
+        close(q, partial_rope(rq, cos, sin))
+        close(kc[seq, :, pos], partial_rope(rk, cos, sin))
+        assert torch.equal(vc[seq, :, pos], rv)
+        kc[seq, :, pos], vc[seq, :, pos] = kc0[seq, :, pos], vc0[seq, :, pos]
+        assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
 
 
 def shared():

@@ -38,11 +38,31 @@ if triton is not None:
     from .gemv import _normed_row       # the add and norm of add_rms_norm (defined where Triton is)
 
     @triton.jit
+    def _partial_rope_head(row, w, cos_row, sin_row, eps, HD: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr):
+        """The head at row (HD wide) RMS-normalised by the weights at w (NORM) and rotated on its first RD dims by
+        the cos, sin rows (RD wide; NEOX halves of RD, the other dims passed through: models/gated_attention.py's
+        partial_rope) -> (HD,) float32."""
+        d = tl.arange(0, HD)
+        rot = d < RD
+        first = d < RD // 2
+        pair = tl.where(first, d + RD // 2, d - RD // 2)     # the other element of d's rotated pair
+        x = tl.load(row + d).to(tl.float32)
+        xp = tl.load(row + pair, mask=rot, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
+            x = x * r * tl.load(w + d).to(tl.float32)
+            xp = xp * r * tl.load(w + pair, mask=rot, other=0.0).to(tl.float32)
+        c = tl.load(cos_row + d, mask=rot, other=0.0).to(tl.float32)
+        s = tl.load(sin_row + d, mask=rot, other=0.0).to(tl.float32)
+        return tl.where(rot, x * c + tl.where(first, -xp, xp) * s, x)
+
+    @triton.jit
     def _qk_rope_kv(qkv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, eps,
                     NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, CTX: tl.constexpr,
-                    NORM: tl.constexpr):
+                    NORM: tl.constexpr, RD: tl.constexpr):
         """Program (t, head): a query or key head normalised (NORM; w: the q then the k norm weights) and rotated
-        (NEOX halves), the key into the cache at (seq, head, pos); a value head copied into the cache."""
+        (NEOX halves; RD < HD: of its first RD dims only, the rest passed through, as GLM-4.5's), the key into the
+        cache at (seq, head, pos); a value head copied into the cache."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         half = HD // 2
@@ -54,6 +74,15 @@ if triton is not None:
             dst = vc_ptr + ((seq * NKV + (h - NH - NKV)) * CTX + pos) * HD
             tl.store(dst + i, tl.load(row + i))
             tl.store(dst + half + i, tl.load(row + half + i))
+        elif RD < HD:                                       # partial rotary: _gated_qk_rope_kv's head
+            d = tl.arange(0, HD)
+            o = _partial_rope_head(row, w_ptr + (h >= NH).to(tl.int32) * HD, cos_ptr + t * RD, sin_ptr + t * RD,
+                                   eps, HD, RD, NORM)
+            if h < NH:
+                dst = q_ptr + (t * NH + h) * HD
+            else:
+                dst = kc_ptr + ((seq * NKV + (h - NH)) * CTX + pos) * HD
+            tl.store(dst + d, o.to(q_ptr.dtype.element_ty))
         else:
             x1 = tl.load(row + i).to(tl.float32)
             x2 = tl.load(row + half + i).to(tl.float32)
@@ -94,18 +123,8 @@ if triton is not None:
         if h >= NH + NKV:                                   # a value head: into the cache as it is
             tl.store(vc_ptr + ((seq * NKV + (h - NH - NKV)) * CTX + pos) * HD + d, tl.load(row + d))
         else:
-            rot = d < RD
-            first = d < RD // 2
-            pair = tl.where(first, d + RD // 2, d - RD // 2)     # the other element of d's rotated pair
-            x = tl.load(row + d).to(tl.float32)
-            xp = tl.load(row + pair, mask=rot, other=0.0).to(tl.float32)
-            w = w_ptr + (h >= NH).to(tl.int32) * HD
-            r = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
-            x = x * r * tl.load(w + d).to(tl.float32)
-            xp = xp * r * tl.load(w + pair, mask=rot, other=0.0).to(tl.float32)
-            c = tl.load(cos_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
-            s = tl.load(sin_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
-            o = tl.where(rot, x * c + tl.where(first, -xp, xp) * s, x)
+            o = _partial_rope_head(row, w_ptr + (h >= NH).to(tl.int32) * HD, cos_ptr + t * RD, sin_ptr + t * RD,
+                                   eps, HD, RD, True)
             if h < NH:
                 dst = q_ptr + (t * NH + h) * HD
             else:
@@ -201,14 +220,16 @@ def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos:
                k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
                nh: int, nkv: int) -> torch.Tensor:
     """qkv (T, (nh + 2 nkv) hd) -> q (T, nh, hd), each head RMS-normalised (qk_norm: the q then the k weights,
-    (2 hd,); None: no norm) and rotated by cos, sin (T, hd); k and v written to the caches (n_seq, nkv, ctx, hd)
-    at each token's (sequence, position)."""
+    (2 hd,); None: no norm) and rotated by cos, sin (T, rd), rd <= hd, on its first rd dims (GLM-4.5's partial
+    rotary where rd < hd); k and v written to the caches (n_seq, nkv, ctx, hd) at each token's (sequence,
+    position)."""
     T = qkv.shape[0]
     hd = k_cache.shape[-1]
     q = torch.empty(T, nh, hd, dtype=qkv.dtype, device=qkv.device)
     norm = qk_norm is not None
     _qk_rope_kv[(T, nh + 2 * nkv)](qkv, qk_norm if norm else qkv, cos, sin, q, k_cache, v_cache, seq_ids,
-                                   positions, eps, nh, nkv, hd, k_cache.shape[2], norm, num_warps=1)
+                                   positions, eps, nh, nkv, hd, k_cache.shape[2], norm, cos.shape[-1],
+                                   num_warps=1)
     return q
 
 

@@ -54,11 +54,11 @@ class GQA:
 
     def fuses(self, fused) -> bool:
         """Whether a decode step's attention runs as the fused kernels: they take per-head QK-norm or none, no
-        clipping, rotary on whole heads, and gpt-oss's sinks and window (OLMoE's whole-projection norm and
-        clip_qkv, GLM-4.5's partial rotary run as eager ops, with the mask)."""
+        clipping, rotary on whole heads or on their first rotary_dim dims (GLM-4.5's), q/k/v biases (in the qkv
+        projection before them), and gpt-oss's sinks and window (OLMoE's whole-projection norm and clip_qkv run as
+        eager ops, with the mask)."""
         cfg = self.cfg
-        return (fused is not None and cfg.qk_norm in ("none", "head") and not cfg.clip_qkv
-                and cfg.rotary_dim == cfg.head_dim)
+        return fused is not None and cfg.qk_norm in ("none", "head") and not cfg.clip_qkv
 
     def options(self, lw, slot: int) -> tuple[torch.Tensor | None, int]:
         """gpt-oss's options of KV layer `slot`: (its sink logits (nh,) or None, its window or 0)."""
