@@ -58,8 +58,10 @@ def _stand_in_fused(calls: list):
         h = h + delta
         x = rms_norm(h, nw, eps)
         if opts:        # models/router.py's fused_options: the router's form past plain softmax
-            spec = Router(opts["gating"], opts["bias"] is not None, opts["groups"], opts["scale"], opts["topk_group"])
-            w, ids = route(x, router, k, renorm, spec, opts["bias"])
+            lb = opts.get("linear_bias")
+            spec = Router(opts["gating"], opts["bias"] is not None, opts["groups"], opts["scale"], opts["topk_group"],
+                          lb is not None)
+            w, ids = route(x, router, k, renorm, spec, opts["bias"], lb)
         else:
             w, ids = route(x, router, k, renorm)
         if table is None:

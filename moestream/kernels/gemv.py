@@ -130,23 +130,43 @@ if triton is not None:
         return ws * scale, ids
 
     @triton.jit
+    def _topk_softmax(x, ee, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr):
+        """gpt-oss's softmax_weight on one token's float32 logits x (EP,): the TOPK largest (ties to the lower id),
+        then a softmax over those TOPK; -> (TKP,) weights and ids."""
+        j = tl.arange(0, TKP)
+        top = tl.full([TKP], float("-inf"), dtype=tl.float32)
+        ids = tl.zeros([TKP], dtype=tl.int64)
+        for n in tl.static_range(TOPK):
+            best = tl.max(x, axis=0)
+            idx = tl.min(tl.where(x == best, ee, EP), axis=0)
+            top = tl.where(j == n, best, top)
+            ids = tl.where(j == n, idx.to(tl.int64), ids)
+            x = tl.where(ee == idx, float("-inf"), x)
+        p = tl.where(j < TOPK, tl.exp(top - tl.max(top, axis=0)), 0.0)
+        return p / tl.sum(p, axis=0), ids
+
+    @triton.jit
     def _norm_route(x_ptr, d_ptr, nw_ptr, r_ptr, lg_ptr, cnt_ptr, w_ptr, id_ptr, hout_ptr, nout_ptr, tab_ptr,
-                    addr_ptr, routed_ptr, b_ptr, eps, scale, E, K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr,
-                    EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, RENORM: tl.constexpr,
+                    addr_ptr, routed_ptr, b_ptr, lb_ptr, eps, scale, E, K: tl.constexpr, KP: tl.constexpr,
+                    EB: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, RENORM: tl.constexpr,
                     NPROG: tl.constexpr, TABLE: tl.constexpr, ROUTED: tl.constexpr, PLAIN: tl.constexpr,
                     SIGMOID: tl.constexpr, BIAS: tl.constexpr, GROUPS: tl.constexpr, GP: tl.constexpr,
-                    TOPK_GROUP: tl.constexpr):
-        """Program (t, p): token t's add and norm, the logits of experts [p EB, (p + 1) EB) in float32; the last
-        of t's NPROG programs to finish: where PLAIN, softmax, the TOPK largest (ties to the lower id),
-        renormalised; else _group_limited_topk; where TABLE, each choice's address from the table (and where
-        ROUTED, the ids kept flat for the host too)."""
+                    TOPK_GROUP: tl.constexpr, TOPK_SOFTMAX: tl.constexpr, LINEAR_BIAS: tl.constexpr):
+        """Program (t, p): token t's add and norm, the logits of experts [p EB, (p + 1) EB) in float32 (plus the
+        router linear's bias lb where LINEAR_BIAS); the last of t's NPROG programs to finish: where PLAIN, softmax,
+        the TOPK largest (ties to the lower id), renormalised; where TOPK_SOFTMAX, _topk_softmax; else
+        _group_limited_topk; where TABLE, each choice's address from the table (and where ROUTED, the ids kept
+        flat for the host too)."""
         t = tl.program_id(0)
         pid = tl.program_id(1)
         xv = _normed_row(x_ptr + t * K, d_ptr + t * K, nw_ptr, hout_ptr + t * K, nout_ptr + t * K, eps, pid == 0,
                          K, KP, True, True)
         e = pid * EB + tl.arange(0, EB)
         em = e < E
-        tl.store(lg_ptr + t * E + e, _rows_dot(r_ptr, xv, e, em, K, KP), mask=em)
+        lg = _rows_dot(r_ptr, xv, e, em, K, KP)
+        if LINEAR_BIAS:
+            lg += tl.load(lb_ptr + e, mask=em, other=0.0).to(tl.float32)
+        tl.store(lg_ptr + t * E + e, lg, mask=em)
         tl.debug_barrier()              # every lane's logits stored before the count says so (release, gpu scope)
         if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
             ee = tl.arange(0, EP)
@@ -166,6 +186,8 @@ if triton is not None:
                     p = tl.where(ee == idx, -1.0, p)
                 if RENORM:
                     ws = ws / tl.sum(ws, axis=0)
+            elif TOPK_SOFTMAX:
+                ws, ids = _topk_softmax(x, ee, EP, TOPK, TKP)
             else:
                 ws, ids = _group_limited_topk(x, ee, b_ptr, scale, E, EP, TOPK, TKP, RENORM, SIGMOID, BIAS, GROUPS,
                                               GP, TOPK_GROUP)
@@ -232,7 +254,8 @@ def _election_counts(device: torch.device) -> torch.Tensor:
 
 def norm_route(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: float, router: torch.Tensor, k: int,
                renormalise: bool, dtype: torch.dtype, table: tuple | None = None, gating: str | None = None,
-               bias: torch.Tensor | None = None, groups: int = 1, topk_group: int = 1, scale: float = 1.0):
+               bias: torch.Tensor | None = None, groups: int = 1, topk_group: int = 1, scale: float = 1.0,
+               linear_bias: torch.Tensor | None = None):
     """h, delta (T, K), router (E, K) -> (h + delta, its RMSNorm * nw, (T, k) weights (dtype), (T, k) int64 ids,
     (T, k) int64 addresses or None): the MoE block's add, norm, router, softmax, top-k and renormalisation in one
     launch. table: a zero-copy step's (the expert rows' addresses (E,), a flat int64 row to keep the ids in, or
@@ -240,12 +263,15 @@ def norm_route(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: floa
 
     gating None: plain softmax top-k (models/router.py's SOFTMAX). "sigmoid" or "softmax": route's float32 form
     (DeepSeek-V3, GLM-4.5, DeepSeek-V2): the scores, `bias` (E,) added for the choice only, the best topk_group
-    of `groups` expert groups, top-k within them, their scores renormalised (+ 1e-20) and times `scale`."""
+    of `groups` expert groups, top-k within them, their scores renormalised (+ 1e-20) and times `scale`.
+    "softmax_weight" (gpt-oss): top-k over the logits, a float32 softmax over those k (renormalise and scale not
+    read). linear_bias (E,): the router linear's bias, added to the float32 logits (gpt-oss's router)."""
     T, K = h.shape
     E = router.shape[0]
     if T > MAX_ROUTED:
         raise ValueError(f"norm_route takes at most {MAX_ROUTED} tokens, got {T}")
-    if gating not in (None, "sigmoid", "softmax") or E % groups or (groups > 1 and E // groups < 2):
+    if gating not in (None, "sigmoid", "softmax", "softmax_weight") or E % groups or \
+            (groups > 1 and (E // groups < 2 or gating == "softmax_weight")):
         raise ValueError(f"norm_route: no {gating} routing over {E} experts in {groups} groups")
     h_new, normed = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(T, E, dtype=torch.float32, device=h.device)
@@ -258,9 +284,10 @@ def norm_route(h: torch.Tensor, delta: torch.Tensor, nw: torch.Tensor, eps: floa
     nprog = triton.cdiv(E, eb)
     _norm_route[(T, nprog)](h.contiguous(), delta.contiguous(), nw, router, logits, _election_counts(h.device), w,
                             ids, h_new, normed, ids if tab is None else tab, ids if addrs is None else addrs,
-                            ids if routed is None else routed, logits if bias is None else bias, eps, float(scale), E,
-                            K, kp, eb, triton.next_power_of_2(E), k, triton.next_power_of_2(k), renormalise, nprog,
+                            ids if routed is None else routed, logits if bias is None else bias,
+                            logits if linear_bias is None else linear_bias, eps, float(scale), E, K, kp, eb,
+                            triton.next_power_of_2(E), k, triton.next_power_of_2(k), renormalise, nprog,
                             tab is not None, routed is not None, gating is None, gating == "sigmoid",
                             bias is not None, groups, triton.next_power_of_2(groups), topk_group,
-                            num_warps=ROUTE_WARPS)
+                            gating == "softmax_weight", linear_bias is not None, num_warps=ROUTE_WARPS)
     return h_new, normed, w, ids, addrs

@@ -35,7 +35,7 @@ def moe_route(xs: list[torch.Tensor], lw: dict, layer: int, cfg: ModelConfig, pr
     `observer` (a RouteObserver, experts/routing.py), if given, sees each ubatch's routing (for traces and stats),
     and the next layer's guess too if it has `wants_guess`.
     `routed`: the (T, k) weights and ids where the step computed them already (a fused decode step, one part:
-    kernels.fused's norm_route, the norm, router, softmax, top-k and renormalisation in one launch).
+    kernels.fused's norm_route, the norm, router, gating, top-k and renormalisation in one launch).
     `router`: the router block's options (arch/blocks.py's Router, models/router.py).
     Lookahead: `next_routers` are the routers of the MoE layers after this one. Where the provider asks
     (`lookahead_layers`: how many layers ahead), each applied to this layer's input guesses that layer's experts,

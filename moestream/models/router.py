@@ -13,7 +13,7 @@ n_group groups, a group scored by the sum of its two best biased scores, the bes
 their experts; the weights their unbiased scores, renormalised (norm_topk), times routed_scaling_factor.
 gpt-oss's softmax_weight (transformers' GptOssTopKRouter, llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT):
 the router linear with its bias, top-k over the logits, a float32 softmax over those k. A fused decode step routes
-in kernels/fused.py's norm_route, which computes all but softmax_weight (`fuses`, `fused_options`).
+in kernels/fused.py's norm_route, which computes each of these (`fuses`, `fused_options`).
 """
 from __future__ import annotations
 
@@ -34,8 +34,11 @@ def router_of(cfg: ModelConfig) -> Router:
 
 
 def fuses(spec: Router) -> bool:
-    """Whether kernels/fused.py's norm_route computes this router: plain softmax top-k, and route's float32 form
-    (sigmoid or softmax, a correction bias, groups, a scale) without a bias on the router's linear."""
+    """Whether kernels/fused.py's norm_route computes this router: plain softmax top-k, route's float32 form
+    (sigmoid or softmax, a correction bias, groups, a scale) without a bias on the router's linear, and
+    softmax_weight (gpt-oss's, with or without that bias) in one group."""
+    if spec.gating == "softmax_weight":
+        return spec.groups == 1
     return spec == SOFTMAX or (spec.gating in ("sigmoid", "softmax") and not spec.linear_bias)
 
 
@@ -44,7 +47,8 @@ def fused_options(spec: Router, lw: dict) -> dict:
     if spec == SOFTMAX:
         return {}
     return dict(gating=spec.gating, bias=lw["exp_probs_b.bias"] if spec.bias else None, groups=spec.groups,
-                topk_group=spec.topk_group, scale=spec.scale)
+                topk_group=spec.topk_group, scale=spec.scale,
+                linear_bias=lw["ffn_gate_inp.bias"] if spec.linear_bias else None)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool, spec: Router = SOFTMAX,

@@ -238,8 +238,7 @@ class MoETransformer:
                 ms = []
                 for j in range(len(parts)):
                     if fused is not None and res.fuses and router_fuses(self.router):   # a decode step: the add,
-                        # norm, router, top-k and addresses in one launch (softmax and sigmoid routers; gpt-oss's
-                        # routes in moe_route)
+                        # norm, router, top-k and addresses in one launch (models/router.py's `fuses`)
                         table = experts.address_table(i) if by_address is not None else None
                         hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
                                                                     cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
