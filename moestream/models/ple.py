@@ -81,23 +81,12 @@ class NGramHash:
         eos_at = torch.where(hist == self.eos, pos, -1)
         prev_eos = torch.cat([eos_at.new_full((1,), -1), torch.cummax(eos_at, 0).values[:-1]])
         in_segment = pos - (prev_eos + 1)
-        mult = self.multipliers
-        blocks = []
         shifted = [hist]
         for s in range(1, self.ngram_size):
             src = pos - s
             valid = (in_segment >= s) & (src >= 0)
             shifted.append(torch.where(valid, hist[src.clamp_min(0)], hist.new_full((), self.eos)))
-        sizes = torch.tensor(self.sizes, dtype=torch.long, device=hist.device)
-        offsets = torch.tensor(self.offsets, dtype=torch.long, device=hist.device)
-        for n in range(2, self.ngram_size + 1):
-            h0 = (n - 2) * self.per_ngram
-            mixed = shifted[0] * mult[0]
-            for j in range(1, n):
-                mixed = torch.bitwise_xor(mixed, shifted[j] * mult[j])
-            ids = torch.remainder(mixed[:, None], sizes[h0:h0 + self.per_ngram])
-            blocks.append(ids + offsets[h0:h0 + self.per_ngram])
-        return torch.cat(blocks, dim=-1)[-tokens.shape[0]:]
+        return self._mix(shifted)[-tokens.shape[0]:]
 
     def rows_decode(self, context: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """rows() of a decode step, batched and on the device with no host read: (B, heads) int64 table rows of
@@ -109,7 +98,13 @@ class NGramHash:
         for s in range(1, self.ngram_size):
             broken = (hist[:, c - s:c] == self.eos).any(dim=1)
             shifted.append(hist[:, c - s].masked_fill(broken, self.eos))
-        sizes, offsets = self._consts(hist.device)
+        return self._mix(shifted)
+
+    def _mix(self, shifted: list[torch.Tensor]) -> torch.Tensor:
+        """The hash of rows() and rows_decode(): shifted[s] (N,) int64 the token s before each token (EOS where it
+        crosses one) -> (N, heads) int64 table rows, each n-gram's product-XOR of its tokens modulo each of its
+        heads' sizes, plus the head's offset."""
+        sizes, offsets = self._consts(shifted[0].device)
         blocks, mult = [], self.multipliers
         for n in range(2, self.ngram_size + 1):
             h0 = (n - 2) * self.per_ngram
