@@ -5,7 +5,8 @@ from moestream.cli import main
 
 
 def run(capsys, *argv):
-    code = main(list(argv))
+    """argv's items as the shell gives them: strings (a Path is given as its text)."""
+    code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 

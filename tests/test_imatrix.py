@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 from moestream.errors import UserError
 from moestream.quant.imatrix import Imatrix, read_imatrix, write_imatrix
-from tests.cli_run import one_error, run
+from cli_run import one_error, run
 
 TINY1 = "synth:tiny:layers=1"        # one layer: an IQ1_M file of it takes ~2 s to write on one core
 

@@ -21,24 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moestream.arch.names import dense_names
-from moestream.cli import main
 from moestream.errors import UserError
 from moestream.loading.gguf import GGUFSource
 from moestream.loading.gguf_write import write_gguf
 from moestream.loading.hf import HFSource, write_hf
 from moestream.loading.synth import SynthSource
 
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error(err: str) -> str:
-    lines = [l for l in err.splitlines() if "error:" in l]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
+from cli_run import one_error, run
 
 
 def listing(folder: Path) -> list[str]:
