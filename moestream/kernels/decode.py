@@ -38,7 +38,7 @@ def decode_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 if triton is not None:
-    from .decode_act import down_bias, glu
+    from .decode_act import down_bias, glu_at
 
     @triton.jit
     def _landing(addr_ptr, ids_ptr, host_ptr, land_ptr, t, R, K: tl.constexpr, KP: tl.constexpr):
@@ -88,10 +88,7 @@ if triton is not None:
             wu = wu_raw.to(tl.float32)
             g += tl.sum(wg * xv[None, :], axis=1)
             u += tl.sum(wu * xv[None, :], axis=1)
-        e = 0
-        if OAI:
-            e = tl.load(eid_ptr + pair)
-        h = glu(g, u, b13_ptr + e * (2 * I) + rows, rmask, I, OAI, LIMIT, ALPHA)
+        h = glu_at(g, u, eid_ptr, pair, b13_ptr, rows, rmask, I, OAI, LIMIT, ALPHA)
         tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit

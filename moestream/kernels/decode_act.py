@@ -4,6 +4,7 @@ decode_runs.py, fp8.py) call on their float32 gate and up sums, and on each choi
 
     ids, b13, b2, OAI, LIMIT, ALPHA = act_args(act, x)         # the launch arguments (act None: plain SwiGLU)
     h = glu(g, u, b13 + e * 2 * I + rows, m, I, OAI, LIMIT, ALPHA)     # silu(g) u, or gpt-oss's
+    h = glu_at(g, u, ids, pair, b13, rows, m, I, OAI, LIMIT, ALPHA)    # the same for choice `pair`, its id read
     y = down_bias(y, b2 + e * H + rows, m, OAI)                        # + the down bias, or y
 
 gpt-oss: each choice's biases are read from the layer's (E, 2I) and (E, H) device tensors at its expert id
@@ -43,6 +44,16 @@ if triton is not None:
         else:
             h = g * tl.sigmoid(g) * u
         return h
+
+    @triton.jit
+    def glu_at(g, u, eid_ptr, pair, b13_ptr, rows, m, I: tl.constexpr, OAI: tl.constexpr, LIMIT: tl.constexpr,
+               ALPHA: tl.constexpr):
+        """glu of one choice's gate and up rows `rows` (mask m): the choice `pair` (t k + j) of a launch reads its
+        expert's biases (OAI: the id at eid_ptr + pair); what the by-address kernels' gate/up programs end with."""
+        e = 0
+        if OAI:
+            e = tl.load(eid_ptr + pair)
+        return glu(g, u, b13_ptr + e * (2 * I) + rows, m, I, OAI, LIMIT, ALPHA)
 
     @triton.jit
     def down_bias(y, bp, m, OAI: tl.constexpr):

@@ -59,7 +59,7 @@ def decode_quant_available(layout: ExpertLayout) -> bool:
 if triton is not None:
     import triton.language as tl
 
-    from .decode_act import down_bias, glu
+    from .decode_act import down_bias, glu_at
     from .qdots import value_dots
 
     @triton.jit
@@ -79,10 +79,7 @@ if triton is not None:
         base = tl.load(addr_ptr + pair).to(tl.pointer_type(tl.uint8))
         g = value_dots(base + OG + rows * RBG, rmask, x_ptr + t * H, kv_ptr, QG, NBG, BSG, TSG, NSG, SBG, BBG)
         u = value_dots(base + OU + rows * RBU, rmask, x_ptr + t * H, kv_ptr, QU, NBU, BSU, TSU, NSU, SBU, BBU)
-        e = 0
-        if OAI:
-            e = tl.load(eid_ptr + pair)
-        h = glu(g, u, b13_ptr + e * (2 * I) + rows, rmask, I, OAI, LIMIT, ALPHA)
+        h = glu_at(g, u, eid_ptr, pair, b13_ptr, rows, rmask, I, OAI, LIMIT, ALPHA)
         tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit

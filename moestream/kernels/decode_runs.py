@@ -71,7 +71,7 @@ def _tile(qtype, n_cols: int, per_row: int) -> tuple[int, int, tuple]:
 if triton is not None:
     import triton.language as tl
 
-    from .decode_act import down_bias, glu
+    from .decode_act import down_bias, glu_at
     from .qruns import _scalar, unit_dots, unit_words
 
     @triton.jit
@@ -125,10 +125,7 @@ if triton is not None:
         g = tl.sum(tl.reshape(ga, (R, BB * NU)), axis=1)                             # (R,)
         up = tl.sum(tl.reshape(ua, (R, BB * NU)), axis=1)
         rows = tl.program_id(1) * R + tl.arange(0, R)
-        e = 0
-        if OAI:
-            e = tl.load(eid_ptr + pair)
-        h = glu(g, up, b13_ptr + e * (2 * I) + rows, rows < I, I, OAI, LIMIT, ALPHA)
+        h = glu_at(g, up, eid_ptr, pair, b13_ptr, rows, rows < I, I, OAI, LIMIT, ALPHA)
         h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
         if XS == 0:
             tl.store(h_ptr + pair * I + rows, h, mask=rows < I)

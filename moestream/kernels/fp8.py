@@ -34,7 +34,7 @@ def fp8_available(layout: ExpertLayout) -> bool:
 if triton is not None:
     import triton.language as tl
 
-    from .decode_act import down_bias, glu
+    from .decode_act import down_bias, glu_at
     from .qblocks import to_bf16
 
     @triton.jit
@@ -94,10 +94,7 @@ if triton is not None:
         base = tl.load(addr_ptr + pair).to(tl.pointer_type(tl.uint8))
         g = _dots(base + OG, rows, rmask, x_ptr + t * H, H, NBH, SOFF, R)
         u = _dots(base + OU, rows, rmask, x_ptr + t * H, H, NBH, SOFF, R)
-        e = 0
-        if OAI:
-            e = tl.load(eid_ptr + pair)
-        h = glu(g, u, b13_ptr + e * (2 * I) + rows, rmask, I, OAI, LIMIT, ALPHA)
+        h = glu_at(g, u, eid_ptr, pair, b13_ptr, rows, rmask, I, OAI, LIMIT, ALPHA)
         tl.store(h_ptr + pair * I + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
