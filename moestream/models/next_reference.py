@@ -67,13 +67,9 @@ class HybridReference:
     def new_state(self, n_seq: int = 1) -> HybridState:
         return HybridState(self.cfg, n_seq, self.ctx, self.dtype, self.device)
 
-    def forward(self, state: HybridState, segments: list[tuple[int, int, list[int]]], mode: str = "auto",
-                trace: list | None = None) -> list[torch.Tensor]:
-        """Each segment (seq, start, tokens) runs tokens at positions start.. of its sequence, which must be where
-        the sequence is (or 0: it starts again) -> each segment's (n, V) float32 logits. Segments of one length
-        run their DeltaNet layers as one batch. `mode` is gated_deltanet's; `trace`, if given, gets each layer's
-        output (the residual stream, (T, H))."""
-        cfg = self.cfg
+    def _begin(self, state: HybridState, segments: list[tuple[int, int, list[int]]]):
+        """Each segment's sequence started again (start 0) or checked to continue where it is -> the tokens (flat),
+        each segment's length, and the rotary tables at their positions (T, rotary_dim)."""
         for seq, start, _ in segments:
             if start == 0:
                 state.reset(seq)
@@ -83,7 +79,16 @@ class HybridReference:
         tokens = [t for _, _, toks in segments for t in toks]
         lens = [len(toks) for _, _, toks in segments]
         pos = torch.cat([torch.arange(s, s + n) for (_, s, _), n in zip(segments, lens)]).to(self.device)
-        cos, sin = self.cos[pos].to(self.dtype), self.sin[pos].to(self.dtype)           # (T, rotary_dim)
+        return tokens, lens, self.cos[pos].to(self.dtype), self.sin[pos].to(self.dtype)
+
+    def forward(self, state: HybridState, segments: list[tuple[int, int, list[int]]], mode: str = "auto",
+                trace: list | None = None) -> list[torch.Tensor]:
+        """Each segment (seq, start, tokens) runs tokens at positions start.. of its sequence, which must be where
+        the sequence is (or 0: it starts again) -> each segment's (n, V) float32 logits. Segments of one length
+        run their DeltaNet layers as one batch. `mode` is gated_deltanet's; `trace`, if given, gets each layer's
+        output (the residual stream, (T, H))."""
+        cfg = self.cfg
+        tokens, lens, cos, sin = self._begin(state, segments)
         h = self.w["token_embd.weight"][torch.tensor(tokens, device=self.device)]      # (T, H)
         for i, lw in enumerate(self.layers):
             a = rms_norm(h, lw["attn_norm.weight"], cfg.rms_norm_eps)

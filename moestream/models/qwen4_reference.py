@@ -59,16 +59,7 @@ class Qwen4Reference(HybridReference):
                 trace: list | None = None) -> list[torch.Tensor]:
         """HybridReference.forward's contract; `trace` gets each layer's streams (T, hc*H)."""
         cfg, hy = self.cfg, self.hyper
-        for seq, start, _ in segments:
-            if start == 0:
-                state.reset(seq)
-            elif start != state.length[seq]:
-                raise ValueError(f"sequence {seq} is at position {state.length[seq]}: a recurrent state cannot "
-                                 f"continue from {start}")
-        tokens = [t for _, _, toks in segments for t in toks]
-        lens = [len(toks) for _, _, toks in segments]
-        pos = torch.cat([torch.arange(s, s + n) for (_, s, _), n in zip(segments, lens)]).to(self.device)
-        cos, sin = self.cos[pos].to(self.dtype), self.sin[pos].to(self.dtype)
+        tokens, lens, cos, sin = self._begin(state, segments)
         rope_all = (self.cos.to(self.dtype), self.sin.to(self.dtype))
         ids = torch.tensor(tokens, device=self.device)
         h = hy.expand(self.w["token_embd.weight"][ids])                                  # (T, hc*H)
