@@ -30,7 +30,7 @@ from moestream import LLM, SamplingParams, UserError
 from moestream.runtime.kv_cache import HybridCache
 from moestream.runtime.scheduler import Request, Scheduler
 
-from conftest import VOCAB
+from conftest import VOCAB, logits_and_steps
 
 ATOL = 1e-4
 SPLIT_ATOL = 2e-4
@@ -121,13 +121,7 @@ def test_placements_caches_and_policies_are_bit_identical(hybrid_checkpoint):
 
     def run(**kw):
         llm = LLM(path, ubatch_size=5, **KW, **kw)
-        logits = llm.logits(prompt)
-        eng, steps = llm.engine, []
-        tok = int(eng.prefill(0, prompt)[-1].argmax())
-        for pos in range(len(prompt), len(prompt) + 4):
-            steps.append(eng.decode([(0, tok, pos)])[0].clone())
-            tok = int(steps[-1].argmax())
-        return logits, torch.stack(steps), llm
+        return *logits_and_steps(llm, prompt, 4), llm
     base, base_steps, _ = run()
     for kw in ({"cpu_moe": True}, {"n_cpu_moe": 1}, {"cpu_moe": True, "moe_cache_mib": 0},
                {"cpu_moe": True, "moe_cache_mib": 1, "cache_policy": "lru"},

@@ -19,7 +19,7 @@ import torch
 from moestream import LLM, UserError
 from moestream.runtime.kv_cache import Qwen4Cache, cache_nbytes
 
-from conftest import QWEN4_EOS as EOS, QWEN4_TEXT, VOCAB, lower_index_ties, randomize_hybrid
+from conftest import QWEN4_EOS as EOS, QWEN4_TEXT, VOCAB, logits_and_steps, lower_index_ties, randomize_hybrid
 
 ATOL = 1e-4
 SPLIT_ATOL = 2e-4
@@ -113,13 +113,7 @@ def test_placements_caches_and_policies_are_bit_identical(qwen4_checkpoint):
 
     def run(**kw):
         llm = LLM(path, ubatch_size=5, **KW, **kw)
-        logits = llm.logits(prompt)
-        eng, steps = llm.engine, []
-        tok = int(eng.prefill(0, prompt)[-1].argmax())
-        for pos in range(len(prompt), len(prompt) + 3):
-            steps.append(eng.decode([(0, tok, pos)])[0].clone())
-            tok = int(steps[-1].argmax())
-        return logits, torch.stack(steps), llm
+        return *logits_and_steps(llm, prompt, 3), llm
     base, base_steps, _ = run()
     for kw in ({"cpu_moe": True}, {"n_cpu_moe": 1}, {"cpu_moe": True, "moe_cache_mib": 0},
                {"cpu_moe": True, "moe_cache_mib": 1, "cache_policy": "lru"},
