@@ -216,16 +216,20 @@ def lower_index_ties():
         torch.Tensor.topk = plain
 
 
-def logits_and_steps(llm, prompt: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A placement's bits as the hybrid tests compare them: the prompt's logits, then the logits of n greedy
-    one-token decode steps after it (n, V)."""
-    logits = llm.logits(prompt)
-    eng, steps = llm.engine, []
-    tok = int(eng.prefill(0, prompt)[-1].argmax())
+def greedy_steps(eng, prompt: list[int], n: int) -> list[torch.Tensor]:
+    """The prompt in sequence 0 of engine `eng`, then n greedy one-token decode steps: each step's logits (V,)."""
+    tok, steps = int(eng.prefill(0, prompt)[-1].argmax()), []
     for pos in range(len(prompt), len(prompt) + n):
         steps.append(eng.decode([(0, tok, pos)])[0].clone())
         tok = int(steps[-1].argmax())
-    return logits, torch.stack(steps)
+    return steps
+
+
+def logits_and_steps(llm, prompt: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A placement's bits as the hybrid tests compare them: the prompt's logits, then those of n greedy decode
+    steps after it (n, V)."""
+    logits = llm.logits(prompt)
+    return logits, torch.stack(greedy_steps(llm.engine, prompt, n))
 
 
 def has_cuda() -> bool:

@@ -30,7 +30,7 @@ from moestream import LLM, SamplingParams, UserError
 from moestream.runtime.kv_cache import HybridCache
 from moestream.runtime.scheduler import Request, Scheduler
 
-from conftest import VOCAB, logits_and_steps
+from conftest import VOCAB, greedy_steps, logits_and_steps
 
 ATOL = 1e-4
 SPLIT_ATOL = 2e-4
@@ -94,13 +94,7 @@ def test_several_sequences_decoded_together_equal_each_alone(hybrid_checkpoint):
     prompts = [ids(9, seed=5), ids(14, seed=6), ids(30, seed=7)]
     llm = LLM(path, n_seq=3, **KW)
     eng = llm.engine
-    alone = []                      # each sequence alone, in sequence 0: its prompt, then 5 greedy steps
-    for p in prompts:
-        tok, rows = int(eng.prefill(0, p)[-1].argmax()), []
-        for pos in range(len(p), len(p) + 5):
-            rows.append(eng.decode([(0, tok, pos)])[0].clone())
-            tok = int(rows[-1].argmax())
-        alone.append(rows)
+    alone = [greedy_steps(eng, p, 5) for p in prompts]      # each alone, in sequence 0: its prompt, 5 steps
     toks = [int(eng.prefill(s, p)[-1].argmax()) for s, p in enumerate(prompts)]
     order = [2, 0, 1]               # not in sequence order: each row reads its own sequence's state
     for step in range(5):

@@ -19,7 +19,8 @@ import torch
 from moestream import LLM, UserError
 from moestream.runtime.kv_cache import Qwen4Cache, cache_nbytes
 
-from conftest import QWEN4_EOS as EOS, QWEN4_TEXT, VOCAB, logits_and_steps, lower_index_ties, randomize_hybrid
+from conftest import (QWEN4_EOS as EOS, QWEN4_TEXT, VOCAB, greedy_steps, logits_and_steps, lower_index_ties,
+                      randomize_hybrid)
 
 ATOL = 1e-4
 SPLIT_ATOL = 2e-4
@@ -91,13 +92,7 @@ def test_several_sequences_decoded_together_equal_each_alone(qwen4_checkpoint):
     path, _ = qwen4_checkpoint
     prompts = [ids(9, seed=5), ids(14, seed=6), ids(30, seed=7)]
     eng = LLM(path, n_seq=3, **KW).engine
-    alone = []                      # each sequence alone, in sequence 0: its prompt, then 4 greedy steps
-    for p in prompts:
-        tok, rows = int(eng.prefill(0, p)[-1].argmax()), []
-        for pos in range(len(p), len(p) + 4):
-            rows.append(eng.decode([(0, tok, pos)])[0].clone())
-            tok = int(rows[-1].argmax())
-        alone.append(rows)
+    alone = [greedy_steps(eng, p, 4) for p in prompts]      # each alone, in sequence 0: its prompt, 4 steps
     toks = [int(eng.prefill(s, p)[-1].argmax()) for s, p in enumerate(prompts)]
     order = [2, 0, 1]               # not in sequence order: each row reads its own sequence's state
     for step in range(4):
