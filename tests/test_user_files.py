@@ -279,6 +279,16 @@ def read_or_refuse(read) -> None:
         assert str(e) and "\n" not in str(e)
 
 
+def fuzz(path, data: bytes, read, region: int | None = None) -> None:
+    """Each damaged copy of `data` (damaged's) written to `path`, then read: it loads or refuses in one line."""
+    @FUZZ
+    @given(damaged(data, region))
+    def check(b):
+        path.write_bytes(b)
+        read_or_refuse(read)
+    check()
+
+
 def read_model(src) -> None:
     """What loading reads of a source: its config, tokenizer, every dense tensor and one expert a layer."""
     src.tokenizer
@@ -301,13 +311,7 @@ def small_gguf(request, tmp_path_factory):
 def test_fuzz_gguf(small_gguf, tmp_path_factory):
     data, header = small_gguf
     path = tmp_path_factory.mktemp("fuzz") / "m.gguf"
-
-    @FUZZ
-    @given(damaged(data, header))
-    def check(b):
-        path.write_bytes(b)
-        read_or_refuse(lambda: read_model(GGUFSource(path)))
-    check()
+    fuzz(path, data, lambda: read_model(GGUFSource(path)), header)
 
 
 @pytest.fixture(scope="module")
@@ -326,13 +330,7 @@ def test_fuzz_hf(small_hf, tmp_path_factory, name):
         name = sorted(p.name for p in small_hf.glob("*.safetensors"))[1]
     data = (small_hf / name).read_bytes()
     region = 8 + int.from_bytes(data[:8], "little") if name.endswith(".safetensors") else None    # its header
-
-    @FUZZ
-    @given(damaged(data, region))
-    def check(b):
-        (work / name).write_bytes(b)
-        read_or_refuse(lambda: read_model(HFSource(work)))
-    check()
+    fuzz(work / name, data, lambda: read_model(HFSource(work)), region)
 
 
 def test_json_that_is_not_an_object_is_one_line(small_hf, tmp_path):
@@ -347,13 +345,7 @@ def test_json_that_is_not_an_object_is_one_line(small_hf, tmp_path):
 
 def test_fuzz_trace(trace_file, tmp_path):
     path = tmp_path / "t.npz"
-
-    @FUZZ
-    @given(damaged(trace_file.read_bytes()))
-    def check(b):
-        path.write_bytes(b)
-        read_or_refuse(lambda: replay_all(path))
-    check()
+    fuzz(path, trace_file.read_bytes(), lambda: replay_all(path))
 
 
 @pytest.fixture(scope="module")
@@ -384,10 +376,4 @@ def kl_against(path, vocab: int = 32) -> None:
 
 def test_fuzz_kl_base(small_base, tmp_path):
     path = tmp_path / "b.kld"
-
-    @FUZZ
-    @given(damaged(small_base.read_bytes()))
-    def check(b):
-        path.write_bytes(b)
-        read_or_refuse(lambda: kl_against(path))
-    check()
+    fuzz(path, small_base.read_bytes(), lambda: kl_against(path))
