@@ -67,6 +67,15 @@ class HybridReference:
     def new_state(self, n_seq: int = 1) -> HybridState:
         return HybridState(self.cfg, n_seq, self.ctx, self.dtype, self.device)
 
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """n greedy tokens after the prompt ids, in a new state: the prompt in one forward, then a token at a time
+        (the cached path a decode step takes)."""
+        st = self.new_state()
+        got = [int(self.forward(st, [(0, 0, ids)])[0][-1].argmax())]
+        while len(got) < n:
+            got.append(int(self.forward(st, [(0, st.length[0], [got[-1]])])[0][-1].argmax()))
+        return got
+
     def _begin(self, state: HybridState, segments: list[tuple[int, int, list[int]]]):
         """Each segment's sequence started again (start 0) or checked to continue where it is -> the tokens (flat),
         each segment's length, and the rotary tables at their positions (T, rotary_dim)."""
