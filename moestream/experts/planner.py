@@ -42,10 +42,16 @@ class CachePlanner:
         self.residency.policy.at_layer(layer, n_wanted >= SWEEP_SHARE * self.residency.slot_of.shape[1])
 
     def groups(self, layer: int, wanted: np.ndarray) -> list[np.ndarray]:
-        """The ubatch's routed experts of `layer` (distinct): one group, or waves when they can't all fit."""
+        """The ubatch's routed experts of `layer` (distinct): one group, or waves when they can't all fit. Waves take
+        the resident experts first (no later wave's uploads evict them) and half the pool each, so that a wave's
+        uploads land in slots the wave before it does not read and cross the link while it computes."""
         self.see(layer, len(wanted))
         n = self.residency.n_slots
-        return [wanted] if len(wanted) <= n else [wanted[i:i + n] for i in range(0, len(wanted), n)]
+        if len(wanted) <= n:
+            return [wanted]
+        hit = self.residency.slot_of[layer, wanted] >= 0
+        order, size = np.concatenate([wanted[hit], wanted[~hit]]), max(1, n // 2)
+        return [order[i:i + size] for i in range(0, len(order), size)]
 
     def plan(self, layer: int, group: np.ndarray, read_misses: int | None = None):
         """Make the group resident; count its hits, misses and uploads. read_misses: where the group was read
