@@ -110,7 +110,7 @@ def model_prompt():
         attention.sink_fits = lambda q: kernel_fits
         eng = LLM("synth:tiny-gptoss", device="cpu", ctx_size=64, n_seq=2, ubatch_size=16).engine
         return eng.prefill(1, ids, all_logits=True)
-    attention.sink_attention = lambda *a: (calls.append(1), kernel(*a))[1]
+    attention.sink_attention = lambda *a, **kw: (calls.append(1), kernel(*a, **kw))[1]
     try:            # the interpreter's process runs later checks: put the module back as it was
         close(run(True), run(False))
     finally:
@@ -156,20 +156,22 @@ def _stand_in_attention(fused, calls: list):
     from moestream.models.gated_attention import partial_rope
     from moestream.models.layers import decode_attention as attend, rms_norm
 
-    def qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv):
+    def qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv, ring=False):
         calls.append("qk_rope_kv")
+        at = positions % k_cache.shape[2] if ring else positions
         T, hd = qkv.shape[0], k_cache.shape[-1]
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k = q.view(T, nh, hd), k.view(T, nkv, hd)
         if qk_norm is not None:
             q, k = rms_norm(q, qk_norm[:hd], eps), rms_norm(k, qk_norm[hd:], eps)
-        k_cache[seq_ids, :, positions] = partial_rope(k, cos, sin)
-        v_cache[seq_ids, :, positions] = v.view(T, nkv, hd)
+        k_cache[seq_ids, :, at] = partial_rope(k, cos, sin)
+        v_cache[seq_ids, :, at] = v.view(T, nkv, hd)
         return partial_rope(q, cos, sin)
 
-    def decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate=None, sinks=None, window=0):
+    def decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate=None, sinks=None, window=0, ring=False):
         calls.append(("decode_attention", sinks is not None, window))
-        return attend(q, k_cache[seq_ids, :, :n], v_cache[seq_ids, :, :n], _window_mask(n, positions, window),
+        at = torch.arange(n) % k_cache.shape[2] if ring else torch.arange(n)    # key j's row
+        return attend(q, k_cache[seq_ids][:, :, at], v_cache[seq_ids][:, :, at], _window_mask(n, positions, window),
                       sinks)
     fused.qk_rope_kv, fused.decode_attention = qk_rope_kv, decode_attention
     return fused

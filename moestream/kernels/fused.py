@@ -3,6 +3,7 @@
     q = qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
     o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n)
     o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n, sinks=sinks, window=128)     # gpt-oss
+    o = decode_attention(q, k_ring, v_ring, seq_ids, positions, n, sinks=sinks, window=128, ring=True)
     q, gate = gated_qk_rope_kv(qkv, qk_norm, eps, cos, sin, k_cache, v_cache, seq_ids, positions, nh, nkv)
     o = decode_attention(q, k_cache, v_cache, seq_ids, positions, n, gate)     # o * sigmoid(gate), one rounding
     h, normed = add_rms_norm(h, delta, w, eps)
@@ -59,10 +60,11 @@ if triton is not None:
     @triton.jit
     def _qk_rope_kv(qkv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, eps,
                     NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, CTX: tl.constexpr,
-                    NORM: tl.constexpr, RD: tl.constexpr):
+                    NORM: tl.constexpr, RD: tl.constexpr, RING: tl.constexpr):
         """Program (t, head): a query or key head normalised (NORM; w: the q then the k norm weights) and rotated
         (NEOX halves; RD < HD: of its first RD dims only, the rest passed through, as GLM-4.5's), the key into the
-        cache at (seq, head, pos); a value head copied into the cache."""
+        cache at (seq, head, pos) (RING: at pos % CTX, a sliding layer's ring); a value head copied into the
+        cache."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         half = HD // 2
@@ -70,6 +72,8 @@ if triton is not None:
         row = qkv_ptr + t * (NH + 2 * NKV) * HD + h * HD
         seq = tl.load(seq_ptr + t)
         pos = tl.load(pos_ptr + t)
+        if RING:
+            pos = pos % CTX
         if h >= NH + NKV:                                   # a value head: into the cache as it is
             dst = vc_ptr + ((seq * NKV + (h - NH - NKV)) * CTX + pos) * HD
             tl.store(dst + i, tl.load(row + i))
@@ -134,10 +138,12 @@ if triton is not None:
     @triton.jit
     def _attn_split(q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, scale,
                     NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, CTX: tl.constexpr, G: tl.constexpr,
-                    GP: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr):
+                    GP: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+                    RING: tl.constexpr):
         """Program (b, kv head, split): the G query heads sharing the kv head against keys [split * CHUNK, + CHUNK)
         up to the token's position (WINDOW > 0: and after pos - WINDOW): the chunk's max score, sum of exponentials
-        and unnormalised output (a chunk of no such key: -inf, 0 and 0; its loads are masked off)."""
+        and unnormalised output (a chunk of no such key: -inf, 0 and 0; its loads are masked off). RING: key p is
+        at row p % CTX of the caches (a sliding layer's ring); the chunks are still of positions."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -150,7 +156,7 @@ if triton is not None:
         if WINDOW > 0:                  # a sliding layer: the token's last WINDOW positions, itself included
             kmask = kmask & (keys > pos - WINDOW)
         q = tl.load(q_ptr + (b * NH + kvh * G + g[:, None]) * HD + d[None, :], mask=(g < G)[:, None], other=0.0)
-        rows = ((seq * NKV + kvh) * CTX + keys) * HD
+        rows = ((seq * NKV + kvh) * CTX + (keys % CTX if RING else keys)) * HD
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kmask[:, None], other=0.0)          # (CHUNK, HD)
         scores = tl.dot(q, tl.trans(k)) * scale                                                   # (GP, CHUNK)
         scores = tl.where(kmask[None, :], scores, float("-inf"))
@@ -218,17 +224,17 @@ def head_fits(head_dim: int) -> bool:
 
 def qk_rope_kv(qkv: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
-               nh: int, nkv: int) -> torch.Tensor:
+               nh: int, nkv: int, ring: bool = False) -> torch.Tensor:
     """qkv (T, (nh + 2 nkv) hd) -> q (T, nh, hd), each head RMS-normalised (qk_norm: the q then the k weights,
     (2 hd,); None: no norm) and rotated by cos, sin (T, rd), rd <= hd, on its first rd dims (GLM-4.5's partial
     rotary where rd < hd); k and v written to the caches (n_seq, nkv, ctx, hd) at each token's (sequence,
-    position)."""
+    position); ring: the caches are a sliding layer's ring (n_seq, nkv, R, hd), position p at p % R."""
     T = qkv.shape[0]
     hd = k_cache.shape[-1]
     q = torch.empty(T, nh, hd, dtype=qkv.dtype, device=qkv.device)
     norm = qk_norm is not None
     _qk_rope_kv[(T, nh + 2 * nkv)](qkv, qk_norm if norm else qkv, cos, sin, q, k_cache, v_cache, seq_ids,
-                                   positions, eps, nh, nkv, hd, k_cache.shape[2], norm, cos.shape[-1],
+                                   positions, eps, nh, nkv, hd, k_cache.shape[2], norm, cos.shape[-1], ring,
                                    num_warps=1)
     return q
 
@@ -263,15 +269,17 @@ ATTN_CHUNK = 64               # keys per program of a decode step's attention (t
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
                      positions: torch.Tensor, n: int, gate: torch.Tensor | None = None,
-                     sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, window: int = 0, ring: bool = False) -> torch.Tensor:
     """q (B, nh, hd) against the first n keys of each token's sequence in the caches (n_seq, nkv, ctx, hd), up to
     and including its position -> (B, nh, hd). Split over chunks of keys (flash-decoding): one launch computes
     every chunk's partial softmax, a second merges them; float32 scores and sums, the probabilities rounded to the
     cache's dtype for the product with the values (as flash attention does). gate (B, nh, hd), any strides but a
     unit last one (gated_qk_rope_kv's view): the merge multiplies each output by sigmoid(gate) in float32.
     gpt-oss's options: sinks (nh,), each head's sink logit, joins the merge's softmax (mass, no value); window > 0:
-    each token attends its last `window` positions only (the chunks before them are masked off whole). Both are
-    constants of the kernels: without them the kernels, and their bits, are those of the other families."""
+    each token attends its last `window` positions only (the chunks before them are masked off whole). ring: the
+    caches are a sliding layer's ring (n_seq, nkv, R, hd), key p at row p % R (the keys and chunks are the linear
+    cache's: the same bits). All are constants of the kernels: without them the kernels, and their bits, are those
+    of the other families."""
     B, nh, hd = q.shape
     nkv, ctx = k_cache.shape[1], k_cache.shape[2]
     G = nh // nkv
@@ -281,7 +289,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pm = torch.empty(B * nkv * splits * GP, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     _attn_split[(B, nkv, splits)](q.contiguous(), k_cache, v_cache, seq_ids, positions, po, pm, pl, hd ** -0.5,
-                                  nh, nkv, hd, ctx, G, GP, ATTN_CHUNK, splits, window, num_warps=4)
+                                  nh, nkv, hd, ctx, G, GP, ATTN_CHUNK, splits, window, ring, num_warps=4)
     out = torch.empty_like(q)
     gated = gate is not None
     if gated and gate.stride(-1) != 1:

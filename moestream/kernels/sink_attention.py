@@ -2,6 +2,7 @@
 and whose sliding layers attend only their last `window` positions.
 
     o = sink_attention(q, k, v, sinks, window)     # q (1, nh, Tq, hd); k, v (1, nkv, Tk, hd) -> (1, nh, Tq, hd)
+    o = sink_attention(q, k, v, sinks, window, start=p0)    # k, v a sliding layer's ring (1, nkv, R, hd)
 
 The signature of models/layers.py's attention_sinks, its plain-torch oracle and the CPU path: q are the last Tq of the
 Tk positions of k and v (the earlier ones the KV cache), any strides but a unit last one (views of the cache).
@@ -31,11 +32,12 @@ BLOCK = 64          # queries per program and keys per step (hd 64: gpt-oss's he
 
 if triton is not None:
     @triton.jit
-    def _sink_attention(q_ptr, k_ptr, v_ptr, sink_ptr, o_ptr, scale, start, Tq,
+    def _sink_attention(q_ptr, k_ptr, v_ptr, sink_ptr, o_ptr, scale, start, Tq, ring,
                         q_h, q_t, k_h, k_t, v_h, v_t, o_h, o_t,
                         G: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-                        SINK: tl.constexpr):
-        """Program (query block, head): queries start + [block * BLOCK, + BLOCK) against the keys each attends."""
+                        SINK: tl.constexpr, RING: tl.constexpr):
+        """Program (query block, head): queries start + [block * BLOCK, + BLOCK) against the keys each attends
+        (RING: key p at row p % ring of k and v)."""
         mb = tl.program_id(0)
         h = tl.program_id(1)
         kvh = h // G
@@ -60,7 +62,8 @@ if triton is not None:
         for kb in range(lo, last + 1, BLOCK):
             keys = kb + j
             there = keys <= last
-            k = tl.load(k_ptr + kvh * k_h + keys[:, None] * k_t + d[None, :], mask=there[:, None], other=0.0)
+            at = keys % ring if RING else keys                               # the keys' rows in k and v
+            k = tl.load(k_ptr + kvh * k_h + at[:, None] * k_t + d[None, :], mask=there[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale                               # (BLOCK, BLOCK) float32
             allowed = keys[None, :] <= pos[:, None]
             if WINDOW > 0:
@@ -70,7 +73,7 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
-            v = tl.load(v_ptr + kvh * v_h + keys[:, None] * v_t + d[None, :], mask=there[:, None], other=0.0)
+            v = tl.load(v_ptr + kvh * v_h + at[:, None] * v_t + d[None, :], mask=there[:, None], other=0.0)
             l = l * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
@@ -88,10 +91,12 @@ def sink_fits(q: torch.Tensor) -> bool:
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                   window: int = 0, block: int = BLOCK) -> torch.Tensor:
+                   window: int = 0, block: int = BLOCK, start: int | None = None) -> torch.Tensor:
     """models/layers.py's attention_sinks as one launch: q (1, nh, Tq, hd), the last Tq of the Tk positions of k, v
     (1, nkv, Tk, hd) -> (1, nh, Tq, hd); sinks (nh,) or None; window > 0: each query attends its last `window`
-    positions. block: queries per program and keys per step (a power of two >= 16)."""
+    positions. block: queries per program and keys per step (a power of two >= 16). start: the queries' first
+    position where k, v are a sliding layer's ring (position p at row p % Tk; the key blocks still start at
+    multiples of `block` from position 0, so the bits are a linear cache's)."""
     _, nh, Tq, hd = q.shape
     nkv, Tk = k.shape[1], k.shape[2]
     for t in (q, k, v):
@@ -100,7 +105,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     sink = sinks is not None
     _sink_attention[(triton.cdiv(Tq, block), nh)](
-        q, k, v, sinks if sink else q, out, hd ** -0.5, Tk - Tq, Tq,
+        q, k, v, sinks if sink else q, out, hd ** -0.5, Tk - Tq if start is None else start, Tq, Tk,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), out.stride(1), out.stride(2),
-        nh // nkv, hd, block, window, sink, num_warps=4)
+        nh // nkv, hd, block, window, sink, start is not None, num_warps=4)
     return out

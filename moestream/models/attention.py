@@ -29,10 +29,10 @@ class GQA:
     rotary on the first rotary_dim dims of each head (GLM-4.5's partial_rotary_factor); with gpt-oss's options
     (arch/blocks.py's Attention): sliding_attention layers attend their last cfg.sliding_window positions, a sink logit per head
     joins the softmax (attn_sinks.weight), and o_proj has a bias; the fused decode kernels and CUDA prompts'
-    kernels/sink_attention.py take both. The KV cache keeps every position of a sliding layer too (the window is a
-    mask), so prefix reuse, speculative rollback and prompt ubatches treat it as any layer's: a ring of the last
-    window positions would be overwritten by a ubatch's later keys before its earlier queries read them, and by
-    rejected drafts or a longer cached prompt before a shorter prefix is reused."""
+    kernels/sink_attention.py take both. A sliding layer's KV may be a ring (kv.ring[slot] = R > 0: R positions a
+    sequence, position p at index p % R; runtime/sliding_kv.py says why R = window + the most tokens a forward
+    writes is enough, and how prefix reuse treats it): every read goes by position modulo R, in the same order as
+    from a linear cache, so the bits are the linear cache's."""
     def __init__(self, cfg: ModelConfig, window: bool = False, sinks: bool = False):
         self.cfg = cfg
         self.sinks = sinks
@@ -70,12 +70,13 @@ class GQA:
         T = x.shape[0]
         qkv = proj if proj is not None else F.linear(x, lw["attn_qkv.weight"], lw.get("attn_qkv.bias"))
         if self.fuses(fused):                                                # qkv (T, (nh + 2 nkv) hd)
+            ring = kv.ring[slot] > 0
             q = fused.qk_rope_kv(qkv, lw.get("attn_qk_norm.weight"), cfg.rms_norm_eps, cos, sin, kv.k[slot],
-                                 kv.v[slot], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads)
+                                 kv.v[slot], batch.seq_ids, batch.positions, cfg.n_heads, cfg.n_kv_heads, ring=ring)
             n = batch.kv_len or kv.ctx
             sinks, window = self.options(lw, slot)
             o = fused.decode_attention(q, kv.k[slot], kv.v[slot], batch.seq_ids, batch.positions, n,
-                                       sinks=sinks, window=window)
+                                       sinks=sinks, window=window, ring=ring)
             return fused.linear(o.reshape(T, -1), lw["attn_output.weight"], lw.get("attn_output.bias"))
         q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
                              cfg.n_kv_heads * cfg.head_dim], dim=-1)
@@ -140,12 +141,19 @@ def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> t
     position (decode: `mask` (B, n) says which of the first n keys each token attends). sinks (nh,): each head's
     sink logit in the softmax; window: a prompt's queries attend their last `window` positions only (decode: the
     mask says so). A prompt with sinks or a window runs kernels/sink_attention.py where it fits (CUDA, 16-bit),
-    layers.py's attention_sinks (its oracle) elsewhere."""
-    keys, values = kv.k[slot], kv.v[slot]                                    # (n_seq, nkv, ctx, hd)
+    layers.py's attention_sinks (its oracle) elsewhere. A ring (kv.ring[slot] = R): decode reads key j of the n at
+    index j % R, a prompt's chunk its keys by position (sink_attention's `start`)."""
+    keys, values = kv.k[slot], kv.v[slot]                                    # (n_seq, nkv, ctx or R, hd)
+    ring = kv.ring[slot]
     if batch.is_decode:
         # The whole context, masked, in eager and captured decodes alike: the same shapes give the same bits.
         n = batch.kv_len or kv.ctx
-        if kv.n_seq == 1:           # one sequence: its cache as it is, no gather
+        if ring and n > ring:       # key j at j % R: the linear cache's keys in its order (masked past the window)
+            if kv.n_seq > 1:
+                keys, values = keys[batch.seq_ids], values[batch.seq_ids]    # (B, nkv, R, hd)
+            at = torch.arange(n, device=q.device) % ring
+            kk, vv = keys.index_select(2, at), values.index_select(2, at)    # (B, nkv, n, hd)
+        elif kv.n_seq == 1:         # one sequence: its cache as it is, no gather
             kk, vv = keys[:, :, :n], values[:, :, :n]                        # (1, nkv, n, hd)
         else:
             kk, vv = keys[batch.seq_ids, :, :n], values[batch.seq_ids, :, :n]    # (B, nkv, n, hd)
@@ -155,6 +163,11 @@ def attend(q, slot: int, batch, kv, mask=None, sinks=None, window: int = 0) -> t
     for s in batch.segments:
         end = s.start + s.n
         qs = q[r:r + s.n].transpose(0, 1).unsqueeze(0)                       # (1, nh, n, hd)
+        if ring:                    # the sequence's ring, read by position
+            kk, vv = keys[s.seq:s.seq + 1], values[s.seq:s.seq + 1]          # (1, nkv, R, hd)
+            outs.append(sink_prompt(qs, kk, vv, sinks, window, start=s.start)[0].transpose(0, 1))
+            r += s.n
+            continue
         kk, vv = keys[s.seq:s.seq + 1, :, :end], values[s.seq:s.seq + 1, :, :end]
         if sinks is None and not window:
             outs.append(attention(qs, kk, vv)[0].transpose(0, 1))           # (n, nh, hd)

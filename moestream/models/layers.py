@@ -109,11 +109,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
 
 def attention_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                    window: int = 0, rows: int = 512) -> torch.Tensor:
+                    window: int = 0, rows: int = 512, start: int | None = None) -> torch.Tensor:
     """attention() with gpt-oss's options: each head's sink logit `sinks` (nh,) joins the softmax (it takes mass
     and adds no value), and with `window` each query attends only its last `window` positions (itself included,
     as transformers' and llama.cpp's sliding window). q (1, nh, Tq, hd), the last Tq of the Tk positions of k, v
-    (1, nkv, Tk, hd) -> (1, nh, Tq, hd).
+    (1, nkv, Tk, hd) -> (1, nh, Tq, hd). start: the queries' first position where k, v are a sliding layer's ring
+    (position p at index p % Tk, holding the window before the queries and the queries' own; runtime/sliding_kv.py):
+    each chunk gathers the same keys, in the same order, as from a linear cache.
 
     Plain torch in float32 (scores, softmax, sums), `rows` queries at a time, each against only the keys it may
     attend: the CPU path and the oracle of kernels/sink_attention.py, the flash-style kernel CUDA prompts run.
@@ -121,12 +123,17 @@ def attention_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: to
     _, nh, Tq, hd = q.shape
     nkv, Tk = k.shape[1], k.shape[2]
     g = nh // nkv
+    at = Tk - Tq if start is None else start                                # the first query's position
     out = torch.empty_like(q)
     for a in range(0, Tq, rows):
         b = min(a + rows, Tq)
-        first, last = Tk - Tq + a, Tk - Tq + b - 1                          # the chunk's positions
+        first, last = at + a, at + b - 1                                     # the chunk's positions
         lo = max(0, first - window + 1) if window else 0
-        kk, vv = k[0, :, lo:last + 1].float(), v[0, :, lo:last + 1].float()     # (nkv, n, hd)
+        if start is None:
+            kk, vv = k[0, :, lo:last + 1].float(), v[0, :, lo:last + 1].float()     # (nkv, n, hd)
+        else:
+            idx = torch.arange(lo, last + 1, device=k.device) % Tk
+            kk, vv = k[0].index_select(1, idx).float(), v[0].index_select(1, idx).float()
         qg = q[0, :, a:b].float().reshape(nkv, g * (b - a), hd)
         scores = torch.matmul(qg, kk.transpose(-1, -2)).view(nkv, g, b - a, -1) * hd ** -0.5   # (nkv, g, r, n)
         pos = torch.arange(first, last + 1, device=q.device)[:, None]

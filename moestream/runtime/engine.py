@@ -91,6 +91,7 @@ class Engine(EngineReports):
         keep_states: recurrent layers keep each token's state, for kv.rollback (a speculative verify step; the cache
         copies ahead the experts the head steps since the last forward guessed for its first layers)."""
         observer = self.observers if observed else None
+        self.kv.check_ubatch(segments)
         batch = Batch.make(segments, tokens, self.device.torch, all_logits, kv_len, by_address, fused, observer,
                            keep_hidden=hidden is not None, keep_states=keep_states)
         guesses, self.draft_guesses = self.draft_guesses, []
@@ -228,6 +229,7 @@ class Engine(EngineReports):
         return logits
 
     def _part_batches(self, parts, all_logits: bool, every_part: bool, keep_hidden: bool = False) -> list[Batch]:
+        self.kv.check_ubatch([Segment(q, s, len(t)) for q, s, t in parts])
         return [Batch.make([Segment(q, s, len(t))], t, self.device.torch, all_logits, observer=self.observers,
                            logits=all_logits or every_part or k == len(parts) - 1, keep_hidden=keep_hidden)
                 for k, (q, s, t) in enumerate(parts)]
@@ -302,11 +304,13 @@ class Engine(EngineReports):
         """Whether a sequence's cache can only be continued, not cut back (a hybrid model's recurrent states)."""
         return self.kv.exact_prefix_only
 
-    def reusable_prefix(self, cached: list[int], prompt: list[int]) -> int:
-        """How many leading tokens of `prompt` need not run again on a sequence whose cache holds `cached` (its
+    def reusable_prefix(self, cached: list[int], prompt: list[int], seq: int | None = None) -> int:
+        """How many leading tokens of `prompt` need not run again on sequence `seq` whose cache holds `cached` (its
         tokens from position 0): the common prefix (at most all but the prompt's last token) for a KV cache; for a
-        hybrid model all of `cached` where the prompt extends it, else 0 (its states cannot be cut back)."""
-        return self.kv.reusable_prefix(cached, prompt)
+        hybrid model all of `cached` where the prompt extends it, else 0 (its states cannot be cut back); with
+        sliding layers' rings the common prefix where the ring still holds the window before it, else 0
+        (runtime/sliding_kv.py)."""
+        return self.kv.reusable_prefix(cached, prompt, seq)
 
     @property
     def reports_decode_routing(self) -> bool:
@@ -367,8 +371,13 @@ class Engine(EngineReports):
         self.decoder = decode_path(self)
 
     def set_batching(self, batch_size: int, ubatch_size: int) -> None:
-        """Change -b/-ub without reloading (they change how prompts are cut, not where weights live)."""
+        """Change -b/-ub without reloading (they change how prompts are cut, not where weights live). A larger -ub
+        than the sliding layers' rings were sized for grows them (runtime/sliding_kv.py; each sequence keeps what
+        it holds), and the decode path is made again (its graphs read the old rings)."""
         self.ecfg = flags.apply(self.ecfg, batch_size=batch_size, ubatch_size=ubatch_size)
+        spec = self.ecfg.spec
+        if self.kv.make_room(max(self.ecfg.batching.ubatch, spec.draft_n_max + 1 if spec.drafts else 1)):
+            self._setup_decode()
 
     def synchronize(self) -> None:
         self.device.synchronize()

@@ -21,7 +21,7 @@ class EngineReports:
     def describe_kv(self) -> str:
         """One line: what the KV cache keeps a token, and its size here and at 128k tokens (kv_cache.describe_kv)."""
         from .kv_cache import describe_kv
-        return describe_kv(self.cfg, self.kv.n_seq, self.kv.ctx, self.dtype)
+        return describe_kv(self.cfg, self.kv.n_seq, self.kv.ctx, self.dtype, max(self.kv.ring, default=0))
 
     def stats(self) -> dict:
         """Upload and cache counters: totals since load, the current prompt's, and per layer (cumulative); and the

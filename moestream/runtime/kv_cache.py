@@ -36,13 +36,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class KVCache:
     exact_prefix_only = False       # a sequence may be cut back to any prefix of what it holds
 
-    def __init__(self, n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, device, hd_v: int | None = None):
+    def __init__(self, n_layers: int, n_seq: int, ctx: int, n_kv: int, hd: int, dtype, device, hd_v: int | None = None,
+                 ring: list[int] | None = None):
         """hd_v: the values' head size where it is not the keys' (the latent layout). device: one for every layer,
-        or a list of one per KV layer (the layers split over several devices: runtime/split.py)."""
+        or a list of one per KV layer (the layers split over several devices: runtime/split.py). ring: per KV layer,
+        0 (it keeps every position of the context) or R (it keeps R positions, position p at index p % R: a
+        sliding layer's ring, runtime/sliding_kv.py)."""
         self.n_seq, self.ctx = n_seq, ctx
+        self.ring = list(ring) if ring is not None else [0] * n_layers
         on = device if isinstance(device, list) else [device] * n_layers
-        self.k = [torch.zeros((n_seq, n_kv, ctx, hd), dtype=dtype, device=on[j]) for j in range(n_layers)]
-        self.v = [torch.zeros((n_seq, n_kv, ctx, hd_v or hd), dtype=dtype, device=on[j]) for j in range(n_layers)]
+        rows = [r or ctx for r in self.ring]
+        self.k = [torch.zeros((n_seq, n_kv, rows[j], hd), dtype=dtype, device=on[j]) for j in range(n_layers)]
+        self.v = [torch.zeros((n_seq, n_kv, rows[j], hd_v or hd), dtype=dtype, device=on[j]) for j in range(n_layers)]
 
     def span(self, n: int) -> int:
         """Keys a decode step attends when its furthest token is at position n - 1: n rounded up to a power of two
@@ -64,6 +69,8 @@ class KVCache:
 
     def write(self, layer: int, seq_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # Advanced indices on dims 0 and 2 around a slice: the indexed view is (T, nkv, hd), k's own shape.
+        if self.ring[layer]:
+            positions = positions % self.ring[layer]
         self.k[layer][seq_ids, :, positions] = k
         self.v[layer][seq_ids, :, positions] = v
 
@@ -90,9 +97,19 @@ class KVCache:
         was. A KV cache needs nothing: their writes land in the last position, rewritten before it is read."""
         yield
 
-    def reusable_prefix(self, cached: list[int], prompt: list[int]) -> int:
-        """How many leading tokens of `prompt` a sequence holding `cached` (the tokens in its cache, from position
-        0) keeps: their common prefix, less one where the prompt is all cached (a forward needs a token to run)."""
+    def check_ubatch(self, segments) -> None:
+        """Raise UserError for a segment of more tokens than one forward may write (a sliding layer's ring: none
+        here)."""
+
+    def make_room(self, n: int) -> bool:
+        """Take forwards of up to n tokens of a sequence from now on; whether the cache's tensors changed (a
+        sliding layer's ring grew: what captured them must be made again). A KV cache takes any."""
+        return False
+
+    def reusable_prefix(self, cached: list[int], prompt: list[int], seq: int | None = None) -> int:
+        """How many leading tokens of `prompt` a sequence (`seq`) holding `cached` (the tokens in its cache, from
+        position 0) keeps: their common prefix, less one where the prompt is all cached (a forward needs a token to
+        run)."""
         return max(0, min(common_prefix(cached, prompt), len(prompt) - 1))
 
 
@@ -198,7 +215,7 @@ class HybridCache(KVCache):
                     t.copy_(before[i])
             self.length = length
 
-    def reusable_prefix(self, cached: list[int], prompt: list[int]) -> int:
+    def reusable_prefix(self, cached: list[int], prompt: list[int], seq: int | None = None) -> int:
         """len(cached) where the prompt extends it by at least one token (an exact continuation), else 0."""
         n = super().reusable_prefix(cached, prompt)
         return n if n == len(cached) else 0
@@ -305,9 +322,10 @@ def cache_class(cfg) -> type[KVCache]:
     return HybridCache if cfg.linear_layers else KVCache
 
 
-def make_cache(cfg, n_seq: int, ctx: int, dtype, device, where=None) -> KVCache:
+def make_cache(cfg, n_seq: int, ctx: int, dtype, device, where=None, ring: int = 0) -> KVCache:
     """The cache of a model of `cfg` (cache_class). where: layer -> the device of its share, where the layers are
-    split over several (runtime/split.py; not with QSA or a PLE); None: every layer's on `device`."""
+    split over several (runtime/split.py; not with QSA or a PLE); None: every layer's on `device`. ring: positions
+    each sliding layer keeps (runtime/sliding_kv.py's ring_positions; 0: the whole context)."""
     kind = cache_class(cfg)
     if kind is Qwen4Cache:
         return Qwen4Cache(cfg, n_seq, ctx, dtype, device)
@@ -315,37 +333,54 @@ def make_cache(cfg, n_seq: int, ctx: int, dtype, device, where=None) -> KVCache:
         return HybridCache(cfg, n_seq, ctx, dtype, device, where)
     n_kv, hd, hd_v = kv_layout(cfg)
     on = device if where is None else [where(i) for i in range(cfg.n_stored_layers)]
+    if ring:
+        from .sliding_kv import SlidingKVCache
+        return SlidingKVCache(cfg, n_seq, ctx, ring, dtype, on)
     return KVCache(cfg.n_stored_layers, n_seq, ctx, n_kv, hd, dtype, on, hd_v)
 
 
-def cache_nbytes(cfg, n_seq: int, ctx: int, dtype) -> tuple[int, int]:
+def cache_nbytes(cfg, n_seq: int, ctx: int, dtype, ring: int = 0) -> tuple[int, int]:
     """(bytes that grow with the context: the attention layers' K and V, and QSA's index keys; bytes that do not:
-    DeltaNet states, PLE conv rows)."""
+    DeltaNet states, PLE conv rows, and with `ring` (make_cache's) the sliding layers' rings)."""
     n_kv, hd, hd_v = kv_layout(cfg)
-    kv = KVCache.nbytes_for(len(cfg.attention_layers) + cfg.nextn_layers, n_seq, ctx, n_kv, hd, dtype, hd_v)
+    rings = len(cfg.sliding_layers) if ring else 0
+    kv = KVCache.nbytes_for(len(cfg.attention_layers) + cfg.nextn_layers - rings, n_seq, ctx, n_kv, hd, dtype, hd_v)
+    fixed = KVCache.nbytes_for(rings, n_seq, ring, n_kv, hd, dtype, hd_v)
     keys, ple = Qwen4Cache.extra_nbytes(cfg, n_seq, ctx, dtype)
-    return kv + keys, (HybridCache.state_nbytes_for(cfg, n_seq, dtype) if cfg.linear_layers else 0) + ple
+    return kv + keys, (HybridCache.state_nbytes_for(cfg, n_seq, dtype) if cfg.linear_layers else 0) + ple + fixed
 
 
-def describe_kv(cfg, n_seq: int, ctx: int, dtype) -> str:
+def describe_kv(cfg, n_seq: int, ctx: int, dtype, ring: int = 0) -> str:
     """One line for a user: what the KV cache keeps a token and layer, its bytes a token, and a 128k-token
     sequence's (latent attention keeps one latent and one rotary key, where grouped-query attention of as many heads
-    would keep each head's keys and values).
+    would keep each head's keys and values; with `ring`, sliding layers keep only their ring: runtime/sliding_kv.py).
 
     describe_kv(deepseek_v3_61_layers, 1, 4096, torch.bfloat16) ->
         "kv cache: 576 values a token and layer (latent; 40960 as 128 heads' keys and values, 71x more), 68.6 KiB a
          token in bfloat16 (2 bytes a value), 8.58 GiB for 128k tokens; 274 MiB for 1 x 4096 here"
+    describe_kv(gpt_oss_120b, 1, 131072, torch.bfloat16, ring=640) ->
+        "kv cache: 1024 values a token and layer, 36.0 KiB a token in bfloat16 (2 bytes a value) in 18 full layers,
+         the 18 sliding layers a ring of 640 positions (22.5 MiB a sequence), 4.52 GiB for 128k tokens (9.00 GiB
+         keeping every position: 72.0 KiB a token); 4630 MiB for 1 x 131072 here"
     """
     import torch
     n_kv, hd, hd_v = kv_layout(cfg)
     values = n_kv * (hd + hd_v)
-    per_token, _ = cache_nbytes(cfg, 1, 1, dtype)
-    here, _ = cache_nbytes(cfg, n_seq, ctx, dtype)
+    per_token, fixed = cache_nbytes(cfg, 1, 1, dtype, ring)
+    rings = fixed - cache_nbytes(cfg, 1, 1, dtype)[1]
+    here = sum(cache_nbytes(cfg, n_seq, ctx, dtype, ring)) - cache_nbytes(cfg, n_seq, ctx, dtype)[1]
     size = torch.empty((), dtype=dtype).element_size()
     what = f"{values} values a token and layer"
     if cfg.kv_lora_rank:
         gqa = cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
         what += f" (latent; {gqa} as {cfg.n_heads} heads' keys and values, {gqa / values:.0f}x more)"
+    where, linear = "", ""
+    if ring:
+        n_sliding = len(cfg.sliding_layers)
+        every, _ = cache_nbytes(cfg, 1, 1, dtype)
+        where = (f" in {len(cfg.attention_layers) + cfg.nextn_layers - n_sliding} full layers, the {n_sliding} "
+                 f"sliding layers a ring of {ring} positions ({rings / 2**20:.1f} MiB a sequence)")
+        linear = f" ({every * 131072 / 2**30:.2f} GiB keeping every position: {every / 1024:.1f} KiB a token)"
     return (f"kv cache: {what}, {per_token / 1024:.1f} KiB a token in {str(dtype).removeprefix('torch.')} "
-            f"({size} bytes a value), {per_token * 131072 / 2**30:.2f} GiB for 128k tokens; {here / 2**20:.0f} MiB for "
-            f"{n_seq} x {ctx} here")
+            f"({size} bytes a value){where}, {(per_token * 131072 + rings) / 2**30:.2f} GiB for 128k tokens{linear}; "
+            f"{here / 2**20:.0f} MiB for {n_seq} x {ctx} here")

@@ -33,6 +33,7 @@ from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
 from .kv_cache import make_cache
+from .sliding_kv import engine_ring
 from .memory import available_host_memory
 from .placement import fit_cache, fit_split, host_provider, split_provider
 from .plan import decode_plan
@@ -191,7 +192,8 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     rope = rope_tables(cfg, ctx, dev.torch)
     delta = pick_delta_kernels(dev.torch, dtype) if blocks.mixer == "deltanet" else None
     model = MoETransformer(cfg, weights, rope, blocks, delta, split, qsa)
-    kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch, None if split is None else where)
+    kv = make_cache(cfg, ecfg.batching.n_seq, ctx, dtype, dev.torch, None if split is None else where,
+                    engine_ring(cfg, ecfg))
     kernel = pick_kernel(ecfg.kernel, dev.torch, dtype)
     book = AddressBook()
     for rows in (*dev_rows.values(), *host_rows.values()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..errors import UserError
 from ..arch.names import dense_numel
 from .kv_cache import cache_nbytes
+from .sliding_kv import engine_ring
 
 MiB = 1 << 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -50,7 +51,7 @@ def host_bytes(cfg, ecfg, expert_bytes: int | None = None) -> tuple[int, int]:
         return len(ecfg.placement.host_layers(cfg)) * cfg.n_experts * expert, 0
     experts = len(cfg.expert_layers) * cfg.n_experts * expert
     # A hybrid model's DeltaNet states do not grow with -c: counted with the weights, the KV with the context.
-    kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, _torch_dtype(ecfg.placement.dtype))
+    kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, _torch_dtype(ecfg.placement.dtype), engine_ring(cfg, ecfg))
     return dense_numel(cfg) * size + experts + states, kv
 
 

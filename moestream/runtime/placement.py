@@ -27,6 +27,7 @@ from ..kernels.stage import staging_bytes
 from ..arch.names import dense_numel
 from ..quant.layout import ExpertLayout
 from .kv_cache import cache_nbytes
+from .sliding_kv import engine_ring
 from .memory import AUTO_RESERVE, auto_cache_mib, context_that_fits, fewer_sequences
 from .plan import DecodePlan
 
@@ -154,7 +155,7 @@ def device_bytes(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, host:
     dense part and the caches as their share of the layers)."""
     size = torch.empty((), dtype=dtype).element_size()
     experts = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in _held(cfg, on) if l not in host)
-    kv, states = cache_nbytes(cfg, ecfg.batching.n_seq, ecfg.batching.ctx_size, dtype)
+    kv, states = cache_nbytes(cfg, ecfg.batching.n_seq, ecfg.batching.ctx_size, dtype, engine_ring(cfg, ecfg))
     return int((dense_numel(cfg) * size + kv + states) * _share(cfg, on)) + experts
 
 
@@ -183,14 +184,16 @@ def check_device_fits(cfg: ModelConfig, ecfg: EngineConfig, plan: DecodePlan, de
     dev_layers = [l for l in _held(cfg, on) if l not in host]
     rest = sum(cfg.n_experts * layouts[l].row_bytes_for(dtype) for l in dev_layers)     # the device layers' experts
     b = ecfg.batching
-    kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, dtype)   # states: DeltaNet layers', the same for any -c
+    kv, states = cache_nbytes(cfg, b.n_seq, b.ctx_size, dtype, engine_ring(cfg, ecfg))   # states: DeltaNet layers',
+    # sliding layers' rings: the same for any -c
     kv, states = int(kv * _share(cfg, on)), int(states * _share(cfg, on))
     fixed = int(dense_numel(cfg) * size * _share(cfg, on)) + states      # what does not shrink with -c
     free = dev.free_memory()
     if fixed + kv > free:                 # no placement of the experts helps: the context is what does not fit
         fits = max(1, context_that_fits(kv, b.ctx_size, free - fixed)) if free > fixed else 0
         seqs = f" ({b.n_seq} sequences)" if b.n_seq > 1 else ""
-        what = "attention, embeddings and recurrent states" if states else "attention and embeddings"
+        kept = "recurrent states" if cfg.linear_layers else "sliding layers' rings"
+        what = f"attention, embeddings and {kept}" if states else "attention and embeddings"
         raise UserError(f"-c {b.ctx_size}: the KV cache{seqs} needs {kv / MiB:.0f} MiB on {dev.name} beside "
                         f"{fixed / MiB:.0f} MiB of {what}, but {free / MiB:.0f} MiB are free; "
                         + (f"use -c {fits} or less" + fewer_sequences(kv, b.n_seq, free - fixed)

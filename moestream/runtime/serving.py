@@ -224,7 +224,7 @@ class ServingLoop:
                 use = req.cache_prompt and self.cache_prompt and not speculates(self.engine, req)
 
                 def reused(s: Slot) -> int:     # at least one prompt token still runs: logits to sample from
-                    return self.engine.reusable_prefix(s.cached, req.prompt) if use else 0
+                    return self.engine.reusable_prefix(s.cached, req.prompt, s.id) if use else 0
                 slot = max(idle, key=lambda s: (reused(s), -s.last_used))
                 n = reused(slot)
                 slot.run = Run(req, self.engine, self.tokenizer, n, slot.id)
