@@ -37,7 +37,8 @@ shows; the expert cache keeps its prompts' counts there to seed their prefetch),
 sequence holds: a new prompt reuses the longest common prefix (llama-server's cache_prompt). A hybrid model's
 sequence (Qwen3-Next: recurrent states besides the KV) cannot be cut back to a prefix, so there a prompt reuses a
 slot only as an exact continuation, the slot's whole cache followed by new tokens, and otherwise starts from
-position 0 (engine.reusable_prefix decides, for both).
+position 0; gpt-oss's sliding layers keep a ring of their last positions, so there a common prefix is reused only
+where the ring still holds the window before it (runtime/sliding_kv.py). engine.reusable_prefix decides, for all.
 """
 from __future__ import annotations
 
