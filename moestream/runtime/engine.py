@@ -377,7 +377,7 @@ class Engine(EngineReports):
         self.ecfg = flags.apply(self.ecfg, batch_size=batch_size, ubatch_size=ubatch_size)
         spec = self.ecfg.spec
         if self.kv.make_room(max(self.ecfg.batching.ubatch, spec.draft_n_max + 1 if spec.drafts else 1)):
-            self._setup_decode()
+            self.decoder = decode_path(self)
 
     def synchronize(self) -> None:
         self.device.synchronize()

@@ -32,6 +32,7 @@ def static_decode_batch(eng, B: int, span: int, by_address=None, fused=None) -> 
     inputs = torch.zeros(3, B, dtype=torch.int64, device=dev)
     inputs[1] = torch.arange(B) % eng.kv.n_seq
     inputs[2] = ctx - 1                          # warm-up writes land in the last KV slot: rewritten before read
+                                                 # (a sliding layer's ring: in a live slot, which kv.kept puts back)
     batch = Batch(tokens=inputs[0], segments=[Segment(0, ctx - 1, 1)] * B, seq_ids=inputs[1],
                   positions=inputs[2], out_rows=torch.arange(B, device=dev), kv_len=span, by_address=by_address,
                   fused=fused)

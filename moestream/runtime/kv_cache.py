@@ -94,7 +94,8 @@ class KVCache:
     @contextmanager
     def kept(self):
         """Within it, forwards that belong to no sequence (a CUDA graph's warm-up) leave every sequence's cache as it
-        was. A KV cache needs nothing: their writes land in the last position, rewritten before it is read."""
+        was. A KV cache needs nothing: their writes land in the last position, rewritten before it is read (a
+        sliding layer's ring copies itself aside: runtime/sliding_kv.py)."""
         yield
 
     def check_ubatch(self, segments) -> None:
