@@ -13,7 +13,9 @@ The engine calls begin(segments) before a forward and end(segments) after it (an
 step, whose path starts work before the forward). A KV cache needs none of them: any
 position can be rewritten, and a sequence can be cut back to any prefix (its later keys are masked, then
 overwritten). A recurrent state cannot: HybridCache.begin takes a segment only where its sequence's state stopped,
-or at 0 (which empties the state), and reusable_prefix keeps only an exact continuation.
+or at 0 (which empties the state), and reusable_prefix keeps only an exact continuation. A model with sliding-window
+layers (gpt-oss) keeps a ring of their last positions (runtime/sliding_kv.py's SlidingKVCache): begin tracks how
+far each sequence's ring reached, and a prefix is reused only where its window is still there.
 """
 from __future__ import annotations
 
