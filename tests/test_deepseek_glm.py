@@ -21,7 +21,8 @@ from moestream.loading.gguf import GGUFSource
 from moestream.loading.gguf_write import write_gguf
 from moestream.loading.hf import HFSource
 from moestream.loading.synth import SynthSource
-from moestream.runtime.kv_cache import cache_nbytes, describe_kv, kv_layout, make_cache
+from moestream.runtime.caches import make_cache
+from moestream.runtime.kv_cache import cache_nbytes, describe_kv, kv_layout
 
 from conftest import VOCAB, write_checkpoint
 from gguf_edit import rewrite_gguf

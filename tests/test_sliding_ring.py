@@ -19,7 +19,8 @@ from interpreted import run_check
 from moestream import LLM, SamplingParams
 from moestream.errors import UserError
 from moestream.models.transformer import Segment
-from moestream.runtime.kv_cache import cache_nbytes, describe_kv, make_cache
+from moestream.runtime.caches import make_cache
+from moestream.runtime.kv_cache import cache_nbytes, describe_kv
 from moestream.runtime.scheduler import Request, Scheduler
 from moestream.runtime.sliding_kv import SlidingKVCache, ring_positions
 

@@ -3,7 +3,7 @@
 
     kv = KVCache(n_layers=24, n_seq=4, ctx=4096, n_kv=4, hd=128, dtype=torch.bfloat16, device="cuda")
     kv.write(layer, seq_ids, positions, k, v)        # k, v: (T, nkv, hd)
-    cache = make_cache(model_cfg, n_seq, ctx, dtype, device)     # a HybridCache where the model has DeltaNet layers
+    cache = make_cache(model_cfg, n_seq, ctx, dtype, device)     # runtime/caches.py: the cache class the model needs
 
 Latent attention (models/mla.py) keeps the latent layout: per layer, k holds each token's latent (n_seq, 1, ctx, r)
 and v its rotary key (n_seq, 1, ctx, dr), one "head" each (`kv_layout`), so that writes, spans, prefix reuse and
@@ -315,31 +315,6 @@ def kv_layout(cfg) -> tuple[int, int, int]:
     if cfg.kv_lora_rank:
         return 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     return cfg.n_kv_heads, cfg.head_dim, cfg.head_dim
-
-
-def cache_class(cfg) -> type[KVCache]:
-    """The cache a model of `cfg` keeps: a HybridCache where it has DeltaNet layers (a Qwen4Cache with QSA's keys or
-    a PLE layer's states), else a KVCache of every layer."""
-    if cfg.indexer_heads or cfg.ple_layers:
-        return Qwen4Cache
-    return HybridCache if cfg.linear_layers else KVCache
-
-
-def make_cache(cfg, n_seq: int, ctx: int, dtype, device, where=None, ring: int = 0) -> KVCache:
-    """The cache of a model of `cfg` (cache_class). where: layer -> the device of its share, where the layers are
-    split over several (runtime/split.py; not with QSA or a PLE); None: every layer's on `device`. ring: positions
-    each sliding layer keeps (runtime/sliding_kv.py's ring_positions; 0: the whole context)."""
-    kind = cache_class(cfg)
-    if kind is Qwen4Cache:
-        return Qwen4Cache(cfg, n_seq, ctx, dtype, device)
-    if kind is HybridCache:
-        return HybridCache(cfg, n_seq, ctx, dtype, device, where)
-    n_kv, hd, hd_v = kv_layout(cfg)
-    on = device if where is None else [where(i) for i in range(cfg.n_stored_layers)]
-    if ring:
-        from .sliding_kv import SlidingKVCache
-        return SlidingKVCache(cfg, n_seq, ctx, ring, dtype, on)
-    return KVCache(cfg.n_stored_layers, n_seq, ctx, n_kv, hd, dtype, on, hd_v)
 
 
 def cache_nbytes(cfg, n_seq: int, ctx: int, dtype, ring: int = 0) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from ..arch.names import HOST_TABLES, dense_names, keeps_float32, optional_names
 from ..models.transformer import MoETransformer
 from ..quant.layout import expert_layouts
 from .engine import DTYPES, MiB, Engine
-from .kv_cache import make_cache
+from .caches import make_cache
 from .sliding_kv import engine_ring
 from .memory import available_host_memory
 from .placement import fit_cache, fit_split, host_provider, split_provider
