@@ -50,6 +50,11 @@
 #                                            (its Q4_K_M by moestream quantize, the q4_0 file deleted), then gpu, cache
 #                                            (--cpu-moe, no cache and DS_CACHE MiB, default 5200), par (1 / 4 / 8
 #                                            streams at DS_CACHE): llama-batched-bench and moestream bench alternating
+#   bash bench/gpu.sh gptoss STAGE [FLAGS]   gpt-oss-120b's reference beside llama.cpp b11549 (issue 53), a stage a
+#                                            command: prep (llama.cpp built from .carry/llamacpp in the background,
+#                                            make_reference_gptoss_gguf.py 12 layers written: MXFP4 experts, 23.3 GB),
+#                                            gpu, cache (--cpu-moe, no cache and GO_CACHE MiB, default 4900: a quarter
+#                                            of the experts, three whole layers), par (1 / 4 / 8 streams at GO_CACHE)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -78,7 +83,7 @@ N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
 case "$SUITE" in
-tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|deepseek|all) ;;
+tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|deepseek|gptoss|all) ;;
 *) usage ;;
 esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
@@ -315,6 +320,29 @@ deepseek() {       # issue 52's rows: llama.cpp (the third of three runs in one 
   esac
 }
 
+gptoss() {         # issue 53's rows: llama.cpp (the third of three runs in one process) and moestream on one file
+  local G=/tmp/gptoss.gguf C=${GO_CACHE:-4900} L=/tmp/lcu/bin/llama-batched-bench
+  export LD_LIBRARY_PATH=/tmp/lcu/bin
+  lc() { echo "## llama-batched-bench $*" | tee -a "$OUT/gptoss_rows.md"
+         timeout 200 $L -m $G -fa on -t 16 -lm none "$@" 2>&1 | grep -E "^\|" | tee -a "$OUT/gptoss_rows.md"; }
+  ms() { bench gptoss_rows.md 240 -m $G "$@"; }
+  local P="-c 8192 -b 4096 -ub 2048 -npp 4096 -ntg 64 -npl 1,1,1"
+  case "${1:-}" in
+  prep)  (bash .carry/llamacpp/build.sh > "$OUT/lcu_build.log" 2>&1) &
+         [ -f $G ] || { timeout 400 python3 .carry/make_reference_gptoss_gguf.py $G.part 12 2>&1 | tail -1 && mv $G.part $G; }
+         wait; tail -1 "$OUT/lcu_build.log" ;;
+  gpu)   lc -ngl 99 $P
+         ms -p 4096 -n 64 -ub 2048,4096 -b 4096 -r 2
+         lc -ngl 99 ${P/-ub 2048/-ub 4096} ;;
+  cache) lc -ngl 99 -ncmoe 12 --moe-cache-mib 0 $P
+         ms -p 4096 -n 64 -ub 2048,4096 -b 4096 -r 2 --cpu-moe --moe-cache-mib 0,$C
+         lc -ngl 99 -ncmoe 12 --moe-cache-mib $C $P ;;
+  par)   lc -ngl 99 -ncmoe 12 --moe-cache-mib $C -c 20000 -b 4096 -ub 512 -npp 512 -ntg 64 -npl 1,4,8
+         ms --parallel 1,4,8 -npp 512 -ntg 64 --cpu-moe --moe-cache-mib $C ;;
+  *)     echo "gptoss takes a stage: prep, gpu, cache or par" >&2; return 2 ;;
+  esac
+}
+
 { nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv
   python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
   echo "commit $(git rev-parse --short HEAD 2> /dev/null || echo '?') suite $SUITE ${EXTRA[*]+${EXTRA[*]}}"; } \
@@ -324,7 +352,7 @@ tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
 pacing) pacing ${EXTRA[@]+"${EXTRA[@]}"} ;;
 parallel) parallel ;;
-deepseek) stage=${EXTRA[0]:-}; EXTRA=("${EXTRA[@]:1}"); deepseek "$stage" ;;   # (flags after the stage: bench's)
+deepseek|gptoss) stage=${EXTRA[0]:-}; EXTRA=("${EXTRA[@]:1}"); $SUITE "$stage" ;;   # (flags after the stage: bench's)
 profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
