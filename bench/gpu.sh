@@ -55,6 +55,15 @@
 #                                            make_reference_gptoss_gguf.py 12 layers written: MXFP4 experts, 23.3 GB),
 #                                            gpu, cache (--cpu-moe, no cache and GO_CACHE MiB, default 4900: a quarter
 #                                            of the experts, three whole layers), par (1 / 4 / 8 streams at GO_CACHE)
+#   bash bench/gpu.sh flashnext STAGE [FLAGS] Qwen3.8-Flash-Next's reference beside llama.cpp b11549 (issue 50), a
+#                                            stage a command: prep (llama.cpp built in the background,
+#                                            make_reference_qwen4exp_gguf.py 8 layers: BF16, 46.8 GB), quant (its
+#                                            Q4_K_M by moestream quantize), iq1 (an imatrix of 8 chunks of 512 random
+#                                            ids, then IQ1_M; the BF16 file deleted), rows TYPE (q4km or iq1m: pp4096
+#                                            at ubatch 512 / 2048 / 8192 and tg64, all on the GPU, --cpu-moe with no
+#                                            cache and FN_CACHE MiB, default a third of that file's experts), seed TYPE
+#                                            (a warm prompt's first chunk seeded from the last prompt, and
+#                                            --no-prefetch-seed, at ubatch 2048 / 8192)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -83,7 +92,7 @@ N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
 case "$SUITE" in
-tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|deepseek|gptoss|all) ;;
+tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|deepseek|gptoss|flashnext|all) ;;
 *) usage ;;
 esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
@@ -343,6 +352,39 @@ gptoss() {         # issue 53's rows: llama.cpp (the third of three runs in one 
   esac
 }
 
+flashnext() {      # issue 50's rows: llama.cpp (the third of three runs in one process) and moestream on one file
+  local F=/tmp/fn.gguf T=${2:-q4km} L=/tmp/lcu/bin/llama-batched-bench
+  local M=/tmp/fn-$T.gguf C=${FN_CACHE:-$([ "$T" = iq1m ] && echo 2100 || echo 3800)}
+  export LD_LIBRARY_PATH=/tmp/lcu/bin
+  lc() { echo "## llama-batched-bench $*" | tee -a "$OUT/fn_$T.md"
+         timeout 200 $L -m $M -fa on -t 16 -lm none "$@" 2>&1 | grep -E "^\|" | tee -a "$OUT/fn_$T.md"; }
+  ms() { bench fn_$T.md 240 -m $M "$@"; }
+  local P="-c 8400 -b 8192 -npp 4096 -ntg 64 -npl 1,1,1"
+  case "${1:-}" in
+  prep)  (bash .carry/llamacpp/build.sh > "$OUT/lcu_build.log" 2>&1) &
+         [ -f $F ] || { timeout 500 python3 .carry/make_reference_qwen4exp_gguf.py $F.part 8 2>&1 | tail -1 && mv $F.part $F; }
+         wait; tail -1 "$OUT/lcu_build.log" ;;
+  quant) [ -f /tmp/fn-q4km.gguf ] || { timeout 560 python3 -m moestream quantize $F /tmp/fn-q4km.gguf.part Q4_K_M 2>&1 \
+           | tail -1 && mv /tmp/fn-q4km.gguf.part /tmp/fn-q4km.gguf; } ;;
+  iq1)   python3 -c "import random; r = random.Random(3); print(','.join(str(r.randrange(248320)) for _ in range(4096)))" \
+           > /tmp/fn_ids.txt
+         [ -f /tmp/fn-imatrix.gguf ] || timeout 240 python3 -m moestream imatrix -m $F -f /tmp/fn_ids.txt --token-ids \
+           -c 512 --chunks 8 -o /tmp/fn-imatrix.gguf 2>&1 | tail -2
+         [ -f /tmp/fn-iq1m.gguf ] || { timeout 330 python3 -m moestream quantize $F /tmp/fn-iq1m.gguf.part IQ1_M \
+           --imatrix /tmp/fn-imatrix.gguf 2>&1 | tail -1 && mv /tmp/fn-iq1m.gguf.part /tmp/fn-iq1m.gguf && rm -f $F; } ;;
+  rows)  lc -ngl 99 -ub 2048 $P
+         ms -p 4096 -n 64 -ub 512,2048,8192 -b 8192 -r 2
+         lc -ngl 99 -ncmoe 8 --moe-cache-mib 0 -ub 2048 $P
+         ms -p 4096 -n 64 -ub 512,2048,8192 -b 8192 -r 2 --cpu-moe --moe-cache-mib 0,$C
+         lc -ngl 99 -ncmoe 8 --moe-cache-mib $C -ub 2048 $P
+         lc -ngl 99 -ncmoe 8 --moe-cache-mib $C -ub 512 $P
+         lc -ngl 99 -ncmoe 8 --moe-cache-mib $C -ub 8192 $P ;;
+  seed)  ms -p 8192 -n 0 -ub 2048,8192 -b 8192 -r 3 --cpu-moe --moe-cache-mib $C
+         ms -p 8192 -n 0 -ub 2048,8192 -b 8192 -r 3 --cpu-moe --moe-cache-mib $C --no-prefetch-seed ;;
+  *)     echo "flashnext takes a stage: prep, quant, iq1, rows TYPE or seed TYPE" >&2; return 2 ;;
+  esac
+}
+
 { nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv
   python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
   echo "commit $(git rev-parse --short HEAD 2> /dev/null || echo '?') suite $SUITE ${EXTRA[*]+${EXTRA[*]}}"; } \
@@ -352,7 +394,9 @@ tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
 pacing) pacing ${EXTRA[@]+"${EXTRA[@]}"} ;;
 parallel) parallel ;;
-deepseek|gptoss) stage=${EXTRA[0]:-}; EXTRA=("${EXTRA[@]:1}"); $SUITE "$stage" ;;   # (flags after the stage: bench's)
+deepseek|gptoss) stage=${EXTRA[0]:-}; EXTRA=("${EXTRA[@]:1}"); $SUITE "$stage" ;;
+flashnext) stage=${EXTRA[0]:-}; type=q4km; case "${EXTRA[1]:-}" in q4km|iq1m) type=${EXTRA[1]}; EXTRA=("${EXTRA[@]:1}");; esac
+           EXTRA=("${EXTRA[@]:1}"); flashnext "$stage" $type ;;   # (flags after the stage: bench's)
 profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;
 all) tests; rows; decode ;;
 *) $SUITE ;;
