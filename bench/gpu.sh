@@ -64,6 +64,14 @@
 #                                            cache and FN_CACHE MiB, default a third of that file's experts), seed TYPE
 #                                            (a warm prompt's first chunk seeded from the last prompt, and
 #                                            --no-prefetch-seed, at ubatch 2048 / 8192)
+#   bash bench/gpu.sh mtp STAGE [FLAGS]      MTP on the Qwen3-Next reference's Q4_K_M (issue 51; the files of `next`)
+#                                            with a random head beside it, a stage a command: prep (next_files, then
+#                                            `python bench/make_mtp_head.py $NQ /tmp/next-head.gguf --type Q4_K_M`:
+#                                            the head llama.cpp's -md reads, random weights at the target's shapes),
+#                                            oracle (pp512 / tg128, --spec-oracle 0.8 at n-max 0,1,2,3: all on the GPU,
+#                                            --cpu-moe with 4000 MiB and with no cache), real (the head's own drafts,
+#                                            n-max 0,2 at 4000 MiB; then --parallel 4 at 4000 MiB without MTP and with
+#                                            it, n-max 2: --parallel takes no --spec-oracle)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -88,11 +96,11 @@ SUITE=${1:-}; shift $(( $# > 0 ))
 EXTRA=("$@")                     # the flags after the suite name
 REF=${REF:-/tmp/ref.gguf}; SITE=${SITE:-/tmp/site}
 Q4=${REF%.gguf}-q4km.gguf; Q8=${REF%.gguf}-q8.gguf
-N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and its Q4_K_M (next, arrays)
+N=/tmp/next.gguf; NQ=/tmp/next-q4km.gguf          # the Qwen3-Next reference and its Q4_K_M (next, arrays, mtp)
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
 case "$SUITE" in
-tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|deepseek|gptoss|flashnext|all) ;;
+tests|rows|decode|server|pacing|parallel|profile|trace|quant|qdecode|kld|next|arrays|deepseek|gptoss|flashnext|mtp|all) ;;
 *) usage ;;
 esac
 if ! ls .carry/*.whl .carry/make_reference_gguf.py .carry/make_reference_next_gguf.py > /dev/null 2>&1; then
@@ -291,6 +299,30 @@ arrays() {         # how small host arrays reach the device, on Next's sweeping 
   timeout 60 python3 bench/copy_order.py 2>&1 | tee "$OUT/copy_order.txt"
 }
 
+mtp() {            # issue 51's rows: speculation with a random MTP head (bench/make_mtp_head.py) beside Next's Q4_K_M
+  local H=/tmp/next-head.gguf
+  local S="-m $NQ -md $H --spec-type draft-mtp" B="-p 512 -n 128 -ub 2048 -r 2"
+  local P="--parallel 4 -npp 512 -ntg 128 -ub 2048 -r 2 --cpu-moe --moe-cache-mib 4000"
+  case "${1:-}" in
+  oracle|real) [ -f $H ] || { echo "mtp: no $H on this machine: run the prep stage first" >&2; return 2; } ;;
+  esac
+  case "${1:-}" in
+  prep)   next_files
+          if [ ! -f $H ]; then
+            local t=$SECONDS
+            timeout 240 python3 bench/make_mtp_head.py $NQ $H --type Q4_K_M 2>&1 | tail -1
+            echo "head written in $((SECONDS - t)) s"
+          fi ;;
+  oracle) bench mtp_oracle.md 150 $S $B --spec-draft-n-max 0,1,2,3 --spec-oracle 0.8
+          bench mtp_oracle.md 200 $S $B --spec-draft-n-max 0,1,2,3 --spec-oracle 0.8 --cpu-moe --moe-cache-mib 4000
+          bench mtp_oracle.md 200 $S $B --spec-draft-n-max 0,1,2,3 --spec-oracle 0.8 --cpu-moe ;;
+  real)   bench mtp_real.md 150 $S $B --spec-draft-n-max 0,2 --cpu-moe --moe-cache-mib 4000
+          bench mtp_real.md 130 -m $NQ $P
+          bench mtp_real.md 160 $S $P --spec-draft-n-max 2 ;;
+  *)      echo "mtp takes a stage: prep, oracle or real" >&2; return 2 ;;
+  esac
+}
+
 trace() {          # one prompt of 4096 random ids (the same every run), at ubatch 2048, then 64 tokens
   reference 5
   python3 -c "import random; r = random.Random(1); print(','.join(str(r.randrange(151936)) for _ in range(4096)))" \
@@ -394,7 +426,7 @@ tests) tests ${EXTRA[@]+"${EXTRA[@]}"} ;;
 server) server ${EXTRA[@]+"${EXTRA[@]}"} ;;
 pacing) pacing ${EXTRA[@]+"${EXTRA[@]}"} ;;
 parallel) parallel ;;
-deepseek|gptoss) stage=${EXTRA[0]:-}; EXTRA=("${EXTRA[@]:1}"); $SUITE "$stage" ;;
+deepseek|gptoss|mtp) stage=${EXTRA[0]:-}; EXTRA=("${EXTRA[@]:1}"); $SUITE "$stage" ;;
 flashnext) stage=${EXTRA[0]:-}; type=q4km; case "${EXTRA[1]:-}" in q4km|iq1m) type=${EXTRA[1]}; EXTRA=("${EXTRA[@]:1}");; esac
            EXTRA=("${EXTRA[@]:1}"); flashnext "$stage" $type ;;   # (flags after the stage: bench's)
 profile|trace|kld|qdecode) [ ${#EXTRA[@]} -eq 0 ] || echo "($SUITE takes no flags: ignored ${EXTRA[*]})"; $SUITE ;;

@@ -246,6 +246,14 @@ class GGUFSource(GGUFMetadata):
         """Expert e of `layer` as its raw blocks: gate | up | down, flat uint8 (quant/layout.py's row)."""
         return torch.cat([_raw(self._stack(layer, s).data[e]) for s in EXPERT_STACKS])
 
+    def stored(self, name: str) -> tuple[Q, np.ndarray]:
+        """A tensor as the file stores it, unconverted: its GGML type and its mapped bytes (flat uint8, read where
+        used), for a copy bit for bit in another file (write_gguf's `copied`)."""
+        t = self._tensors.get(self._file_name(name))
+        if t is None:
+            raise UserError(f"GGUF {str(self.path)!r} lacks tensor {self._file_name(name)}: is the file complete?")
+        return t.tensor_type, t.data.reshape(-1).view(np.uint8)
+
     def type_counts(self) -> dict[str, int]:
         """How many tensors of each GGML type the file holds (its type mix)."""
         from collections import Counter

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import torch
@@ -235,7 +235,7 @@ def _encode(t: torch.Tensor, qtype: Q, device: str, importance: torch.Tensor | N
 def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: bool = False, *,
                types: TypeOf | None = None, file_type: gguf.LlamaFileType | None = None,
                device: str = "cpu", new: bool = False, importance: Callable | None = None,
-               extra_kv: dict | None = None, head_only: bool = False) -> Path:
+               extra_kv: dict | None = None, head_only: bool = False, copied: Collection[str] = ()) -> Path:
     """Write `source` as one GGUF file, streaming tensor by tensor (a layer's expert stacks at a time).
 
     dtype: auto (the source's), float32, float16, bfloat16 or q8_0. 1-D tensors (norms, biases) are always F32, as
@@ -244,7 +244,9 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
     to replace a file at `path` (outputs.atomic_path). importance: GGUF tensor name -> its imatrix importance
     ((n,) or (E, n)) or None (moestream.quant.imatrix); extra_kv: more metadata (llama-quantize's quantize.imatrix.*).
     head_only: the MTP head alone, as llama.cpp's MTP-only files (--model-draft): the whole metadata, token_embd,
-    output_norm, output and the head's blocks, no trunk layer.
+    output_norm, output and the head's blocks, no trunk layer. copied: canonical names written as the source stores
+    them (source.stored(name): its GGML type and bytes, as GGUFSource.stored gives them) instead of encoded from
+    their values: an MTP head's copy of its target's token_embd and output, bit for bit whatever their type.
     """
     cfg = source.config
     arch = FAMILIES[cfg.family].gguf_arch
@@ -263,7 +265,8 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
     elif file_type is None:
         raise ValueError("write_gguf: types= needs the file_type it makes")
     held = [n for n in optional_names(cfg) if source.has(n)]      # an MTP head's own embedding and output head
-    plan = [(name, shape, types(name, shape)) for name, shape in gguf_tensors(cfg, held)]
+    plan = [(name, shape, source.stored(name)[0] if name in copied else types(name, shape))
+            for name, shape in gguf_tensors(cfg, held)]
     if head_only:
         if not cfg.nextn_layers:
             raise UserError("this model has no MTP head to write (head_only)")
@@ -275,14 +278,14 @@ def write_gguf(source, path: str | os.PathLike, dtype: str = "auto", progress: b
         w = gguf.GGUFWriter(tmp, arch)
         try:
             _write(w, source, cfg, plan, file_type, device, progress, importance or (lambda name: None),
-                   extra_kv or {})
+                   extra_kv or {}, copied)
         finally:
             w.close()
     return path
 
 
 def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device: str, progress: bool, importance,
-           extra_kv: dict):
+           extra_kv: dict, copied: Collection[str]):
     _add_metadata(w, cfg, file_type, any(t not in FLOAT_TORCH for _, _, t in plan), source.tokenizer)
     for key, v in extra_kv.items():
         _add_kv(w, key, v)
@@ -297,6 +300,9 @@ def _write(w: gguf.GGUFWriter, source, cfg: ModelConfig, plan, file_type, device
     bar = tqdm(plan, desc="writing", unit="tensor", disable=not progress)
     for name, shape, qtype in bar:
         bar.set_postfix_str(f"{name} {qtype.name}", refresh=False)
+        if name in copied:
+            w.write_tensor_data(source.stored(name)[1])
+            continue
         layer_stack = name.split(".")[2] if name.startswith("blk.") and name.endswith(".weight") else ""
         if layer_stack == EXPERT_STACKS[0]:
             # float files build the stacks in their own dtype; quantized stacks keep the source's until encoded

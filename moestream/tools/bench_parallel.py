@@ -184,6 +184,12 @@ def check_flags(a: argparse.Namespace) -> None:
                             ("--plot", a.plot)) if v is not None]
     if given:
         raise UserError(f"--parallel takes -npp and -ntg (tokens per sequence), not {', '.join(given)}")
+    if a.spec_oracle is not None:       # (the serving loop drafts with the head: bench_spec.py's oracle is pp/tg's)
+        raise UserError("--parallel drafts with the model's MTP head, not --spec-oracle (the pp/tg rows' oracle): "
+                        "drop --spec-oracle")
+    if len(a.spec_draft_n_max) > 1:
+        raise UserError(f"--parallel runs one --spec-draft-n-max, got {','.join(map(str, a.spec_draft_n_max))}: "
+                        "one command each")
 
 
 def configurations(a: argparse.Namespace, ctx: int):
