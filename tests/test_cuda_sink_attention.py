@@ -102,7 +102,7 @@ def test_tiny_gptoss_takes_the_kernels_and_captured_steps_give_the_eager_bits(kw
         return outs
     calls = []
     kernel = attention.sink_attention
-    attention.sink_attention = lambda *a: (calls.append(1), kernel(*a))[1]
+    attention.sink_attention = lambda *a, **kw: (calls.append(1), kernel(*a, **kw))[1]
     try:
         eager = run(False)
     finally:

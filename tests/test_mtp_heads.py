@@ -137,6 +137,25 @@ def test_greedy_with_the_head_equals_greedy_without(head_checkpoint, n_max):
         assert out.token_ids == plain and out.timings["spec"]["drafted"] > 0
 
 
+def test_a_latent_verify_step_runs_the_decode_steps_form(monkeypatch):
+    """DeepSeek's verify steps (a few tokens continuing the sequence) take MLA's absorbed form, as its decode steps
+    do, never expanding the cache again: only the prompt's segments expand it."""
+    from moestream.models.mla import MLA
+    forms = []
+    for name in ("_expanded", "_absorbed"):
+        def spy(self, *a, _f=getattr(MLA, name), _name=name, **kw):
+            forms.append((_name, a[5]))                                  # (the form, its batch)
+            return _f(self, *a, **kw)
+        monkeypatch.setattr(MLA, name, spy)
+    model, prompt = "synth:tiny-deepseek:mtp=1", ids(9, seed=3)
+    plain = LLM(model, **KW).generate(prompt, SamplingParams(max_tokens=8)).token_ids
+    forms.clear()
+    out = LLM(model, spec_type="draft-mtp", spec_draft_n_max=2, **KW).generate(prompt, SamplingParams(max_tokens=8))
+    assert out.token_ids == plain and out.timings["spec"]["drafted"] > 0
+    assert all(b.segments[0].start == 0 for name, b in forms if name == "_expanded")
+    assert any(name == "_absorbed" and b.segments[0].n == 3 for name, b in forms)     # a verify step of 2 drafts
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_greedy_with_the_head_on_cuda(head_checkpoint):

@@ -186,8 +186,8 @@ def test_the_family_captures_its_decode_steps_on_cuda_with_the_eager_bits(monkey
     host path's tokens."""
     from moestream.runtime import load
     host_tables = load.host_tables
-    monkeypatch.setattr(load, "host_tables", lambda source, cfg, dev: host_tables(
-        type("S", (), {"rows": lambda self, n: _as_tensor(source.rows(n))})(), cfg, dev))
+    monkeypatch.setattr(load, "host_tables", lambda source, cfg, dev, *room: host_tables(
+        type("S", (), {"rows": lambda self, n: _as_tensor(source.rows(n))})(), cfg, dev, *room))
     prompt = list(range(10, 50))
 
     def run(graphs: bool, in_place: bool = True):

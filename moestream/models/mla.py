@@ -16,7 +16,9 @@ the keys [k_nope | k_rot], causal attention (flash or memory-efficient on CUDA: 
 the q/k head). Decode steps run the absorbed form, which never expands the cache: q_nope times each head's key rows
 of attn_kv_b gives a query in latent space (B, nh, r); scores are q_lat . c + q_rot . k_rot over the sequence's
 cache (float32, masked, as models/layers.py's decode_attention), the weighted sum of c is taken to each head's dv
-dims by its value rows of attn_kv_b after. The softmax scale is (dn + dr) ** -0.5, times mscale(factor,
+dims by its value rows of attn_kv_b after. So do short segments that continue a sequence (ABSORBED_MAX tokens: a
+speculative verify step, whose few queries would otherwise expand the whole cache, and whose tokens then follow
+the decode step's math). The softmax scale is (dn + dr) ** -0.5, times mscale(factor,
 mscale_all_dim) squared under YaRN (transformers' yarn_apply_mscale, llama.cpp's kq_scale). Rotary on adjacent
 pairs where rope_interleave (DeepSeek's checkpoints, llama.cpp's NORM rope), else on halves.
 
@@ -35,6 +37,9 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kernels.mla import mla_fits
 from .layers import apply_rope, attention, interleaved_rope, rms_norm
+
+
+ABSORBED_MAX = 32          # a segment continuing its sequence with at most this many tokens runs the absorbed form
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -90,7 +95,7 @@ class MLA:
             q_rot, k_rot = self.rope(q[..., dn:], cos, sin), self.rope(k_rot.reshape(T, 1, dr), cos, sin)
             kv.write(slot, batch.seq_ids, batch.positions, c.view(T, 1, r), k_rot)
         kv_b = lw["attn_kv_b.weight"]
-        if batch.is_decode:
+        if batch.is_decode or all(s.start and s.n <= ABSORBED_MAX for s in batch.segments):
             o = self._absorbed(q_nope, q_rot, kv_b, kv.k[slot], kv.v[slot], batch, kv.ctx, mask, fused)
         else:
             o = self._expanded(q_nope, q_rot, kv_b, kv.k[slot], kv.v[slot], batch)
@@ -114,10 +119,14 @@ class MLA:
 
     def _absorbed(self, q_nope, q_rot, kv_b, latents, rot_keys, batch, ctx: int, mask, fused=None) -> torch.Tensor:
         """One query per token against its sequence's latent cache, never expanded: (B, nh, dv). The attention
-        over the cache: the fused kernel where it `fuses`, else latent_attention."""
+        over the cache: the fused kernel where it `fuses`, else latent_attention. Decode steps, and segments of at
+        most ABSORBED_MAX tokens that continue a sequence (a speculative verify step: the decode step's math, not
+        the whole cache expanded again for a few queries)."""
         cfg = self.cfg
         nh, dn, dv, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        n = batch.kv_len or ctx
+        n = batch.kv_len or (ctx if batch.is_decode else max(s.start + s.n for s in batch.segments))
+        if mask is None:                # a short segment's tokens (a verify step): each attends up to its position
+            mask = torch.arange(n, device=q_nope.device)[None, :] <= batch.positions[:, None]
         w = kv_b.view(nh, dn + dv, r)
         w_uk, w_uv = w[:, :dn], w[:, dn:]                                        # (nh, dn, r), (nh, dv, r)
         q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)       # (B, nh, r)
