@@ -169,7 +169,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _gpu_case(lay, rows: torch.Tensor, T: int, k: int, g, x_scale: float):
     """rows (E, row) of `lay` (an ExpertLayout, or I for float rows of I x H) on the GPU, and the same bytes in
     pinned host memory in another order; k of E experts for T tokens, bf16 biases, x and weights; the addresses of
-    both copies and the float32 oracle's output (on the CPU, through an AddressBook)."""
+    both copies and the float32 oracle's output (on the CPU, through an AddressBook); last, the host copy itself,
+    which the caller holds while kernels read its addresses (freed, its pinned block goes back to the allocator)."""
     from moestream.kernels.reference import AddressBook, OaiSwiglu, experts_by_address_reference
     from moestream.quant.layout import ExpertLayout
     E = rows.shape[0]
@@ -189,7 +190,7 @@ def _gpu_case(lay, rows: torch.Tensor, T: int, k: int, g, x_scale: float):
     dev_addr, host_addr = dev.data_ptr() + ids * step, host.data_ptr() + perm[ids] * step
     ref = experts_by_address_reference(x, dev_addr, w, lay, book=book, act=OaiSwiglu(ids, b13, b2, LIMIT))
     act = OaiSwiglu(ids.cuda(), b13.cuda(), b2.cuda(), LIMIT)
-    return dev, ids.cuda(), dev_addr.cuda(), host_addr.cuda(), x.cuda(), w.cuda(), act, ref.cuda()
+    return dev, ids.cuda(), dev_addr.cuda(), host_addr.cuda(), x.cuda(), w.cuda(), act, ref.cuda(), host
 
 
 @pytest.mark.cuda
@@ -208,10 +209,11 @@ def test_mxfp4_oai_decode_compiled_at_gpt_oss_120b_shape(T):
     g = torch.Generator().manual_seed(T)
     rows = random_rows(lay, 12, g)
     scale = lay.dequantize(rows[:1])[0].std().item() * lay.hidden ** 0.5
-    dev, ids, dev_addr, host_addr, x, w, act, ref = _gpu_case(lay, rows, T, 4, g, 6 / scale)
+    dev, ids, dev_addr, host_addr, x, w, act, ref, _host = _gpu_case(lay, rows, T, 4, g, 6 / scale)
     step = dev.stride(0)
     on_host = torch.arange(dev.shape[0], device="cuda") % 3 == 0            # each expert in one place
-    moved = [moved_copy(dev, s).data_ptr() + ids * step for s in (4, 2)]
+    copies = [moved_copy(dev, s) for s in (4, 2)]          # held: the kernels read them by address
+    moved = [c.data_ptr() + ids * step for c in copies]
     for variant in ("values", "runs"):
         out = experts_by_address_quant(x, dev_addr, w, lay, variant=variant, act=act)
         assert torch.isfinite(out).all()
@@ -230,7 +232,7 @@ def test_float_oai_decode_compiled_at_gpt_oss_120b_shape(T):
     H = I = 2880
     g = torch.Generator().manual_seed(T)
     rows = (torch.randn(10, 3 * I * H, generator=g) * H ** -0.5).to(torch.bfloat16)
-    dev, ids, dev_addr, host_addr, x, w, act, ref = _gpu_case(I, rows, T, 4, g, 6.0)
+    dev, ids, dev_addr, host_addr, x, w, act, ref, _host = _gpu_case(I, rows, T, 4, g, 6.0)
     out = experts_by_address(x, dev_addr, w, I, act=act)
     assert torch.isfinite(out).all()
     close(out, ref, tol=1e-2)
