@@ -4,9 +4,9 @@
 # dated record of what they measured; this script only says how.
 #
 #   bash bench/gpu.sh tests   [PYTEST ARGS]  the `cuda` tests (python3 -m pytest -m cuda -q, without pyproject's addopts:
-#                                            the GPU machine has no pytest-xdist), one pytest a file so
-#                                            that a file's failures are printed even when the suite runs out of
-#                                            time (one process with the arguments given instead, if any)
+#                                            the GPU machine has no pytest-xdist), one pytest a file, four at a
+#                                            time, test_quant_kernels.py in three parts and test_cache_auto.py
+#                                            alone at the end (one process with the arguments given instead, if any)
 #   bash bench/gpu.sh rows    [BENCH FLAGS]  the reference GGUF's `moestream bench` rows, pp4096 and tg64, -r 2: all
 #                                            on the GPU at ubatch 512 / 2048 / 4096, then --cpu-moe with
 #                                            --moe-cache-mib 0 / 8000 / 16000 / 24000 at the same ubatches
@@ -153,16 +153,28 @@ tests() {
     timeout 420 python3 -m pytest -o addopts="" -m cuda -q -rf --tb=short "$@" > "$OUT/cuda_tests.log" 2>&1
     echo "cuda tests: exit $?"; tail -25 "$OUT/cuda_tests.log"; return
   fi
-  local f end=$((SECONDS + 540))
-  : > "$OUT/cuda_tests.log"
-  for f in $(grep -l "mark.cuda" tests/test_*.py); do      # (the files with cuda tests, in the suite's order)
-    if [ $SECONDS -ge $end ]; then echo "$f: not run (out of time)" | tee -a "$OUT/cuda_tests.log"; continue; fi
-    echo "## $f" >> "$OUT/cuda_tests.log"
-    timeout $((end - SECONDS)) python3 -m pytest -o addopts="" -m cuda -q -rf --tb=short -p no:cacheprovider "$f" \
-      >> "$OUT/cuda_tests.log" 2>&1
-    echo "$f: exit $? $(tail -1 "$OUT/cuda_tests.log")"
-  done
-  grep -E "^FAILED|^ERROR" "$OUT/cuda_tests.log" | head -40
+  # Four processes at a time (one GPU holds them; Triton's compiles use the cores): each file with cuda tests,
+  # tests/test_quant_kernels.py's in three parts (over 540 s in one process); test_cache_auto.py alone after them
+  # (it fills the GPU, so the others ran out of memory beside it: stop 49).
+  local dir=/tmp/cuda_tests
+  rm -rf $dir; mkdir -p $dir
+  export CUDA_TESTS_END=$(( $(date +%s) + 520 )) CUDA_TESTS_DIR=$dir
+  python3 -m pytest -o addopts="" -m cuda --co -q -p no:cacheprovider tests/test_quant_kernels.py 2> /dev/null \
+    | grep "::" | split -n r/3 -d - $dir/quant_kernels_part
+  one() {          # one pytest of the node ids in file $1 (a part's list) or of test file $1; its log in $dir
+    local name=$(basename $1 .py) left=$((CUDA_TESTS_END - $(date +%s))) args=$1
+    case $1 in */quant_kernels_part*) args=$(cat $1) ;; esac
+    [ $left -gt 10 ] || { echo "$name: not run (out of time)"; return; }
+    timeout $left python3 -m pytest -o addopts="" -m cuda -q -rf --tb=short -p no:cacheprovider $args \
+      > $CUDA_TESTS_DIR/$name.log 2>&1
+    echo "$name: exit $? $(tail -1 $CUDA_TESTS_DIR/$name.log)"
+  }
+  export -f one
+  { ls $dir/quant_kernels_part*; grep -l "mark.cuda" tests/test_*.py | grep -v "test_quant_kernels\|test_cache_auto"; } \
+    | xargs -P 4 -I{} bash -c 'one {}'
+  one tests/test_cache_auto.py
+  for f in $dir/*.log; do echo "## $f"; cat $f; done > "$OUT/cuda_tests.log"
+  grep -hE "^FAILED|^ERROR" $dir/*.log | head -40
 }
 
 rows() {           # (-b 4096: a 4096-token prompt is one ubatch at -ub 4096)
