@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from moestream import LLM, UserError
 from moestream.experts.routing import RouteCallback
+from moestream.experts.planner import CachePlanner
 from moestream.experts.policy import make_policy
 from moestream.experts.residency import CacheTooSmall, Residency
 from moestream.experts.trace import TraceRecorder, load_trace, replay
@@ -82,6 +83,21 @@ def _scan_then_decode(policy: str) -> tuple[int, float]:
         hits += 3 - len(p.misses)
         total += 3
     return kept, hits / total
+
+
+def test_waves_take_the_resident_experts_first_and_half_the_pool_each():
+    """A ubatch routing more of a layer's experts than the pool holds: the resident ones in the first waves (no
+    later wave's uploads evict them), then waves of half the pool, so that one wave's uploads can land in slots the
+    wave before it does not read; every wanted expert in exactly one wave, each wave made resident in turn."""
+    planner = CachePlanner(6, 1, 16, "lfru", 1)
+    planner.plan(0, np.array([4, 9, 12]))                          # resident before the ubatch
+    wanted = np.arange(0, 16, 2)                                   # 8 of 16 experts; 4 and 12 resident
+    groups = planner.groups(0, wanted)
+    assert [len(g) for g in groups] == [3, 3, 2]
+    assert set(groups[0][:2]) == {4, 12} and sorted(np.concatenate(groups)) == list(wanted)
+    uploads = sum(len(planner.plan(0, g).misses) for g in groups)
+    assert uploads == len(wanted) - 2                              # neither hit was evicted before its wave
+    assert len(planner.groups(0, np.array([1, 2, 3]))) == 1        # what fits is one group
 
 
 def test_long_prompt_keeps_decode_working_set_under_lfru_not_lru():
