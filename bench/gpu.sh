@@ -60,8 +60,9 @@
 #                                            make_reference_qwen4exp_gguf.py 8 layers: BF16, 46.8 GB), quant (its
 #                                            Q4_K_M by moestream quantize), iq1 (an imatrix of 8 chunks of 512 random
 #                                            ids, then IQ1_M; the BF16 file deleted), rows TYPE (q4km or iq1m: pp4096
-#                                            at ubatch 512 / 2048 / 8192 and tg64, all on the GPU, --cpu-moe with no
-#                                            cache and FN_CACHE MiB, default a third of that file's experts), seed TYPE
+#                                            at ubatch 512 / 2048 / 8192 and tg64, all on the GPU and --cpu-moe with
+#                                            no cache), cache TYPE (FN_CACHE MiB, default a third of that file's
+#                                            experts), seed TYPE
 #                                            (a warm prompt's first chunk seeded from the last prompt, and
 #                                            --no-prefetch-seed, at ubatch 2048 / 8192)
 #   bash bench/gpu.sh mtp STAGE [FLAGS]      MTP on the Qwen3-Next reference's Q4_K_M (issue 51; the files of `next`)
@@ -419,13 +420,14 @@ flashnext() {      # issue 50's rows: llama.cpp (the third of three runs in one 
   rows)  lc -ngl 99 -ub 2048 $P
          ms -p 4096 -n 64 -ub 512,2048,8192 -b 8192 -r 2
          lc -ngl 99 -ncmoe 8 --moe-cache-mib 0 -ub 2048 $P
-         ms -p 4096 -n 64 -ub 512,2048,8192 -b 8192 -r 2 --cpu-moe --moe-cache-mib 0,$C
+         ms -p 4096 -n 64 -ub 512,2048,8192 -b 8192 -r 2 --cpu-moe --moe-cache-mib 0 ;;
+  cache) ms -p 4096 -n 64 -ub 512,2048,8192 -b 8192 -r 2 --cpu-moe --moe-cache-mib $C
          lc -ngl 99 -ncmoe 8 --moe-cache-mib $C -ub 2048 $P
          lc -ngl 99 -ncmoe 8 --moe-cache-mib $C -ub 512 $P
          lc -ngl 99 -ncmoe 8 --moe-cache-mib $C -ub 8192 $P ;;
   seed)  ms -p 8192 -n 0 -ub 2048,8192 -b 8192 -r 3 --cpu-moe --moe-cache-mib $C
          ms -p 8192 -n 0 -ub 2048,8192 -b 8192 -r 3 --cpu-moe --moe-cache-mib $C --no-prefetch-seed ;;
-  *)     echo "flashnext takes a stage: prep, quant, iq1, rows TYPE or seed TYPE" >&2; return 2 ;;
+  *)     echo "flashnext takes a stage: prep, quant, iq1, rows TYPE, cache TYPE or seed TYPE" >&2; return 2 ;;
   esac
 }
 
