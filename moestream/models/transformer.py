@@ -70,9 +70,9 @@ class Batch:
     keep_states: bool = False      # a verify step: recurrent layers keep each token's state of each segment of
                                    # several tokens (models/deltanet.py), for kv.rollback
     hidden: torch.Tensor | None = None
-    # A head step: the trunk's MoE layers whose routers guess, from its last token's MoE input, the experts of the
-    # verify step's first layers (experts/prefetch.py's draft seed); the forward leaves them in `guesses`
-    # (len(guess_layers), k) expert ids.
+    # A head step: the trunk's MoE layers whose routers guess, from each segment's last token's MoE input, the
+    # experts of the verify step's first layers (experts/prefetch.py's draft seed); the forward leaves them in
+    # `guesses` (len(guess_layers), B*k) expert ids, k for each segment's last token.
     guess_layers: tuple[int, ...] = ()
     guesses: torch.Tensor | None = None
 
@@ -249,10 +249,11 @@ class MoETransformer:
                     ms.append(m)
                 weights, ids, ahead = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
                                                 self.router)
-                if head and parts[-1].guess_layers:     # the verify step's first layers' experts, from the last token
-                    x = ms[-1][-1:]                         # (1, H); the routers may be on another device (split)
-                    parts[-1].guesses = torch.cat([guess(x, self.layers[l]["ffn_gate_inp.weight"].to(x.device),
-                                                         cfg.n_experts_used) for l in parts[-1].guess_layers])
+                if head and parts[-1].guess_layers:     # the verify step's first layers' experts, from each
+                    step = parts[-1]                        # segment's last token
+                    x = ms[-1][step.out_rows]               # (B, H); the routers may be on another device (split)
+                    step.guesses = torch.stack([guess(x, self.layers[l]["ffn_gate_inp.weight"].to(x.device),
+                                                      cfg.n_experts_used).flatten() for l in step.guess_layers])
                 outs = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, ahead, by_address, fused, addrs,
                                    self.mlp)
                 deltas = [res.block_output(o, g) for o, g in zip(outs, gates)]

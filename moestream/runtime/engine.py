@@ -102,37 +102,58 @@ class Engine(EngineReports):
             hidden.append(batch.hidden)
         return logits
 
-    @torch.inference_mode()
     def head_step(self, seq: int, start: int, tokens: list[int], hidden: torch.Tensor, head: int = 0):
-        """MTP head `head` (models/mtp.py) over `tokens` of sequence seq at positions start.., beside the post-norm
-        hidden states (T, H) of the positions before them (the trunk's, or the head's own for a chained draft), in
-        ubatches of -ub: (the last token's logits (1, V), every token's post-norm output (T, H)). It writes the
-        head's KV layer only (no recurrent state); its experts are layer n_layers + head of the providers."""
+        """head_steps of one sequence: (its last token's logits (1, V), every token's post-norm output (T, H))."""
+        logits, outs = self.head_steps([(seq, start, tokens, hidden)], head)
+        return logits, outs[0]
+
+    @torch.inference_mode()
+    def head_steps(self, reads: list[tuple[int, int, list[int], torch.Tensor]], head: int = 0):
+        """MTP head `head` (models/mtp.py) over reads (seq, start, tokens, hidden) of distinct sequences: `tokens`
+        of sequence seq at positions start.., beside the post-norm hidden states (T, H) of the positions before
+        them (the trunk's, or the head's own for a chained draft). Every read's segment in one forward (each host
+        layer's experts once for all of them); a read longer than -ub is cut into ubatches from its start, as alone,
+        and its earlier ubatches go in forwards before (aligned to the end: the last forward holds every read's
+        last ubatch). (each read's last token's logits (B, V), each read's every token's post-norm output (T, H)).
+        It writes the head's KV layer only (no recurrent state); its experts are layer n_layers + head of the
+        providers."""
         n_heads = self.cfg.nextn_layers
         if not 0 <= head < n_heads:
             raise UserError(f"this engine has {n_heads} MTP heads loaded; load it with --spec-type draft-mtp")
-        self.check_context(start + len(tokens))
-        ub, outs = self.ecfg.batching.ubatch, []
-        for i in range(0, len(tokens), ub):
-            part = tokens[i:i + ub]
-            seg = Segment(seq, start + i, len(part))
-            last = i + ub >= len(tokens)    # its last token is the verify step's (its guesses: self.seed_layers)
-            batch = Batch.make([seg], part, self.device.torch, observer=self.observers,
-                               head=hidden[i:i + len(part)], keep_hidden=True,
-                               guess_layers=self.seed_layers if last else ())
-            self._begin([seg], True, self.observers, states=False)
-            logits = self.model.forward(batch, self.kv, self.experts, self.kernel)
-            outs.append(batch.hidden)
+        for _, start, tokens, _ in reads:
+            self.check_context(start + len(tokens))
+        ub = self.ecfg.batching.ubatch
+        cuts = [range(0, len(tokens), ub) for _, _, tokens, _ in reads]     # each read's ubatches' offsets
+        rounds = max(len(c) for c in cuts)
+        outs: list[list[torch.Tensor]] = [[] for _ in reads]
+        for r in range(rounds):
+            members = [(i, c[r - rounds + len(c)]) for i, c in enumerate(cuts) if r >= rounds - len(c)]
+            segs, tokens, hidden = [], [], []
+            for i, at in members:
+                seq, start, toks, h = reads[i]
+                part = toks[at:at + ub]
+                segs.append(Segment(seq, start + at, len(part)))
+                tokens += part
+                hidden.append(h[at:at + len(part)])
+            # the last forward's tokens are the verify step's first rows (their guesses: self.seed_layers)
+            batch = Batch.make(segs, tokens, self.device.torch, observer=self.observers,
+                               head=torch.cat(hidden) if len(hidden) > 1 else hidden[0], keep_hidden=True,
+                               guess_layers=self.seed_layers if r == rounds - 1 else ())
+            self._begin(segs, True, self.observers, states=False)
+            logits = self.model.forward(batch, self.kv, self.experts, self.kernel)      # (len(members), V)
+            for (i, _), out in zip(members, batch.hidden.split([s.n for s in segs])):
+                outs[i].append(out)
         if batch.guesses is not None:
             self.draft_guesses.append(batch.guesses)
-        return logits, torch.cat(outs) if len(outs) > 1 else outs[0]
+        return logits, [torch.cat(o) if len(o) > 1 else o[0] for o in outs]
 
     def _seed(self, guesses: list[torch.Tensor]) -> np.ndarray:
-        """Head steps' guesses ((len(seed_layers), k) ids each) as counts (layers, E) per expert (seed_next)."""
+        """Head steps' guesses ((len(seed_layers), B*k) ids each, B the sequences of the step) as counts (layers, E)
+        per expert (seed_next): the union of every sequence's."""
         counts = np.zeros((self.cfg.n_stored_layers, self.cfg.n_experts), dtype=np.int64)
-        ids = torch.stack(guesses).cpu().numpy()                      # (steps, len(seed_layers), k)
+        ids = torch.cat(guesses, dim=1).cpu().numpy()                 # (len(seed_layers), steps' B*k)
         for j, layer in enumerate(self.seed_layers):
-            np.add.at(counts[layer], ids[:, j].reshape(-1), 1)
+            np.add.at(counts[layer], ids[j], 1)
         return counts
 
     def _run(self, segments: list[Segment], batches: list[Batch], is_prompt: bool, observer) -> torch.Tensor:

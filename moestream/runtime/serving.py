@@ -27,8 +27,10 @@ its slots take no other request until it ends. Prompt and decode forwards stay s
 a decode row's numerics (the prompt attention path, other GEMM shapes), and each ubatch of a prompt batch runs as it
 would alone, so greedy outputs equal `Generation`'s (with -b a multiple of -ub, the cuts are the same).
 
-With --spec-type draft-mtp a speculating slot's decode step carries its drafts (runtime/speculate.py): a step
-where any slot drafted is one forward of every generating slot's tokens, [last, drafts] or [last] (_verify).
+With --spec-type draft-mtp a speculating slot's decode step carries its drafts (runtime/speculate.py): the MTP
+head drafts for every speculating slot together (draft_together: draft position j of all of them in one head
+forward), and a step where any slot drafted is one forward of every generating slot's tokens, [last, drafts] or
+[last] (_verify).
 
 Each request's stop and detokenize rules are sequence.py's, as `Generation`'s are; what it gets back (each token's
 text and logprobs, its end, its slot's release) is replies.py's. Each slot is a context of the engine's routing
@@ -57,6 +59,7 @@ from .replies import Replies
 from .requests import PromptJob, QueueFull, Request, Run, SchedulerConfig, Slot, at_once, history, speculates
 from .sampling import Sampler
 from .slot_routing import slot_routing
+from .speculate import draft_together
 
 log = logging.getLogger("moestream.server")
 
@@ -285,8 +288,10 @@ class ServingLoop:
                 self.replies.accept(slot, token, logits[last][0])
 
     def _decode(self, slots: list[Slot]) -> None:
-        drafts = {s.id: s.run.spec.draft(s.run.seq.ids[-1], s.run.req.params, s.run.gen) for s in slots
-                  if s.run.spec is not None}
+        # the speculating slots' drafts, the head's steps of all of them together (draft position j: one forward)
+        drafting = [s for s in slots if s.run.spec is not None]
+        drafts = dict(zip((s.id for s in drafting), draft_together(
+            self.engine, [(s.run.spec, s.run.seq.ids[-1], s.run.req.params, s.run.gen) for s in drafting])))
         if any(d for d, _ in drafts.values()):  # (none: the contexts' last positions, whose tokens end them)
             return self._verify(slots, drafts)
         steps = [(s.id, s.run.seq.ids[-1], s.run.seq.pos) for s in slots]

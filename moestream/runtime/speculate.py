@@ -18,6 +18,11 @@ masked and overwritten later; the DeltaNet layers keep every verify token's stat
 (HybridCache.rollback), never running the prefix again. The head's KV at the accepted positions is written again
 from the trunk's hidden states at the next step's first draft (the head reads them in one step beside its draft).
 
+Several sequences (the serving loop's speculating slots) draft together (draft_together): draft position j of all
+of them is one head forward (Engine.head_steps: segments of different lengths in one batch, the head's experts
+once for all), N head forwards a step instead of one per sequence and position; a sequence beside others gets
+its drafts alone's, up to the last bits of GEMMs over more rows (tests/test_mtp_streams.py).
+
 Greedy output is the target's: a verify step's row j computes position m + j as a prompt ubatch does (chunk-free
 recurrent rule, prompt attention), which may differ in the last bits from a one-token decode step; the tokens agree
 on every test model (docs/ARCHITECTURE.md, tests/test_mtp.py). `oracle`: bench --spec-oracle's drafts instead of
@@ -140,29 +145,54 @@ class MTPDecode:
 
     def draft(self, token: int, params: SamplingParams, gen) -> tuple[list[int], torch.Tensor | None]:
         """Drafts after `token` (at position pos; as many as n_max and the context allow) and, when sampling, their
-        distributions q (n, V)."""
-        return self._draft(token, min(self.n_max, self.eng.kv.ctx - 1 - self.pos), params, gen)
+        distributions q (n, V): draft_together of this sequence alone."""
+        return draft_together(self.eng, [(self, token, params, gen)])[0]
 
-    def _draft(self, token: int, n: int, params: SamplingParams, gen) -> tuple[list[int], torch.Tensor | None]:
-        """n drafts after `token` and, when sampling, their distributions q (n, V)."""
-        if n == 0:
-            return [], None
-        if self.oracle is not None:
-            return list(self.oracle(self.pos + 1, n)), None
-        eng, drafts, qs = self.eng, [], []
-        # the head's first read: what it has not read yet, then `token` beside the trunk's hidden state before it
-        logits, out = eng.head_step(self.seq, self.head_pos, self.pending + [token], self.hidden)
-        for j in range(n):
+    def n_drafts(self) -> int:
+        """How many drafts the next step takes: n_max, as far as the context allows."""
+        return min(self.n_max, self.eng.kv.ctx - 1 - self.pos)
+
+    def first_read(self, token: int) -> tuple[int, int, list[int], torch.Tensor]:
+        """The head's first read of a step (Engine.head_steps'): what it has not read yet, then `token` beside the
+        trunk's hidden state before it."""
+        return self.seq, self.head_pos, self.pending + [token], self.hidden
+
+
+def draft_together(engine, steps: list[tuple[MTPDecode, int, SamplingParams, torch.Generator | None]]
+                   ) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Each sequence's drafts after its committed token and, when it samples, their distributions q (n, V): steps
+    (its MTPDecode, token, params, generator), distinct sequences of one engine. Draft position j of every sequence
+    still drafting is one head forward (Engine.head_steps: the head's experts once for all of them), the first
+    one reading each sequence's accepted positions again; a sequence whose drafts stop (its n_max, its context's
+    end, an oracle's drafts) leaves the later ones. Each sequence draws from its own generator, as alone."""
+    out: list[tuple[list[int], list]] = [([], []) for _ in steps]
+    n = [spec.n_drafts() for spec, *_ in steps]
+    live = []                           # the sequences the head drafts for
+    for i, (spec, token, _, _) in enumerate(steps):
+        if n[i] and spec.oracle is not None:
+            out[i][0].extend(spec.oracle(spec.pos + 1, n[i]))
+        elif n[i]:
+            live.append(i)
+    reads = [steps[i][0].first_read(steps[i][1]) for i in live]
+    while live:
+        logits, outs = engine.head_steps(reads)                              # (len(live), V)
+        picks = logits.argmax(dim=-1).tolist()                               # (one read back for the greedy)
+        going, reads = [], []
+        for row, pick, i, o in zip(logits, picks, live, outs):
+            spec, _, params, gen = steps[i]
+            drafts, qs = out[i]
             if params.greedy:
-                d = int(logits[-1].argmax())
+                d = pick
             else:
-                q = distribution(logits[-1:], params)                        # (1, V)
+                q = distribution(row[None], params)                          # (1, V)
                 d = int(torch.multinomial(q[0], 1, generator=gen))
                 qs.append(q)
             drafts.append(d)
-            if j + 1 < n:               # the chain: the next draft reads the head's own post-norm output
-                logits, out = eng.head_step(self.seq, self.pos + j, [d], out[-1:])
-        return drafts, torch.cat(qs) if qs else None
+            if len(drafts) < n[i]:      # the chain: the next draft reads the head's own post-norm output
+                going.append(i)
+                reads.append((spec.seq, spec.pos + len(drafts) - 1, [d], o[-1:]))
+        live = going
+    return [(drafts, torch.cat(qs) if qs else None) for drafts, qs in out]
 
 
 def greedy_tokens(engine, prompt: list[int], n_tokens: int, n_max: int, oracle=None, measure: bool = False,
