@@ -37,8 +37,9 @@ def _prefilled(eng, seq: int, prompt: list[int]) -> tuple[MTPDecode, int]:
 
 def test_head_steps_of_several_sequences_equal_each_alone(preset):
     """Reads of 9, 3 and 1 tokens (whole prompts again after prefill, and a chained draft's one token), with -ub 4:
-    the 9-token read runs in three forwards, the last holding every read's last ubatch; each read's logits and
-    outputs are those of its head step alone, and the verify step's seed guesses are each sequence's."""
+    the 9-token read runs in three forwards, the last round holding every read's last ubatch in forwards of at most
+    4 tokens; each read's logits and outputs are those of its head step alone, and the verify step's seed guesses
+    are each sequence's."""
     eng = LLM(f"synth:{preset}:mtp=1", spec_type="draft-mtp", cpu_moe=True, moe_cache_mib=1, ubatch_size=4,
               n_seq=3, **KW).engine
     reads = []
@@ -57,15 +58,17 @@ def test_head_steps_of_several_sequences_equal_each_alone(preset):
     model_forward = eng.model.forward
     eng.model.forward = lambda batch, *a: (forwards.append([s.n for s in batch.segments]), model_forward(batch, *a))[1]
     logits, outs = eng.head_steps(reads)
-    assert forwards == [[4], [4], [1, 3, 1]]                       # -ub 4: 9 tokens in three, aligned to the end
+    assert forwards == [[4], [4], [1, 3], [1]]                     # -ub 4: 9 tokens in three, aligned to the end
     assert logits.shape[0] == 3 and [len(o) for o in outs] == [9, 3, 1]
     for (a_logits, a_out), row, out in zip(alone, logits, outs):
         torch.testing.assert_close(row, a_logits[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(out, a_out, atol=ATOL, rtol=0)
         assert int(row.argmax()) == int(a_logits[0].argmax())
     k, seed = eng.cfg.n_experts_used, eng.seed_layers
-    assert seed and len(eng.draft_guesses) == 1 and eng.draft_guesses[0].shape == (len(seed), 3 * k)
-    together = eng.draft_guesses[0].view(len(seed), 3, k)
+    assert seed and len(eng.draft_guesses) == 2                    # the last round's two forwards
+    together = torch.cat(eng.draft_guesses, 1)
+    assert together.shape == (len(seed), 3 * k)
+    together = together.view(len(seed), 3, k)
     for i, g in enumerate(guesses_alone):                          # the union: each sequence's own guesses
         assert torch.equal(together[:, i], g)
 

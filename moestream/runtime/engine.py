@@ -112,9 +112,10 @@ class Engine(EngineReports):
         """MTP head `head` (models/mtp.py) over reads (seq, start, tokens, hidden) of distinct sequences: `tokens`
         of sequence seq at positions start.., beside the post-norm hidden states (T, H) of the positions before
         them (the trunk's, or the head's own for a chained draft). Every read's segment in one forward (each host
-        layer's experts once for all of them); a read longer than -ub is cut into ubatches from its start, as alone,
-        and its earlier ubatches go in forwards before (aligned to the end: the last forward holds every read's
-        last ubatch). (each read's last token's logits (B, V), each read's every token's post-norm output (T, H)).
+        layer's experts once for all of them) where they add up to at most -ub tokens, else in forwards of at most
+        that (a few slots' first reads of whole prompts); a read longer than -ub is cut into ubatches from its
+        start, as alone, and its earlier ubatches go in forwards before (aligned to the end: the last round holds
+        every read's last ubatch). (each read's last token's logits (B, V), each read's every token's post-norm output (T, H)).
         It writes the head's KV layer only (no recurrent state); its experts are layer n_layers + head of the
         providers."""
         n_heads = self.cfg.nextn_layers
@@ -126,25 +127,30 @@ class Engine(EngineReports):
         cuts = [range(0, len(tokens), ub) for _, _, tokens, _ in reads]     # each read's ubatches' offsets
         rounds = max(len(c) for c in cuts)
         outs: list[list[torch.Tensor]] = [[] for _ in reads]
+        last_logits = []
         for r in range(rounds):
+            last = r == rounds - 1      # its tokens are the verify step's first rows (their guesses: seed_layers)
             members = [(i, c[r - rounds + len(c)]) for i, c in enumerate(cuts) if r >= rounds - len(c)]
-            segs, tokens, hidden = [], [], []
-            for i, at in members:
-                seq, start, toks, h = reads[i]
-                part = toks[at:at + ub]
-                segs.append(Segment(seq, start + at, len(part)))
-                tokens += part
-                hidden.append(h[at:at + len(part)])
-            # the last forward's tokens are the verify step's first rows (their guesses: self.seed_layers)
-            batch = Batch.make(segs, tokens, self.device.torch, observer=self.observers,
-                               head=torch.cat(hidden) if len(hidden) > 1 else hidden[0], keep_hidden=True,
-                               guess_layers=self.seed_layers if r == rounds - 1 else ())
-            self._begin(segs, True, self.observers, states=False)
-            logits = self.model.forward(batch, self.kv, self.experts, self.kernel)      # (len(members), V)
-            for (i, _), out in zip(members, batch.hidden.split([s.n for s in segs])):
-                outs[i].append(out)
-        if batch.guesses is not None:
-            self.draft_guesses.append(batch.guesses)
+            for group in _within(members, [len(reads[i][2][at:at + ub]) for i, at in members], ub):
+                segs, tokens, hidden = [], [], []
+                for i, at in group:
+                    seq, start, toks, h = reads[i]
+                    part = toks[at:at + ub]
+                    segs.append(Segment(seq, start + at, len(part)))
+                    tokens += part
+                    hidden.append(h[at:at + len(part)])
+                batch = Batch.make(segs, tokens, self.device.torch, observer=self.observers,
+                                   head=torch.cat(hidden) if len(hidden) > 1 else hidden[0], keep_hidden=True,
+                                   guess_layers=self.seed_layers if last else ())
+                self._begin(segs, True, self.observers, states=False)
+                logits = self.model.forward(batch, self.kv, self.experts, self.kernel)      # (len(group), V)
+                for (i, _), out in zip(group, batch.hidden.split([s.n for s in segs])):
+                    outs[i].append(out)
+                if last:
+                    last_logits.append(logits)
+                    if batch.guesses is not None:
+                        self.draft_guesses.append(batch.guesses)
+        logits = torch.cat(last_logits) if len(last_logits) > 1 else last_logits[0]
         return logits, [torch.cat(o) if len(o) > 1 else o[0] for o in outs]
 
     def _seed(self, guesses: list[torch.Tensor]) -> np.ndarray:
@@ -410,3 +416,16 @@ class Engine(EngineReports):
         out = fn(*args, **kw)
         self.synchronize()
         return out, time.perf_counter() - t0
+
+
+def _within(members: list, sizes: list[int], limit: int) -> list[list]:
+    """members in order, in groups whose sizes add up to at most `limit` (a member larger than it alone): the
+    head reads of one round, at most a ubatch's tokens a forward (several prompts' first reads would be more)."""
+    groups, total = [[]], 0
+    for m, n in zip(members, sizes):
+        if groups[-1] and total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(m)
+        total += n
+    return groups
