@@ -176,8 +176,14 @@ def test_zero_copy_decode_without_a_cache_reports_its_routing():
     (["-npl", "2", "-npp", "-1"], "-npp takes token counts of at least 0, got -1"),
     (["-npl", "2", "-npp", "0", "-ntg", "0"], "nothing to run"),
     (["-npl", "2", "-r", "0"], "-r must be at least 1, got 0"),
-    (["-npl", "2", "--spec-type", "draft-mtp", "--spec-oracle", "0.8"], "--parallel drafts with the model's MTP head"),
-    (["-npl", "2", "--spec-draft-n-max", "0,2"], "--parallel runs one --spec-draft-n-max, got 0,2: one command each"),
+    (["-npl", "2", "--spec-oracle", "0.8"], "--spec-oracle takes a probability in [0, 1] with --spec-type "
+                                            "draft-mtp, got 0.8 without it"),
+    (["-npl", "2", "--spec-type", "draft-mtp", "--spec-oracle", "1.5"], "--spec-oracle takes a probability in "
+                                                                       r"\[0, 1\] with --spec-type draft-mtp, got 1.5$"),
+    (["-npl", "2", "--spec-draft-n-max", "0,-1"], "--spec-draft-n-max takes drafts a step from 0 (MTP off) up"),
+    (["-npl", "2", "--spec-draft-n-max", ""], "--spec-draft-n-max takes drafts a step from 0 (MTP off) up, e.g. "
+                                              "0,2; got none"),
+    (["-npl", "2", "--spec-type", "draft-mtp", "-npp", "0,8"], "-npp 0 has none: give -npp N > 0"),
     (["-npl", "2", "--trace", "/nonexistent-dir/t.npz"], "--trace '/nonexistent-dir/t.npz': the directory"),
     (["-p", "8", "--trace", "t.npz", "--compare", "--cpu-moe"], "--trace records one configuration's runs"),
     (["-p", "8", "--trace", "/nonexistent-dir/t.npz"], "--trace '/nonexistent-dir/t.npz': the directory"),

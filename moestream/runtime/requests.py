@@ -60,6 +60,10 @@ class Request:
     cache_prompt: bool = True
     stream: bool = False                      # False: only the final event (with every logprob) is emitted
     speculative: bool = True                  # draft with the MTP head where the engine has one (--spec-type)
+    draft_n_max: int | None = None            # drafts a step, at most the engine's (None: its --spec-draft-n-max;
+                                              # 0: none): bench --parallel's list of n-max, one engine
+    oracle: object = None                     # fn(position, n) -> n drafts instead of the head's (bench
+                                              # --spec-oracle, tools/spec_oracle.py), or None
     first: int | None = None                  # no prompt: the first token, fed by a decode step at position 0
                                               # (bench --parallel -npp 0), and the first of the result's tokens
     id: int = field(default_factory=lambda: next(_ids))
@@ -94,7 +98,8 @@ class Run:
         # penalties (they read each token's history on the host), not without a prompt (the head reads its states)
         self.spec = None
         if speculates(engine, req):
-            self.spec = MTPDecode(engine, seq, engine.ecfg.spec.draft_n_max)
+            n_max = engine.ecfg.spec.draft_n_max if req.draft_n_max is None else req.draft_n_max
+            self.spec = MTPDecode(engine, seq, n_max, req.oracle)
         self.spec_hidden: list = []           # the prompt's post-norm hidden states so far, part by part
         self.lps: list = []                   # logprob entries not yet sent with a piece
         self.all_lps: list = []
@@ -147,9 +152,9 @@ class PromptJob:
 
 def speculates(engine, req: Request) -> bool:
     """Whether a request's decode drafts: the engine's --spec-type draft-mtp (with drafts), the request's
-    `speculative`, no penalties and a prompt."""
-    return (engine.ecfg.spec.drafts and req.speculative and not req.params.penalized and req.first is None
-            and len(req.prompt) > 0)
+    `speculative` and draft_n_max, no penalties and a prompt."""
+    return (engine.ecfg.spec.drafts and req.speculative and req.draft_n_max != 0 and not req.params.penalized
+            and req.first is None and len(req.prompt) > 0)
 
 
 def at_once(fn, *args, **kw):

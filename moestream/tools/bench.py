@@ -212,6 +212,9 @@ def main(a: argparse.Namespace) -> int:
         raise UserError(f"--link-mib must be >= 0 (0 skips measuring the link), got {a.link_mib}")
     if a.compute_s_per_token is not None and not 0 < a.compute_s_per_token < float("inf"):
         raise UserError(f"--compute-s-per-token must be a positive number of seconds, got {a.compute_s_per_token}")
+    if a.spec_oracle is not None and not (a.spec_type == "draft-mtp" and 0.0 <= a.spec_oracle <= 1.0):
+        raise UserError(f"--spec-oracle takes a probability in [0, 1] with --spec-type draft-mtp, got "
+                        f"{a.spec_oracle}{'' if a.spec_type == 'draft-mtp' else ' without it'}")
     if a.parallel is not None:
         return bench_parallel.main(a)
     if a.trace and a.compare is not None:
@@ -229,9 +232,6 @@ def main(a: argparse.Namespace) -> int:
     tests = tests_of(a)
     cols = BENCH_COLS if a.threads else [c for c in BENCH_COLS if c.key != "threads"]
     spec = a.spec_type == "draft-mtp"
-    if a.spec_oracle is not None and not (spec and 0.0 <= a.spec_oracle <= 1.0):
-        raise UserError(f"--spec-oracle takes a probability in [0, 1] with --spec-type draft-mtp, got "
-                        f"{a.spec_oracle}{'' if spec else ' without it'}")
     cols = cols + SPEC_COLS if spec else cols
     ctx = max(t.n_tokens for t in tests)
     from ..device import Device

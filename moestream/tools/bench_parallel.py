@@ -74,9 +74,13 @@ class ParallelTest:
         import torch                           # here, not at import: `moestream bench --help` answers at once
         out = []
         for s in range(self.n_pl):
-            g = torch.Generator().manual_seed(self.seed * 7919 + i + 1 + s * SEQ_STRIDE)
+            g = torch.Generator().manual_seed(self.seed_of(i, s))
             out.append(torch.randint(0, vocab, (max(self.n_pp, 1),), generator=g).tolist())
         return out
+
+    def seed_of(self, i: int, s: int) -> int:
+        """Run i's seed of sequence s: its prompt's, and its oracle's (--spec-oracle: a rerun drafts the same)."""
+        return self.seed * 7919 + i + 1 + s * SEQ_STRIDE
 
 
 # --- one run --------------------------------------------------------------------------------------------------
@@ -93,11 +97,15 @@ def diff(after: dict, before: dict) -> dict:
     return d
 
 
-def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> dict:
+def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int, n_max: int | None = None,
+                    oracles: list | None = None) -> dict:
     """Sequence s = prompts[s]: the prompts read in prompt batches from position 0 (n_pp tokens; n_pp = 0: its
     first token is the first decode step's input), then n_tg decode steps of every sequence together, greedy: the
     serving loop (runtime/serving.py) with a slot a sequence, reading every prompt before the first decode step.
-    Returns each sequence's generated tokens, the seconds of both phases and the counters over each."""
+    With --spec-type draft-mtp each sequence drafts n_max tokens a step (None: the engine's --spec-draft-n-max; 0:
+    none), the head's drafts or oracles[s]'s (fn(position, n) -> drafts: tools/spec_oracle.py).
+    Returns each sequence's tokens (the first, sampled from its prompt, and the generated ones), the seconds of both
+    phases, the counters over each, the decode phase's steps and the speculating sequences' SpecCounts."""
     from ..runtime.requests import Request, SchedulerConfig
     from ..runtime.sampling import SamplingParams
     from ..runtime.serving import ServingLoop
@@ -108,16 +116,21 @@ def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> d
     params = SamplingParams(max_tokens=n_tg + 1, ignore_eos=True)
     events: list[tuple] = []
     loop.submit([Request(p[:n_pp], params, events.append, index=s, cache_prompt=False,
-                         first=None if n_pp else p[0]) for s, p in enumerate(prompts)])
+                         first=None if n_pp else p[0], draft_n_max=n_max, oracle=oracles[s] if oracles else None)
+                 for s, p in enumerate(prompts)])
+    specs, steps = [], 0
 
     def prompt_phase():
         loop.admit()                           # request s in slot s (a new loop's idle slots go in order)
+        specs.extend(s.run.spec for s in loop.slots if s.run.spec is not None)
         while loop.reading_prompts:            # the server's prompt batches: -b tokens, oldest (lowest s) first
             loop.step()
 
     def decode_phase():
+        nonlocal steps
         while loop.busy:                       # a host sync each step: its tokens, the next step's inputs
             loop.step()
+            steps += 1
 
     c0 = totals(engine)
     t_pp = engine.timed(prompt_phase)[1]
@@ -129,8 +142,26 @@ def decode_together(engine, prompts: list[list[int]], n_pp: int, n_tg: int) -> d
         if ev[0] == "error":
             raise (UserError if ev[2] == 400 else RuntimeError)(f"sequence {ev[1]}: {ev[3]}")
         results[ev[1]] = ev[2]
-    generated = [results[s].token_ids[1:] for s in range(B)]
-    return {"generated": generated, "t_pp": t_pp, "t_tg": t_tg, "pp": diff(c1, c0), "tg": diff(c2, c1)}
+    tokens = [results[s].token_ids for s in range(B)]
+    return {"tokens": tokens, "generated": [t[1:] for t in tokens], "t_pp": t_pp, "t_tg": t_tg,
+            "pp": diff(c1, c0), "tg": diff(c2, c1), "steps": steps, "spec": [s.counts for s in specs]}
+
+
+def oracle_runs(engine, test: ParallelTest, vocab: int, runs: list[int], n_max: int | None, p: float | None,
+                plain: dict) -> dict:
+    """Each run's oracles for --spec-oracle P: run i's sequence s drafts the greedy continuation of its own prompt
+    (plain[(test, i)], from a run without drafts, untimed: the n-max 0 row's where it ran first), each token
+    right with probability P, seeded per sequence (seed_of) so that a rerun drafts the same. {i: [Oracle of
+    sequence s]}; empty without an oracle or drafts. Every first pass runs before the row's warm-up, so that no
+    timed run follows its own prompts' pass."""
+    from .spec_oracle import Oracle
+    if p is None or not n_max:
+        return {}
+    for i in runs:
+        if (test, i) not in plain:
+            plain[(test, i)] = decode_together(engine, test.prompts(vocab, i), test.n_pp, test.n_tg, 0)["tokens"]
+    return {i: [Oracle(test.n_pp, plain[(test, i)][s], p, vocab, seed=test.seed_of(i, s)) for s in range(test.n_pl)]
+            for i in runs}
 
 
 def summarise(test: ParallelTest, runs: list[dict]) -> dict:
@@ -153,11 +184,28 @@ def summarise(test: ParallelTest, runs: list[dict]) -> dict:
         row |= {f"{phase}_hit_rate": c["hits"] / lookups if lookups else None,
                 f"{phase}_uploaded_gb": c["uploaded_bytes"] / 1e9, f"{phase}_copies": c["copies"],
                 f"{phase}_host_reads": c["host_reads"], f"{phase}_host_read_gb": c["host_read_bytes"] / 1e9}
-    per_step = lambda v: v / tg if tg else None
-    row |= {"ms_per_step": per_step(row["t_tg"] * 1e3), "host_read_gb_per_step": per_step(row["tg_host_read_gb"]),
+    steps = mean([r["steps"] for r in runs])          # TG without drafts; fewer where drafts are accepted
+    per_step = lambda v: v / steps if tg else None
+    row |= {"steps": steps, "ms_per_step": per_step(row["t_tg"] * 1e3),
+            "host_read_gb_per_step": per_step(row["tg_host_read_gb"]),
             "uploaded_gb_per_step": per_step(row["tg_uploaded_gb"]),
-            "hash": token_hash([t for g in runs[0]["generated"] for t in g])[:16] if tg else None}
+            "hash": token_hash([t for g in runs[0]["generated"] for t in g])[:16] if tg else None,
+            "spec": spec_summary([c for r in runs for c in r["spec"]])}
     return row
+
+
+def spec_summary(counts: list) -> dict:
+    """The speculating sequences' verify steps over the timed runs (SpecCounts each): a sequence's step drafted and
+    accepted (their sums and means a step), acceptance, and tokens it committed a step."""
+    drafted = [n for c in counts for n in c.drafted]
+    accepted = [a for c in counts for a in c.accepted]
+    if not drafted:
+        return {"steps": 0}
+    n = len(drafted)
+    return {"steps": n, "drafted": sum(drafted), "accepted": sum(accepted),
+            "acceptance": round(sum(accepted) / max(1, sum(drafted)), 4),
+            "drafted_per_step": sum(drafted) / n, "accepted_per_step": sum(accepted) / n,
+            "tokens_per_step": (sum(accepted) + n) / n}
 
 
 # --- configurations -------------------------------------------------------------------------------------------
@@ -184,12 +232,12 @@ def check_flags(a: argparse.Namespace) -> None:
                             ("--plot", a.plot)) if v is not None]
     if given:
         raise UserError(f"--parallel takes -npp and -ntg (tokens per sequence), not {', '.join(given)}")
-    if a.spec_oracle is not None:       # (the serving loop drafts with the head: bench_spec.py's oracle is pp/tg's)
-        raise UserError("--parallel drafts with the model's MTP head, not --spec-oracle (the pp/tg rows' oracle): "
-                        "drop --spec-oracle")
-    if len(a.spec_draft_n_max) > 1:
-        raise UserError(f"--parallel runs one --spec-draft-n-max, got {','.join(map(str, a.spec_draft_n_max))}: "
-                        "one command each")
+    if not a.spec_draft_n_max or min(a.spec_draft_n_max) < 0:
+        raise UserError(f"--spec-draft-n-max takes drafts a step from 0 (MTP off) up, e.g. 0,2; got "
+                        f"{','.join(map(str, a.spec_draft_n_max)) or 'none'}")
+    if a.spec_type == "draft-mtp" and max(a.spec_draft_n_max) > 0 and 0 in a.n_pp:
+        raise UserError("--spec-type draft-mtp drafts after a prompt (the head reads its hidden states), and -npp 0 "
+                        "has none: give -npp N > 0")
 
 
 def configurations(a: argparse.Namespace, ctx: int):
@@ -199,7 +247,8 @@ def configurations(a: argparse.Namespace, ctx: int):
     loads = list(itertools.product(a.n_cpu_moe, getattr(a, "moe_cache_mib", [None])))
     llm = None
     for i, (n_cpu_moe, mib) in enumerate(loads):
-        ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib)
+        # the engine drafts up to the largest n-max; each row's requests ask for theirs (Request.draft_n_max)
+        ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib, spec_draft_n_max=max(a.spec_draft_n_max))
         if llm is not None and loads[i - 1][0] == n_cpu_moe and llm.engine.host is not None:
             llm.engine.reconfigure_cache(moe_cache_mib=mib)
         else:
@@ -238,6 +287,16 @@ COLS = [
     Col("up GB/step", "uploaded_gb_per_step", lambda r: na(r["uploaded_gb_per_step"], "{:.4f}")),
     Col("hash", "hash", lambda r: r["hash"] or "-", right=False),
 ]
+# --spec-type draft-mtp: drafts a step (and the oracle's P), decode steps a run (TG without drafts), and per verify
+# step of a speculating sequence: tokens drafted, accepted and committed (bench.py's SPEC_COLS for pp/tg rows)
+per_seq_step = lambda key: lambda r: na(r["spec"].get(key))
+SPEC_COLS = [
+    Col("spec", "spec_n", lambda r: f"n{r['spec_n']}" + ("" if r["spec_oracle"] is None else f" P{r['spec_oracle']}")),
+    Col("steps", "steps", lambda r: f"{r['steps']:.1f}"),
+    Col("drafted/step", "spec", per_seq_step("drafted_per_step")),
+    Col("accepted/step", "spec", per_seq_step("accepted_per_step")),
+    Col("tok/step", "spec", per_seq_step("tokens_per_step")),
+]
 
 
 def main(a: argparse.Namespace) -> int:
@@ -248,7 +307,9 @@ def main(a: argparse.Namespace) -> int:
     if a.trace:
         from ..experts.trace import check_trace_path
         check_trace_path(a.trace)
+    spec = a.spec_type == "draft-mtp"
     cols = COLS if a.threads else [c for c in COLS if c.key != "threads"]
+    cols = cols + SPEC_COLS if spec else cols
     rows, stream_md = [], a.output == "md"
     for ns, mib, llm in configurations(a, max(t.n_pp + t.n_tg for t in tests)):
         eng, vocab = llm.engine, llm.model_config.vocab_size
@@ -256,18 +317,23 @@ def main(a: argparse.Namespace) -> int:
             if threads is not None:
                 torch.set_num_threads(threads)
             eng.set_batching(b, ub)
-            for t in tests:
+            plain: dict = {}                   # (test, run) -> each sequence's tokens without drafts (the oracle's)
+            for n_max, t in itertools.product(a.spec_draft_n_max if spec else [None], tests):
+                runs = ([] if a.no_warmup else [-1]) + list(range(a.repetitions))
+                oracles = oracle_runs(eng, t, vocab, runs, n_max, a.spec_oracle, plain)   # untimed, first
                 recorder = record(llm) if a.trace and not rows else None
-                if not a.no_warmup:
-                    decode_together(eng, t.prompts(vocab, -1), t.n_pp, t.n_tg)
-                runs = [decode_together(eng, t.prompts(vocab, i), t.n_pp, t.n_tg) for i in range(a.repetitions)]
+                done = [decode_together(eng, t.prompts(vocab, i), t.n_pp, t.n_tg, n_max, oracles.get(i))
+                        for i in runs]
+                if a.spec_oracle is not None and n_max == 0:
+                    plain.update({(t, i): r["tokens"] for i, r in zip(runs, done)})
                 if recorder is not None:
                     eng.unobserve(recorder)
                     print(f"trace: {save_trace(recorder, a.trace)}", file=sys.stderr)
                 row = {"model": a.model, "device": eng.device.name, "experts": placement(ns),
                        "moe_cache_mib": eng.ecfg.cache.mib,
                        "cache_policy": getattr(ns, "cache_policy", None), "threads": torch.get_num_threads(),
-                       "n_batch": b, "n_ubatch": ub, **summarise(t, runs)}
+                       "n_batch": b, "n_ubatch": ub, "spec_n": n_max, "spec_oracle": a.spec_oracle if spec else None,
+                       **summarise(t, done[len(runs) - a.repetitions:])}
                 if stream_md and not rows:
                     print(report.md_header(cols), flush=True)
                 rows.append(row)
