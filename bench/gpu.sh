@@ -71,8 +71,9 @@
 #                                            the head llama.cpp's -md reads, random weights at the target's shapes),
 #                                            oracle (pp512 / tg128, --spec-oracle 0.8 at n-max 0,1,2,3: all on the GPU,
 #                                            --cpu-moe with 4000 MiB and with no cache), real (the head's own drafts,
-#                                            n-max 0,2 at 4000 MiB; then --parallel 4 at 4000 MiB without MTP and with
-#                                            it, n-max 2: --parallel takes no --spec-oracle)
+#                                            n-max 0,2 at 4000 MiB; then --parallel 4 at 4000 MiB without MTP, with
+#                                            the head's drafts at n-max 2, and n-max 0,2 with --spec-oracle 0.8: each
+#                                            stream its own continuation's oracle, MTP off in the same process)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -331,7 +332,8 @@ mtp() {            # issue 51's rows: speculation with a random MTP head (bench/
           bench mtp_oracle.md 200 $S $B --spec-draft-n-max 0,1,2,3 --spec-oracle 0.8 --cpu-moe ;;
   real)   bench mtp_real.md 150 $S $B --spec-draft-n-max 0,2 --cpu-moe --moe-cache-mib 4000
           bench mtp_real.md 130 -m $NQ $P
-          bench mtp_real.md 160 $S $P --spec-draft-n-max 2 ;;
+          bench mtp_real.md 160 $S $P --spec-draft-n-max 2
+          bench mtp_real.md 150 $S $P --spec-draft-n-max 0,2 --spec-oracle 0.8 ;;
   *)      echo "mtp takes a stage: prep, oracle or real" >&2; return 2 ;;
   esac
 }

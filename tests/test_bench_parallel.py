@@ -178,8 +178,8 @@ def test_zero_copy_decode_without_a_cache_reports_its_routing():
     (["-npl", "2", "-r", "0"], "-r must be at least 1, got 0"),
     (["-npl", "2", "--spec-oracle", "0.8"], "--spec-oracle takes a probability in [0, 1] with --spec-type "
                                             "draft-mtp, got 0.8 without it"),
-    (["-npl", "2", "--spec-type", "draft-mtp", "--spec-oracle", "1.5"], "--spec-oracle takes a probability in "
-                                                                       r"\[0, 1\] with --spec-type draft-mtp, got 1.5$"),
+    (["-npl", "2", "--spec-type", "draft-mtp", "--spec-oracle", "1.5"],
+     r"--spec-oracle takes a probability in \[0, 1\] with --spec-type draft-mtp, got 1.5$"),
     (["-npl", "2", "--spec-draft-n-max", "0,-1"], "--spec-draft-n-max takes drafts a step from 0 (MTP off) up"),
     (["-npl", "2", "--spec-draft-n-max", ""], "--spec-draft-n-max takes drafts a step from 0 (MTP off) up, e.g. "
                                               "0,2; got none"),

@@ -29,7 +29,8 @@ once and runs them alternately (A, B, A, B, ...) so that drift (clocks, heat, ot
 ratio, printed pair by pair (bench_compare.py).
 
 --parallel (-npl) B,... decodes B sequences together instead, with -npp/-ntg tokens each, as llama-batched-bench
-does: bench_parallel.py.
+does: bench_parallel.py. With --spec-type draft-mtp its sequences draft as the server's do, a row for each
+--spec-draft-n-max (0: MTP off), with --spec-oracle P each sequence its own continuation's oracle.
 
 torch and the engine are imported where they are used, so that `moestream bench --help` answers at once.
 """
@@ -109,7 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-oracle", type=float, default=None, metavar="P",
                    help="with --spec-type draft-mtp: draft the model's own greedy continuation (a first pass over the "
                         "same prompt), each token wrong with probability 1 - P, instead of the head's drafts (a "
-                        "benchmark of speculation at a known acceptance; bench_spec.py)")
+                        "benchmark of speculation at a known acceptance; bench_spec.py); with --parallel each "
+                        "sequence drafts its own (bench_parallel.py)")
     p.add_argument("--plot", metavar="FILE.png", help="plot tok/s against ubatch and per-layer uploads/hit rate")
     bench_parallel.add_arguments(p)
     compat.add_arguments(p, "bench")

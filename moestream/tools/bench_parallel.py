@@ -2,6 +2,7 @@
 
     moestream bench -m ref.gguf --parallel 1,4,8 -npp 128 -ntg 128 --cpu-moe -r 3
     moestream bench -m ref.gguf -npl 1,8,16 -npp 512 -ntg 64 --cpu-moe --moe-cache-mib 0,8000,16000 -o json
+    moestream bench -m ref.gguf -npl 4 -npp 512 -ntg 128 --spec-type draft-mtp --spec-draft-n-max 0,2 --spec-oracle 0.8
 
 A row of B sequences (-npl B), PP prompt tokens (-npp) and TG generated tokens (-ntg) each, run by the serving loop
 (runtime/serving.py), a slot a sequence: the B prompts are read as the server reads prompts arriving together, every
@@ -18,6 +19,17 @@ T_TG s and S_TG t/s = B TG / T_TG (the decode steps), T s and S t/s = N_KV / T. 
 the prompts and, separately, over the decode steps: the cache's hit rate, GB uploaded, GB that zero-copy decode read
 from host memory in place, expert copies; and per decode step its ms, host-read GB and uploaded GB. `hash`: sha256
 of every sequence's generated tokens, sequence after sequence, of the first timed run.
+
+With --spec-type draft-mtp the sequences draft as the server's speculating slots do (runtime/serving.py: the head's
+steps of all of them together, then one verify step of every sequence), a row for each --spec-draft-n-max of its
+comma list (0: MTP off, the baseline in the same process; the model loads with the largest). Its columns: `steps`,
+decode steps a run (TG without drafts; ms/step and the GB a step are per these steps), and per verify step of a
+sequence the tokens drafted, accepted and committed (means over the timed runs). --spec-oracle P (a benchmark of
+speculation at a known acceptance, as bench_spec.py's for pp/tg rows): sequence s drafts its own greedy
+continuation (spec_oracle.py; from a pass over the same prompts without drafts, untimed, before the row's warm-up:
+the n-max 0 row's runs where that row ran first), each token right with probability P, seeded per sequence and
+run so that a rerun drafts the same; the verify steps, the rollback and the expert traffic are the real ones, and
+the hash is the MTP-off row's.
 
 Sequence s of run i gets its own seeded random prompt, the same for every configuration and every B (so hashes
 compare across cache sizes, placements and policies); sequence 0's is `moestream bench -pg PP,TG`'s, so a B = 1 row
