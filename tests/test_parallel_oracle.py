@@ -75,3 +75,11 @@ def test_rows_of_n_max_0_and_2_in_one_process(capsys, monkeypatch):
     assert (on["spec"]["drafted_per_step"], on["spec"]["accepted_per_step"], on["spec"]["tokens_per_step"]) == (
         2.0, 2.0, 3.0)
     assert on["ms_per_step"] == pytest.approx(on["t_tg"] * 1e3 / 2)
+
+
+def test_without_an_oracle_the_rows_draft_with_the_head(capsys):
+    assert main(["bench", "-m", MODEL, "--device", "cpu", "-r", "1", "--no-warmup", "-c", "64", "--parallel", "2",
+                 "-npp", "8", "-ntg", "4", "--spec-type", "draft-mtp", "--spec-draft-n-max", "0,1", "-o", "json"]) == 0
+    off, on = json.loads(capsys.readouterr().out)
+    assert off["hash"] == on["hash"] and on["spec_oracle"] is None
+    assert on["spec"]["drafted_per_step"] == 1.0 and on["spec"]["steps"] == 2 * on["steps"]
