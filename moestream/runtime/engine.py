@@ -115,7 +115,8 @@ class Engine(EngineReports):
         layer's experts once for all of them) where they add up to at most -ub tokens, else in forwards of at most
         that (a few slots' first reads of whole prompts); a read longer than -ub is cut into ubatches from its
         start, as alone, and its earlier ubatches go in forwards before (aligned to the end: the last round holds
-        every read's last ubatch). (each read's last token's logits (B, V), each read's every token's post-norm output (T, H)).
+        every read's last ubatch). Returns each read's last token's logits (B, V) and each read's every token's
+        post-norm output (T, H).
         It writes the head's KV layer only (no recurrent state); its experts are layer n_layers + head of the
         providers."""
         n_heads = self.cfg.nextn_layers

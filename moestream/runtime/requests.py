@@ -98,7 +98,8 @@ class Run:
         # penalties (they read each token's history on the host), not without a prompt (the head reads its states)
         self.spec = None
         if speculates(engine, req):
-            n_max = engine.ecfg.spec.draft_n_max if req.draft_n_max is None else req.draft_n_max
+            n_max = engine.ecfg.spec.draft_n_max            # (what the KV and the sliding rings were sized for)
+            n_max = n_max if req.draft_n_max is None else min(req.draft_n_max, n_max)
             self.spec = MTPDecode(engine, seq, n_max, req.oracle)
         self.spec_hidden: list = []           # the prompt's post-norm hidden states so far, part by part
         self.lps: list = []                   # logprob entries not yet sent with a piece

@@ -28,9 +28,9 @@ a decode row's numerics (the prompt attention path, other GEMM shapes), and each
 would alone, so greedy outputs equal `Generation`'s (with -b a multiple of -ub, the cuts are the same).
 
 With --spec-type draft-mtp a speculating slot's decode step carries its drafts (runtime/speculate.py): the MTP
-head (or the request's oracle: bench --parallel --spec-oracle) drafts for every speculating slot together (draft_together: draft position j of all of them in one head
-forward), and a step where any slot drafted is one forward of every generating slot's tokens, [last, drafts] or
-[last] (_verify).
+head (or the request's oracle: bench --parallel --spec-oracle) drafts for every speculating slot together
+(draft_together: draft position j of all of them in one head forward), and a step where any slot drafted is one
+forward of every generating slot's tokens, [last, drafts] or [last] (_verify).
 
 Each request's stop and detokenize rules are sequence.py's, as `Generation`'s are; what it gets back (each token's
 text and logprobs, its end, its slot's release) is replies.py's. Each slot is a context of the engine's routing
