@@ -12,7 +12,7 @@ import torch
 from interpreted import run_check
 
 # MXFP4 alone, and beside the types a llama-quantize'd file may mix with it (a fallback down row of F16; Q8_0);
-# the "runs" decode variant (kernels/qruns.py's _fp4) as tests/test_quant_kernels.py checks each type it covers,
+# the "runs" decode variant (kernels/qruns_units.py's _fp4) as tests/test_quant_kernels.py checks each type it covers,
 # "fp4": its codes on each of the 16 nibbles. (The mixes with Q8_0 in the decode kernels and the lanes' order check
 # cost the interpreter 20 s more: the mixes run compiled, `cuda`; the order is Q4_0's, below.)
 CHECKS = ["dequant:MXFP4", "dequant:MXFP4,MXFP4,F16", "decode:MXFP4", "runs:MXFP4", "fp4"]
@@ -57,7 +57,7 @@ except ImportError:
     triton = None
 
 if triton is not None:
-    from moestream.kernels.qruns import _fp4
+    from moestream.kernels.qruns_units import _fp4
 
     @triton.jit
     def _codes(out_ptr):
@@ -68,7 +68,7 @@ if triton is not None:
 
 
 def fp4_check(device="cpu"):
-    """The runs kernels' MXFP4 codes (qruns._fp4, float bits made with integers) are kvalues_mxfp4 exactly, but for
+    """The runs kernels' MXFP4 codes (qruns_units._fp4, float bits made with integers) are kvalues_mxfp4 exactly, but for
     code 8, -0.0."""
     from moestream.quant.mxfp4 import KVALUES
     out = torch.empty(32, device=device)

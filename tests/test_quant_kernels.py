@@ -149,7 +149,7 @@ except ImportError:
     triton = None
 
 if triton is not None:
-    from moestream.kernels.qruns import _kv4
+    from moestream.kernels.qruns_units import _kv4
 
     @triton.jit
     def _codebook(out_ptr, one):
@@ -160,7 +160,7 @@ if triton is not None:
 
 
 def kv4_check(device="cpu"):
-    """The runs kernels' IQ4 codebook (qruns._kv4: a rounded quartic) is kvalues exactly, code by code."""
+    """The runs kernels' IQ4 codebook (qruns_units._kv4: a rounded quartic) is kvalues exactly, code by code."""
     from moestream.kernels.decode_runs import ONE
     from moestream.kernels.qblocks import KVALUES
     out = torch.empty(32, device=device)

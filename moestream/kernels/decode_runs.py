@@ -3,8 +3,9 @@
     out = experts_by_address_runs(x, addrs, weights, layout)    # x (T, H); addrs, weights (T, k) -> (T, H)
 
 A program's lanes each own a unit of one block (kernels/qruns.py: 16-byte runs of quants, 16 to 64 values of
-one to four sub-blocks) and keep its sums in registers; a step is UNITS_A_STEP units, one a lane, so every load is
-a lane's own run and the lanes of a warp read neighbouring runs. Two launches, as "values" has:
+one to four sub-blocks; kernels/qruns_units.py reads them) and keep its sums in registers; a step is UNITS_A_STEP
+units, one a lane, so every load is a lane's own run and the lanes of a warp read neighbouring runs. Two launches,
+as "values" has:
 
 - gate and up: program (t k + j, R rows of I): the R rows' units of choice j's gate and the same units of its up,
   in the same lanes (one x load serves both), R * BB * NU units a step, NB / BB steps; then silu(g) * u, rounded
@@ -40,7 +41,7 @@ from .qruns import UNITS, aligned16, lane_order, runs_available
 
 UNITS_A_STEP = 128           # units (one a lane) a program reads a step
 WARPS = 4
-ONE = 0x3F800000             # 1.0's bits, passed at run time (kernels/qruns.py's _f)
+ONE = 0x3F800000             # 1.0's bits, passed at run time (kernels/qruns_units.py's _f)
 UNROLL = 4                   # a row of at most this many steps is read unrolled
 LANE_ORDER = True            # x and h in the lanes' order (qruns.lane_order); False: the rows' order
 DOWN_ROWS_A_LANE = None      # rows a down lane reads (2: the same unit of rows r and r + R against one x load);
@@ -72,12 +73,12 @@ if triton is not None:
     import triton.language as tl
 
     from .decode_act import down_bias, glu_at
-    from .qruns import _scalar, unit_dots, unit_words
+    from .qruns_units import _scalar, unit_dots, unit_words
 
     @triton.jit
     def _dots(blk, blk2, c, m, m2, xp, al, one, QT: tl.constexpr, A16: tl.constexpr, TWO: tl.constexpr,
               XS: tl.constexpr):
-        """A step: the units' words (kernels/qruns.py), then their dot products with x."""
+        """A step: the units' words (kernels/qruns_units.py), then their dot products with x."""
         ws, ws2 = unit_words(blk, blk2, c, m, m2, al, QT, A16, TWO)
         return unit_dots(ws, ws2, c, m | m2, xp, one, QT, TWO, XS)
 
