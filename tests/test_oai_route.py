@@ -1,7 +1,7 @@
 """gpt-oss's router in a decode step's fused launch (kernels/gemv.py's norm_route with the router linear's bias and
 softmax_weight gating; issue 53): through Triton's interpreter (tests/interpreted.py) against models/router.py's
 route on the kernel's own normed rows in float32, the same ids and the weights within 1e-5 (as tests/test_gemv.py's
-and tests/test_mla_decode.py's router checks); synth:tiny-gptoss decoding through it (tests/test_decode_paths.py's
+and tests/test_mla_kernels.py's router checks); synth:tiny-gptoss decoding through it (tests/test_decode_paths.py's
 torch stand-ins, and the kernel itself in the interpreter) giving the eager steps' tokens; compiled on the GPU
 (`cuda`) at gpt-oss-120b's router shape (2880 -> 128 experts, top 4)."""
 from __future__ import annotations
