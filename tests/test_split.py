@@ -60,7 +60,7 @@ def test_bookkeeping_two_stand_in_devices():
     assert a.routing is not b.routing is not eng.routing             # each its own prompts' statistics
     # the lookahead stays within a device: layer 1's successors are on the other one
     assert len(eng.model.next_routers[1]) == 0 and len(eng.model.next_routers[0]) == 1
-    assert not eng.plan.graphs and not eng.plan.zero_copy and not eng.pauses_prompts
+    assert not eng.plan.graphs and not eng.plan.zero_copy and not eng.pauses_prompts     # (CPU: zero-copy not asked)
 
 
 def test_activations_cross_at_split_points_only(monkeypatch):
@@ -80,9 +80,30 @@ def test_logits_equal_unsplit(kw):
     assert all(torch.equal(x, y) for x, y in zip(one, two))
 
 
-def test_hybrid_family_equal_unsplit():
+@pytest.mark.parametrize("kw", [dict(cpu_moe=True, moe_cache_mib=1), dict(cpu_moe=True, moe_cache_mib=16),
+                                dict(n_cpu_moe=2, moe_cache_mib=8), dict(cpu_moe=True), dict()],
+                         ids=["small-cache", "cache", "ncmoe-cache", "no-cache", "resident"])
+def test_zero_copy_decode_equal_unsplit(kw):
+    """Zero-copy decode steps of a split read each host layer's experts by address through its own device's
+    provider (its table, its landing slots): the unsplit zero-copy logits bit for bit, whatever the cache size; and
+    the greedy tokens of the split's fetching steps (the by-address kernel's math is its own: the same tokens, as
+    tests/test_zero_copy.py's agreement on the CPU)."""
+    one = _run(_llm(device="cpu", zero_copy_decode=True, **kw), steps=4)
+    llm = _llm(device="cpu,cpu", tensor_split=(1, 1), zero_copy_decode=True, **kw)
+    two = _run(llm, steps=4)
+    assert llm.engine.plan.zero_copy and llm.engine.decode_kernel is not None
+    assert all(torch.equal(x, y) for x, y in zip(one, two))
+    fetched = _run(_llm(device="cpu,cpu", tensor_split=(1, 1), **kw), steps=4)
+    assert [int(x[-1].argmax()) for x in fetched] == [int(x[-1].argmax()) for x in two]
+    for p in getattr(llm.engine.host, "providers", []):
+        if getattr(p, "zero_copy", None) is not None:
+            assert p.zero_copy.pending is not None          # each device's provider ran the steps of its layers
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_hybrid_family_equal_unsplit(zero_copy):
     """Qwen3-Next's DeltaNet states and attention KV on their layers' devices."""
-    kw = dict(cpu_moe=True, moe_cache_mib=0)
+    kw = dict(cpu_moe=True, moe_cache_mib=0, zero_copy_decode=zero_copy)
     one = _run(_llm("synth:tiny-next", device="cpu", **kw), steps=2)
     llm = _llm("synth:tiny-next", device="cpu,cpu", tensor_split=(1, 1), **kw)
     two = _run(llm, steps=2)
@@ -150,7 +171,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 @two_gpus
 @pytest.mark.parametrize("kw", [dict(cpu_moe=True, moe_cache_mib=64), dict()], ids=["cache", "resident"])
 def test_two_gpus_equal_one(kw):
-    """bf16 on two GPUs against one (the same kernels: decode steps fetch on both, --no-cuda-graphs)."""
+    """bf16 on two GPUs against one (the same kernels: zero-copy decode steps on both, --no-cuda-graphs)."""
     one = _run(_llm(device="cuda:0", cuda_graphs=False, **kw))
     llm = _llm(device="cuda:0,cuda:1", tensor_split=(1, 1), cuda_graphs=False, **kw)
     two = _run(llm)

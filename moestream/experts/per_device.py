@@ -6,13 +6,17 @@ statistics), seen by the engine as one.
     host.fetch(5, ids)              # cache1's pool, on devices[1]
     host.per_device()               # {gpu: CacheStats}: bench, LLM.stats() and /metrics per GPU (the split's index)
 
-Each provider hears what the engine tells (prompts and forwards begin) with its device current, so its copies and
-events go to that device's streams. Decode steps of a split fetch their experts (runtime/plan.py): no zero-copy
-step, so none of its hooks are passed on.
+Each provider hears what the engine tells (prompts and forwards begin, zero-copy decode steps begin and end) with
+its device current, so its copies and events go to that device's streams. A zero-copy decode step reads each host
+layer's experts by address through its layer's provider (its table, its landing slots, on its device); the step's
+device ops (decode_step_ops) are each provider's, run with its device current, and `ops_of` gives one device's
+alone, for the graph of that device's share (runtime/graphs.py).
 """
 from __future__ import annotations
 
 import torch
+
+import contextlib
 
 from ..device import Device
 from .provider import HostProvider
@@ -46,6 +50,43 @@ class PerDevice(HostProvider):
 
     def begin_ubatch(self, seq: int, n_tokens: int, is_prompt: bool, seqs: list[int] | None = None) -> None:
         self._each(lambda p: p.begin_ubatch(seq, n_tokens, is_prompt, seqs))
+
+    def begin_decode_step(self, seqs: list[int] | None = None) -> None:
+        self._each(lambda p: p.begin_decode_step(seqs))         # each table onto its own device
+
+    def end_decode_step(self, n_tokens: int, observer=None) -> None:
+        self._each(lambda p: p.end_decode_step(n_tokens, observer))     # its layers' routing, in layer order
+
+    def decode_step_ops(self) -> tuple | None:
+        """Every provider's step ops (HostProvider.decode_step_ops), each run with its device current: the first
+        ones before the step, the last ones after it. None where no provider has any."""
+        ops = [(dev, o) for dev, o in zip(self.devices, (p.decode_step_ops() for p in self.providers))
+               if o is not None]
+        if not ops:
+            return None
+
+        def first():
+            for dev, o in ops:
+                with dev.current():
+                    o[0]()
+
+        def last(n_tokens: int):
+            for dev, o in ops:
+                with dev.current():
+                    o[1](n_tokens)
+
+        @contextlib.contextmanager
+        def kept():
+            with contextlib.ExitStack() as stack:
+                for _, o in ops:
+                    stack.enter_context(o[2]())
+                yield
+        return first, last, kept
+
+    def ops_of(self, d: int) -> tuple | None:
+        """The step ops of device d's provider (d: its index in the split; a graph of d's share runs them), or
+        None (no provider there, or one with no ops)."""
+        return self.providers[self.gpus.index(d)].decode_step_ops() if d in self.gpus else None
 
     # --- what the MoE block asks, of the layer's own provider ---------------------------------------------------
     def fetch(self, layer: int, ids, lookahead=None):

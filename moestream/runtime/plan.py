@@ -87,10 +87,10 @@ def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, cap
     compute or not (`by_address`: kernels.by_address_kernels of the family's blocks, SwiGLU and gpt-oss's clamped
     SwiGLU with biases; a family whose MLP they do not compute fetches its experts in decode steps, and on CUDA
     replays graphs only where nothing is on the host). split: the layers are split over several devices
-    (runtime/split.py): steps run eagerly and fetch their experts (zero-copy decode and a graph per device's
-    share are to come)."""
+    (runtime/split.py): zero-copy steps read each layer's experts through its device's provider; steps run
+    eagerly (a graph per device's share is to come)."""
     d = ecfg.decode
-    zero_copy = bool(d.zero_copy) and by_address and not split
+    zero_copy = bool(d.zero_copy) and by_address
     staged = zero_copy and (d.stage if d.stage is not None else quantized)
     # Quantized rows land and are read once a step only staged (the unstaged quantized kernel reads a row once per
     # choice, and lands nothing).
