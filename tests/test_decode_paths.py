@@ -243,13 +243,21 @@ def test_a_step_longer_than_a_zero_copy_step_runs_as_several():
 
 class _Replayed:
     """A CUDA graph's stand-in on the CPU (runtime/graphs.py's record): each replay runs the recorded step again
-    over the same static inputs, which the decode path rewrites before it, and overwrites the same buffer."""
+    over the same static inputs, which the decode path rewrites before it, and overwrites the same buffer (a list
+    of them, None where it has none: a split's share's crossing)."""
 
     def __init__(self, fn, out):
         self.fn, self.out = fn, out
 
     def replay(self):
-        self.out.copy_(self.fn())
+        got = self.fn()
+        for dst, src in zip(_listed(self.out), _listed(got)):
+            if dst is not None:
+                dst.copy_(src)
+
+
+def _listed(out) -> list:
+    return out if isinstance(out, list) else [out]
 
 
 def _replaying_on_the_cpu(monkeypatch, eng) -> None:
@@ -262,7 +270,8 @@ def _replaying_on_the_cpu(monkeypatch, eng) -> None:
         ops = eng.host.decode_step_ops() if eng.host is not None else None
         kept = ops[2]() if ops is not None else contextlib.nullcontext()
         with eng.kv.kept(), kept:       # a capture runs nothing: this dry run only makes the buffer, then is undone
-            out = fn().clone()
+            out = fn()
+            out = [None if t is None else t.clone() for t in out] if isinstance(out, list) else out.clone()
         return _Replayed(fn, out), out, pool
     step_inputs = graphs.step_inputs
     monkeypatch.setattr(graphs, "record", record)

@@ -181,7 +181,59 @@ def test_two_gpus_equal_one(kw):
 
 @pytest.mark.cuda
 @two_gpus
+@pytest.mark.parametrize("kw", [dict(cpu_moe=True, moe_cache_mib=64), dict(cpu_moe=True, moe_cache_mib=2), dict()],
+                         ids=["cache", "small-cache", "resident"])
+def test_two_gpus_graphs_equal_one(kw):
+    """bf16 decode steps replayed as CUDA graphs, one per GPU's share, against one GPU's graph and against the
+    split's eager steps: the same bits, the steps of one and of two sequences; the graphs are the split's."""
+    from batched import join_and_leave
+    one = join_and_leave(LLM("synth:tiny", device="cuda:0", ctx_size=128, n_seq=2, **kw).engine)
+    two = LLM("synth:tiny", device="cuda:0,cuda:1", tensor_split=(1, 1), ctx_size=128, n_seq=2, **kw)
+    eng = two.engine
+    assert eng.plan.graphs and eng.plan.zero_copy
+    got = join_and_leave(eng)
+    assert sorted(eng.decoder.graphs.pools) == [0, 1]
+    eager = join_and_leave(LLM("synth:tiny", device="cuda:0,cuda:1", tensor_split=(1, 1), ctx_size=128, n_seq=2,
+                               cuda_graphs=False, **kw).engine)
+    assert all(torch.equal(x, y) for x, y in zip(one, got))
+    assert all(torch.equal(x, y) for x, y in zip(eager, got))
+
+
+@pytest.mark.cuda
+@two_gpus
 def test_two_gpus_default_split_by_free_memory():
     llm = _llm(cpu_moe=True, moe_cache_mib=64)
     assert llm.engine.split is not None and len(llm.engine.split) == torch.cuda.device_count()
     assert all(d["cache"] is not None for d in llm.stats()["per_device"])
+
+
+@pytest.mark.parametrize("model, kw", [("synth:tiny", dict(cpu_moe=True, moe_cache_mib=1)),
+                                       ("synth:tiny", dict(cpu_moe=True, moe_cache_mib=16)),
+                                       ("synth:tiny", dict(n_cpu_moe=2, moe_cache_mib=8)),
+                                       ("synth:tiny", dict()),
+                                       ("synth:tiny-next", dict(cpu_moe=True, moe_cache_mib=16))],
+                         ids=["small-cache", "cache", "ncmoe-cache", "resident", "hybrid"])
+def test_captured_shares_replayed_give_the_eager_bits(monkeypatch, model, kw):
+    """A split's decode step as one graph per device's share (runtime/graphs.py's _capture_split), CUDA graphs stood
+    in for on the CPU (tests/test_decode_paths.py): sequences joining and leaving give the split's eager zero-copy
+    bits, which are the unsplit run's; each device's share has its own graph memory pool."""
+    from batched import join_and_leave
+    from test_decode_paths import _replaying_on_the_cpu
+
+    def script(device, replayed):
+        llm = LLM(model, device=device, ctx_size=128, n_seq=2, zero_copy_decode=True,
+                  **(dict(tensor_split=(1, 1)) if "," in device else {}), **kw)
+        eng, asked = llm.engine, []
+        if replayed:
+            _replaying_on_the_cpu(monkeypatch, eng)
+            if isinstance(eng.host, PerDevice):        # each share's graph runs its own device's step ops
+                ops_of = eng.host.ops_of
+                monkeypatch.setattr(eng.host, "ops_of", lambda d: (asked.append(d), ops_of(d))[1])
+        outs = join_and_leave(eng)
+        if replayed:
+            assert sorted(eng.decoder.graphs.pools) == [0, 1] and len(eng.decoder.graphs.graphs) == 2
+            assert asked == ([0, 1] * 2 if isinstance(eng.host, PerDevice) else [])
+        return outs
+    one = script("cpu", False)
+    for replayed in (False, True):
+        assert all(torch.equal(x, y) for x, y in zip(one, script("cpu,cpu", replayed))), replayed

@@ -186,8 +186,22 @@ class MoETransformer:
         the logits (StopIteration.value; `drain` runs it through). Between two layers the caller may run other
         sequences' forwards (the server's decode steps while a prompt batch is read): these parts' state is this
         generator's alone, so their ops and bits are those of forward_parts."""
+        flow = self.begin_flow(parts, kv)
+        for dev, run in [(None, flow.layers)] if self.split is None else self.split.runs(flow.layers):
+            if dev is not None:         # a device's share of a split: the activations cross to it here, and only here
+                dev.make_current()
+                flow.cross(dev.torch)
+            yield from self.run_layers(flow, run, kv, experts, kernel)
+        logits = self.end_flow(flow)
+        if self.split is not None:      # the logits back to the first device, where the sampler and the next step are
+            self.split.devices[0].make_current()
+            logits = logits.to(self.split.devices[0].torch)
+        return logits
+
+    def begin_flow(self, parts: list[Batch], kv) -> "Flow":
+        """A forward's parts before its first layer: the embeddings, rotary rows and masks (layer_steps)."""
         cfg = self.cfg
-        by_address, fused, observer = parts[0].by_address, parts[0].fused, parts[0].observer
+        fused = parts[0].fused
         res = self.residual
         head = parts[0].head is not None        # an MTP head step: its block, from the embeddings and hidden states
         layers = cfg.head_layers[:1] if head else range(cfg.n_layers)
@@ -210,68 +224,68 @@ class MoETransformer:
             if p.is_decode and not self.attention.fuses(fused):   # the keys each token attends, for every layer
                 n = p.kv_len or kv.ctx
                 masks[j] = torch.arange(n, device=hs[j].device)[None, :] <= p.positions[:, None]     # (B, n)
-        deltas = [None] * len(parts)    # each part's last block output, not yet added to its residual stream
-        gates = [None] * len(parts)     # what each part's block output needs back (hyper: the streams' gates)
-        for dev, run in [(None, layers)] if self.split is None else self.split.runs(layers):
-            if dev is not None:         # a device's share of a split: the activations cross to it here, and only here
-                dev.make_current()
-                hs, deltas, gates, masks = ([_to(t, dev.torch) for t in ts] for ts in (hs, deltas, gates, masks))
-                rope = [(c.to(dev.torch), s.to(dev.torch)) for c, s in rope]
-                for p in parts:
-                    p.move(dev.torch)
-            for i in run:
-                lw = self.layers[i]
-                for j, p in enumerate(parts):
-                    if i in cfg.ple_layers:     # the n-gram embeddings added into the streams before the layer's mixer
-                        hs[j], deltas[j] = res.add(hs[j], deltas[j]), None
-                        hs[j] = hs[j] + self.ple.add(hs[j], embs[j], lw, p, kv, i)
-                    hs[j], a, gates[j], proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
-                    deltas[j] = res.block_output(self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj), gates[j])
-                if i in cfg.dense_layers:
-                    for j in range(len(parts)):
-                        hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
-                        deltas[j] = res.block_output(swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"],
-                                                            lw["ffn_down.weight"]), gates[j])
-                    yield i
-                    continue
-                routed = addrs = None
-                ms = []
+        # deltas: each part's last block output, not yet added to its residual stream; gates: what each part's
+        # block output needs back (hyper: the streams' gates)
+        return Flow(parts, layers, head, lm_head, embs, hs, [None] * len(parts), [None] * len(parts), masks, rope)
+
+    def run_layers(self, flow: "Flow", run, kv, experts, kernel):
+        """Layers `run` (consecutive, on the current device) over `flow`, yielding each one's index once queued."""
+        cfg, parts, res = self.cfg, flow.parts, self.residual
+        by_address, fused, observer = parts[0].by_address, parts[0].fused, parts[0].observer
+        hs, deltas, gates, masks, rope = flow.hs, flow.deltas, flow.gates, flow.masks, flow.rope
+        head, embs = flow.head, flow.embs
+        for i in run:
+            lw = self.layers[i]
+            for j, p in enumerate(parts):
+                if i in cfg.ple_layers:     # the n-gram embeddings added into the streams before the layer's mixer
+                    hs[j], deltas[j] = res.add(hs[j], deltas[j]), None
+                    hs[j] = hs[j] + self.ple.add(hs[j], embs[j], lw, p, kv, i)
+                hs[j], a, gates[j], proj = self._norm_project(hs[j], deltas[j], lw, i, fused)
+                deltas[j] = res.block_output(self.mix(a, lw, i, p, kv, *rope[j], masks[j], fused, proj), gates[j])
+            if i in cfg.dense_layers:
                 for j in range(len(parts)):
-                    if fused is not None and res.fuses and router_fuses(self.router):   # a decode step: the add,
-                        # norm, router, top-k and addresses in one launch (models/router.py's `fuses`)
-                        table = experts.address_table(i) if by_address is not None else None
-                        hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
-                                                                    cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
-                                                                    cfg.n_experts_used, cfg.norm_topk_prob, hs[j].dtype,
-                                                                    table, **fused_options(self.router, lw))
-                    else:
-                        hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
-                    ms.append(m)
-                weights, ids, ahead = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
-                                                self.router)
-                if head and parts[-1].guess_layers:     # the verify step's first layers' experts, from each
-                    step = parts[-1]                        # segment's last token
-                    x = ms[-1][step.out_rows]               # (B, H); the routers may be on another device (split)
-                    step.guesses = torch.stack([guess(x, self.layers[l]["ffn_gate_inp.weight"].to(x.device),
-                                                      cfg.n_experts_used).flatten() for l in step.guess_layers])
-                outs = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, ahead, by_address, fused, addrs,
-                                   self.mlp)
-                deltas = [res.block_output(o, g) for o, g in zip(outs, gates)]
+                    hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
+                    deltas[j] = res.block_output(swiglu(m, lw["ffn_gate.weight"], lw["ffn_up.weight"],
+                                                        lw["ffn_down.weight"]), gates[j])
                 yield i
-        outs = []
-        final_w = self._final_weights(layers[0]) if head else self.w
-        for p, h, delta in zip(parts, hs, deltas):
+                continue
+            routed = addrs = None
+            ms = []
+            for j in range(len(parts)):
+                if fused is not None and res.fuses and router_fuses(self.router):   # a decode step: the add,
+                    # norm, router, top-k and addresses in one launch (models/router.py's `fuses`)
+                    table = experts.address_table(i) if by_address is not None else None
+                    hs[j], m, *routed, addrs = fused.norm_route(hs[j], deltas[j], lw["ffn_norm.weight"],
+                                                                cfg.rms_norm_eps, lw["ffn_gate_inp.weight"],
+                                                                cfg.n_experts_used, cfg.norm_topk_prob, hs[j].dtype,
+                                                                table, **fused_options(self.router, lw))
+                else:
+                    hs[j], m, gates[j] = res.block_input(hs[j], deltas[j], lw, "ffn", fused)
+                ms.append(m)
+            weights, ids, ahead = moe_route(ms, lw, i, cfg, experts, observer, self.next_routers[i], routed,
+                                            self.router)
+            if head and parts[-1].guess_layers:     # the verify step's first layers' experts, from each
+                step = parts[-1]                        # segment's last token
+                x = ms[-1][step.out_rows]               # (B, H); the routers may be on another device (split)
+                step.guesses = torch.stack([guess(x, self.layers[l]["ffn_gate_inp.weight"].to(x.device),
+                                                  cfg.n_experts_used).flatten() for l in step.guess_layers])
+            outs = moe_experts(ms, lw, i, cfg, experts, kernel, weights, ids, ahead, by_address, fused, addrs,
+                               self.mlp)
+            deltas[:] = [res.block_output(o, g) for o, g in zip(outs, gates)]
+            yield i
+
+    def end_flow(self, flow: "Flow") -> torch.Tensor:
+        """The logits of the parts' out_rows after their last layer (on the last layer's device), in order."""
+        res, outs = self.residual, []
+        final_w = self._final_weights(flow.layers[0]) if flow.head else self.w
+        for p, h, delta in zip(flow.parts, flow.hs, flow.deltas):
             if p.keep_hidden:           # what a head step reads of every token (T, H) (hyper: the streams, hc*H)
                 p.hidden = res.head_read(h, delta, final_w)
             if len(p.out_rows):         # (a shape, known on the host)
                 h = res.read_out(p.hidden[p.out_rows], final_w) if p.keep_hidden else \
                     res.final(h, delta, final_w, p.out_rows)
-                outs.append(F.linear(h, lm_head).float())                    # (R, V)
-        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if self.split is not None:      # the logits back to the first device, where the sampler and the next step are
-            self.split.devices[0].make_current()
-            logits = logits.to(self.split.devices[0].torch)
-        return logits
+                outs.append(F.linear(h, flow.lm_head).float())               # (R, V)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _final_weights(self, head: int) -> dict:
         """MTP head layer `head`'s final norm under the model's names: its shared_head_norm as output_norm, or (hyper)
@@ -299,6 +313,41 @@ class MoETransformer:
         mixer = self.mixers[layer]
         index = self.kv_slot[layer] if mixer is self.attention else layer
         return mixer(x, lw, index, batch, kv, cos, sin, mask, fused, proj)
+
+
+@dataclass
+class Flow:
+    """A forward between two of its layers (MoETransformer.begin_flow, run_layers, end_flow): its parts and what it
+    decided before its first layer, and what crosses between the shares of a split (`crossing`): each part's
+    residual stream, last block output not yet added, that output's gate (None where a part has none), attention
+    mask and rotary rows."""
+    parts: list[Batch]
+    layers: object                 # the layers it runs: the trunk's, or an MTP head's
+    head: bool
+    lm_head: torch.Tensor
+    embs: list | None              # the PLE layer's n-gram embeddings, each part's
+    hs: list
+    deltas: list
+    gates: list
+    masks: list
+    rope: list                     # [(cos, sin)], each part's
+
+    def crossing(self) -> list:
+        """The tensors that cross to the next share, in one order (None where a part has none)."""
+        return [*self.hs, *self.deltas, *self.gates, *self.masks, *(t for r in self.rope for t in r)]
+
+    def take(self, tensors: list) -> None:
+        """Put `tensors` (crossing's order) in place of what crosses."""
+        n = len(self.parts)
+        self.hs, self.deltas, self.gates, self.masks = (list(tensors[i * n:(i + 1) * n]) for i in range(4))
+        r = tensors[4 * n:]
+        self.rope = [(r[2 * j], r[2 * j + 1]) for j in range(n)]
+
+    def cross(self, device) -> None:
+        """The activations and the parts' index tensors onto `device` (Batch.move)."""
+        self.take([_to(t, device) for t in self.crossing()])
+        for p in self.parts:
+            p.move(device)
 
 
 def _to(t, device):

@@ -9,7 +9,8 @@ engine is set up, and again for a new cache).
   host decides between layers: uploads, the cache) or, in a zero-copy step, read where they lie. It is the CPU
   reference, what --no-cuda-graphs gives on CUDA (and CUDA without Triton, where steps fetch their experts), and
   the path of every step longer than MAX_TOKENS tokens that has host experts.
-- GraphDecode: one CUDA graph per (batch size, span) (runtime/graphs.py), for steps with no host step inside:
+- GraphDecode: one CUDA graph per (batch size, span) (runtime/graphs.py; layers split over several devices: one
+  per device's share), for steps with no host step inside:
   zero-copy steps of at most MAX_TOKENS tokens on any placement, and every step when all experts are on the GPU.
 
 What changes per step travels with the step's batch, decided here: a step of at most MAX_TOKENS tokens runs the

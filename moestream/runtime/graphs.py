@@ -11,16 +11,21 @@ address tables are written before each replay, outside the graph).
 A hybrid model's step updates each sequence's recurrent state in place, inside the graph; the engine checks and
 advances the states' positions on the host around each replay (GraphDecode), as around an eager forward.
 
+Layers split over several devices (runtime/split.py) take one graph per device's share of the layers
+(_capture_split): a CUDA graph is captured on one device, into that device's memory pool; what crosses at a split
+point is copied between the replays, from one share's static output into the next one's static input.
+
 Attention in a graph spans a fixed number of keys (KVCache.span: a power of two, the mask hides positions past
 each token's own), since a graph cannot change shapes between replays; eager decode steps use the same span.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
-from ..models.transformer import Batch, Segment
+from ..models.transformer import Batch, Segment, drain
 from .step_ops import between_ops, step_ops
 
 
@@ -59,8 +64,10 @@ def step_inputs(steps: list[tuple[int, int, int]], pinned: bool) -> torch.Tensor
 class DecodeGraphs:
     def __init__(self, engine):
         self.engine = engine
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, Batch, torch.Tensor]] = {}
+        # (B, span) -> (replay, the static inputs (3, B), the logits buffer)
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
+        self.pools: dict[int, object] = {}          # a split's: each device's graph memory pool, by its index
 
     def run(self, steps: list[tuple[int, int, int]], span: int, by_address=None, fused=None,
             tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,12 +76,13 @@ class DecodeGraphs:
         tokens: the steps' tokens on the device instead (copied in stream order: the host need not know them)."""
         key = (len(steps), span)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(*key, by_address, fused)
-        graph, inputs, _, logits = self.graphs[key]
+            capture = self._capture if self.engine.split is None else self._capture_split
+            self.graphs[key] = capture(*key, by_address, fused)
+        replay, inputs, logits = self.graphs[key]
         inputs.copy_(step_inputs(steps, pinned=True), non_blocking=True)
         if tokens is not None:
             inputs[0].copy_(tokens)
-        graph.replay()
+        replay()
         return logits
 
     @torch.inference_mode()
@@ -87,7 +95,64 @@ class DecodeGraphs:
         with eng.kv.kept(), kept:       # the warm-up's steps run on real sequences' recurrent states (hybrids), and
             warm_up(eng.device.torch, step, times=2)      # on the provider's real table
         graph, logits, self.pool = record(step, self.pool)
-        return graph, inputs, batch, logits
+        return graph.replay, inputs, logits
+
+    @torch.inference_mode()
+    def _capture_split(self, B: int, span: int, by_address, fused):
+        """A split's step (runtime/split.py) as one graph per device's share of the layers, each captured on its
+        own device with its provider's step ops (PerDevice.ops_of) and its own memory pool. What crosses at a split
+        point (models/transformer.py's Flow.crossing, and the step's inputs) is copied between the replays, from
+        one share's static output into the next one's static input, as an eager step copies it there; the last
+        share's logits go back to the first device."""
+        eng, model, split = self.engine, self.engine.model, self.engine.split
+        inputs, batch = static_decode_batch(eng, B, span, by_address, fused)
+        host = eng.host if by_address is not None else None
+        runs = split.runs(range(eng.cfg.n_layers))
+        shares, first, held = [], [], None
+        for k, (dev, run) in enumerate(runs):
+            d, last = split.index(run[0]), k == len(runs) - 1
+            ops = host.ops_of(d) if host is not None else None
+            with dev.current():
+                ins = into = None
+                parts = [batch]
+                if k:                   # the step's inputs and what crosses in, static on this device
+                    ins = inputs.to(dev.torch)
+                    parts = [dataclasses.replace(batch, tokens=ins[0], seq_ids=ins[1], positions=ins[2],
+                                                 out_rows=batch.out_rows.to(dev.torch))]
+                    into = [None if t is None else t.to(dev.torch) for t in held]
+
+                def share(parts=parts, into=into, run=run, last=last):
+                    if into is None:
+                        flow = model.begin_flow(parts, eng.kv)
+                        first[:] = [flow]
+                    else:
+                        flow = dataclasses.replace(first[0], parts=parts)
+                        flow.take(list(into))
+                    drain(model.run_layers(flow, run, eng.kv, eng.experts, eng.kernel))
+                    return model.end_flow(flow) if last else flow.crossing()
+                step = lambda share=share, ops=ops: between_ops(ops, B, share)
+                outs = []
+                kept = ops[2]() if ops is not None else contextlib.nullcontext()
+                with eng.kv.kept(), kept:       # (as _capture's); its output what the next share's warm-up reads
+                    warm_up(dev.torch, lambda: outs.append(step()), times=2)
+                held = outs[-1]
+                graph, out, self.pools[d] = record(step, self.pools.get(d))
+                shares.append((dev, graph, ins, into, out))
+        logits = torch.empty_like(shares[-1][4], device=split.devices[0].torch)
+
+        def replay():
+            crossing = None
+            for dev, graph, ins, into, out in shares:
+                with dev.current():
+                    if ins is not None:
+                        ins.copy_(inputs)
+                        for dst, src in zip(into, crossing):
+                            if dst is not None:
+                                dst.copy_(src)
+                    graph.replay()
+                crossing = out
+            logits.copy_(crossing)
+        return replay, inputs, logits
 
 
 def record(fn, pool):

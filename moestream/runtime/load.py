@@ -134,7 +134,7 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     capturable = MoETransformer.capturable_for(cfg, all(readable_in_place(t) for t in tables.values()),
                                                qsa is not None)
     plan = decode_plan(ecfg, dev.is_cuda, quantized, bool(host), capturable,
-                       by_address_kernels(blocks), split is not None)       # how decode steps run
+                       by_address_kernels(blocks))          # how decode steps run
     if split is None:
         ecfg, n_slots = fit_cache(cfg, ecfg, plan, dev, dtype, host, layouts)   # (--moe-cache-mib auto: in MiB)
     else:

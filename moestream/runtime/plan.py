@@ -81,14 +81,14 @@ class DecodePlan:
 
 
 def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, capturable: bool,
-                by_address: bool = True, split: bool = False) -> DecodePlan:
+                by_address: bool = True) -> DecodePlan:
     """The plan for a resolved `ecfg` on a CUDA device or not: quantized expert rows or not, some experts in host
     memory or not, a model whose decode steps may be captured or not, an expert MLP the zero-copy decode kernels
     compute or not (`by_address`: kernels.by_address_kernels of the family's blocks, SwiGLU and gpt-oss's clamped
     SwiGLU with biases; a family whose MLP they do not compute fetches its experts in decode steps, and on CUDA
-    replays graphs only where nothing is on the host). split: the layers are split over several devices
-    (runtime/split.py): zero-copy steps read each layer's experts through its device's provider; steps run
-    eagerly (a graph per device's share is to come)."""
+    replays graphs only where nothing is on the host). Layers split over several devices (runtime/split.py) take
+    the same plan: zero-copy steps read each layer's experts through its device's provider, and a step's graphs are
+    one per device's share (runtime/graphs.py)."""
     d = ecfg.decode
     zero_copy = bool(d.zero_copy) and by_address
     staged = zero_copy and (d.stage if d.stage is not None else quantized)
@@ -98,6 +98,6 @@ def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, cap
     # Quantized experts are dequantized per ubatch (a host sync, to size the scratch) unless decode reads in place;
     # the reference expert kernel reads its slot counts back.
     fetch_ok = not host and not quantized
-    graphs = (d.cuda_graphs and cuda and capturable and not split and ecfg.kernel != "reference"
+    graphs = (d.cuda_graphs and cuda and capturable and ecfg.kernel != "reference"
               and (fetch_ok or zero_copy))
     return DecodePlan(zero_copy, staged, lands, staged or not quantized, graphs, graphs and fetch_ok)
