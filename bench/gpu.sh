@@ -73,7 +73,9 @@
 #                                            --cpu-moe with 4000 MiB and with no cache), real (the head's own drafts,
 #                                            n-max 0,2 at 4000 MiB; then --parallel 4 at 4000 MiB without MTP, with
 #                                            the head's drafts at n-max 2, and n-max 0,2 with --spec-oracle 0.8: each
-#                                            stream its own continuation's oracle, MTP off in the same process)
+#                                            stream its own continuation's oracle, MTP off in the same process),
+#                                            lcbuild (llama.cpp b11549 and its llama-server, where its MTP runs),
+#                                            llama (llama-server on the same files with the head's drafts and without)
 #   bash bench/gpu.sh all     [BENCH FLAGS]  tests, rows and decode: the run bench/RESULTS.md's rows come from
 #
 # Flags after the suite name go to every `moestream bench` command of rows, decode and all (for example
@@ -318,7 +320,7 @@ mtp() {            # issue 51's rows: speculation with a random MTP head (bench/
   local S="-m $NQ -md $H --spec-type draft-mtp" B="-p 512 -n 128 -ub 2048 -r 2"
   local P="--parallel 4 -npp 512 -ntg 128 -ub 2048 -r 2 --cpu-moe --moe-cache-mib 4000"
   case "${1:-}" in
-  oracle|real) [ -f $H ] || { echo "mtp: no $H on this machine: run the prep stage first" >&2; return 2; } ;;
+  oracle|real|llama) [ -f $H ] || { echo "mtp: no $H on this machine: run the prep stage first" >&2; return 2; } ;;
   esac
   case "${1:-}" in
   prep)   next_files
@@ -334,7 +336,45 @@ mtp() {            # issue 51's rows: speculation with a random MTP head (bench/
           bench mtp_real.md 130 -m $NQ $P
           bench mtp_real.md 160 $S $P --spec-draft-n-max 2
           bench mtp_real.md 150 $S $P --spec-draft-n-max 0,2 --spec-oracle 0.8 ;;
-  *)      echo "mtp takes a stage: prep, oracle or real" >&2; return 2 ;;
+  lcbuild) bash .carry/llamacpp/build.sh > "$OUT/lcu_build.log" 2>&1; tail -1 "$OUT/lcu_build.log"
+          if [ ! -x /tmp/lcu/bin/llama-server ]; then      # (build.sh leaves the server out: b11549's MTP runs in it)
+            cmake -S /tmp/lcu-src -B /tmp/lcu -DLLAMA_BUILD_SERVER=ON > /tmp/lcu-cmake2.log 2>&1 \
+              && cmake --build /tmp/lcu --target llama-server -j "$(nproc)" > /tmp/lcu-build2.log 2>&1
+            ls -la /tmp/lcu/bin/llama-server || tail -20 /tmp/lcu-build2.log
+          fi ;;
+  llama)  # llama-server on the same files, its head's drafts (acceptance near 0) against none: one 512-id prompt,
+          # 128 tokens, greedy, twice each (the second's timings), --cpu-moe's match: -ncmoe 12 with 4000 MiB
+          local spec
+          export LD_LIBRARY_PATH=/tmp/lcu/bin
+          for spec in "" "-md $H --spec-type draft-mtp --spec-draft-n-max 2"; do
+            echo "## llama-server -m $NQ $spec -ngl 99 -ncmoe 12 --moe-cache-mib 4000" | tee -a "$OUT/mtp_llama.md"
+            /tmp/lcu/bin/llama-server -m $NQ $spec -ngl 99 -ncmoe 12 --moe-cache-mib 4000 -fa on -c 4096 -np 1 \
+              --port 8081 > "$OUT/llama_server.log" 2>&1 &
+            local pid=$!
+            if timeout 200 python3 -c "
+import httpx, time
+while True:
+    try:
+        if httpx.get('http://127.0.0.1:8081/health').status_code == 200: break
+    except httpx.HTTPError: pass
+    time.sleep(2)"; then
+              timeout 200 python3 - <<'PY' 2>&1 | tee -a "$OUT/mtp_llama.md"
+import httpx, random
+r = random.Random(4)
+ids = [r.randrange(151936) for _ in range(512)]
+for i in range(2):
+    j = httpx.post("http://127.0.0.1:8081/completion", timeout=180,
+                   json={"prompt": ids, "n_predict": 128, "temperature": 0, "ignore_eos": True, "cache_prompt": False}).json()
+    t = j.get("timings", {})
+    print(f"run {i}: prompt {t.get('prompt_per_second', 0):.1f} t/s, decode {t.get('predicted_per_second', 0):.2f} t/s, "
+          f"drafted {t.get('draft_n')}, accepted {t.get('draft_n_accepted')}")
+PY
+            else
+              echo "llama-server did not come up:"; tail -15 "$OUT/llama_server.log"
+            fi
+            kill $pid; wait $pid 2> /dev/null
+          done ;;
+  *)      echo "mtp takes a stage: prep, oracle, real, lcbuild or llama" >&2; return 2 ;;
   esac
 }
 
