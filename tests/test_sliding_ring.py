@@ -158,6 +158,21 @@ def test_a_larger_ubatch_grows_the_ring_keeping_what_it_holds():
     assert torch.equal(*outs)
 
 
+def test_a_ring_growth_the_device_cannot_hold_is_one_line_and_leaves_the_cache():
+    """make_room with the device's free bytes: a growth that needs more is refused in one line, naming the bytes
+    and the way out; the rings and what they hold stay as they were."""
+    ring, _ = engines()
+    ring.prefill(0, IDS[:45])
+    before = [t.clone() for t in (ring.kv.k[0], ring.kv.v[0])]
+    per = sum(t[0][:, :, :1].nelement() * t[0].element_size() for t in (ring.kv.k, ring.kv.v))   # a position, k + v
+    with pytest.raises(UserError, match="rings grown to 48 positions .* use a smaller -ub"):
+        ring.kv.make_room(32, free=2 * 48 * per - 1)          # two sliding layers of 48 positions: one byte short
+    assert ring.kv.ring == [24, 0, 24, 0]
+    assert torch.equal(ring.kv.k[0], before[0]) and torch.equal(ring.kv.v[0], before[1])
+    assert ring.kv.make_room(32, free=2 * 48 * per)
+    assert ring.kv.ring == [48, 0, 48, 0]
+
+
 def test_kept_forwards_leave_the_ring_as_it_was():
     """A CUDA graph's warm-up (engine.warm_up_decode's steps at each span's last position, which land in ring
     slots of live positions) inside kept(): the rings and each sequence's top are put back."""

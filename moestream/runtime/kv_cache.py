@@ -104,9 +104,10 @@ class KVCache:
         """Raise UserError for a segment of more tokens than one forward may write (a sliding layer's ring: none
         here)."""
 
-    def make_room(self, n: int) -> bool:
+    def make_room(self, n: int, free: int | None = None) -> bool:
         """Take forwards of up to n tokens of a sequence from now on; whether the cache's tensors changed (a
-        sliding layer's ring grew: what captured them must be made again). A KV cache takes any."""
+        sliding layer's ring grew: what captured them must be made again; `free`: the device's free bytes, which
+        the growth must fit). A KV cache takes any."""
         return False
 
     def reusable_prefix(self, cached: list[int], prompt: list[int], seq: int | None = None) -> int:

@@ -106,12 +106,20 @@ class SlidingKVCache(KVCache):
         top = len(cached) if seq is None else self.top[seq]
         return n if max(0, n - self.window + 1) >= top - self.size else 0
 
-    def make_room(self, n: int) -> bool:
+    def make_room(self, n: int, free: int | None = None) -> bool:
         """A ring of W + n positions (at most the context) where it is smaller: each sequence's held positions
-        moved into it. The tensors are new: whatever captured the old ones (decode graphs) must be made again."""
+        moved into it. The tensors are new: whatever captured the old ones (decode graphs) must be made again.
+        free: the device's free bytes; a growth that needs more (the new rings beside the old ones while the
+        positions move) is refused in one line, the cache as it was."""
         ring = min(self.window + n, self.ctx)
         if ring <= self.size:
             return False
+        need = sum(t[j][:, :, :1].nelement() * t[j].element_size() * ring
+                   for j, r in enumerate(self.ring) if r for t in (self.k, self.v))
+        if free is not None and need > free:
+            raise UserError(f"a forward of {n} tokens needs the sliding layers' rings grown to {ring} positions "
+                            f"({need / 2**20:.0f} MiB more on the device, {free / 2**20:.0f} MiB free); use a smaller "
+                            "-ub, or load the model with this one")
         for j, r in enumerate(self.ring):
             if not r:
                 continue
