@@ -1,4 +1,5 @@
-"""A shared test driver: three sequences of one engine decoding together, greedy, step by step."""
+"""Shared test drivers: three sequences of one engine decoding together, greedy, step by step; one request through
+a started Scheduler."""
 from __future__ import annotations
 
 import torch
@@ -31,3 +32,17 @@ def join_and_leave(eng) -> list:
     outs += [out(eng.decode([(0, 20 + i, len(a) + 3 + i), (1, 30 + i, len(b) + i)])) for i in range(3)]
     outs += [out(eng.decode([(0, 40 + i, len(a) + 6 + i)])) for i in range(2)]
     return outs
+
+
+def served(sched, prompt: list[int], max_tokens: int = 4):
+    """One request through a started Scheduler, waited for: its done event's result."""
+    import queue
+
+    from moestream import SamplingParams
+    from moestream.runtime.scheduler import Request
+    events = queue.Queue()
+    sched.submit([Request(prompt, SamplingParams(max_tokens=max_tokens), events.put)])
+    while (ev := events.get(timeout=60))[0] == "token":
+        pass
+    assert ev[0] == "done", ev
+    return ev[2]

@@ -20,16 +20,16 @@ Bounds, and what was measured (these seeds; logits O(7)):
 from __future__ import annotations
 
 import json
-import queue
 import shutil
 
 import pytest
 import torch
 
-from moestream import LLM, SamplingParams, UserError
+from moestream import LLM, UserError
 from moestream.runtime.kv_cache import HybridCache
-from moestream.runtime.scheduler import Request, Scheduler
+from moestream.runtime.scheduler import Scheduler
 
+from batched import served
 from conftest import VOCAB, greedy_steps, logits_and_steps
 
 ATOL = 1e-4
@@ -187,24 +187,16 @@ def test_the_server_reuses_only_an_exact_continuation():
     ref = LLM("synth:tiny-next", device="cpu", ctx_size=128)
     sched = Scheduler(llm, n_slots=2, max_queue=4)
     sched.start()
-
-    def run(prompt):
-        events = queue.Queue()
-        sched.submit([Request(prompt, SamplingParams(max_tokens=4), events.put)])
-        while (ev := events.get(timeout=60))[0] == "token":
-            pass
-        assert ev[0] == "done", ev
-        return ev[2]
     try:
         prompt = ref.encode("The market opens at dawn. Farmers unload baskets")
-        first = run(prompt)
+        first = served(sched, prompt)
         held = prompt + first.token_ids[:-1]          # what the slot's state has run (the last token is not fed)
         longer = held + ref.encode(" of onions")
-        second = run(longer)
+        second = served(sched, longer)
         assert second.cached_tokens == len(held)
         assert second.token_ids == ref.generate(longer, max_tokens=4).token_ids
         partial = prompt + ref.encode(" of onions")      # shares the prompt, not what the slot holds after it
-        third = run(partial)
+        third = served(sched, partial)
         assert third.cached_tokens == 0
         assert third.token_ids == ref.generate(partial, max_tokens=4).token_ids
     finally:

@@ -340,31 +340,22 @@ def test_the_server_reuses_only_an_exact_continuation():
     """The serving loop's prefix reuse on a slot of this family: a prompt that extends what the slot holds runs
     only its new tokens, from the slot's n-gram context, PLE conv rows, index keys and DeltaNet states, and gives
     what a fresh sequence gives; a prompt that shares only a prefix runs whole."""
-    import queue
-    from moestream import SamplingParams
-    from moestream.runtime.scheduler import Request, Scheduler
+    from batched import served
+    from moestream.runtime.scheduler import Scheduler
     llm = LLM("synth:tiny-flash-next", device="cpu", ctx_size=128, n_seq=2)
     ref = LLM("synth:tiny-flash-next", device="cpu", ctx_size=128)
     sched = Scheduler(llm, n_slots=2, max_queue=4)
     sched.start()
-
-    def run(prompt):
-        events = queue.Queue()
-        sched.submit([Request(prompt, SamplingParams(max_tokens=4), events.put)])
-        while (ev := events.get(timeout=60))[0] == "token":
-            pass
-        assert ev[0] == "done", ev
-        return ev[2]
     try:
         prompt = ref.encode("The market opens at dawn. Farmers unload baskets")
-        first = run(prompt)
+        first = served(sched, prompt)
         held = prompt + first.token_ids[:-1]
         longer = held + ref.encode(" of onions and leeks")
-        second = run(longer)
+        second = served(sched, longer)
         assert second.cached_tokens == len(held)
         assert second.token_ids == ref.generate(longer, max_tokens=4).token_ids
         partial = prompt + ref.encode(" of onions")
-        third = run(partial)
+        third = served(sched, partial)
         assert third.cached_tokens == 0 and third.token_ids == ref.generate(partial, max_tokens=4).token_ids
     finally:
         sched.stop()

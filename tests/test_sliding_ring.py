@@ -9,19 +9,19 @@ kernels' ring reads under Triton's interpreter (tests/interpreted.py), bit for b
 compiled ones: `cuda`-marked."""
 from __future__ import annotations
 
-import queue
 import sys
 
 import pytest
 import torch
 
+from batched import served
 from interpreted import run_check
-from moestream import LLM, SamplingParams
+from moestream import LLM
 from moestream.errors import UserError
 from moestream.models.transformer import Segment
 from moestream.runtime.caches import make_cache
 from moestream.runtime.kv_cache import cache_nbytes, describe_kv
-from moestream.runtime.scheduler import Request, Scheduler
+from moestream.runtime.scheduler import Scheduler
 from moestream.runtime.sliding_kv import SlidingKVCache, ring_positions
 
 CTX, UB, W = 128, 8, 16
@@ -123,21 +123,13 @@ def test_the_server_reuses_a_prefix_only_where_the_ring_holds_its_window():
     ref = LLM("synth:tiny-gptoss", device="cpu", ctx_size=CTX, ubatch_size=UB)
     sched = Scheduler(llm, n_slots=1, max_queue=4)
     sched.start()
-
-    def run(prompt):
-        events = queue.Queue()
-        sched.submit([Request(prompt, SamplingParams(max_tokens=4), events.put)])
-        while (ev := events.get(timeout=60))[0] == "token":
-            pass
-        assert ev[0] == "done", ev
-        return ev[2]
     try:
-        first = run(IDS[:40])
+        first = served(sched, IDS[:40])
         held = IDS[:40] + first.token_ids[:-1]        # what the slot's sequence has run (the last token is not fed)
-        second = run(held + IDS[50:60])
+        second = served(sched, held + IDS[50:60])
         assert second.cached_tokens == len(held)
         assert second.token_ids == ref.generate(held + IDS[50:60], max_tokens=4).token_ids
-        third = run(IDS[:20] + IDS[60:70])
+        third = served(sched, IDS[:20] + IDS[60:70])
         assert third.cached_tokens == 0
         assert third.token_ids == ref.generate(IDS[:20] + IDS[60:70], max_tokens=4).token_ids
     finally:
