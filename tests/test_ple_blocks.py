@@ -19,6 +19,7 @@ from moestream import LLM
 from moestream.models.ple import BlockTable, PLETable
 from moestream.models.transformer import MoETransformer
 
+from conftest import greedy_steps
 from interpreted import run_check
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -158,11 +159,7 @@ def test_a_gguf_table_is_pinned_and_its_steps_captured_on_cuda(gguf_files, qtype
         assert isinstance(table.table, BlockTable) and table.table.blocks.is_pinned() and table.in_place
         assert eng.model.capturable and MoETransformer.capturable_for(eng.cfg, True, True)
         table.in_place = in_place
-        tok, pos, outs = int(eng.prefill(0, prompt)[-1].argmax()), len(prompt), []
-        for _ in range(8):
-            lg = eng.decode([(0, tok, pos)])
-            outs.append(lg.clone())
-            tok, pos = int(lg[0].argmax()), pos + 1
+        outs = greedy_steps(eng, prompt, 8)
         if graphs:
             assert eng.decoder.graphs.graphs
         return outs

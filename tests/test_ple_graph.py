@@ -17,6 +17,7 @@ from moestream.models.ple import NGramHash, PLETable
 from moestream.models.transformer import MoETransformer
 
 from batched import join_and_leave
+from conftest import greedy_steps
 from interpreted import run_check
 
 KW = dict(device="cpu", ctx_size=64)
@@ -194,11 +195,7 @@ def test_the_family_captures_its_decode_steps_on_cuda_with_the_eager_bits(monkey
         eng = LLM("synth:tiny-flash-next", device="cuda", ctx_size=128, cuda_graphs=graphs).engine
         assert eng.model.ple.table.in_place and eng.model.capturable
         eng.model.ple.table.in_place = in_place
-        tok, pos, outs = int(eng.prefill(0, prompt)[-1].argmax()), len(prompt), []
-        for _ in range(8):
-            lg = eng.decode([(0, tok, pos)])
-            outs.append(lg.clone())
-            tok, pos = int(lg[0].argmax()), pos + 1
+        outs = greedy_steps(eng, prompt, 8)
         if graphs:
             assert eng.decoder.graphs.graphs
         return outs
