@@ -1,5 +1,5 @@
 """Shared test drivers: three sequences of one engine decoding together, greedy, step by step; one request through
-a started Scheduler."""
+a started Scheduler; first decode steps after prompts, fused or not."""
 from __future__ import annotations
 
 import torch
@@ -46,3 +46,17 @@ def served(sched, prompt: list[int], max_tokens: int = 4):
         pass
     assert ev[0] == "done", ev
     return ev[2]
+
+
+def first_decodes(model: str, n: int, fused: bool, dtype: str = "bfloat16", **kw) -> torch.Tensor:
+    """On CUDA: n prompts (ids 3+s .. 39+s) in sequence 0 of `model`, each then one decode step at position 37 of
+    token 11+s, with the fused decode kernels or (fused False) torch's ops: the steps' logits, float32 (n, V)."""
+    from moestream import LLM
+    llm = LLM(model, ctx_size=128, device="cuda", dtype=dtype, **kw)
+    if not fused:
+        llm.engine.fused = None
+    eng, out = llm.engine, []
+    for s in range(n):
+        eng.prefill(0, list(range(3 + s, 40 + s)))
+        out.append(eng.decode([(0, 11 + s, 37)]).float())
+    return torch.cat(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moestream import LLM
+from batched import first_decodes
 
 pytestmark = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,14 +84,7 @@ def test_fused_decode_step_as_close_to_float32_as_the_eager_ops():
     bf16 weights run in float32: the fused step is as close (within 1.5x: both round, in other places, and its
     router's float32 logits may pick another expert at a near-tie than the eager bf16 ones, or than float32)."""
     def first(fused: bool, dtype: str = "bfloat16") -> torch.Tensor:
-        llm = LLM("synth:tiny:dtype=bfloat16", ctx_size=128, device="cuda", dtype=dtype)
-        if not fused:
-            llm.engine.fused = None
-        eng, out = llm.engine, []
-        for s in range(8):
-            eng.prefill(0, list(range(3 + s, 40 + s)))
-            out.append(eng.decode([(0, 11 + s, 37)]).float())
-        return torch.cat(out)
+        return first_decodes("synth:tiny:dtype=bfloat16", 8, fused, dtype)
     truth = first(False, "float32")
     fused, eager = first(True) - truth, first(False) - truth
     assert fused.norm() <= 1.5 * eager.norm() + 1e-3 * truth.norm()

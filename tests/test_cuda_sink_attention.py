@@ -10,6 +10,8 @@ import torch
 
 from moestream import LLM
 
+from batched import first_decodes
+
 pytestmark = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NH, NKV, HD, WINDOW = 64, 8, 64, 128
@@ -117,14 +119,7 @@ def test_fused_gptoss_decode_as_close_to_float32_as_the_eager_ops():
     against the same bf16 weights run in float32: the fused step is as close (within 1.5x, as
     tests/test_cuda_fused.py's bound for the other families)."""
     def first(fused: bool, dtype: str = "bfloat16") -> torch.Tensor:
-        llm = LLM("synth:tiny-gptoss:dtype=bfloat16", ctx_size=128, device="cuda", dtype=dtype, cuda_graphs=False)
-        if not fused:
-            llm.engine.fused = None
-        eng, out = llm.engine, []
-        for s in range(4):
-            eng.prefill(0, list(range(3 + s, 40 + s)))
-            out.append(eng.decode([(0, 11 + s, 37)]).float())
-        return torch.cat(out)
+        return first_decodes("synth:tiny-gptoss:dtype=bfloat16", 4, fused, dtype, cuda_graphs=False)
     truth = first(False, "float32")
     fused, eager = first(True) - truth, first(False) - truth
     assert fused.norm() <= 1.5 * eager.norm() + 1e-3 * truth.norm()
