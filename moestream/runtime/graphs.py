@@ -64,8 +64,9 @@ def step_inputs(steps: list[tuple[int, int, int]], pinned: bool) -> torch.Tensor
 class DecodeGraphs:
     def __init__(self, engine):
         self.engine = engine
-        # (B, span) -> (replay, the static inputs (3, B), the logits buffer)
-        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, torch.Tensor]] = {}
+        # (B, span) -> (replay, the static inputs (3, B), the logits buffer, what the graphs read that was made
+        # outside them: the static batches, which must live as long as the graphs do; a graph holds no reference)
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, torch.Tensor, list]] = {}
         self.pool = None
         self.pools: dict[int, object] = {}          # a split's: each device's graph memory pool, by its index
 
@@ -78,7 +79,7 @@ class DecodeGraphs:
         if key not in self.graphs:
             capture = self._capture if self.engine.split is None else self._capture_split
             self.graphs[key] = capture(*key, by_address, fused)
-        replay, inputs, logits = self.graphs[key]
+        replay, inputs, logits, _ = self.graphs[key]
         inputs.copy_(step_inputs(steps, pinned=True), non_blocking=True)
         if tokens is not None:
             inputs[0].copy_(tokens)
@@ -95,7 +96,7 @@ class DecodeGraphs:
         with eng.kv.kept(), kept:       # the warm-up's steps run on real sequences' recurrent states (hybrids), and
             warm_up(eng.device.torch, step, times=2)      # on the provider's real table
         graph, logits, self.pool = record(step, self.pool)
-        return graph.replay, inputs, logits
+        return graph.replay, inputs, logits, [batch]
 
     @torch.inference_mode()
     def _capture_split(self, B: int, span: int, by_address, fused):
@@ -137,12 +138,12 @@ class DecodeGraphs:
                     warm_up(dev.torch, lambda: outs.append(step()), times=2)
                 held = outs[-1]
                 graph, out, self.pools[d] = record(step, self.pools.get(d))
-                shares.append((dev, graph, ins, into, out))
+                shares.append((dev, graph, ins, into, out, parts))
         logits = torch.empty_like(shares[-1][4], device=split.devices[0].torch)
 
         def replay():
             crossing = None
-            for dev, graph, ins, into, out in shares:
+            for dev, graph, ins, into, out, _ in shares:
                 with dev.current():
                     if ins is not None:
                         ins.copy_(inputs)
@@ -152,7 +153,7 @@ class DecodeGraphs:
                     graph.replay()
                 crossing = out
             logits.copy_(crossing)
-        return replay, inputs, logits
+        return replay, inputs, logits, [batch]
 
 
 def record(fn, pool):
