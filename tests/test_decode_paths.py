@@ -3,6 +3,8 @@ kernels, the zero-copy expert kernel), and what they report to the route observe
 from __future__ import annotations
 
 import contextlib
+import gc
+import types
 
 import pytest
 import torch
@@ -244,16 +246,68 @@ def test_a_step_longer_than_a_zero_copy_step_runs_as_several():
 class _Replayed:
     """A CUDA graph's stand-in on the CPU (runtime/graphs.py's record): each replay runs the recorded step again
     over the same static inputs, which the decode path rewrites before it, and overwrites the same buffer (a list
-    of them, None where it has none: a split's share's crossing)."""
+    of them, None where it has none: a split's share's crossing). A real graph holds no Python reference to what it
+    reads, so `outside` (the tensors the step read that it did not make) is checked at each replay to be held by
+    the engine or the decode path's graph entries, not only by this stand-in's step."""
 
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
+    def __init__(self, fn, out, outside: list, eng):
+        self.fn, self.out, self.outside, self.eng = fn, out, outside, eng
 
     def replay(self):
+        held = _reachable([self.eng], skip=(_Replayed,))
+        loose = [t for t in self.outside if id(t) not in held]
+        assert not loose, f"a captured step reads {len(loose)} tensors that only its step function holds"
         got = self.fn()
         for dst, src in zip(_listed(self.out), _listed(got)):
             if dst is not None:
                 dst.copy_(src)
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """The tensors the torch calls under it read that none of them made (a captured step's static inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.read = set(), {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for t in _tensors((args, kwargs or {})):
+            if id(t) not in self.made:
+                self.read[id(t)] = t
+        out = func(*args, **(kwargs or {}))
+        self.made.update(id(t) for t in _tensors(out))
+        return out
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+def _reachable(roots: list, skip: tuple) -> set[int]:
+    """The ids of the objects reachable from roots (tensors as leaves; a function through its closure and
+    defaults only, not its module's globals), not through an instance of `skip`."""
+    seen, stack = set(), list(roots)
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, skip) or isinstance(o, (type, types.ModuleType)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            continue
+        if isinstance(o, types.FunctionType):
+            stack.extend(c.cell_contents for c in o.__closure__ or () if c.cell_contents is not None)
+            stack.extend(o.__defaults__ or ())
+        elif isinstance(o, types.MethodType):
+            stack.append(o.__self__)
+        else:
+            stack.extend(gc.get_referents(o))
+    return seen
 
 
 def _listed(out) -> list:
@@ -262,7 +316,8 @@ def _listed(out) -> list:
 
 def _replaying_on_the_cpu(monkeypatch, eng) -> None:
     """Make eng's decode path GraphDecode with CUDA graphs stood in for: what the captured path does around its
-    graphs (static inputs, warm-ups under kv.kept, the positions of recurrent states) runs on the CPU."""
+    graphs (static inputs, warm-ups under kv.kept, the positions of recurrent states, what the graphs read kept
+    alive) runs on the CPU."""
     from moestream.runtime import graphs
     from moestream.runtime.decode import GraphDecode
 
@@ -270,9 +325,10 @@ def _replaying_on_the_cpu(monkeypatch, eng) -> None:
         ops = eng.host.decode_step_ops() if eng.host is not None else None
         kept = ops[2]() if ops is not None else contextlib.nullcontext()
         with eng.kv.kept(), kept:       # a capture runs nothing: this dry run only makes the buffer, then is undone
-            out = fn()
+            with _Reads() as reads:
+                out = fn()
             out = [None if t is None else t.clone() for t in out] if isinstance(out, list) else out.clone()
-        return _Replayed(fn, out), out, pool
+        return _Replayed(fn, out, list(reads.read.values()), eng), out, pool
     step_inputs = graphs.step_inputs
     monkeypatch.setattr(graphs, "record", record)
     monkeypatch.setattr(graphs, "warm_up", lambda dev, fn, times=1: [fn() for _ in range(times)])
