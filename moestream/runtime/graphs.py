@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 
 import torch
 
@@ -160,6 +161,15 @@ def record(fn, pool):
     """(graph, fn's output buffer, the graph's memory pool): fn captured as a CUDA graph (nothing runs yet; each
     replay runs it and overwrites the buffer). tests/test_decode_paths.py stands in for it on the CPU."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    # No cyclic garbage collection while it captures: a collection may free an earlier engine's CUDA objects
+    # (graphs, events, pinned blocks), calls a capture forbids ("operation not permitted when stream is
+    # capturing"); torch.cuda.graph no longer collects before it begins. Refcounted frees go on as ever.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out, graph.pool()
