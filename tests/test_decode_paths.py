@@ -254,8 +254,8 @@ class _Replayed:
         self.fn, self.out, self.outside, self.eng = fn, out, outside, eng
 
     def replay(self):
-        held = _reachable([self.eng], skip=(_Replayed,))
-        loose = [t for t in self.outside if id(t) not in held]
+        held = {_storage(t) for t in _reachable([self.eng], skip=(_Replayed,)) if isinstance(t, torch.Tensor)}
+        loose = [t for t in self.outside if _storage(t) not in held]
         assert not loose, f"a captured step reads {len(loose)} tensors that only its step function holds"
         got = self.fn()
         for dst, src in zip(_listed(self.out), _listed(got)):
@@ -289,15 +289,21 @@ def _tensors(x) -> list:
     return []
 
 
-def _reachable(roots: list, skip: tuple) -> set[int]:
-    """The ids of the objects reachable from roots (tensors as leaves; a function through its closure and
-    defaults only, not its module's globals), not through an instance of `skip`."""
-    seen, stack = set(), list(roots)
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's memory lies: a view held anywhere keeps its base's storage, which is what a graph reads."""
+    return t.untyped_storage().data_ptr()
+
+
+def _reachable(roots: list, skip: tuple) -> list:
+    """The objects reachable from roots (tensors as leaves; a function through its closure and defaults only, not
+    its module's globals), not through an instance of `skip`."""
+    seen, out, stack = set(), [], list(roots)
     while stack:
         o = stack.pop()
         if id(o) in seen or isinstance(o, skip) or isinstance(o, (type, types.ModuleType)):
             continue
         seen.add(id(o))
+        out.append(o)
         if isinstance(o, torch.Tensor):
             continue
         if isinstance(o, types.FunctionType):
@@ -307,7 +313,7 @@ def _reachable(roots: list, skip: tuple) -> set[int]:
             stack.append(o.__self__)
         else:
             stack.extend(gc.get_referents(o))
-    return seen
+    return out
 
 
 def _listed(out) -> list:
