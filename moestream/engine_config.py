@@ -144,21 +144,24 @@ class DecodeConfig:
 
 
 SPEC_TYPES = ("none", "draft-mtp")
+DRAFT_N_MAX = 2                      # the MTP head's drafts a step where --spec-draft-n-max is not given
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding (runtime/speculate.py): llama.cpp's --spec-type and --spec-draft-n-max."""
     type: str = "none"               # none | draft-mtp (the checkpoint's MTP head drafts, models/mtp.py)
-    draft_n_max: int = 2             # tokens the head drafts a step; the target verifies them and one more (0: the
-                                     # head is loaded, no step drafts: bench's baseline in the same process)
+    draft_n_max: int | None = None   # tokens the head drafts a step; the target verifies them and one more (0: the
+                                     # head is loaded, no step drafts: bench's baseline in the same process; None:
+                                     # the engine picks, runtime/plan.py's draft_n_max)
     model_draft: str | None = None   # the head's own GGUF, read beside the target (loading/draft.py)
 
     def __post_init__(self):
         if self.type not in SPEC_TYPES:
             raise UserError(f"--spec-type {self.type!r} is not run by moestream; use --spec-type draft-mtp (the "
                             "model's own MTP head) or none")
-        if not isinstance(self.draft_n_max, int) or not 0 <= self.draft_n_max <= 16:
+        n = self.draft_n_max
+        if n is not None and (not isinstance(n, int) or not 0 <= n <= 16):
             raise UserError(f"--spec-draft-n-max must be a whole number from 0 to 16, got {self.draft_n_max!r}")
 
     @property
@@ -167,9 +170,14 @@ class SpecConfig:
         return self.type == "draft-mtp"
 
     @property
+    def most(self) -> int:
+        """The most drafts a step may take: what the KV cache and the sliding rings make room for."""
+        return DRAFT_N_MAX if self.draft_n_max is None else self.draft_n_max
+
+    @property
     def drafts(self) -> bool:
-        """Decode steps draft and verify."""
-        return self.mtp and self.draft_n_max > 0
+        """Decode steps may draft and verify."""
+        return self.mtp and self.most > 0
 
 
 @dataclass(frozen=True)

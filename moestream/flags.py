@@ -125,7 +125,8 @@ OPTIONS = (
            "speculative decoding: none (default) or draft-mtp (the model's multi-token prediction head drafts, the "
            "model verifies the drafts in one step; greedy output unchanged)"),
     Option("spec_draft_n_max", "spec.draft_n_max", ("--spec-draft-n-max",),
-           "tokens the MTP head drafts a step (default 2)", type=int, metavar="N"),
+           "tokens the MTP head drafts a step (default 2; 0 on CUDA with host experts and no cache, where each "
+           "drafted token's experts would cross the link again)", type=int, metavar="N"),
     Option("model_draft", "spec.model_draft", ("-md", "--spec-draft-model", "--model-draft"),
            "the MTP head's own GGUF (llama.cpp's MTP-only file: the head's block, its embedding and output), read "
            "beside the model's, with --spec-type draft-mtp (default: the head the model ships)", metavar="FILE"),

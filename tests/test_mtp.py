@@ -252,6 +252,42 @@ def test_greedy_with_drafts_is_the_same_on_every_placement(mtp_checkpoint, devic
     assert len(seen) == 2                   # one acceptance record for the head's, one for the oracle's
 
 
+def test_not_given_the_engine_drafts_two_but_none_where_each_drafts_experts_cross_the_link(mtp_checkpoint,
+                                                                                          monkeypatch):
+    """--spec-draft-n-max not given: two drafts a step, none on CUDA with host experts and no cache (runtime/plan.py's
+    draft_n_max; the rule is stood in for CUDA on this CPU engine), again after reconfigure_cache; a given figure
+    always wins. Where the engine's choice is none, generate decodes without drafts (the same greedy tokens) and a
+    request speculates only where it names its own n-max."""
+    from moestream.engine_config import SpecConfig
+    from moestream.runtime import engine_heads, plan
+    from moestream.runtime.requests import Request, speculates
+    auto = SpecConfig(type="draft-mtp")
+    assert auto.draft_n_max is None and auto.most == 2 and auto.drafts
+    assert plan.draft_n_max(auto, True, True, 0) == plan.draft_n_max(auto, True, True, (0, 0)) == 0
+    for cuda, host, mib in ((True, True, 4000), (True, True, (0, 512)), (True, False, 0), (False, True, 0)):
+        assert plan.draft_n_max(auto, cuda, host, mib) == 2
+    assert plan.draft_n_max(SpecConfig(type="draft-mtp", draft_n_max=3), True, True, 0) == 3
+    path, _, _ = mtp_checkpoint
+    prompt, params = ids(9, seed=3), SamplingParams(max_tokens=10)
+    plain = LLM(path, **KW).generate(prompt, params).token_ids
+    llm = LLM(path, spec_type="draft-mtp", cpu_moe=True, moe_cache_mib=0, **KW)
+    eng = llm.engine
+    assert eng.draft_n_max == 2                     # on the CPU the experts lie in the memory steps read
+    monkeypatch.setattr(engine_heads, "draft_n_max", lambda spec, cuda, host, mib: plan.draft_n_max(spec, True, host,
+                                                                                                     mib))
+    assert eng.draft_n_max == 0
+    out = llm.generate(prompt, params)
+    assert out.token_ids == plain and "spec" not in out.timings
+    assert not speculates(eng, Request(prompt, params, None))
+    assert speculates(eng, Request(prompt, params, None, draft_n_max=1))
+    eng.reconfigure_cache(moe_cache_mib=16)
+    assert eng.draft_n_max == 2
+    out = llm.generate(prompt, params)
+    assert out.token_ids == plain and out.timings["spec"]["drafted"] > 0
+    given = LLM(path, spec_type="draft-mtp", spec_draft_n_max=1, cpu_moe=True, moe_cache_mib=0, **KW).engine
+    assert given.draft_n_max == 1
+
+
 def test_the_serving_loop_verifies_speculating_and_plain_requests_in_one_step(mtp_checkpoint):
     """Two streams, one speculating and one not ("speculative": false), the first step's prompt read in the same
     batch: each stream's greedy tokens are those it gets alone without drafts; steps with drafts run one forward

@@ -343,7 +343,7 @@ class Engine(EngineHeads, EngineReports):
         it holds), and the decode path is made again (its graphs read the old rings)."""
         self.ecfg = flags.apply(self.ecfg, batch_size=batch_size, ubatch_size=ubatch_size)
         spec = self.ecfg.spec
-        if self.kv.make_room(max(self.ecfg.batching.ubatch, spec.draft_n_max + 1 if spec.drafts else 1),
+        if self.kv.make_room(max(self.ecfg.batching.ubatch, spec.most + 1 if spec.drafts else 1),
                              self.device.free_memory() if self.device.is_cuda else None):
             self.decoder = decode_path(self)
 

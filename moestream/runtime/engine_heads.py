@@ -12,9 +12,16 @@ import torch
 
 from ..errors import UserError
 from ..models.transformer import Batch, Segment
+from .plan import draft_n_max
 
 
 class EngineHeads:
+    @property
+    def draft_n_max(self) -> int:
+        """The drafts a decode step takes now (runtime/plan.py's draft_n_max: --spec-draft-n-max, else by the
+        placement and the cache, which reconfigure_cache may change)."""
+        return draft_n_max(self.ecfg.spec, self.device.is_cuda, self.host is not None, self.ecfg.cache.mib)
+
     def head_step(self, seq: int, start: int, tokens: list[int], hidden: torch.Tensor, head: int = 0):
         """head_steps of one sequence: (its last token's logits (1, V), every token's post-norm output (T, H))."""
         logits, outs = self.head_steps([(seq, start, tokens, hidden)], head)

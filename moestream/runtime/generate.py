@@ -62,7 +62,8 @@ class Generation:
         # --spec-type draft-mtp: the MTP head drafts, the trunk verifies (runtime/speculate.py); not under penalties,
         # which read each token's history on the host
         spec = eng.ecfg.spec
-        self.spec = MTPDecode(eng, self.seq, spec.draft_n_max) if spec.drafts and not p.penalized else None
+        n_max = eng.draft_n_max
+        self.spec = MTPDecode(eng, self.seq, n_max) if spec.mtp and n_max and not p.penalized else None
         eng.begin_prompt(self.seq)
         threads.use("prompt")
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine_config import EngineConfig
+from ..engine_config import DRAFT_N_MAX, EngineConfig, SpecConfig
 from ..errors import UserError
 from ..kernels import experts_reference, pick_kernel
 from ..kernels.decode import MAX_TOKENS, decode_available
@@ -101,3 +101,15 @@ def decode_plan(ecfg: EngineConfig, cuda: bool, quantized: bool, host: bool, cap
     graphs = (d.cuda_graphs and cuda and capturable and ecfg.kernel != "reference"
               and (fetch_ok or zero_copy))
     return DecodePlan(zero_copy, staged, lands, staged or not quantized, graphs, graphs and fetch_ok)
+
+
+def draft_n_max(spec: SpecConfig, cuda: bool, host: bool, cache_mib) -> int:
+    """The drafts an MTP decode step takes: --spec-draft-n-max where given; else DRAFT_N_MAX, but none where every
+    step's experts cross the link (host experts on CUDA with no cache). A verify step of n + 1 tokens reads about
+    n + 1 times one token's experts there (tokens share few of a layer's experts) for 1 + P + ... + P^n tokens at
+    acceptance P: fewer tokens than bytes for any P < 1, so drafting would cost speed. (cache_mib: a figure, or one
+    per device.)"""
+    if spec.draft_n_max is not None:
+        return spec.draft_n_max
+    nothing_cached = all(m == 0 for m in (cache_mib if isinstance(cache_mib, tuple) else (cache_mib,)))
+    return 0 if cuda and host and nothing_cached else DRAFT_N_MAX

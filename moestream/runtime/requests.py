@@ -60,7 +60,7 @@ class Request:
     cache_prompt: bool = True
     stream: bool = False                      # False: only the final event (with every logprob) is emitted
     speculative: bool = True                  # draft with the MTP head where the engine has one (--spec-type)
-    draft_n_max: int | None = None            # drafts a step, at most the engine's (None: its --spec-draft-n-max;
+    draft_n_max: int | None = None            # drafts a step, at most SpecConfig.most (None: the engine's choice;
                                               # 0: none): bench --parallel's list of n-max, one engine
     oracle: object = None                     # fn(position, n) -> n drafts instead of the head's (bench
                                               # --spec-oracle, tools/spec_oracle.py), or None
@@ -98,9 +98,7 @@ class Run:
         # penalties (they read each token's history on the host), not without a prompt (the head reads its states)
         self.spec = None
         if speculates(engine, req):
-            n_max = engine.ecfg.spec.draft_n_max            # (what the KV and the sliding rings were sized for)
-            n_max = n_max if req.draft_n_max is None else min(req.draft_n_max, n_max)
-            self.spec = MTPDecode(engine, seq, n_max, req.oracle)
+            self.spec = MTPDecode(engine, seq, drafts_of(engine, req), req.oracle)
         self.spec_hidden: list = []           # the prompt's post-norm hidden states so far, part by part
         self.lps: list = []                   # logprob entries not yet sent with a piece
         self.all_lps: list = []
@@ -151,11 +149,17 @@ class PromptJob:
                 return None
 
 
+def drafts_of(engine, req: Request) -> int:
+    """A request's drafts a step: the engine's choice (Engine.draft_n_max), or the request's own at most what the
+    KV cache and the sliding rings were sized for."""
+    return engine.draft_n_max if req.draft_n_max is None else min(req.draft_n_max, engine.ecfg.spec.most)
+
+
 def speculates(engine, req: Request) -> bool:
     """Whether a request's decode drafts: the engine's --spec-type draft-mtp (with drafts), the request's
-    `speculative` and draft_n_max, no penalties and a prompt."""
-    return (engine.ecfg.spec.drafts and req.speculative and req.draft_n_max != 0 and not req.params.penalized
-            and req.first is None and len(req.prompt) > 0)
+    `speculative` and drafts a step (drafts_of), no penalties and a prompt."""
+    return (engine.ecfg.spec.drafts and req.speculative and not req.params.penalized and req.first is None
+            and len(req.prompt) > 0 and drafts_of(engine, req) > 0)
 
 
 def at_once(fn, *args, **kw):

@@ -37,7 +37,7 @@ def engine_ring(cfg, ecfg) -> int:
     """ring_positions of a model of `cfg` loaded as the resolved `ecfg`: its -ub, its drafts (--spec-draft-n-max
     with --spec-type draft-mtp), its -c."""
     spec, b = ecfg.spec, ecfg.batching
-    return ring_positions(cfg, b.ubatch, spec.draft_n_max if spec.drafts else 0, b.ctx_size)
+    return ring_positions(cfg, b.ubatch, spec.most if spec.drafts else 0, b.ctx_size)
 
 
 def ring_positions(cfg, ubatch: int, drafts: int, ctx: int) -> int:

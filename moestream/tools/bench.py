@@ -261,7 +261,8 @@ def main(a: argparse.Namespace) -> int:
                 if a.trace:                                     # the first configuration's tests, every run
                     from ..experts.trace import record
                     recorder = record(llm)
-        n_maxes = a.spec_draft_n_max if spec else [None]
+        # not given: the engine's choice for this placement and cache (Engine.draft_n_max)
+        n_maxes = [llm.engine.draft_n_max if n is None else n for n in a.spec_draft_n_max] if spec else [None]
         for threads, b, ub, n_max in itertools.product(a.threads or [None], a.batch_size, a.ubatch_size, n_maxes):
             if threads is not None:
                 torch.set_num_threads(threads)                  # llama-bench's -t sweep

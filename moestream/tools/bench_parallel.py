@@ -244,10 +244,11 @@ def check_flags(a: argparse.Namespace) -> None:
                             ("--plot", a.plot)) if v is not None]
     if given:
         raise UserError(f"--parallel takes -npp and -ntg (tokens per sequence), not {', '.join(given)}")
-    if not a.spec_draft_n_max or min(a.spec_draft_n_max) < 0:
+    given = [n for n in a.spec_draft_n_max if n is not None]          # (not given: [None], the engine's choice)
+    if not a.spec_draft_n_max or given and min(given) < 0:
         raise UserError(f"--spec-draft-n-max takes drafts a step from 0 (MTP off) up, e.g. 0,2; got "
-                        f"{','.join(map(str, a.spec_draft_n_max)) or 'none'}")
-    if a.spec_type == "draft-mtp" and max(a.spec_draft_n_max) > 0 and 0 in a.n_pp:
+                        f"{','.join(map(str, given)) or 'none'}")
+    if a.spec_type == "draft-mtp" and max(given, default=1) > 0 and 0 in a.n_pp:
         raise UserError("--spec-type draft-mtp drafts after a prompt (the head reads its hidden states), and -npp 0 "
                         "has none: give -npp N > 0")
 
@@ -260,7 +261,8 @@ def configurations(a: argparse.Namespace, ctx: int):
     llm = None
     for i, (n_cpu_moe, mib) in enumerate(loads):
         # the engine drafts up to the largest n-max; each row's requests ask for theirs (Request.draft_n_max)
-        ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib, spec_draft_n_max=max(a.spec_draft_n_max))
+        most = max((n for n in a.spec_draft_n_max if n is not None), default=None)
+        ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib, spec_draft_n_max=most)
         if llm is not None and loads[i - 1][0] == n_cpu_moe and llm.engine.host is not None:
             llm.engine.reconfigure_cache(moe_cache_mib=mib)
         else:
@@ -330,7 +332,8 @@ def main(a: argparse.Namespace) -> int:
                 torch.set_num_threads(threads)
             eng.set_batching(b, ub)
             plain: dict = {}                   # (test, run) -> each sequence's tokens without drafts (the oracle's)
-            for n_max, t in itertools.product(a.spec_draft_n_max if spec else [None], tests):
+            n_maxes = [eng.draft_n_max if n is None else n for n in a.spec_draft_n_max] if spec else [None]
+            for n_max, t in itertools.product(n_maxes, tests):
                 runs = ([] if a.no_warmup else [-1]) + list(range(a.repetitions))
                 oracles = oracle_runs(eng, t, vocab, runs, n_max, a.spec_oracle, plain)   # untimed, first
                 recorder = record(llm) if a.trace and not rows else None
