@@ -198,8 +198,13 @@ def load_engine(source, ecfg: EngineConfig, progress: bool = True) -> Engine:
     book = AddressBook()
     for rows in (*dev_rows.values(), *host_rows.values()):
         book.add(rows)
-    return Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, plan, hosted, book, routing, quantized,
-                  split)
+    engine = Engine(cfg, ecfg, model, LayerRouter(providers), kv, kernel, dev, plan, hosted, book, routing,
+                    quantized, split)
+    if ecfg.spec.mtp and ecfg.spec.draft_n_max is None and engine.draft_n_max == 0:
+        log.info("spec: no drafts with host experts and no cache (each drafted token's experts would cross the link "
+                 "again in the verify step); --spec-draft-n-max N drafts anyway, a cache (--moe-cache-mib) brings "
+                 "them back")
+    return engine
 
 
 def layer_split(cfg: ModelConfig, ecfg: EngineConfig) -> Split | None:
