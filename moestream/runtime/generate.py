@@ -62,8 +62,8 @@ class Generation:
         # --spec-type draft-mtp: the MTP head drafts, the trunk verifies (runtime/speculate.py); not under penalties,
         # which read each token's history on the host
         spec = eng.ecfg.spec
-        n_max = eng.draft_n_max
-        self.spec = MTPDecode(eng, self.seq, n_max) if spec.mtp and n_max and not p.penalized else None
+        n_max = eng.draft_n_max if spec.drafts else 0        # (the engine's choice: its placement and cache)
+        self.spec = MTPDecode(eng, self.seq, n_max) if n_max and not p.penalized else None
         eng.begin_prompt(self.seq)
         threads.use("prompt")
         t0 = time.perf_counter()
