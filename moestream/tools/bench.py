@@ -46,8 +46,8 @@ from .. import compat, flags
 from ..argv import Parser
 from ..errors import UserError
 from . import bench_parallel, report
-from .bench_common import (SWEPT, BenchTest, diff_counters, ints, load, mean_counters, per_gpu, per_gpu_lines,
-                           placement, release_memory, scalar, tests_of)
+from .bench_common import (SWEPT, BenchTest, diff_counters, drafts_swept, ints, load, mean_counters, per_gpu,
+                           per_gpu_lines, placement, release_memory, scalar, tests_of)
 from .bench_compare import compare
 from .bench_spec import spec_run
 from .report import Col, na
@@ -261,9 +261,8 @@ def main(a: argparse.Namespace) -> int:
                 if a.trace:                                     # the first configuration's tests, every run
                     from ..experts.trace import record
                     recorder = record(llm)
-        # not given: the engine's choice for this placement and cache (Engine.draft_n_max)
-        n_maxes = [llm.engine.draft_n_max if n is None else n for n in a.spec_draft_n_max] if spec else [None]
-        for threads, b, ub, n_max in itertools.product(a.threads or [None], a.batch_size, a.ubatch_size, n_maxes):
+        for threads, b, ub, n_max in itertools.product(a.threads or [None], a.batch_size, a.ubatch_size,
+                                                       drafts_swept(a, llm.engine)):
             if threads is not None:
                 torch.set_num_threads(threads)                  # llama-bench's -t sweep
             llm.engine.set_batching(b, ub)

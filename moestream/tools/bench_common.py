@@ -173,6 +173,14 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def drafts_swept(a: argparse.Namespace, engine) -> list[int | None]:
+    """The rows' drafts a step: --spec-draft-n-max's list, where not given the engine's own choice for its placement
+    and cache now (Engine.draft_n_max); [None] (no drafting) without --spec-type draft-mtp."""
+    if a.spec_type != "draft-mtp":
+        return [None]
+    return [engine.draft_n_max if n is None else n for n in a.spec_draft_n_max]
+
+
 def scalar(a: argparse.Namespace, **values) -> argparse.Namespace:
     """A copy of the bench's flags with one value for each swept flag (the first, unless given)."""
     ns = copy.copy(a)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from .. import flags
 from ..errors import UserError
 from . import report
-from .bench_common import ints, placement, release_memory, scalar
+from .bench_common import drafts_swept, ints, placement, release_memory, scalar
 from .report import Col, na
 
 KEYS = ("hits", "misses", "uploaded_bytes", "copies", "host_reads", "host_read_bytes")
@@ -208,16 +208,14 @@ def summarise(test: ParallelTest, runs: list[dict]) -> dict:
 
 def spec_summary(counts: list) -> dict:
     """The speculating sequences' verify steps over the timed runs (SpecCounts each): a sequence's step drafted and
-    accepted (their sums and means a step), acceptance, and tokens it committed a step."""
-    drafted = [n for c in counts for n in c.drafted]
-    accepted = [a for c in counts for a in c.accepted]
-    if not drafted:
-        return {"steps": 0}
-    n = len(drafted)
-    return {"steps": n, "drafted": sum(drafted), "accepted": sum(accepted),
-            "acceptance": round(sum(accepted) / max(1, sum(drafted)), 4),
-            "drafted_per_step": sum(drafted) / n, "accepted_per_step": sum(accepted) / n,
-            "tokens_per_step": (sum(accepted) + n) / n}
+    accepted (their sums and means a step), acceptance, and tokens it committed a step: SpecCounts.summary of them
+    all as one, and the means."""
+    from ..runtime.speculate import SpecCounts
+    merged = SpecCounts([n for c in counts for n in c.drafted], [a for c in counts for a in c.accepted])
+    out = merged.summary()
+    if out["steps"]:
+        out |= {"drafted_per_step": out["drafted"] / out["steps"], "accepted_per_step": out["accepted"] / out["steps"]}
+    return out
 
 
 # --- configurations -------------------------------------------------------------------------------------------
@@ -244,11 +242,11 @@ def check_flags(a: argparse.Namespace) -> None:
                             ("--plot", a.plot)) if v is not None]
     if given:
         raise UserError(f"--parallel takes -npp and -ntg (tokens per sequence), not {', '.join(given)}")
-    given = [n for n in a.spec_draft_n_max if n is not None]          # (not given: [None], the engine's choice)
-    if not a.spec_draft_n_max or given and min(given) < 0:
+    n_maxes = [n for n in a.spec_draft_n_max if n is not None]         # (not given: [None], the engine's choice)
+    if not a.spec_draft_n_max or n_maxes and min(n_maxes) < 0:
         raise UserError(f"--spec-draft-n-max takes drafts a step from 0 (MTP off) up, e.g. 0,2; got "
-                        f"{','.join(map(str, given)) or 'none'}")
-    if a.spec_type == "draft-mtp" and max(given, default=1) > 0 and 0 in a.n_pp:
+                        f"{','.join(map(str, n_maxes)) or 'none'}")
+    if a.spec_type == "draft-mtp" and max(n_maxes, default=1) > 0 and 0 in a.n_pp:
         raise UserError("--spec-type draft-mtp drafts after a prompt (the head reads its hidden states), and -npp 0 "
                         "has none: give -npp N > 0")
 
@@ -259,9 +257,10 @@ def configurations(a: argparse.Namespace, ctx: int):
     from ..cli import load_model
     loads = list(itertools.product(a.n_cpu_moe, getattr(a, "moe_cache_mib", [None])))
     llm = None
+    # the engine drafts up to the largest n-max given (none given: its own choice); each row's requests ask for
+    # theirs (Request.draft_n_max)
+    most = max((n for n in a.spec_draft_n_max if n is not None), default=None)
     for i, (n_cpu_moe, mib) in enumerate(loads):
-        # the engine drafts up to the largest n-max; each row's requests ask for theirs (Request.draft_n_max)
-        most = max((n for n in a.spec_draft_n_max if n is not None), default=None)
         ns = scalar(a, n_cpu_moe=n_cpu_moe, moe_cache_mib=mib, spec_draft_n_max=most)
         if llm is not None and loads[i - 1][0] == n_cpu_moe and llm.engine.host is not None:
             llm.engine.reconfigure_cache(moe_cache_mib=mib)
@@ -332,8 +331,7 @@ def main(a: argparse.Namespace) -> int:
                 torch.set_num_threads(threads)
             eng.set_batching(b, ub)
             plain: dict = {}                   # (test, run) -> each sequence's tokens without drafts (the oracle's)
-            n_maxes = [eng.draft_n_max if n is None else n for n in a.spec_draft_n_max] if spec else [None]
-            for n_max, t in itertools.product(n_maxes, tests):
+            for n_max, t in itertools.product(drafts_swept(a, eng), tests):
                 runs = ([] if a.no_warmup else [-1]) + list(range(a.repetitions))
                 oracles = oracle_runs(eng, t, vocab, runs, n_max, a.spec_oracle, plain)   # untimed, first
                 recorder = record(llm) if a.trace and not rows else None
