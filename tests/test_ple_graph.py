@@ -182,7 +182,8 @@ def test_the_in_place_gather_reads_pinned_host_rows_on_cuda():
 @pytest.mark.cuda
 @needs_cuda
 def test_the_family_captures_its_decode_steps_on_cuda_with_the_eager_bits(monkeypatch):
-    """tiny-flash-next on CUDA: its table (the synth's made a tensor) pinned by runtime/load.py's host_tables and
+    """tiny-flash-next on CUDA in bfloat16 (in float32 the reference expert kernel's host sync keeps decode eager:
+    runtime/plan.py decode_plan): its table (the synth's made a tensor) pinned by runtime/load.py's host_tables and
     read in place, its steps captured (QSA's kernels), the captured steps' tokens and bits the eager steps'; the
     host path's tokens."""
     from moestream.runtime import load
@@ -192,10 +193,11 @@ def test_the_family_captures_its_decode_steps_on_cuda_with_the_eager_bits(monkey
     prompt = list(range(10, 50))
 
     def run(graphs: bool, in_place: bool = True):
-        eng = LLM("synth:tiny-flash-next", device="cuda", ctx_size=128, cuda_graphs=graphs).engine
+        eng = LLM("synth:tiny-flash-next:dtype=bfloat16", device="cuda", ctx_size=128, cuda_graphs=graphs).engine
         assert eng.model.ple.table.in_place and eng.model.capturable
         eng.model.ple.table.in_place = in_place
         outs = greedy_steps(eng, prompt, 8)
+        assert eng.plan.graphs == graphs
         if graphs:
             assert eng.decoder.graphs.graphs
         return outs
