@@ -123,7 +123,7 @@ OPTIONS = (
     Option("cuda_graphs", "decode.cuda_graphs", ("--no-cuda-graphs",), "decode eagerly, without CUDA graphs", "off"),
     Option("spec_type", "spec.type", ("--spec-type",),
            "speculative decoding: none (default) or draft-mtp (the model's multi-token prediction head drafts, the "
-           "model verifies the drafts in one step; greedy output unchanged)"),
+           "model verifies the drafts in one step; greedy output unchanged up to near-ties)"),
     Option("spec_draft_n_max", "spec.draft_n_max", ("--spec-draft-n-max",),
            "tokens the MTP head drafts a step (default 2; 0 on CUDA with host experts and no cache, where each "
            "drafted token's experts would cross the link again)", type=int, metavar="N"),

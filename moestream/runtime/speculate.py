@@ -25,7 +25,8 @@ its drafts alone's, up to the last bits of GEMMs over more rows (tests/test_mtp_
 
 Greedy output is the target's: a verify step's row j computes position m + j as a prompt ubatch does (chunk-free
 recurrent rule, prompt attention), which may differ in the last bits from a one-token decode step; the tokens agree
-on every test model (docs/ARCHITECTURE.md, tests/test_mtp.py). `oracle`: bench --spec-oracle's drafts instead of
+on every test model in float32, and in bfloat16 on a GPU up to a near-tie, which the two forms may break either way
+(docs/ARCHITECTURE.md, tests/test_mtp.py, tests/test_mtp_heads.py). `oracle`: bench --spec-oracle's drafts instead of
 the head's (tools/bench_spec.py): the verify, the rollback and the expert traffic stay the real ones.
 """
 from __future__ import annotations
