@@ -172,12 +172,13 @@ tests() {
     timeout $left python3 -m pytest -o addopts="" -m cuda -q -rf --tb=short -p no:cacheprovider $args \
       > $CUDA_TESTS_DIR/$name.log 2>&1
     echo "$name: exit $? $(tail -1 $CUDA_TESTS_DIR/$name.log)"
-  }
+    { echo "## $name"; cat $CUDA_TESTS_DIR/$name.log; } >> "$OUT/cuda_tests.log"   # (as it ends: a call cut off
+  }                                                                                 #  at its limit keeps these)
   export -f one
+  export OUT; : > "$OUT/cuda_tests.log"
   { ls $dir/quant_kernels_part*; grep -l "mark.cuda" tests/test_*.py | grep -v "test_quant_kernels\|test_cache_auto"; } \
     | xargs -P 4 -I{} bash -c 'one {}'
   one tests/test_cache_auto.py
-  for f in $dir/*.log; do echo "## $f"; cat $f; done > "$OUT/cuda_tests.log"
   grep -hE "^FAILED|^ERROR" $dir/*.log | head -40
 }
 
