@@ -172,8 +172,8 @@ tests() {
     timeout $left python3 -m pytest -o addopts="" -m cuda -q -rf --tb=short -p no:cacheprovider $args \
       > $CUDA_TESTS_DIR/$name.log 2>&1
     echo "$name: exit $? $(tail -1 $CUDA_TESTS_DIR/$name.log)"
-    { echo "## $name"; cat $CUDA_TESTS_DIR/$name.log; } >> "$OUT/cuda_tests.log"   # (as it ends: a call cut off
-  }                                                                                 #  at its limit keeps these)
+    { flock 1; echo "## $name"; cat $CUDA_TESTS_DIR/$name.log; } >> "$OUT/cuda_tests.log"   # (as it ends: a call
+  }                                                      # cut off at its limit keeps these; one file's log at a time)
   export -f one
   export OUT; : > "$OUT/cuda_tests.log"
   { ls $dir/quant_kernels_part*; grep -l "mark.cuda" tests/test_*.py | grep -v "test_quant_kernels\|test_cache_auto"; } \
